@@ -1,0 +1,141 @@
+"""The courier alerts: the one source that monitoring/generate.py turns into
+Prometheus rules, a PrometheusRule and Grafana alert rules.
+
+Each alert is a query, a comparison and a threshold kept apart, because
+Grafana evaluates them as separate steps (query, reduce, threshold) while
+Prometheus wants them joined into one expression.
+
+Fields:
+  name         the alert name, also the runbook heading
+  severity     "warning" or "critical"
+  query        PromQL whose result is one series per thing to alert on
+  op           ">" or "<" (Grafana's threshold step has no portable equality)
+  threshold    the number the query result is compared with
+  for          how long the condition must hold before the alert fires ("" for at once)
+  summary      one line; Prometheus template syntax
+  description  what is wrong and what it costs; Prometheus template syntax,
+               {{ $value }} is the query result
+  runbook      the anchor of the alert's section in docs/runbook.md
+
+Aggregation: depth, age and backlog gauges describe a queue, and every replica
+reports the same number, so they are taken with `max by (namespace, queue)`;
+counters count per pod, so their rates are summed by (namespace, queue). Either
+way five replicas raise one alert per queue.
+"""
+
+# Where runbook_url points. Relative to the repository root; set it to the
+# published location of the runbook for clickable links, then regenerate.
+RUNBOOK_URL = "docs/runbook.md"
+
+# The rule group name in Prometheus and in Grafana, and the Grafana folder.
+GROUP = "courier"
+
+# Grafana expands ${...} in provisioning files from its environment, so the
+# operator sets this variable to the UID of their Prometheus data source.
+GRAFANA_DATASOURCE_UID = "${PROMETHEUS_DATASOURCE_UID}"
+
+ALERTS = [
+    {
+        "name": "CourierDeadLettersPresent",
+        "severity": "warning",
+        "query": "max by (namespace, queue) (courier_dlq_depth)",
+        "op": ">",
+        "threshold": 0,
+        "for": "10m",
+        "summary": "Dead letters are waiting on queue {{ $labels.queue }}",
+        "description": (
+            "The dead-letter queue of {{ $labels.queue }} (namespace {{ $labels.namespace }}) "
+            "has held messages for at least 10 minutes and holds {{ $value }} now. Each is a "
+            "message the app did not accept: inspect them, fix the cause, then replay or "
+            "purge them."
+        ),
+        "runbook": "courierdeadletterspresent",
+    },
+    {
+        "name": "CourierDeadLettersArrivingFast",
+        "severity": "critical",
+        # One dead letter a second for five minutes is 300 messages the app
+        # refused: far past the odd poison message, something is broken.
+        "query": "sum by (namespace, queue) (rate(courier_dead_letters_total[5m]))",
+        "op": ">",
+        "threshold": 1,
+        "for": "5m",
+        "summary": "Messages on queue {{ $labels.queue }} are being dead-lettered fast",
+        "description": (
+            "{{ $labels.queue }} (namespace {{ $labels.namespace }}) is dead-lettering "
+            '{{ printf "%.2f" $value }} messages per second, all pods and reasons together, '
+            "and has for 5 minutes. The app is refusing or failing most of what it gets."
+        ),
+        "runbook": "courierdeadlettersarrivingfast",
+    },
+    {
+        "name": "CourierDeadLetterOldest",
+        "severity": "warning",
+        "query": "max by (namespace, queue) (courier_dlq_oldest_age_seconds)",
+        "op": ">",
+        "threshold": 86400,
+        "for": "5m",
+        "summary": "A dead letter on queue {{ $labels.queue }} is older than a day",
+        "description": (
+            "The oldest dead letter of {{ $labels.queue }} (namespace {{ $labels.namespace }}) "
+            "is {{ $value | humanizeDuration }} old. Nobody has replayed or purged it; "
+            "the message it carries may no longer be useful to anyone."
+        ),
+        "runbook": "courierdeadletteroldest",
+    },
+    {
+        "name": "CourierAppDown",
+        "severity": "critical",
+        # courier_app_up belongs to one pod's app container and has no queue
+        # label, so this alert is per pod: each replica's app fails on its own.
+        "query": "min by (namespace, pod) (courier_app_up)",
+        "op": "<",
+        "threshold": 1,
+        "for": "5m",
+        "summary": "The app beside courier in pod {{ $labels.pod }} is down",
+        "description": (
+            "courier in pod {{ $labels.namespace }}/{{ $labels.pod }} has not reached its app "
+            "for 5 minutes (courier_app_up is {{ $value }}). This pod has stopped pulling "
+            "messages; they wait in the broker for the other replicas."
+        ),
+        "runbook": "courierappdown",
+    },
+    {
+        "name": "CourierRetryBacklogGrowing",
+        "severity": "warning",
+        # The slope of the queue's backlog, taken after max() so that a
+        # replica's restart does not look like growth; in messages a minute.
+        "query": "deriv(max by (namespace, queue) (courier_retry_backlog)[15m:1m]) * 60",
+        "op": ">",
+        "threshold": 0,
+        "for": "15m",
+        "summary": "The retry backlog of queue {{ $labels.queue }} keeps growing",
+        "description": (
+            "The retry backlog of {{ $labels.queue }} (namespace {{ $labels.namespace }}) has "
+            'grown for 15 minutes, by about {{ printf "%.1f" $value }} messages a minute: '
+            "retries are scheduled faster than they succeed, usually because the app keeps "
+            "failing transiently."
+        ),
+        "runbook": "courierretrybackloggrowing",
+    },
+    {
+        "name": "CourierPolicyRejected",
+        "severity": "warning",
+        # The reload counter has no queue or policy label; the namespace is the
+        # finest grouping that every replica of one deployment shares.
+        "query": (
+            "sum by (namespace) "
+            '(increase(courier_policy_reloads_total{result="rejected"}[15m]))'
+        ),
+        "op": ">",
+        "threshold": 0,
+        "for": "",
+        "summary": "courier refused a RetryPolicy change in namespace {{ $labels.namespace }}",
+        "description": (
+            "courier pods in namespace {{ $labels.namespace }} refused a RetryPolicy change "
+            '(rejected reloads in the last 15 minutes, all pods together: {{ printf "%.0f" $value }}). '
+            "The last good policy stays in force until the change is fixed."
+        ),
+        "runbook": "courierpolicyrejected",
+    },
+]

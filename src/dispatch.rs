@@ -1,0 +1,289 @@
+//! The delivery loop: pull as many messages as there are free slots, offer
+//! each to the app, settle it from the policy's verdict; on shutdown stop
+//! pulling and let what is in flight finish, up to the drain timeout.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::forward::{Envelope, Forwarder, Outcome};
+use crate::policy::{Class, LivePolicy, Verdict, decide};
+use crate::source::{Delivery, Failure, Source};
+use crate::telemetry::{DeadLetterLabels, DeliveryLabels, Metrics, QueueLabels};
+
+/// At most this many messages are asked for in one read.
+const MAX_BATCH: usize = 256;
+
+pub struct Dispatcher {
+    pub source: Arc<dyn Source>,
+    pub forwarder: Forwarder,
+    pub policy: LivePolicy,
+    pub metrics: Arc<Metrics>,
+    pub queue: String,
+    pub concurrency: usize,
+    pub max_body: usize,
+    pub drain_timeout: Duration,
+}
+
+/// How the drain went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Deliveries that were in flight at shutdown and finished.
+    pub finished: usize,
+    /// Deliveries cut off at the drain deadline; left unsettled, so the broker
+    /// hands them out again.
+    pub abandoned: usize,
+}
+
+/// Shared by the loop and its delivery tasks.
+struct Shared {
+    dispatcher: Dispatcher,
+    /// A 429 with Retry-After holds new deliveries until then: the limit is
+    /// the app's, not the message's.
+    hold_until: Mutex<Option<Instant>>,
+}
+
+impl Dispatcher {
+    /// Runs until `shutdown`, then drains.
+    pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
+        let concurrency = self.concurrency.max(1);
+        let shared = Arc::new(Shared {
+            dispatcher: self,
+            hold_until: Mutex::new(None),
+        });
+        let slots = Arc::new(Semaphore::new(concurrency));
+        let mut tasks = JoinSet::new();
+        let mut failures = 0u32;
+        while !shutdown.is_cancelled() {
+            while tasks.try_join_next().is_some() {}
+            let hold = *shared.hold_until.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(until) = hold.filter(|t| *t > Instant::now()) {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep_until(until) => {}
+                }
+            }
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                permit = slots.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            };
+            let mut permits = vec![first];
+            while permits.len() < MAX_BATCH {
+                match slots.clone().try_acquire_owned() {
+                    Ok(permit) => permits.push(permit),
+                    Err(_) => break,
+                }
+            }
+            // Not raced against shutdown: a read the broker already answered
+            // must reach a delivery task, and a read blocks about a second.
+            let source = shared.dispatcher.source.clone();
+            let deliveries = match source.receive(permits.len()).await {
+                Ok(deliveries) => {
+                    failures = 0;
+                    deliveries
+                }
+                Err(e) => {
+                    failures += 1;
+                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6))).min(Duration::from_secs(5));
+                    tracing::warn!(error = %e, retry_in = ?wait, queue = %shared.dispatcher.queue, "reading from the broker failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                    continue;
+                }
+            };
+            for delivery in deliveries {
+                let Some(permit) = permits.pop() else { break };
+                let shared = shared.clone();
+                tasks.spawn(async move {
+                    shared.deliver(delivery).await;
+                    drop(permit);
+                });
+            }
+        }
+        let in_flight = tasks.len();
+        let dispatcher = &shared.dispatcher;
+        if in_flight > 0 {
+            tracing::info!(in_flight, timeout = ?dispatcher.drain_timeout, "draining in-flight deliveries");
+        }
+        let drained = tokio::time::timeout(dispatcher.drain_timeout, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        let abandoned = if drained.is_err() {
+            let left = tasks.len();
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+            tracing::warn!(left, "drain timeout reached; unfinished deliveries stay unacked and will be redelivered");
+            left
+        } else {
+            0
+        };
+        dispatcher.source.close().await;
+        DrainReport {
+            finished: in_flight - abandoned,
+            abandoned,
+        }
+    }
+}
+
+impl Shared {
+    async fn deliver(&self, delivery: Delivery) {
+        let d = &self.dispatcher;
+        let queue = QueueLabels { queue: d.queue.clone() };
+        d.metrics.received.get_or_create(&queue).inc();
+        let policy = d.policy.current();
+        let started_at = SystemTime::now();
+        let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
+        let outcome = if let Some(problem) = &delivery.problem {
+            Outcome::Undeliverable { error: problem.clone() }
+        } else if delivery.message.body.len() > d.max_body {
+            Outcome::Undeliverable {
+                error: format!(
+                    "the body is {} bytes, over --max-body {}",
+                    delivery.message.body.len(),
+                    d.max_body
+                ),
+            }
+        } else {
+            let envelope = Envelope {
+                message: &delivery.message,
+                queue: &d.queue,
+                attempt: delivery.attempt,
+            };
+            let in_flight = d.metrics.in_flight.get_or_create(&queue).clone();
+            in_flight.inc();
+            let clock = Instant::now();
+            let outcome = d.forwarder.deliver(&envelope, policy.timeout).await;
+            in_flight.dec();
+            d.metrics
+                .delivery_duration
+                .get_or_create(&queue)
+                .observe(clock.elapsed().as_secs_f64());
+            outcome
+        };
+        let decision = decide(&policy, &outcome, delivery.attempt, rand::random::<f64>());
+        if decision.class != Class::Undeliverable {
+            d.metrics
+                .deliveries
+                .get_or_create(&DeliveryLabels {
+                    queue: d.queue.clone(),
+                    result: decision.class.as_str(),
+                })
+                .inc();
+        }
+        match &outcome {
+            Outcome::Answered {
+                status,
+                retry_after,
+                retry_after_invalid,
+                ..
+            } => {
+                d.metrics.app_up.set(1);
+                if *retry_after_invalid {
+                    d.metrics.retry_after_invalid.get_or_create(&queue).inc();
+                }
+                if *status == 429
+                    && policy.retry_after.honor
+                    && let Some(wait) = retry_after
+                {
+                    let until = Instant::now() + (*wait).min(policy.retry_after.max);
+                    let mut hold = self.hold_until.lock().unwrap_or_else(|e| e.into_inner());
+                    if hold.is_none_or(|t| t < until) {
+                        *hold = Some(until);
+                    }
+                }
+            }
+            Outcome::Unreachable { .. } => {
+                d.metrics.app_up.set(0);
+            }
+            _ => {}
+        }
+        let id = delivery.message.id.as_str();
+        let settled = match decision.verdict {
+            Verdict::Ack => {
+                let r = d.source.ack(&delivery).await;
+                if r.is_ok() {
+                    d.metrics.acks.get_or_create(&queue).inc();
+                    tracing::debug!(id, attempt = delivery.attempt, "acked");
+                }
+                r
+            }
+            Verdict::Retry { delay, attempt_used } => {
+                let next = if attempt_used {
+                    delivery.attempt + 1
+                } else {
+                    delivery.attempt
+                };
+                let r = d
+                    .source
+                    .retry(&delivery, next, first_attempt_at, SystemTime::now() + delay)
+                    .await;
+                if r.is_ok() {
+                    d.metrics.retries.get_or_create(&queue).inc();
+                    tracing::info!(
+                        id,
+                        attempt = delivery.attempt,
+                        result = decision.class.as_str(),
+                        status = outcome.status(),
+                        error = outcome.error(),
+                        delay = ?delay,
+                        "retry scheduled"
+                    );
+                }
+                r
+            }
+            Verdict::DeadLetter { reason } => {
+                let failure = Failure {
+                    reason,
+                    status: outcome.status(),
+                    error: outcome.error(),
+                    attempts: delivery.attempt,
+                    first_attempt_at,
+                    last_attempt_at: started_at,
+                    queue: d.queue.clone(),
+                    message_id: delivery.message.id.clone(),
+                    excerpt: outcome.excerpt(),
+                    policy: policy.label(),
+                    dead_letter_queue: policy
+                        .dead_letter_queue
+                        .clone()
+                        .unwrap_or_else(|| format!("{}.dlq", d.queue)),
+                };
+                let r = d.source.dead_letter(&delivery, &failure).await;
+                if r.is_ok() {
+                    d.metrics
+                        .dead_letters
+                        .get_or_create(&DeadLetterLabels {
+                            queue: d.queue.clone(),
+                            reason: reason.as_str(),
+                        })
+                        .inc();
+                    tracing::warn!(
+                        id,
+                        attempt = delivery.attempt,
+                        reason = reason.as_str(),
+                        status = outcome.status(),
+                        error = outcome.error(),
+                        dead_letter_queue = %failure.dead_letter_queue,
+                        "dead-lettered"
+                    );
+                }
+                r
+            }
+        };
+        if let Err(e) = settled {
+            d.metrics.settle_errors.get_or_create(&queue).inc();
+            tracing::error!(id, error = %e, "settling failed; the broker will hand the message out again");
+        }
+    }
+}

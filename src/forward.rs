@@ -1,0 +1,290 @@
+//! The HTTP client to the app: builds the request from a message and turns
+//! the app's answer into an [`Outcome`]. What an outcome *means* is the
+//! policy's business ([`crate::policy::Policy::classify`]).
+
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::{Method, Request, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::source::Message;
+
+/// How much of the app's answer body is kept for `courier-response-excerpt`.
+pub const EXCERPT_LIMIT: usize = 1024;
+/// Answer bodies are read (so the connection can be reused) up to this size;
+/// beyond it the connection is dropped instead of reading a huge body.
+const DRAIN_LIMIT: usize = 256 * 1024;
+
+/// What happened when a message was offered to the app.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The app answered with a status.
+    Answered {
+        status: u16,
+        /// A valid `Retry-After`, already turned into a delay.
+        retry_after: Option<Duration>,
+        /// `Retry-After` was present but unreadable (ignored, and counted).
+        retry_after_invalid: bool,
+        /// The first [`EXCERPT_LIMIT`] bytes of the answer body.
+        excerpt: Bytes,
+    },
+    /// No answer within the policy's timeout.
+    Timeout,
+    /// Connection refused or reset before any answer.
+    Unreachable { error: String },
+    /// The message could not be offered at all (too large, malformed).
+    Undeliverable { error: String },
+}
+
+impl Outcome {
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Self::Answered { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    pub fn error(&self) -> Option<String> {
+        match self {
+            Self::Answered { .. } => None,
+            Self::Timeout => Some("timeout".into()),
+            Self::Unreachable { error } | Self::Undeliverable { error } => Some(error.clone()),
+        }
+    }
+
+    pub fn excerpt(&self) -> Bytes {
+        match self {
+            Self::Answered { excerpt, .. } => excerpt.clone(),
+            _ => Bytes::new(),
+        }
+    }
+}
+
+/// Reads `Retry-After` as delta-seconds or an HTTP-date. A date in the past
+/// is zero; `None` means the value is not readable.
+pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        // Absurdly long digit strings saturate rather than being refused.
+        return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
+    }
+    let date = httpdate::parse_http_date(value).ok()?;
+    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// The request line and headers a message is offered with.
+pub struct Envelope<'a> {
+    pub message: &'a Message,
+    pub queue: &'a str,
+    pub attempt: u32,
+}
+
+impl Envelope<'_> {
+    /// The producer's `idempotency-key`, else `<queue>:<message id>`.
+    pub fn idempotency_key(&self) -> String {
+        self.message
+            .header("idempotency-key")
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("{}:{}", self.queue, self.message.id))
+    }
+}
+
+/// Headers never forwarded from a message: hop-by-hop names, names the
+/// request itself owns, and courier's own namespace.
+fn is_reserved(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    matches!(
+        name.as_str(),
+        "host"
+            | "content-length"
+            | "connection"
+            | "transfer-encoding"
+            | "keep-alive"
+            | "upgrade"
+            | "te"
+            | "trailer"
+            | "proxy-connection"
+            | "content-type"
+            | "idempotency-key"
+    ) || name.starts_with("courier-")
+}
+
+// === impl Forwarder ===
+
+/// The pooled keep-alive client to one app URL.
+#[derive(Clone)]
+pub struct Forwarder {
+    client: Client<HttpConnector, Full<Bytes>>,
+    app: Uri,
+}
+
+impl Forwarder {
+    pub fn new(app: Uri, pool_size: usize) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(pool_size.max(1))
+            .build(connector);
+        Self { client, app }
+    }
+
+    pub fn app(&self) -> &Uri {
+        &self.app
+    }
+
+    /// Offers a message to the app and waits for the whole answer, at most
+    /// `timeout`.
+    pub async fn deliver(&self, envelope: &Envelope<'_>, timeout: Duration) -> Outcome {
+        let request = match self.build(envelope) {
+            Ok(request) => request,
+            Err(error) => return Outcome::Undeliverable { error },
+        };
+        match tokio::time::timeout(timeout, self.exchange(request)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Outcome::Timeout,
+        }
+    }
+
+    fn build(&self, envelope: &Envelope<'_>) -> Result<Request<Full<Bytes>>, String> {
+        let message = envelope.message;
+        let mut builder = Request::builder()
+            .method(Method::POST)
+            .uri(self.app.clone());
+        let headers = builder
+            .headers_mut()
+            .ok_or_else(|| "invalid request".to_string())?;
+        for (name, value) in &message.headers {
+            if is_reserved(name) {
+                continue;
+            }
+            // Names that are not HTTP tokens, and values HTTP cannot carry,
+            // are dropped rather than failing the whole delivery.
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(value),
+            ) {
+                headers.append(name, value);
+            }
+        }
+        let content_type = message
+            .header("content-type")
+            .and_then(|v| HeaderValue::from_str(v).ok())
+            .unwrap_or(HeaderValue::from_static("application/octet-stream"));
+        headers.insert(CONTENT_TYPE, content_type);
+        let key = envelope.idempotency_key();
+        let key = HeaderValue::from_str(&key)
+            .map_err(|_| format!("idempotency key {key:?} is not a valid header value"))?;
+        headers.insert("idempotency-key", key);
+        let id = HeaderValue::from_str(&message.id)
+            .map_err(|_| format!("message id {:?} is not a valid header value", message.id))?;
+        headers.insert("courier-message-id", id);
+        headers.insert("courier-attempt", HeaderValue::from(envelope.attempt));
+        let queue = HeaderValue::from_str(envelope.queue)
+            .map_err(|_| format!("queue {:?} is not a valid header value", envelope.queue))?;
+        headers.insert("courier-queue", queue);
+        // Bytes is reference-counted: the body is handed over, not copied.
+        builder
+            .body(Full::new(message.body.clone()))
+            .map_err(|e| e.to_string())
+    }
+
+    async fn exchange(&self, request: Request<Full<Bytes>>) -> Outcome {
+        let response = match self.client.request(request).await {
+            Ok(response) => response,
+            Err(error) => {
+                return Outcome::Unreachable {
+                    error: error_chain(&error),
+                };
+            }
+        };
+        let status = response.status().as_u16();
+        let (retry_after, retry_after_invalid) = match response.headers().get(RETRY_AFTER) {
+            None => (None, false),
+            Some(value) => {
+                let parsed = value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| parse_retry_after(v, SystemTime::now()));
+                (parsed, parsed.is_none())
+            }
+        };
+        let mut body = response.into_body();
+        let mut excerpt = BytesMut::new();
+        let mut read = 0usize;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { break };
+            if let Ok(data) = frame.into_data() {
+                read += data.len();
+                let room = EXCERPT_LIMIT.saturating_sub(excerpt.len());
+                excerpt.extend_from_slice(&data[..room.min(data.len())]);
+                if read > DRAIN_LIMIT {
+                    break;
+                }
+            }
+        }
+        Outcome::Answered {
+            status,
+            retry_after,
+            retry_after_invalid,
+            excerpt: excerpt.freeze(),
+        }
+    }
+}
+
+/// The error with its causes, e.g. `client error (Connect): tcp connect
+/// error: Connection refused`.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rows() {
+        let now = httpdate::parse_http_date("Sun, 29 Nov 2026 12:00:00 GMT").unwrap();
+        let rows: [(&str, Option<Duration>); 9] = [
+            ("0", Some(Duration::ZERO)),
+            ("1", Some(Duration::from_secs(1))),
+            (" 120 ", Some(Duration::from_secs(120))),
+            ("Sun, 29 Nov 2026 12:00:30 GMT", Some(Duration::from_secs(30))),
+            ("Sun, 29 Nov 2026 11:00:00 GMT", Some(Duration::ZERO)),
+            ("-5", None),
+            ("1.5", None),
+            ("soon", None),
+            ("", None),
+        ];
+        for (value, want) in rows {
+            assert_eq!(parse_retry_after(value, now), want, "{value:?}");
+        }
+        assert_eq!(
+            parse_retry_after("99999999999999999999999", now),
+            Some(Duration::from_secs(u64::MAX))
+        );
+    }
+
+    #[test]
+    fn reserved_headers_are_not_forwarded() {
+        for name in ["Host", "content-length", "Connection", "Transfer-Encoding", "Courier-Attempt", "courier-x"] {
+            assert!(is_reserved(name), "{name}");
+        }
+        for name in ["traceparent", "tracestate", "x-tenant"] {
+            assert!(!is_reserved(name), "{name}");
+        }
+    }
+}

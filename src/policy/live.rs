@@ -1,0 +1,53 @@
+//! The policy in force, shared by every delivery. A change is picked up by
+//! the very next decision: each delivery reads the current policy once.
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use super::Policy;
+
+/// Read side: cheap to clone, one per task.
+#[derive(Clone)]
+pub struct LivePolicy {
+    rx: watch::Receiver<Arc<Policy>>,
+}
+
+/// Write side, held by whatever watches the policy's source.
+pub struct PolicyUpdate {
+    tx: watch::Sender<Arc<Policy>>,
+}
+
+impl LivePolicy {
+    pub fn new(initial: Policy) -> (Self, PolicyUpdate) {
+        let (tx, rx) = watch::channel(Arc::new(initial));
+        (Self { rx }, PolicyUpdate { tx })
+    }
+
+    /// A policy that never changes.
+    pub fn fixed(policy: Policy) -> Self {
+        Self::new(policy).0
+    }
+
+    pub fn current(&self) -> Arc<Policy> {
+        self.rx.borrow().clone()
+    }
+
+    /// Resolves when a new policy has been applied.
+    pub async fn changed(&mut self) -> bool {
+        self.rx.changed().await.is_ok()
+    }
+}
+
+impl PolicyUpdate {
+    /// Puts `policy` in force and returns it as applied.
+    pub fn apply(&self, policy: Policy) -> Arc<Policy> {
+        let policy = Arc::new(policy);
+        self.tx.send_replace(policy.clone());
+        policy
+    }
+
+    pub fn current(&self) -> Arc<Policy> {
+        self.tx.borrow().clone()
+    }
+}

@@ -1,0 +1,560 @@
+//! The RetryPolicy: the document operators write, its validation, and the
+//! pure decision that turns an [`Outcome`] into a [`Verdict`].
+//!
+//! The document ([`RetryPolicySpec`]) keeps every field optional and in the
+//! user's own form (durations as strings), so it can be read from a file or,
+//! later, from the cluster. [`Policy::from_spec`] validates it once into a
+//! [`Policy`] with real types; everything downstream uses only that.
+
+pub mod file;
+mod live;
+
+pub use live::{LivePolicy, PolicyUpdate};
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::duration;
+use crate::forward::Outcome;
+
+// === The document ===
+
+/// `apiVersion` of the RetryPolicy document.
+pub const API_VERSION: &str = "courier.dev/v1alpha1";
+/// `kind` of the RetryPolicy document.
+pub const KIND: &str = "RetryPolicy";
+
+/// A whole RetryPolicy document as written in a file or stored in the cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RetryPolicyDocument {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub metadata: Metadata,
+    #[serde(default)]
+    pub spec: RetryPolicySpec,
+}
+
+/// The part of Kubernetes object metadata a policy file uses; the rest is
+/// accepted and ignored so a `kubectl get -o yaml` dump can be used as is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Metadata {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+}
+
+/// `spec` of a RetryPolicy. Every field is optional; see [`Policy::default`]
+/// for the value an omitted field takes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RetryPolicySpec {
+    /// Deliveries in all, the first included; 1..1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<i64>,
+    /// Per-attempt timeout, e.g. `30s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<BackoffSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<RetryAfterSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_codes: Option<StatusCodesSpec>,
+    /// `""` means `<queue>.dlq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_queue: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BackoffSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiplier: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jitter: Option<Jitter>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RetryAfterSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub honor: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StatusCodesSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter: Option<Vec<String>>,
+}
+
+/// How a backoff is randomised so that many failing messages do not return
+/// to the app at the same instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    /// uniform(0, backoff)
+    #[default]
+    Full,
+    /// backoff/2 + uniform(0, backoff/2)
+    Equal,
+    /// exactly backoff
+    None,
+}
+
+// === The validated policy ===
+
+/// A status code or class as written in `statusCodes`: `"503"` or `"5xx"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodeMatch {
+    Exact(u16),
+    Class(u16),
+}
+
+impl CodeMatch {
+    pub fn parse(text: &str) -> Option<Self> {
+        let b = text.as_bytes();
+        if b.len() != 3 || !(b'1'..=b'5').contains(&b[0]) {
+            return None;
+        }
+        if &text[1..] == "xx" {
+            return Some(Self::Class(u16::from(b[0] - b'0')));
+        }
+        text.parse().ok().map(Self::Exact)
+    }
+
+    fn matches(self, status: u16) -> bool {
+        match self {
+            Self::Exact(code) => code == status,
+            Self::Class(class) => status / 100 == class,
+        }
+    }
+}
+
+impl fmt::Display for CodeMatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Exact(code) => write!(f, "{code}"),
+            Self::Class(class) => write!(f, "{class}xx"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+    pub multiplier: f64,
+    pub jitter: Jitter,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryAfter {
+    pub honor: bool,
+    pub max: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusCodes {
+    pub retry: Vec<CodeMatch>,
+    pub dead_letter: Vec<CodeMatch>,
+}
+
+/// A validated policy. Build one with [`Policy::from_spec`] or take the
+/// defaults with [`Policy::default`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// `metadata.name`, or `default` for the built-in policy.
+    pub name: String,
+    /// Bumped on every applied change; travels in `courier-policy`.
+    pub generation: i64,
+    pub max_attempts: u32,
+    pub timeout: Duration,
+    pub backoff: Backoff,
+    pub retry_after: RetryAfter,
+    pub status_codes: StatusCodes,
+    /// `None` means `<queue>.dlq`.
+    pub dead_letter_queue: Option<String>,
+}
+
+/// The defaults of every field, in one place, as the design documents them.
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            name: "default".into(),
+            generation: 0,
+            max_attempts: 5,
+            timeout: Duration::from_secs(30),
+            backoff: Backoff {
+                initial: Duration::from_secs(1),
+                max: Duration::from_secs(300),
+                multiplier: 2.0,
+                jitter: Jitter::Full,
+            },
+            retry_after: RetryAfter {
+                honor: true,
+                max: Duration::from_secs(3600),
+            },
+            status_codes: StatusCodes {
+                retry: vec![
+                    CodeMatch::Exact(408),
+                    CodeMatch::Exact(429),
+                    CodeMatch::Class(5),
+                ],
+                dead_letter: vec![CodeMatch::Exact(501), CodeMatch::Class(4)],
+            },
+            dead_letter_queue: None,
+        }
+    }
+}
+
+/// A policy field that breaks a rule; shown to the operator as
+/// `spec.backoff.max: must be ...`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct PolicyError {
+    pub field: String,
+    pub problem: String,
+}
+
+impl PolicyError {
+    fn new(field: &str, problem: impl Into<String>) -> Self {
+        Self {
+            field: field.to_string(),
+            problem: problem.into(),
+        }
+    }
+}
+
+impl Policy {
+    /// `name@generation`, the value of the `courier-policy` dead-letter field.
+    pub fn label(&self) -> String {
+        format!("{}@{}", self.name, self.generation)
+    }
+
+    /// Validates a document's spec; an omitted field takes its default.
+    pub fn from_spec(name: &str, spec: &RetryPolicySpec) -> Result<Self, PolicyError> {
+        let defaults = Self::default();
+        let max_attempts = match spec.max_attempts {
+            None => defaults.max_attempts,
+            Some(n @ 1..=1000) => n as u32,
+            Some(n) => {
+                return Err(PolicyError::new(
+                    "spec.maxAttempts",
+                    format!("must be between 1 and 1000 (deliveries in all, the first included), got {n}"),
+                ));
+            }
+        };
+        let duration_field = |field: &str, value: &Option<String>, default: Duration| match value {
+            None => Ok(default),
+            Some(text) => duration::parse(text).map_err(|e| PolicyError::new(field, e.to_string())),
+        };
+        let timeout = duration_field("spec.timeout", &spec.timeout, defaults.timeout)?;
+        if timeout.is_zero() {
+            return Err(PolicyError::new(
+                "spec.timeout",
+                "must be greater than 0 (it is the time the app gets per attempt)",
+            ));
+        }
+        let backoff_spec = spec.backoff.clone().unwrap_or_default();
+        let initial = duration_field(
+            "spec.backoff.initial",
+            &backoff_spec.initial,
+            defaults.backoff.initial,
+        )?;
+        let max = duration_field("spec.backoff.max", &backoff_spec.max, defaults.backoff.max)?;
+        if max < initial {
+            return Err(PolicyError::new(
+                "spec.backoff.max",
+                format!(
+                    "must be at least backoff.initial ({}), got {}",
+                    duration::format(initial),
+                    duration::format(max)
+                ),
+            ));
+        }
+        let multiplier = backoff_spec
+            .multiplier
+            .unwrap_or(defaults.backoff.multiplier);
+        if !(multiplier.is_finite() && multiplier >= 1.0) {
+            return Err(PolicyError::new(
+                "spec.backoff.multiplier",
+                format!("must be a number >= 1, got {multiplier}"),
+            ));
+        }
+        let retry_after_spec = spec.retry_after.clone().unwrap_or_default();
+        let retry_after = RetryAfter {
+            honor: retry_after_spec.honor.unwrap_or(defaults.retry_after.honor),
+            max: duration_field(
+                "spec.retryAfter.max",
+                &retry_after_spec.max,
+                defaults.retry_after.max,
+            )?,
+        };
+        let codes_spec = spec.status_codes.clone().unwrap_or_default();
+        let codes = |field: &str, list: &Option<Vec<String>>, default: &Vec<CodeMatch>| {
+            let Some(list) = list else {
+                return Ok(default.clone());
+            };
+            list.iter()
+                .map(|text| match CodeMatch::parse(text) {
+                    Some(m) if matches!(m, CodeMatch::Class(2)) || matches!(m, CodeMatch::Exact(200..=299)) => {
+                        Err(PolicyError::new(field, format!("{text:?} is a success code; 2xx is always an ack")))
+                    }
+                    Some(m) => Ok(m),
+                    None => Err(PolicyError::new(
+                        field,
+                        format!("{text:?} is not a status code; write an exact code like \"503\" or a class like \"5xx\""),
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let status_codes = StatusCodes {
+            retry: codes(
+                "spec.statusCodes.retry",
+                &codes_spec.retry,
+                &defaults.status_codes.retry,
+            )?,
+            dead_letter: codes(
+                "spec.statusCodes.deadLetter",
+                &codes_spec.dead_letter,
+                &defaults.status_codes.dead_letter,
+            )?,
+        };
+        if let Some(both) = status_codes
+            .retry
+            .iter()
+            .find(|m| status_codes.dead_letter.contains(m))
+        {
+            return Err(PolicyError::new(
+                "spec.statusCodes",
+                format!("{both} is listed in both retry and deadLetter; keep it in one list"),
+            ));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            generation: 0,
+            max_attempts,
+            timeout,
+            backoff: Backoff {
+                initial,
+                max,
+                multiplier,
+                jitter: backoff_spec.jitter.unwrap_or(defaults.backoff.jitter),
+            },
+            retry_after,
+            status_codes,
+            dead_letter_queue: spec.dead_letter_queue.clone().filter(|q| !q.is_empty()),
+        })
+    }
+
+    /// What an answer means under this policy. Exact codes beat classes; an
+    /// answer nobody listed that is not 2xx is permanent.
+    pub fn classify(&self, outcome: &Outcome) -> Class {
+        match outcome {
+            Outcome::Answered { status, .. } => self.classify_status(*status),
+            Outcome::Timeout => Class::Timeout,
+            Outcome::Unreachable { .. } => Class::Unreachable,
+            Outcome::Undeliverable { .. } => Class::Undeliverable,
+        }
+    }
+
+    fn classify_status(&self, status: u16) -> Class {
+        if (200..300).contains(&status) {
+            return Class::Success;
+        }
+        let lists = [
+            (&self.status_codes.retry, Class::Transient),
+            (&self.status_codes.dead_letter, Class::Permanent),
+        ];
+        let exact = lists.iter().find(|(list, _)| {
+            list.iter()
+                .any(|m| matches!(m, CodeMatch::Exact(_)) && m.matches(status))
+        });
+        let class = || {
+            lists.iter().find(|(list, _)| {
+                list.iter()
+                    .any(|m| matches!(m, CodeMatch::Class(_)) && m.matches(status))
+            })
+        };
+        exact
+            .or_else(class)
+            .map_or(Class::Permanent, |(_, class)| *class)
+    }
+
+    /// `backoff(n) = min(max, initial × multiplier^(n-1))`, n = attempts made.
+    pub fn backoff(&self, attempts_made: u32) -> Duration {
+        let b = &self.backoff;
+        let exponent = attempts_made.saturating_sub(1).min(1000) as i32;
+        let secs = b.initial.as_secs_f64() * b.multiplier.powi(exponent);
+        if !secs.is_finite() || secs >= b.max.as_secs_f64() {
+            b.max
+        } else {
+            Duration::from_secs_f64(secs)
+        }
+    }
+
+    /// The backoff with jitter applied; `sample` is uniform in [0, 1).
+    pub fn jittered_backoff(&self, attempts_made: u32, sample: f64) -> Duration {
+        let backoff = self.backoff(attempts_made);
+        let sample = sample.clamp(0.0, 1.0);
+        match self.backoff.jitter {
+            Jitter::None => backoff,
+            Jitter::Full => backoff.mul_f64(sample),
+            Jitter::Equal => backoff / 2 + (backoff / 2).mul_f64(sample),
+        }
+    }
+}
+
+// === The decision ===
+
+/// What an outcome means; also the `result` label of `courier_deliveries_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    Success,
+    Transient,
+    Permanent,
+    Timeout,
+    Unreachable,
+    /// The message could not be sent at all (too large, malformed).
+    Undeliverable,
+}
+
+impl Class {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Success => "success",
+            Self::Transient => "transient",
+            Self::Permanent => "permanent",
+            Self::Timeout => "timeout",
+            Self::Unreachable => "unreachable",
+            Self::Undeliverable => "undeliverable",
+        }
+    }
+}
+
+/// Why a message went to the dead-letter queue (`courier-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterReason {
+    PermanentStatus,
+    AttemptsExhausted,
+    Undeliverable,
+}
+
+impl DeadLetterReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PermanentStatus => "permanent-status",
+            Self::AttemptsExhausted => "attempts-exhausted",
+            Self::Undeliverable => "undeliverable",
+        }
+    }
+}
+
+/// How to settle a delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Ack,
+    /// Deliver again after `delay`. When `attempt_used` is false the app never
+    /// saw the message (it was unreachable) and the attempt is not counted.
+    Retry { delay: Duration, attempt_used: bool },
+    DeadLetter { reason: DeadLetterReason },
+}
+
+/// The class travels with the verdict: it is the metric label and log field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub class: Class,
+    pub verdict: Verdict,
+}
+
+/// The decision, a pure function: no I/O, no clock; `jitter_sample` is a
+/// uniform random number in [0, 1) supplied by the caller.
+pub fn decide(policy: &Policy, outcome: &Outcome, attempt: u32, jitter_sample: f64) -> Decision {
+    let class = policy.classify(outcome);
+    let attempt = attempt.max(1);
+    let retry_or_exhausted = |retry_after: Option<Duration>| {
+        if attempt >= policy.max_attempts {
+            return Verdict::DeadLetter {
+                reason: DeadLetterReason::AttemptsExhausted,
+            };
+        }
+        let mut delay = policy.jittered_backoff(attempt, jitter_sample);
+        if policy.retry_after.honor
+            && let Some(asked) = retry_after
+        {
+            delay = delay.max(asked.min(policy.retry_after.max));
+        }
+        Verdict::Retry {
+            delay,
+            attempt_used: true,
+        }
+    };
+    let verdict = match (class, outcome) {
+        (Class::Success, _) => Verdict::Ack,
+        (Class::Transient, Outcome::Answered { retry_after, .. }) => {
+            retry_or_exhausted(*retry_after)
+        }
+        (Class::Transient | Class::Timeout, _) => retry_or_exhausted(None),
+        (Class::Permanent, _) => Verdict::DeadLetter {
+            reason: DeadLetterReason::PermanentStatus,
+        },
+        (Class::Unreachable, _) => Verdict::Retry {
+            delay: policy.jittered_backoff(attempt, jitter_sample),
+            attempt_used: false,
+        },
+        (Class::Undeliverable, _) => Verdict::DeadLetter {
+            reason: DeadLetterReason::Undeliverable,
+        },
+    };
+    Decision { class, verdict }
+}
+
+// === Test fixtures ===
+
+/// A builder for policies in tests: `Policy::test().max_attempts(3)`.
+impl Policy {
+    pub fn test() -> Self {
+        Self {
+            name: "test".into(),
+            ..Self::default()
+        }
+    }
+
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    pub fn backoff_of(mut self, initial: Duration, max: Duration, multiplier: f64, jitter: Jitter) -> Self {
+        self.backoff = Backoff {
+            initial,
+            max,
+            multiplier,
+            jitter,
+        };
+        self
+    }
+
+    pub fn retry_after_honored(mut self, honor: bool, max: Duration) -> Self {
+        self.retry_after = RetryAfter { honor, max };
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,245 @@
+//! Every row of the design's classification and timing tables.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::*;
+
+fn answered(status: u16) -> Outcome {
+    Outcome::Answered {
+        status,
+        retry_after: None,
+        retry_after_invalid: false,
+        excerpt: Bytes::new(),
+    }
+}
+
+fn answered_with_retry_after(status: u16, secs: u64) -> Outcome {
+    Outcome::Answered {
+        status,
+        retry_after: Some(Duration::from_secs(secs)),
+        retry_after_invalid: false,
+        excerpt: Bytes::new(),
+    }
+}
+
+const NO_JITTER: f64 = 0.0;
+
+fn no_jitter_policy() -> Policy {
+    Policy::test().backoff_of(Duration::from_secs(1), Duration::from_secs(300), 2.0, Jitter::None)
+}
+
+#[test]
+fn classification_table() {
+    let policy = Policy::default();
+    let rows: &[(Outcome, Class)] = &[
+        (answered(200), Class::Success),
+        (answered(201), Class::Success),
+        (answered(204), Class::Success),
+        (answered(299), Class::Success),
+        (answered(408), Class::Transient),
+        (answered(429), Class::Transient),
+        (answered(500), Class::Transient),
+        (answered(502), Class::Transient),
+        (answered(503), Class::Transient),
+        (answered(504), Class::Transient),
+        (answered(599), Class::Transient),
+        (answered(501), Class::Permanent),
+        (answered(400), Class::Permanent),
+        (answered(401), Class::Permanent),
+        (answered(404), Class::Permanent),
+        (answered(409), Class::Permanent),
+        (answered(422), Class::Permanent),
+        (answered(301), Class::Permanent),
+        (answered(304), Class::Permanent),
+        (answered(100), Class::Permanent),
+        (Outcome::Timeout, Class::Timeout),
+        (Outcome::Unreachable { error: "refused".into() }, Class::Unreachable),
+        (Outcome::Undeliverable { error: "too big".into() }, Class::Undeliverable),
+    ];
+    for (outcome, want) in rows {
+        assert_eq!(policy.classify(outcome), *want, "{outcome:?}");
+    }
+}
+
+#[test]
+fn verdict_table() {
+    let policy = no_jitter_policy().max_attempts(3);
+    let retry = |secs: u64| Verdict::Retry {
+        delay: Duration::from_secs(secs),
+        attempt_used: true,
+    };
+    let dead = |reason| Verdict::DeadLetter { reason };
+    let rows: Vec<(Outcome, u32, Verdict)> = vec![
+        (answered(200), 1, Verdict::Ack),
+        (answered(200), 3, Verdict::Ack),
+        (answered(503), 1, retry(1)),
+        (answered(503), 2, retry(2)),
+        (answered(503), 3, dead(DeadLetterReason::AttemptsExhausted)),
+        (answered(429), 1, retry(1)),
+        (answered(408), 2, retry(2)),
+        (Outcome::Timeout, 1, retry(1)),
+        (Outcome::Timeout, 3, dead(DeadLetterReason::AttemptsExhausted)),
+        (answered(400), 1, dead(DeadLetterReason::PermanentStatus)),
+        (answered(501), 1, dead(DeadLetterReason::PermanentStatus)),
+        (answered(302), 1, dead(DeadLetterReason::PermanentStatus)),
+        (
+            Outcome::Unreachable { error: "refused".into() },
+            3,
+            Verdict::Retry {
+                delay: Duration::from_secs(4),
+                attempt_used: false,
+            },
+        ),
+        (
+            Outcome::Undeliverable { error: "too big".into() },
+            1,
+            dead(DeadLetterReason::Undeliverable),
+        ),
+    ];
+    for (outcome, attempt, want) in rows {
+        let got = decide(&policy, &outcome, attempt, NO_JITTER).verdict;
+        assert_eq!(got, want, "{outcome:?} at attempt {attempt}");
+    }
+}
+
+#[test]
+fn one_attempt_means_no_retry() {
+    let policy = no_jitter_policy().max_attempts(1);
+    assert_eq!(
+        decide(&policy, &answered(503), 1, NO_JITTER).verdict,
+        Verdict::DeadLetter {
+            reason: DeadLetterReason::AttemptsExhausted
+        }
+    );
+}
+
+#[test]
+fn status_code_matching_exact_beats_class() {
+    let spec = RetryPolicySpec {
+        status_codes: Some(StatusCodesSpec {
+            retry: Some(vec!["409".into(), "5xx".into()]),
+            dead_letter: Some(vec!["4xx".into(), "503".into()]),
+        }),
+        ..Default::default()
+    };
+    let policy = Policy::from_spec("p", &spec).unwrap();
+    let rows = [
+        (409, Class::Transient),
+        (400, Class::Permanent),
+        (503, Class::Permanent),
+        (500, Class::Transient),
+        // Nobody listed 408 or 429 here: unmatched non-2xx is permanent.
+        (408, Class::Permanent),
+        (429, Class::Permanent),
+        (302, Class::Permanent),
+    ];
+    for (status, want) in rows {
+        assert_eq!(policy.classify(&answered(status)), want, "{status}");
+    }
+}
+
+#[test]
+fn backoff_grows_and_is_capped() {
+    let policy = Policy::test().backoff_of(Duration::from_secs(1), Duration::from_secs(10), 2.0, Jitter::None);
+    let rows = [(1, 1), (2, 2), (3, 4), (4, 8), (5, 10), (50, 10), (u32::MAX, 10)];
+    for (n, secs) in rows {
+        assert_eq!(policy.backoff(n), Duration::from_secs(secs), "n={n}");
+    }
+    let flat = Policy::test().backoff_of(Duration::from_millis(500), Duration::from_secs(10), 1.0, Jitter::None);
+    assert_eq!(flat.backoff(7), Duration::from_millis(500));
+}
+
+#[test]
+fn jitter_modes() {
+    let base = Duration::from_secs(8);
+    let policy = |jitter| Policy::test().backoff_of(base, base, 2.0, jitter);
+    let rows = [
+        (Jitter::None, 0.0, base),
+        (Jitter::None, 0.99, base),
+        (Jitter::Full, 0.0, Duration::ZERO),
+        (Jitter::Full, 0.5, Duration::from_secs(4)),
+        (Jitter::Full, 0.75, Duration::from_secs(6)),
+        (Jitter::Equal, 0.0, Duration::from_secs(4)),
+        (Jitter::Equal, 0.5, Duration::from_secs(6)),
+        (Jitter::Equal, 1.0, Duration::from_secs(8)),
+    ];
+    for (jitter, sample, want) in rows {
+        assert_eq!(policy(jitter).jittered_backoff(1, sample), want, "{jitter:?} {sample}");
+    }
+}
+
+#[test]
+fn retry_after_rows() {
+    let honored = no_jitter_policy().retry_after_honored(true, Duration::from_secs(60));
+    let ignored = no_jitter_policy().retry_after_honored(false, Duration::from_secs(60));
+    let delay = |policy: &Policy, outcome: Outcome, attempt| match decide(policy, &outcome, attempt, NO_JITTER).verdict {
+        Verdict::Retry { delay, .. } => delay,
+        other => panic!("expected a retry, got {other:?}"),
+    };
+    // Retry-After longer than the backoff wins.
+    assert_eq!(delay(&honored, answered_with_retry_after(429, 30), 1), Duration::from_secs(30));
+    // The backoff wins when it is longer.
+    assert_eq!(delay(&honored, answered_with_retry_after(503, 1), 4), Duration::from_secs(8));
+    // Capped by retryAfter.max.
+    assert_eq!(delay(&honored, answered_with_retry_after(429, 7200), 1), Duration::from_secs(60));
+    // A past date arrives as zero: the backoff stands.
+    assert_eq!(delay(&honored, answered_with_retry_after(503, 0), 2), Duration::from_secs(2));
+    // Not honored: the backoff only.
+    assert_eq!(delay(&ignored, answered_with_retry_after(429, 30), 1), Duration::from_secs(1));
+    // An invalid value was dropped by the reader: the backoff only.
+    let invalid = Outcome::Answered {
+        status: 503,
+        retry_after: None,
+        retry_after_invalid: true,
+        excerpt: Bytes::new(),
+    };
+    assert_eq!(delay(&honored, invalid, 1), Duration::from_secs(1));
+    // A Retry-After on a permanent answer changes nothing.
+    assert_eq!(
+        decide(&honored, &answered_with_retry_after(400, 30), 1, NO_JITTER).verdict,
+        Verdict::DeadLetter {
+            reason: DeadLetterReason::PermanentStatus
+        }
+    );
+}
+
+#[test]
+fn validation_rejects_nonsense() {
+    let spec = |yaml: &str| -> RetryPolicySpec { serde_saphyr::from_str(yaml).unwrap() };
+    let rows = [
+        ("maxAttempts: 0", "spec.maxAttempts"),
+        ("maxAttempts: 1001", "spec.maxAttempts"),
+        ("maxAttempts: -3", "spec.maxAttempts"),
+        ("timeout: 0s", "spec.timeout"),
+        ("timeout: 5", "spec.timeout"),
+        ("backoff: {initial: 1m, max: 1s}", "spec.backoff.max"),
+        ("backoff: {multiplier: 0.9}", "spec.backoff.multiplier"),
+        ("retryAfter: {max: forever}", "spec.retryAfter.max"),
+        ("statusCodes: {retry: [\"5xx\", \"50\"]}", "spec.statusCodes.retry"),
+        ("statusCodes: {deadLetter: [\"200\"]}", "spec.statusCodes.deadLetter"),
+        ("statusCodes: {retry: [\"2xx\"]}", "spec.statusCodes.retry"),
+        ("statusCodes: {retry: [\"4xx\"]}", "spec.statusCodes"),
+    ];
+    for (yaml, field) in rows {
+        let err = Policy::from_spec("p", &spec(yaml)).unwrap_err();
+        assert_eq!(err.field, field, "{yaml}: {err}");
+    }
+}
+
+#[test]
+fn omitted_fields_take_the_defaults() {
+    let policy = Policy::from_spec("p", &RetryPolicySpec::default()).unwrap();
+    assert_eq!(policy, Policy { name: "p".into(), ..Policy::default() });
+    assert_eq!(policy.label(), "p@0");
+}
+
+#[test]
+fn code_match_parsing() {
+    assert_eq!(CodeMatch::parse("503"), Some(CodeMatch::Exact(503)));
+    assert_eq!(CodeMatch::parse("5xx"), Some(CodeMatch::Class(5)));
+    for bad in ["6xx", "5XX", "50", "5030", "abc", "", "0xx", "099"] {
+        assert_eq!(CodeMatch::parse(bad), None, "{bad}");
+    }
+}

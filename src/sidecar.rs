@@ -1,0 +1,173 @@
+//! `courier run`: wires a source, the policy, the forwarder, the dispatcher
+//! and the telemetry endpoint together, and takes them down in order.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RunConfig;
+use crate::dispatch::{Dispatcher, DrainReport};
+use crate::forward::Forwarder;
+use crate::policy::file::Reload;
+use crate::policy::{self, LivePolicy, Policy};
+use crate::source::{self, Source};
+use crate::telemetry::{self, Health, Metrics, PolicyLabels, QueueLabels, ResultLabels};
+
+/// A sidecar ready to start; its metrics and health are readable from
+/// outside (the demo shows progress from them).
+pub struct Sidecar {
+    config: RunConfig,
+    pub metrics: Arc<Metrics>,
+    pub health: Arc<Health>,
+}
+
+impl Sidecar {
+    pub fn new(config: RunConfig) -> Self {
+        let metrics = Arc::new(Metrics::new());
+        metrics.init_queue(&config.options.queue);
+        Self {
+            config,
+            metrics,
+            health: Arc::new(Health::default()),
+        }
+    }
+
+    /// Binds the telemetry endpoint and returns its address (useful with
+    /// port 0), then runs until `shutdown` and drains.
+    pub async fn start(
+        self,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<anyhow::Result<DrainReport>>)> {
+        let listener = telemetry::bind(self.config.listen)
+            .await
+            .with_context(|| format!("cannot listen on --listen {}", self.config.listen))?;
+        let addr = listener.local_addr()?;
+        let handle = tokio::spawn(self.run(listener, shutdown));
+        Ok((addr, handle))
+    }
+
+    async fn run(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<DrainReport> {
+        let Self { config, metrics, health } = self;
+        let server_stop = CancellationToken::new();
+        let server = tokio::spawn(telemetry::serve(listener, metrics.clone(), health.clone(), server_stop.clone()));
+        let result = run_sidecar(&config, &metrics, &health, shutdown).await;
+        server_stop.cancel();
+        let _ = server.await;
+        result
+    }
+}
+
+fn show_policy(metrics: &Metrics, previous: Option<&Policy>, policy: &Policy) {
+    if let Some(previous) = previous.filter(|p| p.name != policy.name) {
+        metrics.policy_generation.remove(&PolicyLabels { policy: previous.name.clone() });
+    }
+    metrics
+        .policy_generation
+        .get_or_create(&PolicyLabels { policy: policy.name.clone() })
+        .set(policy.generation);
+}
+
+async fn run_sidecar(
+    config: &RunConfig,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<DrainReport> {
+    let (live, update) = LivePolicy::new(config.policy.clone());
+    show_policy(metrics, None, &config.policy);
+    let watcher = config.policy_file.clone().map(|path| {
+        let metrics = metrics.clone();
+        let mut in_force = config.policy.clone();
+        policy::file::watch(path, update, config.policy_poll, move |reload| match reload {
+            Reload::Applied(policy) => {
+                tracing::info!(policy = %policy.label(), "policy change applied");
+                show_policy(&metrics, Some(&in_force), policy);
+                in_force = (**policy).clone();
+                metrics.policy_reloads.get_or_create(&ResultLabels { result: "applied" }).inc();
+            }
+            Reload::Rejected(problem) => {
+                tracing::warn!(%problem, "policy change rejected; the last good policy stays in force");
+                metrics.policy_reloads.get_or_create(&ResultLabels { result: "rejected" }).inc();
+            }
+        })
+    });
+    let source = source::open(&config.source, config.options.clone())
+        .await
+        .with_context(|| format!("cannot open --source {}", config.source))?;
+    tracing::info!(
+        source = %config.source,
+        queue = %config.options.queue,
+        group = %config.options.group,
+        consumer = %config.options.consumer,
+        app = %config.app,
+        policy = %config.policy.label(),
+        "courier is running"
+    );
+    health.set_ready(true);
+    let poller = tokio::spawn(poll_depth(
+        source.clone(),
+        metrics.clone(),
+        config.options.queue.clone(),
+        config.depth_interval,
+        shutdown.clone(),
+    ));
+    let not_ready = {
+        let (health, shutdown) = (health.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            health.set_ready(false);
+        })
+    };
+    let dispatcher = Dispatcher {
+        source,
+        forwarder: Forwarder::new(config.app.clone(), config.concurrency),
+        policy: live,
+        metrics: metrics.clone(),
+        queue: config.options.queue.clone(),
+        concurrency: config.concurrency,
+        max_body: config.max_body,
+        drain_timeout: config.drain_timeout,
+    };
+    let report = dispatcher.run(shutdown).await;
+    tracing::info!(finished = report.finished, abandoned = report.abandoned, "stopped");
+    if let Some(watcher) = watcher {
+        watcher.abort();
+    }
+    let _ = poller.await;
+    let _ = not_ready.await;
+    Ok(report)
+}
+
+/// Reads depths from the broker on an interval. Never blocks deliveries; a
+/// failed poll is logged and counted.
+async fn poll_depth(
+    source: Arc<dyn Source>,
+    metrics: Arc<Metrics>,
+    queue: String,
+    interval: std::time::Duration,
+    shutdown: CancellationToken,
+) {
+    let labels = QueueLabels { queue };
+    loop {
+        match source.depth().await {
+            Ok(depth) => {
+                metrics.dlq_depth.get_or_create(&labels).set(depth.dead_letters as i64);
+                metrics.retry_backlog.get_or_create(&labels).set(depth.retry_backlog as i64);
+                metrics
+                    .dlq_oldest_age
+                    .get_or_create(&labels)
+                    .set(depth.oldest_dead_letter_age.map_or(0.0, |a| a.as_secs_f64()));
+            }
+            Err(e) => {
+                metrics.depth_poll_errors.get_or_create(&labels).inc();
+                tracing::warn!(error = %e, "reading queue depths failed");
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! Metrics (registered once, here, with the `courier_` prefix), the
+//! `/metrics`, `/healthz` and `/readyz` endpoints, and logging set-up.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub queue: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeliveryLabels {
+    pub queue: String,
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeadLetterLabels {
+    pub queue: String,
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    pub policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VersionLabels {
+    pub version: &'static str,
+}
+
+/// Buckets for a localhost HTTP round trip: 1 ms to 60 s.
+const DURATION_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
+/// Every metric courier exports. Names are without `_total`: the client
+/// appends it to counters.
+pub struct Metrics {
+    registry: Registry,
+    pub received: Family<QueueLabels, Counter>,
+    pub deliveries: Family<DeliveryLabels, Counter>,
+    pub acks: Family<QueueLabels, Counter>,
+    pub retries: Family<QueueLabels, Counter>,
+    pub dead_letters: Family<DeadLetterLabels, Counter>,
+    pub delivery_duration: Family<QueueLabels, Histogram>,
+    pub in_flight: Family<QueueLabels, Gauge>,
+    pub dlq_depth: Family<QueueLabels, Gauge>,
+    pub dlq_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    pub retry_backlog: Family<QueueLabels, Gauge>,
+    pub app_up: Gauge,
+    pub policy_generation: Family<PolicyLabels, Gauge>,
+    pub policy_reloads: Family<ResultLabels, Counter>,
+    pub retry_after_invalid: Family<QueueLabels, Counter>,
+    pub settle_errors: Family<QueueLabels, Counter>,
+    pub depth_poll_errors: Family<QueueLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("courier");
+        let metrics = Self {
+            received: Family::default(),
+            deliveries: Family::default(),
+            acks: Family::default(),
+            retries: Family::default(),
+            dead_letters: Family::default(),
+            delivery_duration: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
+            in_flight: Family::default(),
+            dlq_depth: Family::default(),
+            dlq_oldest_age: Family::default(),
+            retry_backlog: Family::default(),
+            app_up: Gauge::default(),
+            policy_generation: Family::default(),
+            policy_reloads: Family::default(),
+            retry_after_invalid: Family::default(),
+            settle_errors: Family::default(),
+            depth_poll_errors: Family::default(),
+            registry: Registry::default(),
+        };
+        let m = &metrics;
+        registry.register("messages_received", "Messages taken from the broker", m.received.clone());
+        registry.register(
+            "deliveries",
+            "Deliveries to the app, by how the answer was classified",
+            m.deliveries.clone(),
+        );
+        registry.register("acks", "Messages acked after a 2xx", m.acks.clone());
+        registry.register("retries", "Messages scheduled for a later retry", m.retries.clone());
+        registry.register("dead_letters", "Messages dead-lettered, by reason", m.dead_letters.clone());
+        registry.register(
+            "delivery_duration_seconds",
+            "Time from sending a message to the app to its whole answer",
+            m.delivery_duration.clone(),
+        );
+        registry.register("in_flight", "Deliveries waiting for the app's answer", m.in_flight.clone());
+        registry.register("dlq_depth", "Dead letters in the dead-letter queue", m.dlq_depth.clone());
+        registry.register(
+            "dlq_oldest_age_seconds",
+            "Age of the oldest dead letter",
+            m.dlq_oldest_age.clone(),
+        );
+        registry.register(
+            "retry_backlog",
+            "Messages scheduled for a later retry, in the broker",
+            m.retry_backlog.clone(),
+        );
+        registry.register("app_up", "1 when the app answered the last delivery", m.app_up.clone());
+        registry.register(
+            "policy_generation",
+            "Generation of the RetryPolicy in force",
+            m.policy_generation.clone(),
+        );
+        registry.register(
+            "policy_reloads",
+            "Policy changes, applied or rejected",
+            m.policy_reloads.clone(),
+        );
+        registry.register(
+            "retry_after_invalid",
+            "Retry-After headers that could not be read and were ignored",
+            m.retry_after_invalid.clone(),
+        );
+        registry.register(
+            "settle_errors",
+            "Acks, retries or dead letters the broker refused; the message is redelivered",
+            m.settle_errors.clone(),
+        );
+        registry.register(
+            "depth_poll_errors",
+            "Failed polls of queue depths",
+            m.depth_poll_errors.clone(),
+        );
+        let build_info = Family::<VersionLabels, Gauge>::default();
+        build_info
+            .get_or_create(&VersionLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register("build_info", "courier's version", build_info);
+        for result in ["applied", "rejected"] {
+            let _ = m.policy_reloads.get_or_create(&ResultLabels { result });
+        }
+        Self { registry, ..metrics }
+    }
+
+    /// Creates the per-queue series at zero so dashboards and `rate()` see
+    /// them before the first event.
+    pub fn init_queue(&self, queue: &str) {
+        let q = QueueLabels { queue: queue.to_string() };
+        let _ = self.received.get_or_create(&q);
+        let _ = self.acks.get_or_create(&q);
+        let _ = self.retries.get_or_create(&q);
+        let _ = self.in_flight.get_or_create(&q);
+        let _ = self.delivery_duration.get_or_create(&q);
+        for result in ["success", "transient", "permanent", "timeout", "unreachable"] {
+            let _ = self.deliveries.get_or_create(&DeliveryLabels {
+                queue: queue.to_string(),
+                result,
+            });
+        }
+        for reason in ["permanent-status", "attempts-exhausted", "undeliverable"] {
+            let _ = self.dead_letters.get_or_create(&DeadLetterLabels {
+                queue: queue.to_string(),
+                reason,
+            });
+        }
+    }
+
+    /// The exposition text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+// === Health ===
+
+/// What `/healthz` and `/readyz` report.
+#[derive(Default)]
+pub struct Health {
+    ready: AtomicBool,
+}
+
+impl Health {
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+}
+
+// === The HTTP endpoint ===
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a metrics connection failed");
+                    continue;
+                }
+            },
+        };
+        let (metrics, health) = (metrics.clone(), health.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<Incoming>| {
+                let response = respond(&req, &metrics, &health);
+                async move { Ok::<_, std::convert::Infallible>(response) }
+            });
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn respond(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
+    let text = |status: StatusCode, body: String| {
+        Response::builder()
+            .status(status)
+            .header("content-type", "text/plain; charset=utf-8")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_default()
+    };
+    match req.uri().path() {
+        "/metrics" => Response::builder()
+            .header(
+                "content-type",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )
+            .body(Full::new(Bytes::from(metrics.encode())))
+            .unwrap_or_default(),
+        "/healthz" => text(StatusCode::OK, "ok\n".into()),
+        "/readyz" if health.is_ready() => text(StatusCode::OK, "ready\n".into()),
+        "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n".into()),
+        _ => text(StatusCode::NOT_FOUND, "not found; try /metrics, /healthz or /readyz\n".into()),
+    }
+}
+
+/// Binds the endpoint address, with an error that says which flag to change.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+// === Logging ===
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// Installs the global subscriber; `RUST_LOG` overrides `level`.
+pub fn init_logging(format: LogFormat, level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second init (tests start several sidecars in one process) is fine.
+    let _ = match format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Human => builder.try_init(),
+    };
+}

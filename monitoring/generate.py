@@ -19,6 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# The modules imported from here are small; a __pycache__ beside them would only be litter.
+sys.dont_write_bytecode = True
 
 import alerts  # noqa: E402  (found through the path set just above)
 

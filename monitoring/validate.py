@@ -26,6 +26,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+# The modules imported from here are small; a __pycache__ beside them would only be litter.
+sys.dont_write_bytecode = True
 
 import alerts  # noqa: E402  (found through the path set just above)
 import generate  # noqa: E402
@@ -125,6 +127,8 @@ def check_dashboard():
     if (queue_query != "label_values(courier_deliveries_total, queue)"
             or not queue.get("multi") or not queue.get("includeAll")):
         fail("dashboard: needs a multi, include-all queue variable from courier_deliveries_total")
+    if queue.get("datasource", {}).get("uid") != "${datasource}":
+        fail("dashboard: the queue variable's datasource is not ${datasource}")
     ids = [panel.get("id") for panel in panels_of(dashboard)]
     if len(ids) != len(set(ids)):
         fail("dashboard: panel ids are not unique")

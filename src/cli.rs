@@ -18,8 +18,17 @@ use crate::telemetry;
 /// exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init_logging(cli.log_format, &cli.log_level);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // The demo's own progress line is the output; its per-message warnings
+    // (the dead letters it makes on purpose) would only bury it.
+    let level = match cli.command {
+        Command::Demo(_) if cli.log_level == "info" => "error",
+        _ => cli.log_level.as_str(),
+    };
+    telemetry::init_logging(cli.log_format, level);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");
@@ -81,7 +90,9 @@ async fn send(args: SendArgs) -> anyhow::Result<ExitCode> {
     check_queue(&args.source.queue)?;
     let body = if args.body == "-" {
         let mut buf = Vec::new();
-        std::io::stdin().read_to_end(&mut buf).context("cannot read the body from stdin")?;
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .context("cannot read the body from stdin")?;
         Bytes::from(buf)
     } else {
         Bytes::from(args.body.into_bytes())

@@ -28,7 +28,13 @@ pub struct UsageError(pub String);
 )]
 pub struct Cli {
     /// Log format.
-    #[arg(long, env = "COURIER_LOG_FORMAT", value_enum, default_value = "human", global = true)]
+    #[arg(
+        long,
+        env = "COURIER_LOG_FORMAT",
+        value_enum,
+        default_value = "human",
+        global = true
+    )]
     pub log_format: LogFormat,
     /// Log level or filter (RUST_LOG syntax); RUST_LOG wins when set.
     #[arg(long, env = "COURIER_LOG_LEVEL", default_value = "info", global = true)]
@@ -127,18 +133,27 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         "KB" | "kB" => 1000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
-        _ => return Err(format!("{text:?} has an unknown unit; use B, KiB, MiB, GiB, KB, MB or GB")),
+        _ => {
+            return Err(format!(
+                "{text:?} has an unknown unit; use B, KiB, MiB, GiB, KB, MB or GB"
+            ));
+        }
     };
     n.checked_mul(factor)
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 fn parse_header(text: &str) -> Result<(String, String), String> {
-    let (name, value) = text
-        .split_once('=')
-        .ok_or_else(|| format!("{text:?} is not K=V; write --header content-type=application/json"))?;
+    let (name, value) = text.split_once('=').ok_or_else(|| {
+        format!("{text:?} is not K=V; write --header content-type=application/json")
+    })?;
     if name.is_empty() {
         return Err(format!("{text:?} has an empty header name"));
+    }
+    if name.to_ascii_lowercase().starts_with("courier-") {
+        return Err(format!(
+            "{name:?}: courier-* names are courier's own bookkeeping and cannot be set by a producer"
+        ));
     }
     Ok((name.to_string(), value.to_string()))
 }
@@ -164,7 +179,9 @@ pub struct RunConfig {
 /// first broker call.
 pub fn check_queue(queue: &str) -> Result<(), UsageError> {
     if queue.trim().is_empty() {
-        return Err(UsageError("--queue is empty; name the stream or queue to consume".into()));
+        return Err(UsageError(
+            "--queue is empty; name the stream or queue to consume".into(),
+        ));
     }
     Ok(())
 }
@@ -176,16 +193,22 @@ pub fn parse_source(text: &str) -> Result<SourceUrl, UsageError> {
 /// The app URL: `http://` only, because the app is on localhost and TLS
 /// there would only cost time.
 pub fn parse_app(text: &str) -> Result<Uri, UsageError> {
-    let uri: Uri = text
-        .parse()
-        .map_err(|e| UsageError(format!("--app {text:?} is not a URL ({e}); write it like http://127.0.0.1:8080/")))?;
+    let uri: Uri = text.parse().map_err(|e| {
+        UsageError(format!(
+            "--app {text:?} is not a URL ({e}); write it like http://127.0.0.1:8080/"
+        ))
+    })?;
     match uri.scheme_str() {
         Some("http") if uri.host().is_some() => Ok(uri),
-        Some("http") => Err(UsageError(format!("--app {text:?} has no host; write it like http://127.0.0.1:8080/"))),
+        Some("http") => Err(UsageError(format!(
+            "--app {text:?} has no host; write it like http://127.0.0.1:8080/"
+        ))),
         Some(other) => Err(UsageError(format!(
             "--app {text:?}: scheme {other:?} is not supported; the app is reached over plain http:// on localhost"
         ))),
-        None => Err(UsageError(format!("--app {text:?} has no scheme; write it like http://127.0.0.1:8080/"))),
+        None => Err(UsageError(format!(
+            "--app {text:?} has no scheme; write it like http://127.0.0.1:8080/"
+        ))),
     }
 }
 
@@ -198,7 +221,10 @@ impl RunConfig {
             return Err(UsageError("--concurrency must be at least 1".into()));
         }
         let listen: SocketAddr = args.listen.parse().map_err(|_| {
-            UsageError(format!("--listen {:?} is not an address; write it like 0.0.0.0:9464", args.listen))
+            UsageError(format!(
+                "--listen {:?} is not an address; write it like 0.0.0.0:9464",
+                args.listen
+            ))
         })?;
         let policy = match &args.policy_file {
             Some(path) => policy::file::load(path).map_err(|e| UsageError(e.to_string()))?,
@@ -268,5 +294,6 @@ mod tests {
         assert_eq!(parse_header("a=b=c"), Ok(("a".into(), "b=c".into())));
         assert!(parse_header("novalue").is_err());
         assert!(parse_header("=x").is_err());
+        assert!(parse_header("Courier-Attempt=9").is_err());
     }
 }

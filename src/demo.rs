@@ -30,7 +30,11 @@ const QUEUE: &str = "orders";
 /// 200; some 429 with `Retry-After: 1` once; some 400; a few always 503.
 fn sample_answer(n: usize, attempt: u32) -> (u16, Option<&'static str>, &'static str) {
     match n % 20 {
-        0 => (400, None, r#"{"error":"invalid order: quantity must be positive"}"#),
+        0 => (
+            400,
+            None,
+            r#"{"error":"invalid order: quantity must be positive"}"#,
+        ),
         1 | 2 if attempt == 1 => (429, Some("1"), r#"{"error":"slow down"}"#),
         3..=5 if attempt <= 2 => (503, None, r#"{"error":"database is restarting"}"#),
         7 if n % 40 == 7 => (503, None, r#"{"error":"payment provider down"}"#),
@@ -54,10 +58,18 @@ async fn sample_app(listener: TcpListener, stop: CancellationToken) {
                     .get("courier-attempt")
                     .and_then(|v| v.to_str().ok()?.parse().ok())
                     .unwrap_or(1);
-                let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                let body = req
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
                 let n: usize = std::str::from_utf8(&body)
                     .ok()
-                    .and_then(|b| b.split('"').find_map(|part| part.strip_prefix("order-")?.parse().ok()))
+                    .and_then(|b| {
+                        b.split('"')
+                            .find_map(|part| part.strip_prefix("order-")?.parse().ok())
+                    })
                     .unwrap_or(0);
                 let (status, retry_after, text) = sample_answer(n, attempt);
                 let mut response = Response::builder()
@@ -76,14 +88,19 @@ async fn sample_app(listener: TcpListener, stop: CancellationToken) {
 }
 
 fn counter_sum(metrics: &Metrics) -> (u64, u64, u64, HashMap<&'static str, u64>) {
-    let q = QueueLabels { queue: QUEUE.into() };
+    let q = QueueLabels {
+        queue: QUEUE.into(),
+    };
     let acked = metrics.acks.get_or_create(&q).get();
     let retried = metrics.retries.get_or_create(&q).get();
     let mut by_reason = HashMap::new();
     for reason in ["permanent-status", "attempts-exhausted", "undeliverable"] {
         let n = metrics
             .dead_letters
-            .get_or_create(&DeadLetterLabels { queue: QUEUE.into(), reason })
+            .get_or_create(&DeadLetterLabels {
+                queue: QUEUE.into(),
+                reason,
+            })
             .get();
         by_reason.insert(reason, n);
     }
@@ -114,7 +131,12 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         timeout: Duration::from_secs(5),
         ..Policy::default()
     }
-    .backoff_of(Duration::from_millis(100), Duration::from_secs(1), 2.0, Jitter::Equal);
+    .backoff_of(
+        Duration::from_millis(100),
+        Duration::from_secs(1),
+        2.0,
+        Jitter::Equal,
+    );
     let mut options = SourceOptions::new(QUEUE);
     options.visibility_timeout = Duration::from_secs(30);
     let config = RunConfig {
@@ -130,8 +152,12 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         max_body: 4 << 20,
         depth_interval: Duration::from_secs(1),
     };
-    println!("courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/");
-    println!("the app answers mostly 200, some 503 then 200, some 429 with Retry-After: 1, some 400, a few always 503\n");
+    println!(
+        "courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/"
+    );
+    println!(
+        "the app answers mostly 200, some 503 then 200, some 429 with Retry-After: 1, some 400, a few always 503\n"
+    );
     let sidecar = Sidecar::new(config);
     let metrics = sidecar.metrics.clone();
     let shutdown = CancellationToken::new();
@@ -142,7 +168,12 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
     let mut stdout = std::io::stdout();
     loop {
         let (acked, retried, dead, _) = counter_sum(&metrics);
-        let in_flight = metrics.in_flight.get_or_create(&QueueLabels { queue: QUEUE.into() }).get();
+        let in_flight = metrics
+            .in_flight
+            .get_or_create(&QueueLabels {
+                queue: QUEUE.into(),
+            })
+            .get();
         print!(
             "\r  acked {acked:>5}   retries {retried:>5}   dead-lettered {dead:>4}   in flight {in_flight:>3}   {:>5.1}s",
             started.elapsed().as_secs_f64()

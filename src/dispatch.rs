@@ -92,7 +92,8 @@ impl Dispatcher {
                 }
                 Err(e) => {
                     failures += 1;
-                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6))).min(Duration::from_secs(5));
+                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)))
+                        .min(Duration::from_secs(5));
                     tracing::warn!(error = %e, retry_in = ?wait, queue = %shared.dispatcher.queue, "reading from the broker failed");
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
@@ -110,6 +111,7 @@ impl Dispatcher {
                 });
             }
         }
+        while tasks.try_join_next().is_some() {}
         let in_flight = tasks.len();
         let dispatcher = &shared.dispatcher;
         if in_flight > 0 {
@@ -123,7 +125,10 @@ impl Dispatcher {
             let left = tasks.len();
             tasks.abort_all();
             while tasks.join_next().await.is_some() {}
-            tracing::warn!(left, "drain timeout reached; unfinished deliveries stay unacked and will be redelivered");
+            tracing::warn!(
+                left,
+                "drain timeout reached; unfinished deliveries stay unacked and will be redelivered"
+            );
             left
         } else {
             0
@@ -139,13 +144,17 @@ impl Dispatcher {
 impl Shared {
     async fn deliver(&self, delivery: Delivery) {
         let d = &self.dispatcher;
-        let queue = QueueLabels { queue: d.queue.clone() };
+        let queue = QueueLabels {
+            queue: d.queue.clone(),
+        };
         d.metrics.received.get_or_create(&queue).inc();
         let policy = d.policy.current();
         let started_at = SystemTime::now();
         let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
         let outcome = if let Some(problem) = &delivery.problem {
-            Outcome::Undeliverable { error: problem.clone() }
+            Outcome::Undeliverable {
+                error: problem.clone(),
+            }
         } else if delivery.message.body.len() > d.max_body {
             Outcome::Undeliverable {
                 error: format!(
@@ -218,7 +227,10 @@ impl Shared {
                 }
                 r
             }
-            Verdict::Retry { delay, attempt_used } => {
+            Verdict::Retry {
+                delay,
+                attempt_used,
+            } => {
                 let next = if attempt_used {
                     delivery.attempt + 1
                 } else {

@@ -262,7 +262,10 @@ mod tests {
             ("0", Some(Duration::ZERO)),
             ("1", Some(Duration::from_secs(1))),
             (" 120 ", Some(Duration::from_secs(120))),
-            ("Sun, 29 Nov 2026 12:00:30 GMT", Some(Duration::from_secs(30))),
+            (
+                "Sun, 29 Nov 2026 12:00:30 GMT",
+                Some(Duration::from_secs(30)),
+            ),
             ("Sun, 29 Nov 2026 11:00:00 GMT", Some(Duration::ZERO)),
             ("-5", None),
             ("1.5", None),
@@ -280,7 +283,14 @@ mod tests {
 
     #[test]
     fn reserved_headers_are_not_forwarded() {
-        for name in ["Host", "content-length", "Connection", "Transfer-Encoding", "Courier-Attempt", "courier-x"] {
+        for name in [
+            "Host",
+            "content-length",
+            "Connection",
+            "Transfer-Encoding",
+            "Courier-Attempt",
+            "courier-x",
+        ] {
             assert!(is_reserved(name), "{name}");
         }
         for name in ["traceparent", "tracestate", "x-tenant"] {

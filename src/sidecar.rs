@@ -39,7 +39,10 @@ impl Sidecar {
     pub async fn start(
         self,
         shutdown: CancellationToken,
-    ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<anyhow::Result<DrainReport>>)> {
+    ) -> anyhow::Result<(
+        SocketAddr,
+        tokio::task::JoinHandle<anyhow::Result<DrainReport>>,
+    )> {
         let listener = telemetry::bind(self.config.listen)
             .await
             .with_context(|| format!("cannot listen on --listen {}", self.config.listen))?;
@@ -48,10 +51,23 @@ impl Sidecar {
         Ok((addr, handle))
     }
 
-    async fn run(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<DrainReport> {
-        let Self { config, metrics, health } = self;
+    async fn run(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<DrainReport> {
+        let Self {
+            config,
+            metrics,
+            health,
+        } = self;
         let server_stop = CancellationToken::new();
-        let server = tokio::spawn(telemetry::serve(listener, metrics.clone(), health.clone(), server_stop.clone()));
+        let server = tokio::spawn(telemetry::serve(
+            listener,
+            metrics.clone(),
+            health.clone(),
+            server_stop.clone(),
+        ));
         let result = run_sidecar(&config, &metrics, &health, shutdown).await;
         server_stop.cancel();
         let _ = server.await;
@@ -61,11 +77,15 @@ impl Sidecar {
 
 fn show_policy(metrics: &Metrics, previous: Option<&Policy>, policy: &Policy) {
     if let Some(previous) = previous.filter(|p| p.name != policy.name) {
-        metrics.policy_generation.remove(&PolicyLabels { policy: previous.name.clone() });
+        metrics.policy_generation.remove(&PolicyLabels {
+            policy: previous.name.clone(),
+        });
     }
     metrics
         .policy_generation
-        .get_or_create(&PolicyLabels { policy: policy.name.clone() })
+        .get_or_create(&PolicyLabels {
+            policy: policy.name.clone(),
+        })
         .set(policy.generation);
 }
 
@@ -131,7 +151,11 @@ async fn run_sidecar(
         drain_timeout: config.drain_timeout,
     };
     let report = dispatcher.run(shutdown).await;
-    tracing::info!(finished = report.finished, abandoned = report.abandoned, "stopped");
+    tracing::info!(
+        finished = report.finished,
+        abandoned = report.abandoned,
+        "stopped"
+    );
     if let Some(watcher) = watcher {
         watcher.abort();
     }
@@ -153,12 +177,19 @@ async fn poll_depth(
     loop {
         match source.depth().await {
             Ok(depth) => {
-                metrics.dlq_depth.get_or_create(&labels).set(depth.dead_letters as i64);
-                metrics.retry_backlog.get_or_create(&labels).set(depth.retry_backlog as i64);
                 metrics
-                    .dlq_oldest_age
+                    .dlq_depth
                     .get_or_create(&labels)
-                    .set(depth.oldest_dead_letter_age.map_or(0.0, |a| a.as_secs_f64()));
+                    .set(depth.dead_letters as i64);
+                metrics
+                    .retry_backlog
+                    .get_or_create(&labels)
+                    .set(depth.retry_backlog as i64);
+                metrics.dlq_oldest_age.get_or_create(&labels).set(
+                    depth
+                        .oldest_dead_letter_age
+                        .map_or(0.0, |a| a.as_secs_f64()),
+                );
             }
             Err(e) => {
                 metrics.depth_poll_errors.get_or_create(&labels).inc();

@@ -109,22 +109,42 @@ impl Metrics {
             registry: Registry::default(),
         };
         let m = &metrics;
-        registry.register("messages_received", "Messages taken from the broker", m.received.clone());
+        registry.register(
+            "messages_received",
+            "Messages taken from the broker",
+            m.received.clone(),
+        );
         registry.register(
             "deliveries",
             "Deliveries to the app, by how the answer was classified",
             m.deliveries.clone(),
         );
         registry.register("acks", "Messages acked after a 2xx", m.acks.clone());
-        registry.register("retries", "Messages scheduled for a later retry", m.retries.clone());
-        registry.register("dead_letters", "Messages dead-lettered, by reason", m.dead_letters.clone());
+        registry.register(
+            "retries",
+            "Messages scheduled for a later retry",
+            m.retries.clone(),
+        );
+        registry.register(
+            "dead_letters",
+            "Messages dead-lettered, by reason",
+            m.dead_letters.clone(),
+        );
         registry.register(
             "delivery_duration_seconds",
             "Time from sending a message to the app to its whole answer",
             m.delivery_duration.clone(),
         );
-        registry.register("in_flight", "Deliveries waiting for the app's answer", m.in_flight.clone());
-        registry.register("dlq_depth", "Dead letters in the dead-letter queue", m.dlq_depth.clone());
+        registry.register(
+            "in_flight",
+            "Deliveries waiting for the app's answer",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "dlq_depth",
+            "Dead letters in the dead-letter queue",
+            m.dlq_depth.clone(),
+        );
         registry.register(
             "dlq_oldest_age_seconds",
             "Age of the oldest dead letter",
@@ -135,7 +155,11 @@ impl Metrics {
             "Messages scheduled for a later retry, in the broker",
             m.retry_backlog.clone(),
         );
-        registry.register("app_up", "1 when the app answered the last delivery", m.app_up.clone());
+        registry.register(
+            "app_up",
+            "1 when the app answered the last delivery",
+            m.app_up.clone(),
+        );
         registry.register(
             "policy_generation",
             "Generation of the RetryPolicy in force",
@@ -171,19 +195,30 @@ impl Metrics {
         for result in ["applied", "rejected"] {
             let _ = m.policy_reloads.get_or_create(&ResultLabels { result });
         }
-        Self { registry, ..metrics }
+        Self {
+            registry,
+            ..metrics
+        }
     }
 
     /// Creates the per-queue series at zero so dashboards and `rate()` see
     /// them before the first event.
     pub fn init_queue(&self, queue: &str) {
-        let q = QueueLabels { queue: queue.to_string() };
+        let q = QueueLabels {
+            queue: queue.to_string(),
+        };
         let _ = self.received.get_or_create(&q);
         let _ = self.acks.get_or_create(&q);
         let _ = self.retries.get_or_create(&q);
         let _ = self.in_flight.get_or_create(&q);
         let _ = self.delivery_duration.get_or_create(&q);
-        for result in ["success", "transient", "permanent", "timeout", "unreachable"] {
+        for result in [
+            "success",
+            "transient",
+            "permanent",
+            "timeout",
+            "unreachable",
+        ] {
             let _ = self.deliveries.get_or_create(&DeliveryLabels {
                 queue: queue.to_string(),
                 result,
@@ -276,7 +311,10 @@ fn respond(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Respo
         "/healthz" => text(StatusCode::OK, "ok\n".into()),
         "/readyz" if health.is_ready() => text(StatusCode::OK, "ready\n".into()),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n".into()),
-        _ => text(StatusCode::NOT_FOUND, "not found; try /metrics, /healthz or /readyz\n".into()),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found; try /metrics, /healthz or /readyz\n".into(),
+        ),
     }
 }
 

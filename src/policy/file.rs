@@ -13,7 +13,10 @@ use super::{API_VERSION, KIND, Policy, PolicyUpdate, RetryPolicyDocument};
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyFileError {
     #[error("cannot read policy file {path}: {error}")]
-    Unreadable { path: PathBuf, error: std::io::Error },
+    Unreadable {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     #[error("policy file {path}: {problem}")]
     Invalid { path: PathBuf, problem: String },
 }
@@ -96,7 +99,9 @@ pub fn watch(
                     policy.generation = update.current().generation + 1;
                     Reload::Applied(update.apply(policy))
                 }
-                Err(problem) => Reload::Rejected(format!("policy file {}: {problem}", path.display())),
+                Err(problem) => {
+                    Reload::Rejected(format!("policy file {}: {problem}", path.display()))
+                }
             };
             on_reload(&reload);
         }
@@ -149,11 +154,15 @@ spec:
             ("backoff: {multiplier: 0.5}", "spec.backoff.multiplier"),
             ("backoff: {jitter: sometimes}", "jitter"),
             ("statusCodes: {retry: [\"6xx\"]}", "spec.statusCodes.retry"),
-            ("statusCodes: {retry: [\"503\"], deadLetter: [\"503\"]}", "spec.statusCodes"),
+            (
+                "statusCodes: {retry: [\"503\"], deadLetter: [\"503\"]}",
+                "spec.statusCodes",
+            ),
             ("maxAttemps: 3", "maxAttemps"),
         ];
         for (spec, field) in rows {
-            let text = format!("apiVersion: courier.dev/v1alpha1\nkind: RetryPolicy\nspec:\n  {spec}\n");
+            let text =
+                format!("apiVersion: courier.dev/v1alpha1\nkind: RetryPolicy\nspec:\n  {spec}\n");
             let err = parse(&text).unwrap_err();
             assert!(err.contains(field), "{spec}: {err}");
         }

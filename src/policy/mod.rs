@@ -255,7 +255,9 @@ impl Policy {
             Some(n) => {
                 return Err(PolicyError::new(
                     "spec.maxAttempts",
-                    format!("must be between 1 and 1000 (deliveries in all, the first included), got {n}"),
+                    format!(
+                        "must be between 1 and 1000 (deliveries in all, the first included), got {n}"
+                    ),
                 ));
             }
         };
@@ -471,8 +473,13 @@ pub enum Verdict {
     Ack,
     /// Deliver again after `delay`. When `attempt_used` is false the app never
     /// saw the message (it was unreachable) and the attempt is not counted.
-    Retry { delay: Duration, attempt_used: bool },
-    DeadLetter { reason: DeadLetterReason },
+    Retry {
+        delay: Duration,
+        attempt_used: bool,
+    },
+    DeadLetter {
+        reason: DeadLetterReason,
+    },
 }
 
 /// The class travels with the verdict: it is the metric label and log field.
@@ -540,7 +547,13 @@ impl Policy {
         self
     }
 
-    pub fn backoff_of(mut self, initial: Duration, max: Duration, multiplier: f64, jitter: Jitter) -> Self {
+    pub fn backoff_of(
+        mut self,
+        initial: Duration,
+        max: Duration,
+        multiplier: f64,
+        jitter: Jitter,
+    ) -> Self {
         self.backoff = Backoff {
             initial,
             max,

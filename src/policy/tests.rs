@@ -27,7 +27,12 @@ fn answered_with_retry_after(status: u16, secs: u64) -> Outcome {
 const NO_JITTER: f64 = 0.0;
 
 fn no_jitter_policy() -> Policy {
-    Policy::test().backoff_of(Duration::from_secs(1), Duration::from_secs(300), 2.0, Jitter::None)
+    Policy::test().backoff_of(
+        Duration::from_secs(1),
+        Duration::from_secs(300),
+        2.0,
+        Jitter::None,
+    )
 }
 
 #[test]
@@ -55,8 +60,18 @@ fn classification_table() {
         (answered(304), Class::Permanent),
         (answered(100), Class::Permanent),
         (Outcome::Timeout, Class::Timeout),
-        (Outcome::Unreachable { error: "refused".into() }, Class::Unreachable),
-        (Outcome::Undeliverable { error: "too big".into() }, Class::Undeliverable),
+        (
+            Outcome::Unreachable {
+                error: "refused".into(),
+            },
+            Class::Unreachable,
+        ),
+        (
+            Outcome::Undeliverable {
+                error: "too big".into(),
+            },
+            Class::Undeliverable,
+        ),
     ];
     for (outcome, want) in rows {
         assert_eq!(policy.classify(outcome), *want, "{outcome:?}");
@@ -80,12 +95,18 @@ fn verdict_table() {
         (answered(429), 1, retry(1)),
         (answered(408), 2, retry(2)),
         (Outcome::Timeout, 1, retry(1)),
-        (Outcome::Timeout, 3, dead(DeadLetterReason::AttemptsExhausted)),
+        (
+            Outcome::Timeout,
+            3,
+            dead(DeadLetterReason::AttemptsExhausted),
+        ),
         (answered(400), 1, dead(DeadLetterReason::PermanentStatus)),
         (answered(501), 1, dead(DeadLetterReason::PermanentStatus)),
         (answered(302), 1, dead(DeadLetterReason::PermanentStatus)),
         (
-            Outcome::Unreachable { error: "refused".into() },
+            Outcome::Unreachable {
+                error: "refused".into(),
+            },
             3,
             Verdict::Retry {
                 delay: Duration::from_secs(4),
@@ -93,7 +114,9 @@ fn verdict_table() {
             },
         ),
         (
-            Outcome::Undeliverable { error: "too big".into() },
+            Outcome::Undeliverable {
+                error: "too big".into(),
+            },
             1,
             dead(DeadLetterReason::Undeliverable),
         ),
@@ -142,12 +165,30 @@ fn status_code_matching_exact_beats_class() {
 
 #[test]
 fn backoff_grows_and_is_capped() {
-    let policy = Policy::test().backoff_of(Duration::from_secs(1), Duration::from_secs(10), 2.0, Jitter::None);
-    let rows = [(1, 1), (2, 2), (3, 4), (4, 8), (5, 10), (50, 10), (u32::MAX, 10)];
+    let policy = Policy::test().backoff_of(
+        Duration::from_secs(1),
+        Duration::from_secs(10),
+        2.0,
+        Jitter::None,
+    );
+    let rows = [
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (4, 8),
+        (5, 10),
+        (50, 10),
+        (u32::MAX, 10),
+    ];
     for (n, secs) in rows {
         assert_eq!(policy.backoff(n), Duration::from_secs(secs), "n={n}");
     }
-    let flat = Policy::test().backoff_of(Duration::from_millis(500), Duration::from_secs(10), 1.0, Jitter::None);
+    let flat = Policy::test().backoff_of(
+        Duration::from_millis(500),
+        Duration::from_secs(10),
+        1.0,
+        Jitter::None,
+    );
     assert_eq!(flat.backoff(7), Duration::from_millis(500));
 }
 
@@ -166,7 +207,11 @@ fn jitter_modes() {
         (Jitter::Equal, 1.0, Duration::from_secs(8)),
     ];
     for (jitter, sample, want) in rows {
-        assert_eq!(policy(jitter).jittered_backoff(1, sample), want, "{jitter:?} {sample}");
+        assert_eq!(
+            policy(jitter).jittered_backoff(1, sample),
+            want,
+            "{jitter:?} {sample}"
+        );
     }
 }
 
@@ -174,20 +219,39 @@ fn jitter_modes() {
 fn retry_after_rows() {
     let honored = no_jitter_policy().retry_after_honored(true, Duration::from_secs(60));
     let ignored = no_jitter_policy().retry_after_honored(false, Duration::from_secs(60));
-    let delay = |policy: &Policy, outcome: Outcome, attempt| match decide(policy, &outcome, attempt, NO_JITTER).verdict {
+    let delay = |policy: &Policy, outcome: Outcome, attempt| match decide(
+        policy, &outcome, attempt, NO_JITTER,
+    )
+    .verdict
+    {
         Verdict::Retry { delay, .. } => delay,
         other => panic!("expected a retry, got {other:?}"),
     };
     // Retry-After longer than the backoff wins.
-    assert_eq!(delay(&honored, answered_with_retry_after(429, 30), 1), Duration::from_secs(30));
+    assert_eq!(
+        delay(&honored, answered_with_retry_after(429, 30), 1),
+        Duration::from_secs(30)
+    );
     // The backoff wins when it is longer.
-    assert_eq!(delay(&honored, answered_with_retry_after(503, 1), 4), Duration::from_secs(8));
+    assert_eq!(
+        delay(&honored, answered_with_retry_after(503, 1), 4),
+        Duration::from_secs(8)
+    );
     // Capped by retryAfter.max.
-    assert_eq!(delay(&honored, answered_with_retry_after(429, 7200), 1), Duration::from_secs(60));
+    assert_eq!(
+        delay(&honored, answered_with_retry_after(429, 7200), 1),
+        Duration::from_secs(60)
+    );
     // A past date arrives as zero: the backoff stands.
-    assert_eq!(delay(&honored, answered_with_retry_after(503, 0), 2), Duration::from_secs(2));
+    assert_eq!(
+        delay(&honored, answered_with_retry_after(503, 0), 2),
+        Duration::from_secs(2)
+    );
     // Not honored: the backoff only.
-    assert_eq!(delay(&ignored, answered_with_retry_after(429, 30), 1), Duration::from_secs(1));
+    assert_eq!(
+        delay(&ignored, answered_with_retry_after(429, 30), 1),
+        Duration::from_secs(1)
+    );
     // An invalid value was dropped by the reader: the backoff only.
     let invalid = Outcome::Answered {
         status: 503,
@@ -217,8 +281,14 @@ fn validation_rejects_nonsense() {
         ("backoff: {initial: 1m, max: 1s}", "spec.backoff.max"),
         ("backoff: {multiplier: 0.9}", "spec.backoff.multiplier"),
         ("retryAfter: {max: forever}", "spec.retryAfter.max"),
-        ("statusCodes: {retry: [\"5xx\", \"50\"]}", "spec.statusCodes.retry"),
-        ("statusCodes: {deadLetter: [\"200\"]}", "spec.statusCodes.deadLetter"),
+        (
+            "statusCodes: {retry: [\"5xx\", \"50\"]}",
+            "spec.statusCodes.retry",
+        ),
+        (
+            "statusCodes: {deadLetter: [\"200\"]}",
+            "spec.statusCodes.deadLetter",
+        ),
         ("statusCodes: {retry: [\"2xx\"]}", "spec.statusCodes.retry"),
         ("statusCodes: {retry: [\"4xx\"]}", "spec.statusCodes"),
     ];
@@ -231,7 +301,13 @@ fn validation_rejects_nonsense() {
 #[test]
 fn omitted_fields_take_the_defaults() {
     let policy = Policy::from_spec("p", &RetryPolicySpec::default()).unwrap();
-    assert_eq!(policy, Policy { name: "p".into(), ..Policy::default() });
+    assert_eq!(
+        policy,
+        Policy {
+            name: "p".into(),
+            ..Policy::default()
+        }
+    );
     assert_eq!(policy.label(), "p@0");
 }
 

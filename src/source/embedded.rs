@@ -65,7 +65,10 @@ fn ms(t: SystemTime) -> u64 {
 fn shared_database(dir: &Path) -> Result<Arc<Database>, SourceError> {
     static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<Database>>>> = OnceLock::new();
     std::fs::create_dir_all(dir).map_err(|e| {
-        SourceError::Invalid(format!("cannot create the embedded queue directory {}: {e}", dir.display()))
+        SourceError::Invalid(format!(
+            "cannot create the embedded queue directory {}: {e}",
+            dir.display()
+        ))
     })?;
     let path = dir
         .canonicalize()
@@ -104,7 +107,9 @@ impl EmbeddedSource {
                     blocking(move || {
                         let tx = db.begin_write().map_err(store_error)?;
                         {
-                            let mut table = tx.open_table(QueueTable::new(&leased)).map_err(store_error)?;
+                            let mut table = tx
+                                .open_table(QueueTable::new(&leased))
+                                .map_err(store_error)?;
                             for key in keys {
                                 table.remove(key).map_err(store_error)?;
                             }
@@ -123,8 +128,10 @@ impl EmbeddedSource {
         };
         // Create the tables now so that a read before the first write works.
         let tx = store.db.begin_write().map_err(store_error)?;
-        tx.open_table(QueueTable::new(&store.ready)).map_err(store_error)?;
-        tx.open_table(QueueTable::new(&store.leased)).map_err(store_error)?;
+        tx.open_table(QueueTable::new(&store.ready))
+            .map_err(store_error)?;
+        tx.open_table(QueueTable::new(&store.leased))
+            .map_err(store_error)?;
         tx.open_table(DlqTable::new(&dlq_table(&store.options.dead_letter_queue)))
             .map_err(store_error)?;
         tx.open_table(META).map_err(store_error)?;
@@ -150,7 +157,6 @@ fn dlq_table(name: &str) -> String {
 }
 
 impl Store {
-
     /// Takes up to `max` due messages and expired leases, and leases them.
     fn lease(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let now = now_ms();
@@ -158,8 +164,12 @@ impl Store {
         let tx = self.db.begin_write().map_err(store_error)?;
         let mut out = Vec::new();
         {
-            let mut ready = tx.open_table(QueueTable::new(&self.ready)).map_err(store_error)?;
-            let mut leased = tx.open_table(QueueTable::new(&self.leased)).map_err(store_error)?;
+            let mut ready = tx
+                .open_table(QueueTable::new(&self.ready))
+                .map_err(store_error)?;
+            let mut leased = tx
+                .open_table(QueueTable::new(&self.leased))
+                .map_err(store_error)?;
             let mut taken: Vec<((u64, u64), Vec<u8>)> = Vec::new();
             for table in [&mut leased, &mut ready] {
                 let remaining = max - taken.len();
@@ -209,7 +219,9 @@ impl Store {
         let key = parse_receipt(receipt)?;
         let tx = self.db.begin_write().map_err(store_error)?;
         let held = {
-            let mut leased = tx.open_table(QueueTable::new(&self.leased)).map_err(store_error)?;
+            let mut leased = tx
+                .open_table(QueueTable::new(&self.leased))
+                .map_err(store_error)?;
             leased.remove(key).map_err(store_error)?.is_some()
         };
         if held {
@@ -220,7 +232,12 @@ impl Store {
 
     fn next_seq(tx: &redb::WriteTransaction) -> Result<u64, SourceError> {
         let mut meta = tx.open_table(META).map_err(store_error)?;
-        let seq = meta.get(SEQ).map_err(store_error)?.map(|v| v.value()).unwrap_or(0) + 1;
+        let seq = meta
+            .get(SEQ)
+            .map_err(store_error)?
+            .map(|v| v.value())
+            .unwrap_or(0)
+            + 1;
         meta.insert(SEQ, seq).map_err(store_error)?;
         Ok(seq)
     }
@@ -231,7 +248,10 @@ fn take_deliveries(fields: &mut Vec<(Bytes, Bytes)>) -> u32 {
     let mut count = 0;
     fields.retain(|(name, value)| {
         if name.as_ref() == F_DELIVERIES.as_bytes() {
-            count = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+            count = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
             false
         } else {
             true
@@ -254,7 +274,6 @@ async fn blocking<T: Send + 'static>(
         .await
         .map_err(|e| store_error(format!("worker failed: {e}")))?
 }
-
 
 #[async_trait]
 impl Source for EmbeddedSource {
@@ -284,8 +303,12 @@ impl Source for EmbeddedSource {
         let receipt = delivery.receipt.clone();
         self.with_store(move |s| {
             s.settle(&receipt, |tx, seq| {
-                let mut ready = tx.open_table(QueueTable::new(&s.ready)).map_err(store_error)?;
-                ready.insert((ms(at), seq), fields.as_slice()).map_err(store_error)?;
+                let mut ready = tx
+                    .open_table(QueueTable::new(&s.ready))
+                    .map_err(store_error)?;
+                ready
+                    .insert((ms(at), seq), fields.as_slice())
+                    .map_err(store_error)?;
                 Ok(())
             })
         })
@@ -315,17 +338,26 @@ impl Source for EmbeddedSource {
         self.with_store(|s| {
             let tx = s.db.begin_read().map_err(store_error)?;
             let now = now_ms();
-            let ready = tx.open_table(QueueTable::new(&s.ready)).map_err(store_error)?;
-            let leased = tx.open_table(QueueTable::new(&s.leased)).map_err(store_error)?;
+            let ready = tx
+                .open_table(QueueTable::new(&s.ready))
+                .map_err(store_error)?;
+            let leased = tx
+                .open_table(QueueTable::new(&s.leased))
+                .map_err(store_error)?;
             let dlq = tx
                 .open_table(DlqTable::new(&dlq_table(&s.options.dead_letter_queue)))
                 .map_err(store_error)?;
-            let due = ready.range((0, 0)..=(now, u64::MAX)).map_err(store_error)?.count() as u64;
+            let due = ready
+                .range((0, 0)..=(now, u64::MAX))
+                .map_err(store_error)?
+                .count() as u64;
             let total = ready.len().map_err(store_error)?;
             let oldest = match dlq.first().map_err(store_error)? {
                 Some((_, v)) => decode_fields(&Bytes::copy_from_slice(v.value()))
                     .and_then(|f| {
-                        let at = f.iter().find(|(n, _)| n.as_ref() == super::F_LAST_ATTEMPT_AT.as_bytes())?;
+                        let at = f
+                            .iter()
+                            .find(|(n, _)| n.as_ref() == super::F_LAST_ATTEMPT_AT.as_bytes())?;
                         super::parse_time(&at.1)
                     })
                     .map(|t| SystemTime::now().duration_since(t).unwrap_or_default()),
@@ -342,7 +374,11 @@ impl Source for EmbeddedSource {
         .await
     }
 
-    async fn dead_letters(&self, dead_letter_queue: &str, limit: usize) -> Result<Vec<DeadLetter>, SourceError> {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
         let table = dlq_table(dead_letter_queue);
         self.with_store(move |s| {
             let tx = s.db.begin_read().map_err(store_error)?;
@@ -354,8 +390,10 @@ impl Source for EmbeddedSource {
             let mut out = Vec::new();
             for row in dlq.iter().map_err(store_error)?.take(limit) {
                 let (id, data) = row.map_err(store_error)?;
-                let fields = decode_fields(&Bytes::copy_from_slice(data.value()))
-                    .ok_or_else(|| store_error(format!("dead letter {} is not readable", id.value())))?;
+                let fields =
+                    decode_fields(&Bytes::copy_from_slice(data.value())).ok_or_else(|| {
+                        store_error(format!("dead letter {} is not readable", id.value()))
+                    })?;
                 out.push(DeadLetter::from_fields(id.value().to_string(), fields));
             }
             Ok(out)
@@ -365,14 +403,22 @@ impl Source for EmbeddedSource {
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(headers.iter().map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))));
+        fields.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
         let data = encode_fields(&fields);
         self.with_store(move |s| {
             let tx = s.db.begin_write().map_err(store_error)?;
             let seq = Store::next_seq(&tx)?;
             {
-                let mut ready = tx.open_table(QueueTable::new(&s.ready)).map_err(store_error)?;
-                ready.insert((now_ms(), seq), data.as_slice()).map_err(store_error)?;
+                let mut ready = tx
+                    .open_table(QueueTable::new(&s.ready))
+                    .map_err(store_error)?;
+                ready
+                    .insert((now_ms(), seq), data.as_slice())
+                    .map_err(store_error)?;
             }
             tx.commit().map_err(store_error)?;
             Ok(seq.to_string())

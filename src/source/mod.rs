@@ -46,7 +46,10 @@ pub const F_DELIVERIES: &str = "courier-deliveries";
 fn is_transient_bookkeeping(name: &[u8]) -> bool {
     matches!(
         name,
-        b"courier-message-id" | b"courier-attempt" | b"courier-first-attempt-at" | b"courier-deliveries"
+        b"courier-message-id"
+            | b"courier-attempt"
+            | b"courier-first-attempt-at"
+            | b"courier-deliveries"
     )
 }
 
@@ -112,7 +115,10 @@ impl Delivery {
                 F_ATTEMPT => attempt = parse_text(value).unwrap_or(1).max(1),
                 F_FIRST_ATTEMPT_AT => first_attempt_at = parse_time(value),
                 n if n.to_ascii_lowercase().starts_with("courier-") => {}
-                _ => headers.push((name.into_owned(), String::from_utf8_lossy(value).into_owned())),
+                _ => headers.push((
+                    name.into_owned(),
+                    String::from_utf8_lossy(value).into_owned(),
+                )),
             }
         }
         let problem = body
@@ -133,7 +139,11 @@ impl Delivery {
     }
 
     /// The fields to store when this message is scheduled for `next_attempt`.
-    pub fn fields_for_retry(&self, next_attempt: u32, first_attempt_at: SystemTime) -> Vec<(Bytes, Bytes)> {
+    pub fn fields_for_retry(
+        &self,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+    ) -> Vec<(Bytes, Bytes)> {
         let mut out: Vec<(Bytes, Bytes)> = self
             .fields
             .iter()
@@ -142,7 +152,10 @@ impl Delivery {
             .collect();
         out.push((F_MESSAGE_ID.into(), Bytes::from(self.message.id.clone())));
         out.push((F_ATTEMPT.into(), Bytes::from(next_attempt.to_string())));
-        out.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(first_attempt_at))));
+        out.push((
+            F_FIRST_ATTEMPT_AT.into(),
+            Bytes::from(rfc3339(first_attempt_at)),
+        ));
         out
     }
 
@@ -155,7 +168,11 @@ impl Delivery {
             .filter(|(n, _)| !is_transient_bookkeeping(n))
             .cloned()
             .collect();
-        out.extend(failure.fields().map(|(n, v)| (Bytes::from_static(n.as_bytes()), Bytes::from(v))));
+        out.extend(
+            failure
+                .fields()
+                .map(|(n, v)| (Bytes::from_static(n.as_bytes()), Bytes::from(v))),
+        );
         out
     }
 }
@@ -337,7 +354,11 @@ impl DeadLetter {
                 ));
             }
         }
-        Self { id, body, fields: out }
+        Self {
+            id,
+            body,
+            fields: out,
+        }
     }
 }
 
@@ -398,7 +419,11 @@ pub fn default_consumer_name() -> String {
     std::env::var("POD_NAME")
         .ok()
         .filter(|n| !n.is_empty())
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|h| h.trim().to_string()))
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| "courier".into())
 }
@@ -424,7 +449,11 @@ pub trait Source: Send + Sync + 'static {
     async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError>;
     async fn depth(&self) -> Result<Depth, SourceError>;
     /// Dead letters, oldest first.
-    async fn dead_letters(&self, dead_letter_queue: &str, limit: usize) -> Result<Vec<DeadLetter>, SourceError>;
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError>;
     /// Enqueues a message; returns its id.
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError>;
     /// Flushes what is buffered (pipelined acks) before the process exits.
@@ -454,8 +483,12 @@ impl SourceUrl {
         };
         match scheme {
             "redis" | "rediss" => Ok(Self::Redis(text.to_string())),
-            "embedded" if !rest.is_empty() => Ok(Self::Embedded(rest.trim_start_matches("//").into())),
-            "embedded" => Err(format!("{text:?} names no directory; write embedded:/path/to/dir")),
+            "embedded" if !rest.is_empty() => {
+                Ok(Self::Embedded(rest.trim_start_matches("//").into()))
+            }
+            "embedded" => Err(format!(
+                "{text:?} names no directory; write embedded:/path/to/dir"
+            )),
             other => Err(format!("unknown scheme {other:?} in {text:?}; {supported}")),
         }
     }
@@ -561,7 +594,10 @@ mod tests {
 
     #[test]
     fn source_urls() {
-        assert!(matches!(SourceUrl::parse("redis://127.0.0.1:6379/0"), Ok(SourceUrl::Redis(_))));
+        assert!(matches!(
+            SourceUrl::parse("redis://127.0.0.1:6379/0"),
+            Ok(SourceUrl::Redis(_))
+        ));
         assert_eq!(
             SourceUrl::parse("embedded:/tmp/q"),
             Ok(SourceUrl::Embedded("/tmp/q".into()))
@@ -581,7 +617,12 @@ mod tests {
 
     #[test]
     fn an_entry_without_payload_is_a_problem_not_a_message() {
-        let d = Delivery::from_fields("1-0", vec![("content-type".into(), "text/plain".into())], 0, "r".into());
+        let d = Delivery::from_fields(
+            "1-0",
+            vec![("content-type".into(), "text/plain".into())],
+            0,
+            "r".into(),
+        );
         assert!(d.problem.is_some());
         assert_eq!(d.message.id, "1-0");
     }
@@ -590,7 +631,10 @@ mod tests {
     fn retry_fields_keep_the_original_id_and_count_attempts() {
         let d = Delivery::from_fields(
             "5-0",
-            vec![("payload".into(), "x".into()), ("traceparent".into(), "00-a-b-01".into())],
+            vec![
+                ("payload".into(), "x".into()),
+                ("traceparent".into(), "00-a-b-01".into()),
+            ],
             0,
             "r".into(),
         );

@@ -74,19 +74,23 @@ fn broker_error(e: redis::RedisError) -> SourceError {
 
 impl RedisSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let client = Client::open(url).map_err(|e| {
-            SourceError::Invalid(format!("--source {}: {e}", super::redact(url)))
-        })?;
+        let client = Client::open(url)
+            .map_err(|e| SourceError::Invalid(format!("--source {}: {e}", super::redact(url))))?;
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))
             .set_number_of_retries(3)
             .set_max_delay(Duration::from_secs(2));
         let commands = client
-            .get_connection_manager_with_config(base.clone().set_response_timeout(Some(Duration::from_secs(10))))
+            .get_connection_manager_with_config(
+                base.clone()
+                    .set_response_timeout(Some(Duration::from_secs(10))),
+            )
             .await
             .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
         let reader = client
-            .get_connection_manager_with_config(base.set_response_timeout(Some(BLOCK + Duration::from_secs(10))))
+            .get_connection_manager_with_config(
+                base.set_response_timeout(Some(BLOCK + Duration::from_secs(10))),
+            )
             .await
             .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
         let mut con = commands.clone();
@@ -157,7 +161,9 @@ impl RedisSource {
                 match moved {
                     Ok(n) if n >= MOVE_BATCH => continue,
                     Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, queue = %keys[1], "moving due retries back failed; will try again"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, queue = %keys[1], "moving due retries back failed; will try again")
+                    }
                 }
                 tokio::time::sleep(MOVE_INTERVAL).await;
             }
@@ -192,7 +198,11 @@ impl RedisSource {
 
     /// Entries this consumer was given before and never settled (a restart
     /// of the same pod), or that another replica left pending too long.
-    async fn redeliveries(&self, reader: &mut Reader, max: usize) -> Result<Vec<Delivery>, SourceError> {
+    async fn redeliveries(
+        &self,
+        reader: &mut Reader,
+        max: usize,
+    ) -> Result<Vec<Delivery>, SourceError> {
         let entries = if !reader.history_done {
             let reply: Value = redis::cmd("XREADGROUP")
                 .arg("GROUP")
@@ -211,7 +221,9 @@ impl RedisSource {
                 reader.history_done = true;
             }
             entries
-        } else if reader.last_reclaim.elapsed() >= self.options.visibility_timeout.min(Duration::from_secs(5)) {
+        } else if reader.last_reclaim.elapsed()
+            >= self.options.visibility_timeout.min(Duration::from_secs(5))
+        {
             reader.last_reclaim = Instant::now();
             let reply: Value = redis::cmd("XAUTOCLAIM")
                 .arg(&self.options.queue)
@@ -225,7 +237,11 @@ impl RedisSource {
                 .await
                 .map_err(broker_error)?;
             match reply {
-                Value::Array(parts) => parts.into_iter().nth(1).map(parse_entries).unwrap_or_default(),
+                Value::Array(parts) => parts
+                    .into_iter()
+                    .nth(1)
+                    .map(parse_entries)
+                    .unwrap_or_default(),
                 _ => Vec::new(),
             }
         } else {
@@ -239,7 +255,9 @@ impl RedisSource {
         Ok(entries
             .into_iter()
             .zip(counts)
-            .map(|((id, fields), count)| Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone()))
+            .map(|((id, fields), count)| {
+                Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone())
+            })
             .collect())
     }
 }
@@ -286,7 +304,9 @@ fn parse_entries(v: Value) -> Vec<Entry> {
     entries
         .into_iter()
         .filter_map(|entry| {
-            let Value::Array(parts) = entry else { return None };
+            let Value::Array(parts) = entry else {
+                return None;
+            };
             let mut parts = parts.into_iter();
             let id = String::from_utf8_lossy(&into_bytes(parts.next()?)?).into_owned();
             let Value::Array(flat) = parts.next()? else {
@@ -308,11 +328,18 @@ fn parse_read_reply(v: Value) -> Vec<Entry> {
         Value::Array(streams) => streams
             .into_iter()
             .flat_map(|s| match s {
-                Value::Array(parts) => parts.into_iter().nth(1).map(parse_entries).unwrap_or_default(),
+                Value::Array(parts) => parts
+                    .into_iter()
+                    .nth(1)
+                    .map(parse_entries)
+                    .unwrap_or_default(),
                 _ => Vec::new(),
             })
             .collect(),
-        Value::Map(streams) => streams.into_iter().flat_map(|(_, e)| parse_entries(e)).collect(),
+        Value::Map(streams) => streams
+            .into_iter()
+            .flat_map(|(_, e)| parse_entries(e))
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -363,7 +390,10 @@ impl Source for RedisSource {
         at: SystemTime,
     ) -> Result<(), SourceError> {
         let member = encode_fields(&delivery.fields_for_retry(next_attempt, first_attempt_at));
-        let due = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+        let due = at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis() as u64;
         let mut con = self.commands.clone();
         redis::pipe()
             .atomic()
@@ -439,17 +469,29 @@ impl Source for RedisSource {
                     Value::Array(flat) => flat
                         .chunks(2)
                         .filter_map(|p| {
-                            Some((String::from_utf8_lossy(&as_bytes(p.first()?)?).into_owned(), p.get(1)?.clone()))
+                            Some((
+                                String::from_utf8_lossy(&as_bytes(p.first()?)?).into_owned(),
+                                p.get(1)?.clone(),
+                            ))
                         })
                         .collect(),
                     Value::Map(map) => map
                         .into_iter()
-                        .filter_map(|(k, v)| Some((String::from_utf8_lossy(&as_bytes(&k)?).into_owned(), v)))
+                        .filter_map(|(k, v)| {
+                            Some((String::from_utf8_lossy(&as_bytes(&k)?).into_owned(), v))
+                        })
                         .collect(),
                     _ => continue,
                 };
-                let get = |name: &str| pairs.iter().find(|(k, _)| k == name).and_then(|(_, v)| as_u64(v));
-                if pairs.iter().any(|(k, v)| k == "name" && as_bytes(v).as_deref() == Some(self.options.group.as_bytes())) {
+                let get = |name: &str| {
+                    pairs
+                        .iter()
+                        .find(|(k, _)| k == name)
+                        .and_then(|(_, v)| as_u64(v))
+                };
+                if pairs.iter().any(|(k, v)| {
+                    k == "name" && as_bytes(v).as_deref() == Some(self.options.group.as_bytes())
+                }) {
                     pending = get("pending").unwrap_or(0);
                     ready = get("lag").unwrap_or(0);
                 }
@@ -464,7 +506,11 @@ impl Source for RedisSource {
         })
     }
 
-    async fn dead_letters(&self, dead_letter_queue: &str, limit: usize) -> Result<Vec<DeadLetter>, SourceError> {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
         let mut con = self.commands.clone();
         let reply: Value = redis::cmd("XRANGE")
             .arg(dead_letter_queue)
@@ -483,7 +529,10 @@ impl Source for RedisSource {
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         let mut xadd = redis::cmd("XADD");
-        xadd.arg(&self.options.queue).arg("*").arg(PAYLOAD).arg(body.as_ref());
+        xadd.arg(&self.options.queue)
+            .arg("*")
+            .arg(PAYLOAD)
+            .arg(body.as_ref());
         for (name, value) in headers {
             xadd.arg(name).arg(value);
         }

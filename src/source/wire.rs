@@ -77,7 +77,10 @@ mod tests {
     #[test]
     fn round_trips_binary_fields() {
         let fields = vec![
-            (Bytes::from("payload"), Bytes::from(vec![0u8, 159, 146, 150, 255])),
+            (
+                Bytes::from("payload"),
+                Bytes::from(vec![0u8, 159, 146, 150, 255]),
+            ),
             (Bytes::from("content-type"), Bytes::from("application/json")),
             (Bytes::from("empty"), Bytes::new()),
         ];

@@ -1,0 +1,493 @@
+//! The conformance suite: every source runs the same scenarios against a real
+//! broker and a real HTTP app on loopback. A new source is one line in the
+//! `conformance!` invocations at the bottom.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use courier::policy::Policy;
+use courier::source::{DeadLetter, Source};
+use std::sync::Arc;
+
+const SETTLE: Duration = Duration::from_secs(20);
+
+async fn dead_letter_of(
+    source: &Arc<dyn Source>,
+    fixture: &Fixture,
+    message_id: &str,
+) -> DeadLetter {
+    let letters = source
+        .dead_letters(&fixture.dlq(), 10_000)
+        .await
+        .expect("list dead letters");
+    letters
+        .into_iter()
+        .find(|l| l.field("courier-message-id") == Some(message_id))
+        .unwrap_or_else(|| panic!("no dead letter for message {message_id}"))
+}
+
+async fn dead_letter_ids(source: &Arc<dyn Source>, fixture: &Fixture) -> Vec<String> {
+    let mut ids: Vec<String> = source
+        .dead_letters(&fixture.dlq(), 10_000)
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.field("courier-message-id").map(str::to_string))
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Every row of the classification table, end to end.
+pub async fn classification_table(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    // (script, deliveries the app should see, dead-letter reason if any)
+    let rows: &[(&str, usize, Option<&str>)] = &[
+        ("200", 1, None),
+        ("201", 1, None),
+        ("204", 1, None),
+        ("408,200", 2, None),
+        ("429,200", 2, None),
+        ("500,200", 2, None),
+        ("502,200", 2, None),
+        ("503,200", 2, None),
+        ("504,200", 2, None),
+        ("sleep900,200", 2, None),
+        ("501", 1, Some("permanent-status")),
+        ("400", 1, Some("permanent-status")),
+        ("404", 1, Some("permanent-status")),
+        ("422", 1, Some("permanent-status")),
+        ("302", 1, Some("permanent-status")),
+        ("503", 3, Some("attempts-exhausted")),
+        ("sleep900", 3, Some("attempts-exhausted")),
+    ];
+    let mut ids = Vec::new();
+    for (script, _, _) in rows {
+        ids.push(fixture.send(&source, format!("script:{script}")).await);
+    }
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    for ((script, deliveries, reason), id) in rows.iter().zip(&ids) {
+        let body = format!("script:{script}");
+        let seen = app.received_body(body.as_bytes());
+        assert_eq!(seen.len(), *deliveries, "{script}: deliveries the app saw");
+        let attempts: Vec<u32> = seen.iter().map(Received::attempt).collect();
+        assert_eq!(
+            attempts,
+            (1..=*deliveries as u32).collect::<Vec<_>>(),
+            "{script}: Courier-Attempt"
+        );
+        match reason {
+            Some(reason) => {
+                let letter = dead_letter_of(&source, &fixture, id).await;
+                assert_eq!(letter.field("courier-reason"), Some(*reason), "{script}");
+                assert_eq!(
+                    letter.body,
+                    Bytes::from(body.clone()),
+                    "{script}: body kept"
+                );
+            }
+            None => assert!(
+                !dead_letter_ids(&source, &fixture).await.contains(id),
+                "{script} must not be dead-lettered"
+            ),
+        }
+    }
+    assert_eq!(
+        dead_letter_ids(&source, &fixture).await.len(),
+        rows.iter().filter(|r| r.2.is_some()).count()
+    );
+}
+
+/// Retry-After is honored: the next attempt comes no earlier than it said.
+pub async fn retry_after_is_honored(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:429ra1,200").await;
+    fixture.send(&source, "script:503ra1,200").await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    for body in ["script:429ra1,200", "script:503ra1,200"] {
+        let seen = app.received_body(body.as_bytes());
+        assert_eq!(seen.len(), 2, "{body}");
+        let gap = seen[1].at - seen[0].at;
+        assert!(
+            gap >= Duration::from_millis(1000),
+            "{body}: second attempt after {gap:?}, Retry-After said 1s"
+        );
+    }
+}
+
+/// The same Idempotency-Key on every attempt; Courier-Attempt counts 1, 2, 3;
+/// the headers of the design arrive; producer headers pass, reserved ones do
+/// not.
+pub async fn headers_and_idempotency(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let plain = fixture.send(&source, "script:503,503,200").await;
+    let headers = [
+        ("idempotency-key".to_string(), "order-42".to_string()),
+        ("content-type".to_string(), "application/json".to_string()),
+        (
+            "traceparent".to_string(),
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_string(),
+        ),
+        ("courier-queue".to_string(), "not-this-one".to_string()),
+        ("host".to_string(), "evil.example".to_string()),
+        ("bad header".to_string(), "dropped".to_string()),
+    ];
+    source
+        .send(Bytes::from("script:500,200"), &headers)
+        .await
+        .unwrap();
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+
+    let seen = app.received_body(b"script:503,503,200");
+    assert_eq!(
+        seen.iter().map(Received::attempt).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    let key = format!("{}:{plain}", fixture.queue);
+    for r in &seen {
+        assert_eq!(r.header("idempotency-key"), Some(key.as_str()));
+        assert_eq!(r.header("courier-message-id"), Some(plain.as_str()));
+        assert_eq!(r.header("courier-queue"), Some(fixture.queue.as_str()));
+        assert_eq!(r.header("content-type"), Some("application/octet-stream"));
+    }
+    let seen = app.received_body(b"script:500,200");
+    assert_eq!(seen.len(), 2);
+    for r in &seen {
+        assert_eq!(
+            r.header("idempotency-key"),
+            Some("order-42"),
+            "the producer's key wins"
+        );
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(r.header("traceparent"), headers[2].1.as_str().into());
+        assert_ne!(r.header("host"), Some("evil.example"));
+        assert_eq!(
+            r.header("courier-queue"),
+            Some(fixture.queue.as_str()),
+            "courier-* names are courier's own"
+        );
+        assert!(r.header("bad header").is_none());
+    }
+    assert_eq!(
+        seen.iter().map(Received::attempt).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+}
+
+/// maxAttempts reached is a dead letter `attempts-exhausted` with the last
+/// status and the whole failure record.
+pub async fn attempts_exhausted(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let id = fixture.send(&source, "script:503").await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(app.received_body(b"script:503").len(), 3);
+    let letter = dead_letter_of(&source, &fixture, &id).await;
+    assert_eq!(letter.field("courier-reason"), Some("attempts-exhausted"));
+    assert_eq!(letter.field("courier-status"), Some("503"));
+    assert_eq!(letter.field("courier-attempts"), Some("3"));
+    assert_eq!(letter.field("courier-error"), Some(""));
+    assert_eq!(letter.field("courier-queue"), Some(fixture.queue.as_str()));
+    assert_eq!(letter.field("courier-policy"), Some("test@1"));
+    assert_eq!(
+        letter.field("courier-response-excerpt"),
+        Some("answer 503 to attempt 3")
+    );
+    let first = letter.field("courier-first-attempt-at").unwrap();
+    let last = letter.field("courier-last-attempt-at").unwrap();
+    assert!(
+        first.ends_with('Z') && last.ends_with('Z') && first < last,
+        "{first} < {last}"
+    );
+}
+
+/// A 400 is dead-lettered after one attempt with status and excerpt.
+pub async fn permanent_status(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let id = fixture.send(&source, "script:400").await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(app.received_body(b"script:400").len(), 1);
+    let letter = dead_letter_of(&source, &fixture, &id).await;
+    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+    assert_eq!(letter.field("courier-status"), Some("400"));
+    assert_eq!(letter.field("courier-attempts"), Some("1"));
+    assert_eq!(
+        letter.field("courier-response-excerpt"),
+        Some("answer 400 to attempt 1")
+    );
+}
+
+/// 2xx messages are acked exactly once and nothing is left pending;
+/// metrics agree with what the app saw.
+pub async fn acked_exactly_once(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let n = 200;
+    for i in 0..n {
+        fixture.send(&source, format!("message {i}")).await;
+    }
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let depth = wait_settled(&source, SETTLE).await;
+    let metrics = common::scrape(running.metrics_addr).await;
+    running.stop().await;
+    assert_eq!(depth.pending, 0);
+    assert_eq!(depth.dead_letters, 0);
+    let received = app.received();
+    assert_eq!(received.len(), n);
+    for i in 0..n {
+        assert_eq!(
+            app.received_body(format!("message {i}").as_bytes()).len(),
+            1,
+            "message {i}"
+        );
+    }
+    let acks = format!("courier_acks_total{{queue=\"{}\"}} {n}", fixture.queue);
+    assert!(metrics.contains(&acks), "{acks} in\n{metrics}");
+}
+
+/// Bodies are bytes: non-UTF-8 passes unchanged; a body over --max-body is
+/// dead-lettered as undeliverable, not sent.
+pub async fn bodies_are_bytes(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let binary = Bytes::from_static(&[0, 159, 146, 150, 255, 254, b'\n', 0]);
+    source.send(binary.clone(), &[]).await.unwrap();
+    let big = Bytes::from(vec![b'x'; 2048]);
+    let big_id = source.send(big.clone(), &[]).await.unwrap();
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.max_body = 1024;
+    let running = Running::start(config).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(
+        app.received_body(&binary).len(),
+        1,
+        "binary body arrives unchanged"
+    );
+    assert!(
+        app.received_body(&big).is_empty(),
+        "an oversized body is not sent"
+    );
+    let letter = dead_letter_of(&source, &fixture, &big_id).await;
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert!(
+        letter
+            .field("courier-error")
+            .unwrap()
+            .contains("--max-body")
+    );
+    assert_eq!(letter.body, big, "the dead letter keeps the body");
+}
+
+/// An app that refuses connections uses up no attempts: once it is back, the
+/// message arrives with Courier-Attempt 1 and nothing is dead-lettered.
+pub async fn unreachable_app_uses_no_attempts(fixture: Fixture) {
+    // Reserve a port, then free it so nothing listens there yet.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let source = fixture.open().await;
+    fixture.send(&source, "hello").await;
+    let mut config = run_config(&fixture, &TestApp::start().await, fast_policy());
+    config.app = format!("http://{addr}/").parse().unwrap();
+    let running = Running::start(config).await;
+    wait_for(
+        "a few refused deliveries",
+        Duration::from_secs(10),
+        async || {
+            scrape(running.metrics_addr)
+                .await
+                .contains("result=\"unreachable\"} 4")
+        },
+    )
+    .await;
+    let app = TestApp::start_on(&addr).await;
+    wait_settled(&source, SETTLE).await;
+    let metrics = scrape(running.metrics_addr).await;
+    running.stop().await;
+    let seen = app.received_body(b"hello");
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].attempt(),
+        1,
+        "refused connections did not count as attempts"
+    );
+    assert!(dead_letter_ids(&source, &fixture).await.is_empty());
+    assert!(metrics.contains("courier_app_up 1"), "{metrics}");
+}
+
+/// A policy file edit applies to the next decision; an invalid edit is
+/// refused and the last good policy stays.
+pub async fn policy_file_reload(fixture: Fixture) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    let doc = |max: &str| {
+        format!(
+            "apiVersion: courier.dev/v1alpha1\nkind: RetryPolicy\nmetadata:\n  name: orders\nspec:\n  maxAttempts: {max}\n  timeout: 500ms\n  backoff: {{initial: 20ms, max: 50ms, jitter: none}}\n"
+        )
+    };
+    std::fs::write(&path, doc("3")).unwrap();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut config = run_config(&fixture, &app, courier::policy::file::load(&path).unwrap());
+    config.policy_file = Some(path.clone());
+    let running = Running::start(config).await;
+    let first = fixture.send(&source, "script:503\nfirst").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(app.received_body(b"script:503\nfirst").len(), 3);
+
+    std::fs::write(&path, doc("1")).unwrap();
+    wait_for("the edit to apply", Duration::from_secs(5), async || {
+        scrape(running.metrics_addr)
+            .await
+            .contains("courier_policy_generation{policy=\"orders\"} 2")
+    })
+    .await;
+    let second = fixture.send(&source, "script:503\nsecond").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        app.received_body(b"script:503\nsecond").len(),
+        1,
+        "maxAttempts 1 applies to the next message"
+    );
+
+    std::fs::write(&path, doc("0")).unwrap();
+    wait_for(
+        "the bad edit to be rejected",
+        Duration::from_secs(5),
+        async || {
+            scrape(running.metrics_addr)
+                .await
+                .contains("courier_policy_reloads_total{result=\"rejected\"} 1")
+        },
+    )
+    .await;
+    let third = fixture.send(&source, "script:503\nthird").await;
+    wait_settled(&source, SETTLE).await;
+    let metrics = scrape(running.metrics_addr).await;
+    running.stop().await;
+    assert_eq!(
+        app.received_body(b"script:503\nthird").len(),
+        1,
+        "the last good policy stays"
+    );
+    assert!(
+        metrics.contains("courier_policy_generation{policy=\"orders\"} 2"),
+        "{metrics}"
+    );
+    for (id, policy) in [
+        (first, "orders@1"),
+        (second, "orders@2"),
+        (third, "orders@2"),
+    ] {
+        let letter = dead_letter_of(&source, &fixture, &id).await;
+        assert_eq!(letter.field("courier-policy"), Some(policy));
+    }
+}
+
+macro_rules! conformance {
+    ($source:ident, $fixture:expr) => {
+        mod $source {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn classification_table() {
+                super::classification_table($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn retry_after_is_honored() {
+                super::retry_after_is_honored($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn headers_and_idempotency() {
+                super::headers_and_idempotency($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn attempts_exhausted() {
+                super::attempts_exhausted($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn permanent_status() {
+                super::permanent_status($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn acked_exactly_once() {
+                super::acked_exactly_once($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bodies_are_bytes() {
+                super::bodies_are_bytes($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn unreachable_app_uses_no_attempts() {
+                super::unreachable_app_uses_no_attempts($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn policy_file_reload() {
+                super::policy_file_reload($fixture).await;
+            }
+        }
+    };
+}
+
+conformance!(redis, Fixture::redis());
+conformance!(embedded, Fixture::embedded());
+
+/// Redis-only: an entry a producer wrote without a `payload` field is
+/// dead-lettered as undeliverable, not dropped and not retried forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_entry_without_payload_is_undeliverable() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let client = ::redis::Client::open(REDIS_URL).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let id: String = ::redis::cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg("body")
+        .arg("oops, wrong field name")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert!(app.received().is_empty());
+    let letter = dead_letter_of(&source, &fixture, &id).await;
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert!(letter.field("courier-error").unwrap().contains("payload"));
+    assert_eq!(
+        letter.field("body"),
+        Some("oops, wrong field name"),
+        "the entry's fields are kept"
+    );
+    let _ = Policy::default();
+}

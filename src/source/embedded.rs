@@ -260,6 +260,21 @@ fn take_deliveries(fields: &mut Vec<(Bytes, Bytes)>) -> u32 {
     count
 }
 
+fn not_there(table: &str, id: u64) -> SourceError {
+    SourceError::Invalid(format!(
+        "dead letter {id} is not in {} (already replayed or purged?)",
+        table.trim_start_matches("dlq/")
+    ))
+}
+
+fn parse_dead_letter_id(id: &str) -> Result<u64, SourceError> {
+    id.parse().map_err(|_| {
+        SourceError::Invalid(format!(
+            "{id:?} is not a dead-letter id of the embedded queue (a number)"
+        ))
+    })
+}
+
 fn parse_receipt(receipt: &str) -> Result<(u64, u64), SourceError> {
     receipt
         .split_once(':')
@@ -397,6 +412,57 @@ impl Source for EmbeddedSource {
                 out.push(DeadLetter::from_fields(id.value().to_string(), fields));
             }
             Ok(out)
+        })
+        .await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        let data = encode_fields(&letter.fields_for_replay());
+        let (table, id) = (
+            dlq_table(dead_letter_queue),
+            parse_dead_letter_id(&letter.id)?,
+        );
+        self.with_store(move |s| {
+            let tx = s.db.begin_write().map_err(store_error)?;
+            let seq = Store::next_seq(&tx)?;
+            {
+                let mut dlq = tx.open_table(DlqTable::new(&table)).map_err(store_error)?;
+                if dlq.remove(id).map_err(store_error)?.is_none() {
+                    return Err(not_there(&table, id));
+                }
+                let mut ready = tx
+                    .open_table(QueueTable::new(&s.ready))
+                    .map_err(store_error)?;
+                ready
+                    .insert((now_ms(), seq), data.as_slice())
+                    .map_err(store_error)?;
+            }
+            tx.commit().map_err(store_error)
+        })
+        .await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        let (table, id) = (
+            dlq_table(dead_letter_queue),
+            parse_dead_letter_id(&letter.id)?,
+        );
+        self.with_store(move |s| {
+            let tx = s.db.begin_write().map_err(store_error)?;
+            let removed = tx
+                .open_table(DlqTable::new(&table))
+                .map_err(store_error)?
+                .remove(id)
+                .map_err(store_error)?
+                .is_some();
+            if !removed {
+                return Err(not_there(&table, id));
+            }
+            tx.commit().map_err(store_error)
         })
         .await
     }

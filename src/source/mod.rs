@@ -41,6 +41,8 @@ pub const F_POLICY: &str = "courier-policy";
 /// Deliveries since the message was last stored, for sources that count
 /// unsettled deliveries themselves (the embedded queue).
 pub const F_DELIVERIES: &str = "courier-deliveries";
+/// How often a message was sent back from the dead-letter queue.
+pub const F_REPLAYS: &str = "courier-replays";
 
 /// Bookkeeping that describes one stored copy and never outlives it.
 fn is_transient_bookkeeping(name: &[u8]) -> bool {
@@ -341,7 +343,30 @@ impl DeadLetter {
             .map(|(_, v)| v.as_str())
     }
 
-    fn from_fields(id: String, fields: Vec<(Bytes, Bytes)>) -> Self {
+    /// The fields of the fresh message a replay writes to the work queue:
+    /// body and original headers, the original message id (so the app sees
+    /// the same Idempotency-Key), `courier-replays` + 1, and no failure
+    /// record, so the attempt count starts again at 1.
+    pub fn fields_for_replay(&self) -> Vec<(Bytes, Bytes)> {
+        let replays: u32 = self
+            .field(F_REPLAYS)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let mut out = vec![(Bytes::from_static(PAYLOAD.as_bytes()), self.body.clone())];
+        out.extend(
+            self.fields
+                .iter()
+                .filter(|(n, _)| !n.to_ascii_lowercase().starts_with("courier-"))
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        if let Some(id) = self.field(F_MESSAGE_ID) {
+            out.push((F_MESSAGE_ID.into(), Bytes::from(id.to_string())));
+        }
+        out.push((F_REPLAYS.into(), Bytes::from((replays + 1).to_string())));
+        out
+    }
+
+    pub fn from_fields(id: String, fields: Vec<(Bytes, Bytes)>) -> Self {
         let mut body = Bytes::new();
         let mut out = Vec::new();
         for (name, value) in fields {
@@ -454,6 +479,14 @@ pub trait Source: Send + Sync + 'static {
         dead_letter_queue: &str,
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError>;
+    /// Writes a dead letter back to the work queue
+    /// ([`DeadLetter::fields_for_replay`]), then removes it from the
+    /// dead-letter queue: a replay cut short leaves the message in both
+    /// queues, never in neither.
+    async fn replay(&self, dead_letter_queue: &str, letter: &DeadLetter)
+    -> Result<(), SourceError>;
+    /// Deletes a dead letter.
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError>;
     /// Enqueues a message; returns its id.
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError>;
     /// Flushes what is buffered (pipelined acks) before the process exits.

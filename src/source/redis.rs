@@ -48,6 +48,22 @@ end
 return #due
 ";
 
+/// Moves one dead letter back to the work stream, in one step so that two
+/// replays of the same letter cannot both write it. KEYS[1] the stream,
+/// KEYS[2] the dead-letter stream; ARGV[1] the dead letter's id, ARGV[2] the
+/// replayed message's fields.
+const REPLAY: &str = r"
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(cmsgpack.unpack(ARGV[2])))
+return 1
+";
+
+fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
+    SourceError::Invalid(format!(
+        "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
+    ))
+}
+
 pub struct RedisSource {
     options: SourceOptions,
     commands: ConnectionManager,
@@ -525,6 +541,40 @@ impl Source for RedisSource {
             .into_iter()
             .map(|(id, fields)| DeadLetter::from_fields(id, fields))
             .collect())
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        let mut con = self.commands.clone();
+        let moved: i64 = Script::new(REPLAY)
+            .key(&self.options.queue)
+            .key(dead_letter_queue)
+            .arg(&letter.id)
+            .arg(encode_fields(&letter.fields_for_replay()))
+            .invoke_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        if moved == 0 {
+            return Err(not_there(dead_letter_queue, &letter.id));
+        }
+        Ok(())
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        let mut con = self.commands.clone();
+        let deleted: i64 = redis::cmd("XDEL")
+            .arg(dead_letter_queue)
+            .arg(&letter.id)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        if deleted == 0 {
+            return Err(not_there(dead_letter_queue, &letter.id));
+        }
+        Ok(())
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

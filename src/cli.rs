@@ -55,7 +55,13 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             run(config).await
         }
         Command::Send(args) => send(args).await,
+        Command::Crd => {
+            print!("{}", crate::policy::crd::definition_yaml());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Demo(args) => crate::demo::run(args.messages).await,
+        Command::Dlq(args) => crate::dlq::run(args).await,
+        Command::Inject(args) => crate::inject::run(args).await,
     }
 }
 

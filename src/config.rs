@@ -47,18 +47,26 @@ pub struct Cli {
 pub enum Command {
     /// Run the sidecar: pull, forward, settle.
     Run(RunArgs),
+    /// Print the RetryPolicy CustomResourceDefinition (YAML) for kubectl apply.
+    Crd,
     /// Enqueue one message.
     Send(SendArgs),
     /// Everything on the embedded queue with a sample app; no broker needed.
     Demo(DemoArgs),
+    /// Inspect, replay and purge dead letters.
+    Dlq(crate::dlq::DlqArgs),
+    /// The admission webhook that adds the sidecar to pods that opt in.
+    Inject(crate::inject::InjectArgs),
 }
 
 #[derive(Debug, Clone, Args)]
 pub struct SourceArgs {
-    /// Broker URL: redis://host:port/db or embedded:<dir>.
+    /// Broker URL: redis://host:port/db, amqp://user:pass@host:port/vhost, nats://host:port or
+    /// embedded:<dir>.
     #[arg(long, env = "COURIER_SOURCE")]
     pub source: String,
-    /// Queue to consume: the Redis stream key, the embedded queue name.
+    /// Queue to consume: the Redis stream key, the RabbitMQ queue, the NATS stream, the embedded
+    /// queue name.
     #[arg(long, env = "COURIER_QUEUE")]
     pub queue: String,
 }
@@ -77,8 +85,11 @@ pub struct RunArgs {
     #[arg(long, env = "COURIER_APP", default_value = "http://127.0.0.1:8080/")]
     pub app: String,
     /// A RetryPolicy YAML document, reloaded when it changes.
-    #[arg(long, env = "COURIER_POLICY_FILE")]
+    #[arg(long, env = "COURIER_POLICY_FILE", conflicts_with = "policy")]
     pub policy_file: Option<PathBuf>,
+    /// A RetryPolicy in the pod's namespace, watched and applied live.
+    #[arg(long, env = "COURIER_POLICY")]
+    pub policy: Option<String>,
     /// Deliveries in flight at most.
     #[arg(long, env = "COURIER_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
@@ -97,6 +108,18 @@ pub struct RunArgs {
     /// How often queue depths are read from the broker.
     #[arg(long, env = "COURIER_DEPTH_INTERVAL", default_value = "15s", value_parser = duration::parse_flag)]
     pub depth_interval: Duration,
+    /// While the app is down, probe it with GET on this path (e.g. /healthz)
+    /// instead of letting one delivery through.
+    #[arg(long, env = "COURIER_APP_HEALTH_PATH")]
+    pub app_health_path: Option<String>,
+    /// Consecutive 503s or timeouts that pause deliveries until the app
+    /// recovers (0: only a refused connection pauses them).
+    #[arg(long, env = "COURIER_APP_FAILURE_RUN", default_value_t = 5)]
+    pub app_failure_run: u32,
+    /// Create the work queue when it is missing (AMQP: a durable classic queue; NATS: a stream
+    /// capturing the subject of the same name). Without it a missing queue is an error.
+    #[arg(long, env = "COURIER_CREATE")]
+    pub create: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -166,6 +189,8 @@ pub struct RunConfig {
     pub app: Uri,
     pub policy: Policy,
     pub policy_file: Option<PathBuf>,
+    /// The RetryPolicy to watch in the cluster (`--policy`).
+    pub policy_ref: Option<policy::cluster::PolicyRef>,
     /// How often the policy file is checked for changes.
     pub policy_poll: Duration,
     pub concurrency: usize,
@@ -173,6 +198,8 @@ pub struct RunConfig {
     pub drain_timeout: Duration,
     pub max_body: usize,
     pub depth_interval: Duration,
+    pub app_health_path: Option<String>,
+    pub app_failure_run: u32,
 }
 
 /// Checks the queue name, so that a typo fails at start and not on the
@@ -230,6 +257,12 @@ impl RunConfig {
             Some(path) => policy::file::load(path).map_err(|e| UsageError(e.to_string()))?,
             None => Policy::default(),
         };
+        let policy_ref = args
+            .policy
+            .as_deref()
+            .map(policy::cluster::PolicyRef::from_env)
+            .transpose()
+            .map_err(UsageError)?;
         let queue = args.source.queue.clone();
         let visibility_timeout = args
             .visibility_timeout
@@ -250,6 +283,8 @@ impl RunConfig {
             group: args.group.clone(),
             consumer: args.consumer.clone().unwrap_or_else(default_consumer_name),
             visibility_timeout,
+            create: args.create,
+            max_in_flight: args.concurrency,
         };
         Ok(Self {
             source,
@@ -257,12 +292,15 @@ impl RunConfig {
             app,
             policy,
             policy_file: args.policy_file.clone(),
+            policy_ref,
             policy_poll: Duration::from_secs(1),
             concurrency: args.concurrency,
             listen,
             drain_timeout: args.drain_timeout,
             max_body: args.max_body,
             depth_interval: args.depth_interval,
+            app_health_path: args.app_health_path.clone(),
+            app_failure_run: args.app_failure_run,
         })
     }
 }

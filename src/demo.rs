@@ -145,12 +145,15 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         app: format!("http://{app_addr}/").parse()?,
         policy,
         policy_file: None,
+        policy_ref: None,
         policy_poll: Duration::from_secs(1),
         concurrency: 16,
         listen: "127.0.0.1:0".parse()?,
         drain_timeout: Duration::from_secs(5),
         max_body: 4 << 20,
         depth_interval: Duration::from_secs(1),
+        app_health_path: None,
+        app_failure_run: crate::dispatch::gate::FAILURE_RUN,
     };
     println!(
         "courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/"

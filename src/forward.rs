@@ -139,6 +139,37 @@ impl Forwarder {
         &self.app
     }
 
+    /// Whether the app accepts a TCP connection now; the idle-time signal
+    /// behind `courier_app_up` when no deliveries are flowing.
+    pub async fn app_accepts_connections(&self) -> bool {
+        let host = self
+            .app
+            .host()
+            .unwrap_or("127.0.0.1")
+            .trim_matches(['[', ']']);
+        let port = self.app.port_u16().unwrap_or(80);
+        let connect = tokio::net::TcpStream::connect((host, port));
+        matches!(
+            tokio::time::timeout(Duration::from_secs(1), connect).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// `GET <path>` on the app's host; true on a 2xx within two seconds.
+    pub async fn probe(&self, path: &str) -> bool {
+        let mut parts = self.app.clone().into_parts();
+        parts.path_and_query = path.parse().ok();
+        let Ok(uri) = Uri::from_parts(parts) else {
+            return false;
+        };
+        let Ok(request) = Request::get(uri).body(Full::new(Bytes::new())) else {
+            return false;
+        };
+        let answer =
+            tokio::time::timeout(Duration::from_secs(2), self.client.request(request)).await;
+        matches!(answer, Ok(Ok(response)) if response.status().is_success())
+    }
+
     /// Offers a message to the app and waits for the whole answer, at most
     /// `timeout`.
     pub async fn deliver(&self, envelope: &Envelope<'_>, timeout: Duration) -> Outcome {

@@ -17,6 +17,7 @@
 //!   logging set-up.
 //! - [`config`] and [`cli`]: flags and `COURIER_*` variables, validated once.
 //! - [`demo`]: everything on the embedded source with a sample app.
+//! - [`inject`]: the admission webhook that adds the sidecar to pods.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -24,8 +25,10 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod dispatch;
+pub mod dlq;
 pub mod duration;
 pub mod forward;
+pub mod inject;
 pub mod policy;
 pub mod sidecar;
 pub mod source;

@@ -89,6 +89,30 @@ fn show_policy(metrics: &Metrics, previous: Option<&Policy>, policy: &Policy) {
         .set(policy.generation);
 }
 
+/// What every policy source reports through, file or cluster: the log
+/// line, the reload counter and the generation gauge.
+fn report_reloads(metrics: Arc<Metrics>, initial: Policy) -> impl FnMut(&Reload) + Send + 'static {
+    let mut in_force = initial;
+    move |reload| match reload {
+        Reload::Applied(policy) => {
+            tracing::info!(policy = %policy.label(), "policy change applied");
+            show_policy(&metrics, Some(&in_force), policy);
+            in_force = (**policy).clone();
+            metrics
+                .policy_reloads
+                .get_or_create(&ResultLabels { result: "applied" })
+                .inc();
+        }
+        Reload::Rejected(problem) => {
+            tracing::warn!(%problem, "policy change rejected; the last good policy stays in force");
+            metrics
+                .policy_reloads
+                .get_or_create(&ResultLabels { result: "rejected" })
+                .inc();
+        }
+    }
+}
+
 async fn run_sidecar(
     config: &RunConfig,
     metrics: &Arc<Metrics>,
@@ -97,32 +121,48 @@ async fn run_sidecar(
 ) -> anyhow::Result<DrainReport> {
     let (live, update) = LivePolicy::new(config.policy.clone());
     show_policy(metrics, None, &config.policy);
-    let watcher = config.policy_file.clone().map(|path| {
-        let metrics = metrics.clone();
-        let mut in_force = config.policy.clone();
-        policy::file::watch(path, update, config.policy_poll, move |reload| match reload {
-            Reload::Applied(policy) => {
-                tracing::info!(policy = %policy.label(), "policy change applied");
-                show_policy(&metrics, Some(&in_force), policy);
-                in_force = (**policy).clone();
-                metrics.policy_reloads.get_or_create(&ResultLabels { result: "applied" }).inc();
+    let on_reload = report_reloads(metrics.clone(), config.policy.clone());
+    let mut options = config.options.clone();
+    let watcher = if let Some(path) = config.policy_file.clone() {
+        Some(policy::file::watch(
+            path,
+            update,
+            config.policy_poll,
+            on_reload,
+        ))
+    } else if let Some(target) = config.policy_ref.clone() {
+        // Not ready, and nothing pulled, until the policy has been read once.
+        let (watcher, mut read) = policy::cluster::follow(target, update, on_reload)
+            .await
+            .context("--policy: cannot set up a Kubernetes API client")?;
+        tokio::select! {
+            _ = read.wait_for(|read| *read) => {}
+            _ = shutdown.cancelled() => {
+                watcher.abort();
+                return Ok(DrainReport { finished: 0, abandoned: 0 });
             }
-            Reload::Rejected(problem) => {
-                tracing::warn!(%problem, "policy change rejected; the last good policy stays in force");
-                metrics.policy_reloads.get_or_create(&ResultLabels { result: "rejected" }).inc();
-            }
-        })
-    });
-    let source = source::open(&config.source, config.options.clone())
-        .await
-        .with_context(|| format!("cannot open --source {}", config.source))?;
+        }
+        policy::cluster::adjust_options(&mut options, &live.current());
+        Some(watcher)
+    } else {
+        None
+    };
+    let Some(source) = open_source(config, options, &shutdown).await? else {
+        if let Some(watcher) = watcher {
+            watcher.abort();
+        }
+        return Ok(DrainReport {
+            finished: 0,
+            abandoned: 0,
+        });
+    };
     tracing::info!(
         source = %config.source,
         queue = %config.options.queue,
         group = %config.options.group,
         consumer = %config.options.consumer,
         app = %config.app,
-        policy = %config.policy.label(),
+        policy = %live.current().label(),
         "courier is running"
     );
     health.set_ready(true);
@@ -134,9 +174,9 @@ async fn run_sidecar(
         shutdown.clone(),
     ));
     let not_ready = {
-        let (health, shutdown) = (health.clone(), shutdown.clone());
+        let (health, shutdown, source) = (health.clone(), shutdown.clone(), source.clone());
         tokio::spawn(async move {
-            shutdown.cancelled().await;
+            follow_connection(source.as_ref(), &health, &shutdown).await;
             health.set_ready(false);
         })
     };
@@ -149,6 +189,9 @@ async fn run_sidecar(
         concurrency: config.concurrency,
         max_body: config.max_body,
         drain_timeout: config.drain_timeout,
+        health: health.clone(),
+        app_health_path: config.app_health_path.clone(),
+        app_failure_run: config.app_failure_run,
     };
     let report = dispatcher.run(shutdown).await;
     tracing::info!(
@@ -199,6 +242,56 @@ async fn poll_depth(
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+/// Opens the source; a broker that cannot be reached or refuses the
+/// credentials is logged and tried again with backoff (not ready meanwhile)
+/// instead of crash-looping. A configuration the broker can never accept
+/// ([`SourceError::Invalid`], e.g. a missing queue) ends the run. `None`
+/// when shut down first.
+async fn open_source(
+    config: &RunConfig,
+    options: source::SourceOptions,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Arc<dyn Source>>> {
+    let mut wait = std::time::Duration::from_secs(1);
+    loop {
+        match source::open(&config.source, options.clone()).await {
+            Ok(source) => return Ok(Some(source)),
+            Err(e @ source::SourceError::Invalid(_)) => {
+                return Err(e).with_context(|| format!("cannot open --source {}", config.source));
+            }
+            Err(e) => {
+                tracing::error!(source = %config.source, queue = %options.queue, error = %e, retry_in = ?wait, "cannot open the source; not ready, trying again");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(std::time::Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+/// Readiness follows the broker connection until shutdown.
+async fn follow_connection(source: &dyn Source, health: &Health, shutdown: &CancellationToken) {
+    let mut was = true;
+    loop {
+        let connected = source.connected();
+        if connected != was {
+            if connected {
+                tracing::info!("the broker connection is back: ready");
+            } else {
+                tracing::warn!("the broker connection is lost: not ready until it is back");
+            }
+            was = connected;
+        }
+        health.set_broker_connected(connected);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
         }
     }
 }

@@ -78,6 +78,7 @@ pub struct Metrics {
     pub retry_after_invalid: Family<QueueLabels, Counter>,
     pub settle_errors: Family<QueueLabels, Counter>,
     pub depth_poll_errors: Family<QueueLabels, Counter>,
+    pub concurrency_limit: Family<QueueLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -106,6 +107,7 @@ impl Metrics {
             retry_after_invalid: Family::default(),
             settle_errors: Family::default(),
             depth_poll_errors: Family::default(),
+            concurrency_limit: Family::default(),
             registry: Registry::default(),
         };
         let m = &metrics;
@@ -185,6 +187,11 @@ impl Metrics {
             "Failed polls of queue depths",
             m.depth_poll_errors.clone(),
         );
+        registry.register(
+            "concurrency_limit",
+            "Deliveries allowed in flight now, adapted to the app's answers",
+            m.concurrency_limit.clone(),
+        );
         let build_info = Family::<VersionLabels, Gauge>::default();
         build_info
             .get_or_create(&VersionLabels {
@@ -232,13 +239,49 @@ impl Metrics {
         }
     }
 
-    /// The exposition text.
+    /// The OpenMetrics exposition text.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+
+    /// The classic Prometheus text format (0.0.4), for scrapers and tools
+    /// that do not ask for OpenMetrics (promtool, curl, older agents).
+    pub fn encode_prometheus_text(&self) -> String {
+        to_prometheus_text(&self.encode())
+    }
+}
+
+/// OpenMetrics names a counter family without `_total` in its HELP and TYPE
+/// lines and ends with `# EOF`; the classic format names the family after
+/// its samples and has no EOF marker.
+fn to_prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "].into_iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        match meta {
+            Some(renamed) => out.push_str(&renamed),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 // === Health ===
@@ -247,6 +290,8 @@ impl Metrics {
 #[derive(Default)]
 pub struct Health {
     ready: AtomicBool,
+    /// The broker connection is lost; ready again once it is back.
+    broker_lost: AtomicBool,
 }
 
 impl Health {
@@ -254,8 +299,13 @@ impl Health {
         self.ready.store(ready, Ordering::SeqCst);
     }
 
+    /// Follows the source's connection, apart from `set_ready`.
+    pub fn set_broker_connected(&self, connected: bool) {
+        self.broker_lost.store(!connected, Ordering::SeqCst);
+    }
+
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
+        self.ready.load(Ordering::SeqCst) && !self.broker_lost.load(Ordering::SeqCst)
     }
 }
 
@@ -300,13 +350,22 @@ fn respond(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Respo
             .body(Full::new(Bytes::from(body)))
             .unwrap_or_default()
     };
+    let wants_openmetrics = req.headers().get_all(http::header::ACCEPT).iter().any(|v| {
+        v.to_str()
+            .unwrap_or_default()
+            .contains("application/openmetrics-text")
+    });
     match req.uri().path() {
-        "/metrics" => Response::builder()
+        "/metrics" if wants_openmetrics => Response::builder()
             .header(
                 "content-type",
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )
             .body(Full::new(Bytes::from(metrics.encode())))
+            .unwrap_or_default(),
+        "/metrics" => Response::builder()
+            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+            .body(Full::new(Bytes::from(metrics.encode_prometheus_text())))
             .unwrap_or_default(),
         "/healthz" => text(StatusCode::OK, "ok\n".into()),
         "/readyz" if health.is_ready() => text(StatusCode::OK, "ready\n".into()),
@@ -343,4 +402,31 @@ pub fn init_logging(format: LogFormat, level: &str) {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Human => builder.try_init(),
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classic_text_names_counter_families_after_their_samples() {
+        let metrics = Metrics::new();
+        metrics.init_queue("orders");
+        let text = metrics.encode_prometheus_text();
+        assert!(
+            text.contains("# TYPE courier_acks_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP courier_acks_total Messages acked"),
+            "{text}"
+        );
+        assert!(
+            text.contains("courier_acks_total{queue=\"orders\"} 0\n"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE courier_in_flight gauge\n"), "{text}");
+        assert!(!text.contains("# EOF"));
+        assert!(metrics.encode().contains("# TYPE courier_acks counter"));
+    }
 }

@@ -6,7 +6,9 @@
 //! fields are courier's bookkeeping, and every other field is a message
 //! header. That keeps the meaning of a message identical across brokers.
 
+pub mod amqp;
 pub mod embedded;
+pub mod nats;
 pub mod redis;
 mod wire;
 
@@ -183,7 +185,8 @@ fn parse_text<T: std::str::FromStr>(value: &[u8]) -> Option<T> {
     std::str::from_utf8(value).ok()?.trim().parse().ok()
 }
 
-fn parse_time(value: &[u8]) -> Option<SystemTime> {
+/// Reads an RFC 3339 time as courier writes it.
+pub fn parse_time(value: &[u8]) -> Option<SystemTime> {
     httpdate_rfc3339::parse(std::str::from_utf8(value).ok()?)
 }
 
@@ -424,6 +427,12 @@ pub struct SourceOptions {
     pub visibility_timeout: Duration,
     /// `<queue>.dlq` unless the policy names another; used for depth.
     pub dead_letter_queue: String,
+    /// Create the work queue (AMQP queue, NATS stream) when it is missing
+    /// (`--create`); without it a missing queue is an error that says so.
+    pub create: bool,
+    /// Deliveries this replica has in flight at most (`--concurrency`);
+    /// brokers that push (AMQP) prefetch this many.
+    pub max_in_flight: usize,
 }
 
 impl SourceOptions {
@@ -434,6 +443,8 @@ impl SourceOptions {
             consumer: default_consumer_name(),
             visibility_timeout: Duration::from_secs(60),
             dead_letter_queue: format!("{queue}.dlq"),
+            create: false,
+            max_in_flight: 16,
         }
     }
 }
@@ -491,6 +502,11 @@ pub trait Source: Send + Sync + 'static {
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError>;
     /// Flushes what is buffered (pipelined acks) before the process exits.
     async fn close(&self) {}
+    /// False while the broker connection is lost and the source is
+    /// reconnecting; `/readyz` follows it.
+    fn connected(&self) -> bool {
+        true
+    }
 }
 
 /// Opens the source a `--source` URL names.
@@ -498,6 +514,8 @@ pub async fn open(url: &SourceUrl, options: SourceOptions) -> Result<Arc<dyn Sou
     Ok(match url {
         SourceUrl::Redis(url) => Arc::new(redis::RedisSource::connect(url, options).await?),
         SourceUrl::Embedded(dir) => Arc::new(embedded::EmbeddedSource::open(dir, options)?),
+        SourceUrl::Amqp(url) => Arc::new(amqp::AmqpSource::connect(url, options).await?),
+        SourceUrl::Nats(url) => Arc::new(nats::NatsSource::connect(url, options).await?),
     })
 }
 
@@ -506,16 +524,22 @@ pub async fn open(url: &SourceUrl, options: SourceOptions) -> Result<Arc<dyn Sou
 pub enum SourceUrl {
     Redis(String),
     Embedded(std::path::PathBuf),
+    /// `amqp://user:pass@host:port/vhost` or `amqps://...` (RabbitMQ).
+    Amqp(String),
+    /// `nats://[user:pass@]host:port` (NATS JetStream).
+    Nats(String),
 }
 
 impl SourceUrl {
     pub fn parse(text: &str) -> Result<Self, String> {
-        let supported = "use redis://host:port/db or embedded:<dir>";
+        let supported = "use redis://host:port/db, amqp://user:pass@host:port/vhost, nats://host:port or embedded:<dir>";
         let Some((scheme, rest)) = text.split_once(':') else {
             return Err(format!("{text:?} has no scheme; {supported}"));
         };
         match scheme {
             "redis" | "rediss" => Ok(Self::Redis(text.to_string())),
+            "amqp" | "amqps" => amqp::check_url(text).map(|()| Self::Amqp(text.to_string())),
+            "nats" => nats::check_url(text).map(|()| Self::Nats(text.to_string())),
             "embedded" if !rest.is_empty() => {
                 Ok(Self::Embedded(rest.trim_start_matches("//").into()))
             }
@@ -529,7 +553,7 @@ impl SourceUrl {
     /// The URL without credentials, safe for logs and labels.
     pub fn redacted(&self) -> String {
         match self {
-            Self::Redis(url) => redact(url),
+            Self::Redis(url) | Self::Amqp(url) | Self::Nats(url) => redact(url),
             Self::Embedded(dir) => format!("embedded:{}", dir.display()),
         }
     }
@@ -639,6 +663,15 @@ mod tests {
         assert!(err.contains("unknown scheme \"kafka\""), "{err}");
         assert!(SourceUrl::parse("embedded:").is_err());
         assert!(SourceUrl::parse("localhost").is_err());
+        assert!(matches!(
+            SourceUrl::parse("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            Ok(SourceUrl::Amqp(_))
+        ));
+        assert!(matches!(
+            SourceUrl::parse("nats://127.0.0.1:4222"),
+            Ok(SourceUrl::Nats(_))
+        ));
+        assert!(SourceUrl::parse("amqp://host:notaport/").is_err());
     }
 
     #[test]

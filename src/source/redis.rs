@@ -77,6 +77,9 @@ struct Reader {
     connection: ConnectionManager,
     /// After a restart, this consumer's own pending entries come first.
     history_done: bool,
+    /// The last history entry handed out: the next history read starts
+    /// after it, so entries already in flight are not handed out twice.
+    history_from: String,
     last_reclaim: Instant,
 }
 
@@ -150,6 +153,7 @@ impl RedisSource {
             reader: Mutex::new(Reader {
                 connection: reader,
                 history_done: false,
+                history_from: "0".into(),
                 last_reclaim: Instant::now(),
             }),
             acks,
@@ -228,13 +232,16 @@ impl RedisSource {
                 .arg(max)
                 .arg("STREAMS")
                 .arg(&self.options.queue)
-                .arg("0")
+                .arg(&reader.history_from)
                 .query_async(&mut reader.connection)
                 .await
                 .map_err(broker_error)?;
             let entries = parse_read_reply(reply);
             if entries.len() < max {
                 reader.history_done = true;
+            }
+            if let Some((id, _)) = entries.last() {
+                reader.history_from = id.clone();
             }
             entries
         } else if reader.last_reclaim.elapsed()
@@ -533,7 +540,7 @@ impl Source for RedisSource {
             .arg("-")
             .arg("+")
             .arg("COUNT")
-            .arg(limit)
+            .arg(limit.min(i64::MAX as usize))
             .query_async(&mut con)
             .await
             .map_err(broker_error)?;

@@ -24,6 +24,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 // === The app ===
 
@@ -194,6 +196,8 @@ pub struct Fixture {
     pub queue: String,
     /// Keeps the embedded queue's directory alive.
     _dir: Option<Arc<tempfile::TempDir>>,
+    /// Deletes the broker's queues or streams when the last clone goes.
+    _cleanup: Option<Arc<BrokerCleanup>>,
 }
 
 pub fn unique(prefix: &str) -> String {
@@ -206,6 +210,32 @@ impl Fixture {
             url: SourceUrl::parse(REDIS_URL).unwrap(),
             queue: unique("test"),
             _dir: None,
+            _cleanup: None,
+        }
+    }
+
+    /// RabbitMQ; `open` declares the queue (as `--create` would).
+    pub fn amqp() -> Self {
+        Self::broker(AMQP_URL)
+    }
+
+    /// NATS JetStream; `open` creates the stream (as `--create` would).
+    pub fn nats() -> Self {
+        Self::broker(NATS_URL)
+    }
+
+    /// A fixture on a broker at `url` (amqp:// or nats://), with a fresh
+    /// queue that is deleted when the test is done.
+    pub fn broker(url: &str) -> Self {
+        let queue = unique("test");
+        Self {
+            url: SourceUrl::parse(url).unwrap(),
+            _cleanup: Some(Arc::new(BrokerCleanup {
+                url: url.to_string(),
+                queue: queue.clone(),
+            })),
+            queue,
+            _dir: None,
         }
     }
 
@@ -215,21 +245,22 @@ impl Fixture {
             url: SourceUrl::Embedded(dir.path().to_path_buf()),
             queue: unique("test"),
             _dir: Some(Arc::new(dir)),
+            _cleanup: None,
         }
     }
 
     /// The `--source` text.
     pub fn source_arg(&self) -> String {
         match &self.url {
-            SourceUrl::Redis(url) => url.clone(),
             SourceUrl::Embedded(dir) => format!("embedded:{}", dir.display()),
+            SourceUrl::Redis(url) | SourceUrl::Amqp(url) | SourceUrl::Nats(url) => url.clone(),
         }
     }
 
     pub fn dir(&self) -> Option<PathBuf> {
         match &self.url {
             SourceUrl::Embedded(dir) => Some(dir.clone()),
-            SourceUrl::Redis(_) => None,
+            _ => None,
         }
     }
 
@@ -242,6 +273,7 @@ impl Fixture {
     pub async fn open(&self) -> Arc<dyn Source> {
         let mut options = SourceOptions::new(&self.queue);
         options.consumer = "inspector".into();
+        options.create = true;
         source::open(&self.url, options)
             .await
             .expect("open the source")
@@ -250,6 +282,70 @@ impl Fixture {
     pub async fn send(&self, source: &Arc<dyn Source>, body: impl Into<Bytes>) -> String {
         source.send(body.into(), &[]).await.expect("send")
     }
+}
+
+/// Deletes what a broker fixture left: the AMQP work queue, its dead-letter
+/// queue and delay tiers, or the NATS stream and its dead-letter stream.
+#[derive(Debug)]
+pub struct BrokerCleanup {
+    url: String,
+    queue: String,
+}
+
+impl Drop for BrokerCleanup {
+    fn drop(&mut self) {
+        let (url, queue) = (self.url.clone(), self.queue.clone());
+        // A runtime of its own: drops also happen outside any runtime.
+        let done = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let work = async {
+                    if url.starts_with("amqp") {
+                        delete_amqp_queues(&url, &queue).await;
+                    } else {
+                        delete_nats_streams(&url, &queue).await;
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(10), work).await;
+            });
+        });
+        let _ = done.join();
+    }
+}
+
+async fn delete_amqp_queues(url: &str, queue: &str) {
+    use lapin::options::QueueDeleteOptions;
+    let Ok(connection) = lapin::Connection::connect(url, Default::default()).await else {
+        return;
+    };
+    let Ok(channel) = connection.create_channel().await else {
+        return;
+    };
+    let mut names = vec![queue.to_string(), format!("{queue}.dlq")];
+    for tier in [
+        "10ms", "20ms", "50ms", "100ms", "200ms", "500ms", "1s", "2s", "4s", "8s", "15s", "30s",
+        "1m", "2m", "4m", "8m", "15m", "30m", "1h", "2h", "4h", "8h", "12h", "24h",
+    ] {
+        names.push(format!("{queue}.retry.{tier}"));
+    }
+    for name in names {
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = connection.close(200, "test done".into()).await;
+}
+
+async fn delete_nats_streams(url: &str, queue: &str) {
+    let Ok(client) = async_nats::connect(url).await else {
+        return;
+    };
+    let js = async_nats::jetstream::new(client);
+    let _ = js.delete_stream(queue).await;
+    let _ = js.delete_stream(format!("{queue}_dlq")).await;
 }
 
 /// A policy with short, exact timings so tests stay fast.
@@ -280,12 +376,17 @@ pub fn run_config(fixture: &Fixture, app: &TestApp, policy: Policy) -> RunConfig
         app: app.url().parse().unwrap(),
         policy,
         policy_file: None,
+        policy_ref: None,
         policy_poll: Duration::from_millis(100),
         concurrency: 8,
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_timeout: Duration::from_secs(5),
         max_body: 1 << 20,
         depth_interval: Duration::from_millis(200),
+        app_health_path: None,
+        // The conformance scenarios fail on purpose, many in a row; the
+        // 503/timeout gate is tested on its own in tests/chaos.rs.
+        app_failure_run: 0,
     }
 }
 
@@ -360,4 +461,235 @@ pub async fn scrape(addr: SocketAddr) -> String {
     let mut out = String::new();
     stream.read_to_string(&mut out).await.unwrap();
     out
+}
+
+// === The built binary ===
+
+use std::io::BufRead as _;
+use std::path::Path;
+use std::process::{Command as ProcessCommand, ExitStatus, Stdio};
+
+/// The `courier` binary cargo built for these tests.
+pub const COURIER_BIN: &str = env!("CARGO_BIN_EXE_courier");
+
+/// A command for the built binary that inherits no `COURIER_*`, `RUST_LOG`
+/// or `POD_NAME` from whoever runs the tests: only the flags given count.
+pub fn courier_command() -> ProcessCommand {
+    let mut command = ProcessCommand::new(COURIER_BIN);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("COURIER_") {
+            command.env_remove(name);
+        }
+    }
+    command.env_remove("RUST_LOG").env_remove("POD_NAME");
+    command
+}
+
+/// `courier run` flags for `fixture` and `app` with a policy file, a fixed
+/// consumer name, a free telemetry port and fast depth polling.
+pub fn run_args(
+    fixture: &Fixture,
+    app: &TestApp,
+    policy_file: &Path,
+    consumer: &str,
+) -> Vec<String> {
+    [
+        "--source",
+        &fixture.source_arg(),
+        "--queue",
+        &fixture.queue,
+        "--app",
+        &app.url(),
+        "--policy-file",
+        &policy_file.display().to_string(),
+        "--consumer",
+        consumer,
+        "--listen",
+        "127.0.0.1:0",
+        "--depth-interval",
+        "200ms",
+    ]
+    .map(str::to_string)
+    .to_vec()
+}
+
+/// Writes a RetryPolicy document whose `spec` is `spec` (YAML flow-mapping
+/// entries, one per line, without indentation) to `dir/policy.yaml`.
+pub fn write_policy(dir: &Path, spec: &str) -> PathBuf {
+    let mut doc = String::from(
+        "apiVersion: courier.dev/v1alpha1\nkind: RetryPolicy\nmetadata:\n  name: test\nspec:\n",
+    );
+    for line in spec.lines() {
+        doc.push_str("  ");
+        doc.push_str(line);
+        doc.push('\n');
+    }
+    let path = dir.join("policy.yaml");
+    std::fs::write(&path, doc).expect("write the policy file");
+    path
+}
+
+/// Drops the test's handle on the source and, for the embedded queue, waits
+/// until its redb file is free: a redb file serves one process at a time, so
+/// a child `courier` can open it only after every handle here is gone (the
+/// same directory shares one handle in a process, so drop every clone).
+pub async fn release(fixture: &Fixture, source: Arc<dyn Source>) {
+    drop(source);
+    if let Some(dir) = fixture.dir() {
+        let path = dir.join("courier.redb");
+        wait_for(
+            "this process to let go of the embedded queue",
+            Duration::from_secs(10),
+            async || match std::fs::File::open(&path) {
+                // redb holds an exclusive flock while the file is open.
+                Ok(file) => file.try_lock().is_ok(),
+                Err(_) => true,
+            },
+        )
+        .await;
+    }
+}
+
+/// The sum of every series of `name` labelled with `queue` in a `/metrics`
+/// text (e.g. dead letters over all reasons); 0 when there is none.
+pub fn metric(text: &str, name: &str, queue: &str) -> f64 {
+    let label = format!("queue=\"{queue}\"");
+    text.lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') && rest.contains(&label))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `courier run` as a child process, logging JSON into a buffer the test
+/// reads. Dropping it kills the process, so a failing test leaves none
+/// behind.
+pub struct CourierProcess {
+    child: std::process::Child,
+    log: Arc<Mutex<Vec<String>>>,
+    pub started: Instant,
+}
+
+impl CourierProcess {
+    /// Starts `courier --log-format json run <args>`.
+    pub fn run(args: &[String]) -> Self {
+        let mut child = courier_command()
+            .args(["--log-format", "json", "run"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start courier run");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let lines = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                lines.lock().unwrap().push(line);
+            }
+        });
+        Self {
+            child,
+            log,
+            started: Instant::now(),
+        }
+    }
+
+    /// Everything the process logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// Waits for a log line whose message is `message` and returns it,
+    /// parsed; fails early, with the log, if the process exits first.
+    pub async fn wait_log(&mut self, message: &str, limit: Duration) -> serde_json::Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            let found = self.log.lock().unwrap().iter().find_map(|line| {
+                let value: serde_json::Value = serde_json::from_str(line).ok()?;
+                (value["message"] == message).then_some(value)
+            });
+            if let Some(value) = found {
+                return value;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "courier exited ({status}) before logging {message:?}; log:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "courier did not log {message:?} within {limit:?}; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The address of `/metrics`, from the start-up log line.
+    pub async fn metrics_addr(&mut self) -> SocketAddr {
+        let line = self
+            .wait_log(
+                "serving /metrics, /healthz and /readyz",
+                Duration::from_secs(10),
+            )
+            .await;
+        line["addr"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no addr in {line}"))
+    }
+
+    /// Waits until the sidecar has opened the source and started pulling;
+    /// returns when that was seen.
+    pub async fn wait_running(&mut self) -> Instant {
+        self.wait_log("courier is running", Duration::from_secs(10))
+            .await;
+        Instant::now()
+    }
+
+    /// `kill -9`: no drain, no flush, nothing settled.
+    pub fn kill9(&mut self) {
+        self.child.kill().expect("SIGKILL courier");
+        self.child.wait().expect("reap courier");
+    }
+
+    /// Sends SIGTERM, as Kubernetes does to stop a pod.
+    pub fn terminate(&self) {
+        let status = ProcessCommand::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill -TERM");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits for the process to exit; fails, with the log, after `limit`.
+    pub async fn exit_within(&mut self, limit: Duration) -> ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for courier") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "courier did not exit within {limit:?}; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for CourierProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }

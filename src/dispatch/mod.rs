@@ -1,12 +1,18 @@
 //! The delivery loop: pull as many messages as there are free slots, offer
 //! each to the app, settle it from the policy's verdict; on shutdown stop
 //! pulling and let what is in flight finish, up to the drain timeout.
+//!
+//! Two guards protect the app: the [`limit`] (how many deliveries may be in
+//! flight, adapted to the app's answers) and the [`gate`] (stop pulling
+//! while the app is down).
+
+pub mod gate;
+pub mod limit;
 
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -14,10 +20,15 @@ use tokio_util::sync::CancellationToken;
 use crate::forward::{Envelope, Forwarder, Outcome};
 use crate::policy::{Class, LivePolicy, Verdict, decide};
 use crate::source::{Delivery, Failure, Source};
-use crate::telemetry::{DeadLetterLabels, DeliveryLabels, Metrics, QueueLabels};
+use crate::telemetry::{self, DeadLetterLabels, DeliveryLabels, Metrics, QueueLabels};
+
+use gate::{Change, Gate};
+use limit::{Limiter, Signal};
 
 /// At most this many messages are asked for in one read.
 const MAX_BATCH: usize = 256;
+/// How often the app is probed for `courier_app_up`.
+const APP_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 
 pub struct Dispatcher {
     pub source: Arc<dyn Source>,
@@ -28,6 +39,12 @@ pub struct Dispatcher {
     pub concurrency: usize,
     pub max_body: usize,
     pub drain_timeout: Duration,
+    /// Readiness follows the app-health gate.
+    pub health: Arc<telemetry::Health>,
+    /// Probed with GET while the gate is closed; else one delivery probes.
+    pub app_health_path: Option<String>,
+    /// Consecutive 503s or timeouts that close the gate; 0: never.
+    pub app_failure_run: u32,
 }
 
 /// How the drain went.
@@ -46,19 +63,37 @@ struct Shared {
     /// A 429 with Retry-After holds new deliveries until then: the limit is
     /// the app's, not the message's.
     hold_until: Mutex<Option<Instant>>,
+    limiter: Arc<Limiter>,
+    gate: Gate,
 }
 
 impl Dispatcher {
     /// Runs until `shutdown`, then drains.
     pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
-        let concurrency = self.concurrency.max(1);
+        let limiter = Limiter::new(self.concurrency);
+        let gate = Gate::new(self.app_failure_run);
         let shared = Arc::new(Shared {
             dispatcher: self,
             hold_until: Mutex::new(None),
+            limiter: limiter.clone(),
+            gate,
         });
-        let slots = Arc::new(Semaphore::new(concurrency));
+        shared.show_limit();
+        let probe = tokio::spawn({
+            let shared = shared.clone();
+            async move {
+                loop {
+                    let d = &shared.dispatcher;
+                    let up =
+                        d.forwarder.app_accepts_connections().await && !shared.gate.is_closed();
+                    d.metrics.app_up.set(i64::from(up));
+                    tokio::time::sleep(APP_PROBE_INTERVAL).await;
+                }
+            }
+        });
         let mut tasks = JoinSet::new();
         let mut failures = 0u32;
+        let mut probes = 0u32;
         while !shutdown.is_cancelled() {
             while tasks.try_join_next().is_some() {}
             let hold = *shared.hold_until.lock().unwrap_or_else(|e| e.into_inner());
@@ -68,24 +103,31 @@ impl Dispatcher {
                     _ = tokio::time::sleep_until(until) => {}
                 }
             }
+            if shared.gate.is_closed() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(gate::probe_delay(probes)) => {}
+                }
+                probes += 1;
+                shared.probe().await;
+                continue;
+            }
+            probes = 0;
             let first = tokio::select! {
                 _ = shutdown.cancelled() => break,
-                permit = slots.clone().acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
-                },
+                slot = limiter.acquire() => slot,
             };
-            let mut permits = vec![first];
-            while permits.len() < MAX_BATCH {
-                match slots.clone().try_acquire_owned() {
-                    Ok(permit) => permits.push(permit),
-                    Err(_) => break,
+            let mut slots = vec![first];
+            while slots.len() < MAX_BATCH {
+                match limiter.try_acquire() {
+                    Some(slot) => slots.push(slot),
+                    None => break,
                 }
             }
             // Not raced against shutdown: a read the broker already answered
             // must reach a delivery task, and a read blocks about a second.
             let source = shared.dispatcher.source.clone();
-            let deliveries = match source.receive(permits.len()).await {
+            let deliveries = match source.receive(slots.len()).await {
                 Ok(deliveries) => {
                     failures = 0;
                     deliveries
@@ -103,11 +145,11 @@ impl Dispatcher {
                 }
             };
             for delivery in deliveries {
-                let Some(permit) = permits.pop() else { break };
+                let Some(slot) = slots.pop() else { break };
                 let shared = shared.clone();
                 tasks.spawn(async move {
                     shared.deliver(delivery).await;
-                    drop(permit);
+                    drop(slot);
                 });
             }
         }
@@ -133,6 +175,7 @@ impl Dispatcher {
         } else {
             0
         };
+        probe.abort();
         dispatcher.source.close().await;
         DrainReport {
             finished: in_flight - abandoned,
@@ -142,6 +185,56 @@ impl Dispatcher {
 }
 
 impl Shared {
+    fn show_limit(&self) {
+        let d = &self.dispatcher;
+        d.metrics
+            .concurrency_limit
+            .get_or_create(&QueueLabels {
+                queue: d.queue.clone(),
+            })
+            .set(self.limiter.limit() as i64);
+    }
+
+    /// While the gate is closed: ask the app's health path, or let one
+    /// delivery through as the probe. Either opens the gate when the app
+    /// answers.
+    async fn probe(&self) {
+        let d = &self.dispatcher;
+        if let Some(path) = &d.app_health_path {
+            if d.forwarder.probe(path).await {
+                self.gate_changed(self.gate.report(gate::Health::Answering));
+            }
+            return;
+        }
+        let slot = self.limiter.acquire().await;
+        match d.source.receive(1).await {
+            Ok(deliveries) => {
+                for delivery in deliveries {
+                    self.deliver(delivery).await;
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reading from the broker failed"),
+        }
+        drop(slot);
+    }
+
+    fn gate_changed(&self, change: Change) {
+        let d = &self.dispatcher;
+        match change {
+            Change::Closed => {
+                tracing::warn!(app = %d.forwarder.app(), "the app is down or failing: pausing deliveries and probing it");
+                d.metrics.app_up.set(0);
+                d.health.set_ready(false);
+            }
+            Change::Opened => {
+                tracing::info!(app = %d.forwarder.app(), "the app answers again: resuming deliveries");
+                d.metrics.app_up.set(1);
+                d.health.set_ready(true);
+            }
+            Change::Unchanged => {}
+        }
+    }
+
     async fn deliver(&self, delivery: Delivery) {
         let d = &self.dispatcher;
         let queue = QueueLabels {
@@ -180,7 +273,32 @@ impl Shared {
                 .observe(clock.elapsed().as_secs_f64());
             outcome
         };
-        let decision = decide(&policy, &outcome, delivery.attempt, rand::random::<f64>());
+        let latency = started_at.elapsed().unwrap_or_default();
+        let jitter = rand::random::<f64>();
+        let mut decision = decide(&policy, &outcome, delivery.attempt, jitter);
+        self.limiter.observe(Signal::from_class(
+            decision.class,
+            outcome.status(),
+            latency,
+        ));
+        self.show_limit();
+        let app_health = gate::Health::from_class(decision.class, outcome.status());
+        if let Some(health) = app_health {
+            self.gate_changed(self.gate.report(health));
+        }
+        // The app is down, not this message: while the gate is closed a
+        // failure uses up no attempt, so an outage dead-letters nothing.
+        if self.gate.is_closed()
+            && matches!(
+                app_health,
+                Some(gate::Health::Failing | gate::Health::Unreachable)
+            )
+        {
+            decision.verdict = Verdict::Retry {
+                delay: policy.jittered_backoff(delivery.attempt, jitter),
+                attempt_used: false,
+            };
+        }
         if decision.class != Class::Undeliverable {
             d.metrics
                 .deliveries
@@ -197,7 +315,9 @@ impl Shared {
                 retry_after_invalid,
                 ..
             } => {
-                d.metrics.app_up.set(1);
+                if !self.gate.is_closed() {
+                    d.metrics.app_up.set(1);
+                }
                 if *retry_after_invalid {
                     d.metrics.retry_after_invalid.get_or_create(&queue).inc();
                 }
@@ -211,9 +331,6 @@ impl Shared {
                         *hold = Some(until);
                     }
                 }
-            }
-            Outcome::Unreachable { .. } => {
-                d.metrics.app_up.set(0);
             }
             _ => {}
         }

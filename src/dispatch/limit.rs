@@ -1,0 +1,233 @@
+//! Adaptive concurrency: how many deliveries may be in flight, between 1 and
+//! `--concurrency`, moved by what the app says (AIMD). Up by about one per
+//! round of healthy answers; halved on a 429 or a timeout; trimmed when
+//! latency climbs well above the best the app has recently shown.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::policy::Class;
+
+/// Latency above this multiple of the recent best counts as rising.
+const LATENCY_RISE: f64 = 2.0;
+/// Latencies under this are loopback noise and never count as rising.
+const LATENCY_FLOOR: Duration = Duration::from_millis(20);
+/// The "recent best" is forgotten this often, so a slower app can settle.
+const BASELINE_WINDOW: Duration = Duration::from_secs(30);
+
+/// Signals that move the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// A healthy answer in this time.
+    Healthy(Duration),
+    /// 429 or a timeout: the app says it has too much.
+    Overloaded,
+    /// Anything else: no information about load.
+    Neutral,
+}
+
+impl Signal {
+    pub fn from_class(class: Class, status: Option<u16>, latency: Duration) -> Self {
+        match (class, status) {
+            (Class::Success, _) => Self::Healthy(latency),
+            (Class::Timeout, _) | (_, Some(429)) => Self::Overloaded,
+            _ => Self::Neutral,
+        }
+    }
+}
+
+struct State {
+    limit: f64,
+    in_flight: usize,
+    last_decrease: Option<Instant>,
+    baseline: Option<Duration>,
+    baseline_since: Instant,
+}
+
+pub struct Limiter {
+    state: Mutex<State>,
+    released: Notify,
+    max: usize,
+}
+
+/// A slot in flight; dropping it frees it.
+pub struct Slot {
+    limiter: Arc<Limiter>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.limiter.lock().in_flight -= 1;
+        self.limiter.released.notify_waiters();
+    }
+}
+
+impl Limiter {
+    pub fn new(max: usize) -> Arc<Self> {
+        let max = max.max(1);
+        Arc::new(Self {
+            state: Mutex::new(State {
+                limit: max as f64,
+                in_flight: 0,
+                last_decrease: None,
+                baseline: None,
+                baseline_since: Instant::now(),
+            }),
+            released: Notify::new(),
+            max,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The current limit, a whole number of deliveries.
+    pub fn limit(&self) -> usize {
+        (self.lock().limit.floor() as usize).clamp(1, self.max)
+    }
+
+    pub fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
+        let mut state = self.lock();
+        let limit = (state.limit.floor() as usize).clamp(1, self.max);
+        if state.in_flight >= limit {
+            return None;
+        }
+        state.in_flight += 1;
+        Some(Slot {
+            limiter: self.clone(),
+        })
+    }
+
+    /// Waits for a free slot under the current limit.
+    pub async fn acquire(self: &Arc<Self>) -> Slot {
+        loop {
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if let Some(slot) = self.try_acquire() {
+                return slot;
+            }
+            released.await;
+        }
+    }
+
+    pub fn observe(&self, signal: Signal) {
+        let now = Instant::now();
+        let mut s = self.lock();
+        let max = self.max as f64;
+        // One decrease per round trip: a burst of 429s from one overload is
+        // one signal, not sixteen.
+        let may_decrease = |s: &State, rtt: Duration| {
+            s.last_decrease
+                .is_none_or(|t| now.duration_since(t) >= rtt.max(Duration::from_millis(100)))
+        };
+        match signal {
+            Signal::Overloaded => {
+                let rtt = s.baseline.unwrap_or_default();
+                if may_decrease(&s, rtt) {
+                    s.limit = (s.limit / 2.0).max(1.0);
+                    s.last_decrease = Some(now);
+                }
+            }
+            Signal::Healthy(latency) => {
+                if now.duration_since(s.baseline_since) > BASELINE_WINDOW {
+                    s.baseline = None;
+                    s.baseline_since = now;
+                }
+                let baseline = *s.baseline.get_or_insert(latency);
+                if latency < baseline {
+                    s.baseline = Some(latency);
+                }
+                let rising = latency > LATENCY_FLOOR
+                    && latency.as_secs_f64() > baseline.as_secs_f64() * LATENCY_RISE;
+                if rising {
+                    if may_decrease(&s, latency) {
+                        s.limit = (s.limit * 0.9).max(1.0);
+                        s.last_decrease = Some(now);
+                    }
+                } else {
+                    s.limit = (s.limit + 1.0 / s.limit).min(max);
+                }
+            }
+            Signal::Neutral => {}
+        }
+        drop(s);
+        self.released.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn halves_on_overload_and_climbs_back() {
+        let limiter = Limiter::new(16);
+        assert_eq!(limiter.limit(), 16);
+        limiter.observe(Signal::Overloaded);
+        assert_eq!(limiter.limit(), 8);
+        // A burst from the same overload counts once.
+        limiter.observe(Signal::Overloaded);
+        assert_eq!(limiter.limit(), 8);
+        tokio::time::advance(Duration::from_millis(150)).await;
+        limiter.observe(Signal::Overloaded);
+        assert_eq!(limiter.limit(), 4);
+        for _ in 0..200 {
+            limiter.observe(Signal::Healthy(Duration::from_millis(2)));
+        }
+        assert_eq!(
+            limiter.limit(),
+            16,
+            "healthy answers restore the limit, never past the maximum"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn never_below_one() {
+        let limiter = Limiter::new(4);
+        for _ in 0..10 {
+            limiter.observe(Signal::Overloaded);
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        assert_eq!(limiter.limit(), 1);
+        assert!(
+            limiter.try_acquire().is_some(),
+            "one delivery may always go"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rising_latency_trims_the_limit() {
+        let limiter = Limiter::new(10);
+        limiter.observe(Signal::Healthy(Duration::from_millis(30)));
+        assert_eq!(limiter.limit(), 10);
+        limiter.observe(Signal::Healthy(Duration::from_millis(300)));
+        assert_eq!(limiter.limit(), 9);
+        // Sub-floor latencies are noise, whatever the ratio.
+        let fast = Limiter::new(10);
+        fast.observe(Signal::Healthy(Duration::from_micros(100)));
+        fast.observe(Signal::Healthy(Duration::from_millis(5)));
+        assert_eq!(fast.limit(), 10);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slots_wait_for_the_limit() {
+        let limiter = Limiter::new(2);
+        let a = limiter.try_acquire().unwrap();
+        let _b = limiter.try_acquire().unwrap();
+        assert!(limiter.try_acquire().is_none());
+        let waiter = tokio::spawn({
+            let limiter = limiter.clone();
+            async move { limiter.acquire().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        drop(a);
+        let _c = waiter.await.unwrap();
+        assert!(limiter.try_acquire().is_none());
+    }
+}

@@ -1,0 +1,362 @@
+//! `courier dlq` end to end, for every source: dead letters made by a real
+//! sidecar and a real app, then listed, shown, replayed and purged with the
+//! built binary, as an operator would.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use bytes::Bytes;
+use common::*;
+use courier::source::Source;
+
+const BIN: &str = env!("CARGO_BIN_EXE_courier");
+const SETTLE: Duration = Duration::from_secs(30);
+
+fn courier(fixture: &Fixture, args: &[&str]) -> Output {
+    let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    all.extend([
+        "--source".into(),
+        fixture.source_arg(),
+        "--queue".into(),
+        fixture.queue.clone(),
+    ]);
+    Command::new(BIN)
+        .args(&all)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run courier")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The embedded queue is one process's at a time: wait until this process
+/// has let go of it before the binary opens it.
+async fn release(fixture: &Fixture) {
+    let Some(dir) = fixture.dir() else { return };
+    let path = dir.join("courier.redb");
+    wait_for(
+        "the embedded queue to be released",
+        Duration::from_secs(10),
+        async || redb::Database::create(&path).is_ok(),
+    )
+    .await;
+}
+
+/// Runs a sidecar against `app` until the queue is settled.
+async fn drain(fixture: &Fixture, app: &TestApp) {
+    let source = fixture.open().await;
+    let running = Running::start(run_config(fixture, app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    drop(source);
+    release(fixture).await;
+}
+
+async fn send_all(fixture: &Fixture, bodies: &[Bytes]) -> Vec<String> {
+    let source: Arc<dyn Source> = fixture.open().await;
+    let mut ids = Vec::new();
+    for body in bodies {
+        ids.push(source.send(body.clone(), &[]).await.unwrap());
+    }
+    ids
+}
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    stdout(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+pub async fn list_show_replay_purge(fixture: Fixture) {
+    let app = TestApp::start().await;
+    // Longer than every script body, and over the --max-body used below.
+    let binary = Bytes::from(
+        (0..40u8)
+            .map(|i| i.wrapping_mul(37) | 0x80)
+            .collect::<Vec<u8>>(),
+    );
+    let bodies = [
+        Bytes::from("script:400,200\nA"),
+        Bytes::from("script:400,200\nB"),
+        Bytes::from("script:422,200\nC"),
+        Bytes::from("script:503,503,503,200\nD"),
+        Bytes::from("script:503,503,503,200\nE"),
+    ];
+    let ids = send_all(&fixture, &bodies).await;
+    let source = fixture.open().await;
+    source
+        .send(
+            binary.clone(),
+            &[("content-type".into(), "application/x-thing".into())],
+        )
+        .await
+        .unwrap();
+    drop(source);
+    // The binary message is dead-lettered as undeliverable (over --max-body).
+    {
+        let source = fixture.open().await;
+        let mut config = run_config(&fixture, &app, fast_policy());
+        config.max_body = 32;
+        let running = Running::start(config).await;
+        wait_settled(&source, SETTLE).await;
+        running.stop().await;
+    }
+    release(&fixture).await;
+
+    // list: a header and one line per dead letter, oldest first.
+    let out = courier(&fixture, &["dlq", "list"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 7, "{text}");
+    assert!(text.lines().next().unwrap().contains("REASON"));
+    assert!(
+        text.contains("permanent-status")
+            && text.contains("attempts-exhausted")
+            && text.contains("undeliverable")
+    );
+    assert!(
+        text.contains("answer 400 to attempt 1"),
+        "the excerpt starts each line's tail: {text}"
+    );
+
+    // JSON lines: every courier-* field, the body, binary as base64.
+    let out = courier(&fixture, &["dlq", "list", "--output", "json"]);
+    let letters = json_lines(&out);
+    assert_eq!(letters.len(), 6);
+    let undeliverable = letters
+        .iter()
+        .find(|l| l["courier-reason"] == "undeliverable")
+        .unwrap();
+    assert_eq!(undeliverable["body_encoding"], "base64");
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(undeliverable["body"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(decoded, binary.to_vec(), "binary bodies round-trip");
+    assert_eq!(
+        undeliverable["headers"]["content-type"],
+        "application/x-thing"
+    );
+    for field in [
+        "courier-reason",
+        "courier-status",
+        "courier-error",
+        "courier-attempts",
+        "courier-first-attempt-at",
+        "courier-last-attempt-at",
+        "courier-queue",
+        "courier-message-id",
+        "courier-response-excerpt",
+        "courier-policy",
+    ] {
+        assert!(
+            letters.iter().all(|l| l.get(field).is_some()),
+            "{field} in every line"
+        );
+    }
+
+    // Filters.
+    let count = |args: &[&str]| {
+        let mut all = vec!["dlq", "list", "--output", "json"];
+        all.extend_from_slice(args);
+        json_lines(&courier(&fixture, &all)).len()
+    };
+    assert_eq!(count(&["--reason", "permanent-status"]), 3);
+    assert_eq!(count(&["--status", "5xx"]), 2);
+    assert_eq!(count(&["--status", "422"]), 1);
+    assert_eq!(count(&["--newer-than", "1h"]), 6);
+    assert_eq!(count(&["--older-than", "1h"]), 0);
+    assert_eq!(count(&["--limit", "2"]), 2);
+    let bad = courier(&fixture, &["dlq", "list", "--reason", "tired"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("attempts-exhausted"),
+        "{}",
+        stderr(&bad)
+    );
+
+    // show: the whole dead letter.
+    let a = letters
+        .iter()
+        .find(|l| l["courier-message-id"] == ids[0].as_str())
+        .unwrap();
+    let a_id = a["id"].as_str().unwrap().to_string();
+    let out = courier(&fixture, &["dlq", "show", &a_id]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let shown = stdout(&out);
+    for want in [
+        "courier-reason: permanent-status",
+        "courier-status: 400",
+        "script:400,200\nA",
+    ] {
+        assert!(shown.contains(want), "{want} in\n{shown}");
+    }
+    let missing = courier(&fixture, &["dlq", "show", "999999-0"]);
+    assert_eq!(missing.status.code(), Some(1));
+
+    // replay needs a selection; --dry-run moves nothing.
+    let out = courier(&fixture, &["dlq", "replay"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--all"), "{}", stderr(&out));
+    let out = courier(&fixture, &["dlq", "replay", "--all", "--dry-run"]);
+    assert!(out.status.success());
+    assert!(
+        stdout(&out).contains("6 dead letters would be replayed"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(count(&[]), 6);
+
+    // Replay one by id, then a filter's worth.
+    let out = courier(&fixture, &["dlq", "replay", "--id", &a_id]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(count(&[]), 5);
+    let again = courier(&fixture, &["dlq", "replay", "--id", &a_id]);
+    assert_eq!(
+        again.status.code(),
+        Some(1),
+        "a replayed letter is gone: partial failure"
+    );
+    assert!(stderr(&again).contains(&a_id));
+    let out = courier(
+        &fixture,
+        &[
+            "dlq",
+            "replay",
+            "--reason",
+            "attempts-exhausted",
+            "--rate",
+            "50",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("2 dead letters replayed"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(count(&[]), 3);
+
+    drain(&fixture, &app).await;
+    for (body, id) in [
+        (&bodies[0], &ids[0]),
+        (&bodies[3], &ids[3]),
+        (&bodies[4], &ids[4]),
+    ] {
+        let seen = app.received_body(body);
+        let last = seen.last().unwrap();
+        assert_eq!(last.attempt(), 1, "a replay starts again at attempt 1");
+        let key = format!("{}:{id}", fixture.queue);
+        assert!(
+            seen.iter()
+                .all(|r| r.header("idempotency-key") == Some(key.as_str())),
+            "the app sees the same Idempotency-Key before and after the replay"
+        );
+    }
+    assert_eq!(
+        count(&[]),
+        3,
+        "replayed messages were delivered, not dead-lettered again"
+    );
+
+    // purge refuses without --yes and says how many.
+    let out = courier(&fixture, &["dlq", "purge", "--reason", "permanent-status"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("would delete 2"), "{}", stderr(&out));
+    assert_eq!(count(&[]), 3);
+    let out = courier(
+        &fixture,
+        &["dlq", "purge", "--reason", "permanent-status", "--yes"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(count(&[]), 1);
+    let out = courier(&fixture, &["dlq", "purge", "--all", "--yes"]);
+    assert!(out.status.success());
+    assert_eq!(count(&[]), 0);
+}
+
+/// A replay killed with SIGKILL halfway loses nothing: every message is in
+/// the dead-letter queue, the work queue, or both.
+pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let n = 60;
+    let bodies: Vec<Bytes> = (0..n)
+        .map(|i| Bytes::from(format!("script:400,200\n{i}")))
+        .collect();
+    let ids = send_all(&fixture, &bodies).await;
+    drain(&fixture, &app).await;
+    assert_eq!(
+        json_lines(&courier(&fixture, &["dlq", "list", "--output", "json"])).len(),
+        n
+    );
+
+    let mut child = Command::new(BIN)
+        .args([
+            "dlq",
+            "replay",
+            "--all",
+            "--rate",
+            "30",
+            "--source",
+            &fixture.source_arg(),
+            "--queue",
+            &fixture.queue,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let replayed = stdout(&out)
+        .lines()
+        .filter(|l| l.starts_with("replayed "))
+        .count();
+    assert!(
+        replayed > 0 && replayed < n,
+        "killed halfway: {replayed} of {n} replayed"
+    );
+
+    let left: Vec<String> = json_lines(&courier(&fixture, &["dlq", "list", "--output", "json"]))
+        .iter()
+        .map(|l| l["courier-message-id"].as_str().unwrap().to_string())
+        .collect();
+    drain(&fixture, &app).await;
+    for (body, id) in bodies.iter().zip(&ids) {
+        let delivered_again = app.received_body(body).len() >= 2;
+        assert!(
+            delivered_again || left.contains(id),
+            "message {id} is in neither queue"
+        );
+    }
+}
+
+macro_rules! dlq_suite {
+    ($source:ident, $fixture:expr) => {
+        mod $source {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn list_show_replay_purge() {
+                super::list_show_replay_purge($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn replay_killed_halfway_loses_nothing() {
+                super::replay_killed_halfway_loses_nothing($fixture).await;
+            }
+        }
+    };
+}
+
+dlq_suite!(redis, super::Fixture::redis());
+dlq_suite!(embedded, super::Fixture::embedded());

@@ -4,9 +4,9 @@
 //! which inotify watches on the file itself miss.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
+pub use super::Reload;
 use super::{API_VERSION, KIND, Policy, PolicyUpdate, RetryPolicyDocument};
 
 /// Why a policy file was refused.
@@ -56,14 +56,6 @@ pub fn load(path: &Path) -> Result<Policy, PolicyFileError> {
     Ok(policy)
 }
 
-/// What a reload did.
-#[derive(Debug, Clone)]
-pub enum Reload {
-    Applied(Arc<Policy>),
-    /// The last good policy stays in force.
-    Rejected(String),
-}
-
 /// Polls `path` every `interval`; a changed file is parsed and either
 /// applied (generation + 1) or refused. `on_reload` sees every outcome.
 pub fn watch(
@@ -94,16 +86,9 @@ pub fn watch(
             }
             last = now.clone();
             let text = String::from_utf8_lossy(now.as_deref().unwrap_or_default());
-            let reload = match parse(&text) {
-                Ok(mut policy) => {
-                    policy.generation = update.current().generation + 1;
-                    Reload::Applied(update.apply(policy))
-                }
-                Err(problem) => {
-                    Reload::Rejected(format!("policy file {}: {problem}", path.display()))
-                }
-            };
-            on_reload(&reload);
+            let parsed = parse(&text)
+                .map_err(|problem| format!("policy file {}: {problem}", path.display()));
+            on_reload(&update.offer(parsed, None));
         }
     })
 }

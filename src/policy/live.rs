@@ -50,4 +50,26 @@ impl PolicyUpdate {
     pub fn current(&self) -> Arc<Policy> {
         self.tx.borrow().clone()
     }
+
+    /// The one path every policy source takes after parsing: a usable
+    /// policy is put in force, a refused one leaves the last good policy.
+    /// `generation` is the source's own (`metadata.generation` in the
+    /// cluster); without one the policy in force's generation + 1 is used.
+    pub fn offer(&self, parsed: Result<Policy, String>, generation: Option<i64>) -> Reload {
+        match parsed {
+            Ok(mut policy) => {
+                policy.generation = generation.unwrap_or_else(|| self.current().generation + 1);
+                Reload::Applied(self.apply(policy))
+            }
+            Err(problem) => Reload::Rejected(problem),
+        }
+    }
+}
+
+/// What a change offered by a policy source did.
+#[derive(Debug, Clone)]
+pub enum Reload {
+    Applied(Arc<Policy>),
+    /// The last good policy stays in force; the text says why.
+    Rejected(String),
 }

@@ -59,6 +59,9 @@ pub struct Metadata {
 // CEL rules on these types become the CRD (`courier crd`, `crds/`), so the API
 // server refuses what `Policy::from_spec` refuses. The doc comments are the
 // CRD's descriptions, so they speak to operators.
+// The printer columns repeat `type_ = "string"`, which clippy takes for a
+// duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, CustomResource, KubeSchema)]
 #[kube(
     group = "courier.dev",

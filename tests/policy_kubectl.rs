@@ -1,0 +1,494 @@
+//! The RetryPolicy as an operator meets it: the real `kubectl` (v1.32, on
+//! PATH) applies, edits and deletes policies on a stand-in API server
+//! (`scripts/kube-stub`: kmock plus what kubectl and the watcher need),
+//! while the built `courier` binary runs as a child process against a real
+//! Redis and a real HTTP app, following the policy with `--policy`.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+const SETTLE: Duration = Duration::from_secs(20);
+const NS: &str = "shop";
+const POD: &str = "courier-test-0";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+// === The stand-in API server ===
+
+/// `scripts/kube-stub` on a free port, and a kubeconfig pointing at it.
+/// Stopped (by its process id) when dropped.
+struct KubeStub {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl KubeStub {
+    fn start() -> Self {
+        let mut child = Command::new(root().join("scripts/kube-stub"))
+            .args(["--port", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start scripts/kube-stub");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("read the stub's first line");
+        let port: u16 = line
+            .strip_prefix("READY ")
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("scripts/kube-stub did not start: {line:?}"));
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("kubeconfig"),
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: http://127.0.0.1:{port}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    namespace: {NS}\ncurrent-context: stub\nusers: []\n"
+            ),
+        )
+        .unwrap();
+        let stub = Self { child, dir };
+        stub.kubectl_ok(&[
+            "apply",
+            "-f",
+            root().join("crds/retrypolicy.yaml").to_str().unwrap(),
+        ]);
+        stub
+    }
+
+    fn kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubeconfig")
+    }
+
+    fn kubectl(&self, args: &[&str], editor: Option<&Path>) -> Output {
+        let mut command = Command::new("kubectl");
+        command.args(args).env("KUBECONFIG", self.kubeconfig());
+        if let Some(editor) = editor {
+            command.env("EDITOR", editor).env("KUBE_EDITOR", editor);
+        }
+        command.output().expect("run kubectl (is it on PATH?)")
+    }
+
+    fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args, None);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// `kubectl apply` of a document given as text.
+    fn apply(&self, yaml: &str) {
+        let path = self.dir.path().join("apply.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        self.kubectl_ok(&["apply", "-f", path.to_str().unwrap()]);
+    }
+
+    /// `kubectl edit rp NAME` with an editor script that runs `sed
+    /// expression` on the file kubectl opens.
+    fn edit(&self, name: &str, expression: &str) {
+        let editor = self.dir.path().join("editor.sh");
+        std::fs::write(
+            &editor,
+            format!("#!/bin/sh\nexec sed -i '{expression}' \"$1\"\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let out = self.kubectl(&["edit", "retrypolicy", name], Some(&editor));
+        assert!(
+            out.status.success(),
+            "kubectl edit failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut args = args.to_vec();
+        args.extend(["-o", "json"]);
+        serde_json::from_str(&self.kubectl_ok(&args)).unwrap()
+    }
+}
+
+impl Drop for KubeStub {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// === The sidecar as a child process ===
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Sidecar {
+    child: Child,
+    addr: SocketAddr,
+    log: PathBuf,
+}
+
+impl Sidecar {
+    fn start(stub: &KubeStub, fixture: &Fixture, app: &TestApp, policy: &str) -> Self {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let log = stub.dir.path().join(format!("courier-{policy}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_courier"))
+            .args([
+                "run",
+                "--source",
+                &fixture.source_arg(),
+                "--queue",
+                &fixture.queue,
+            ])
+            .args(["--app", &app.url(), "--policy", policy])
+            .args(["--listen", &addr.to_string(), "--drain-timeout", "2s"])
+            .env_remove("COURIER_POLICY_FILE")
+            .env("KUBECONFIG", stub.kubeconfig())
+            .env("POD_NAMESPACE", NS)
+            .env("POD_NAME", POD)
+            .env("COURIER_LOG_LEVEL", "info")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("start courier");
+        Self { child, addr, log }
+    }
+
+    async fn wait_ready(&self) {
+        wait_for(
+            "/readyz to answer 200",
+            Duration::from_secs(30),
+            async || get(self.addr, "/readyz").await.starts_with("HTTP/1.1 200"),
+        )
+        .await;
+    }
+
+    async fn metrics(&self) -> String {
+        scrape(self.addr).await
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, as Kubernetes stops a pod, and a clean exit.
+    fn stop(mut self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let exit = self.child.wait().unwrap();
+        assert!(
+            exit.success(),
+            "courier exited with {exit}:\n{}",
+            self.log()
+        );
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+async fn get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut out = String::new();
+    let _ = stream.read_to_string(&mut out).await;
+    out
+}
+
+async fn dead_letter_field(fixture: &Fixture, id: &str, field: &str) -> Option<String> {
+    let source = fixture.open().await;
+    let letters = source.dead_letters(&fixture.dlq(), 1000).await.unwrap();
+    letters
+        .iter()
+        .find(|l| l.field("courier-message-id") == Some(id))
+        .and_then(|l| l.field(field).map(str::to_string))
+}
+
+const ORDERS: &str = "apiVersion: courier.dev/v1alpha1
+kind: RetryPolicy
+metadata:
+  name: orders
+spec:
+  maxAttempts: 3
+  timeout: 500ms
+  backoff: {initial: 20ms, max: 50ms, jitter: none}
+";
+
+// === The tests ===
+
+/// apply, run, edit (3 -> 1 attempts), a refused edit, delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_apply_edit_and_delete_steer_the_running_sidecar() {
+    let stub = KubeStub::start();
+    stub.apply(ORDERS);
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "orders");
+    sidecar.wait_ready().await;
+    assert!(
+        sidecar
+            .metrics()
+            .await
+            .contains("courier_policy_generation{policy=\"orders\"} 1")
+    );
+
+    let first = fixture.send(&source, "script:503\nfirst").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(app.received_body(b"script:503\nfirst").len(), 3);
+    assert_eq!(
+        dead_letter_field(&fixture, &first, "courier-policy")
+            .await
+            .as_deref(),
+        Some("orders@1")
+    );
+
+    // kubectl edit: maxAttempts 3 -> 1. Edit-to-effect is measured from the
+    // moment kubectl returns (the API server has the change) to the sidecar
+    // having put it in force.
+    let started = Instant::now();
+    stub.edit("orders", "s/maxAttempts: 3/maxAttempts: 1/");
+    let edited = Instant::now();
+    wait_for(
+        "the edit to take effect",
+        Duration::from_secs(2),
+        async || {
+            sidecar
+                .metrics()
+                .await
+                .contains("courier_policy_generation{policy=\"orders\"} 2")
+        },
+    )
+    .await;
+    let effect = edited.elapsed();
+    println!(
+        "edit-to-effect: {} ms after kubectl edit returned ({} ms including kubectl itself)",
+        effect.as_millis(),
+        started.elapsed().as_millis()
+    );
+    let second = fixture.send(&source, "script:503\nsecond").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        app.received_body(b"script:503\nsecond").len(),
+        1,
+        "after the edit the next failing message is dead-lettered after one attempt"
+    );
+    assert_eq!(
+        dead_letter_field(&fixture, &second, "courier-reason")
+            .await
+            .as_deref(),
+        Some("attempts-exhausted")
+    );
+    assert_eq!(
+        dead_letter_field(&fixture, &second, "courier-policy")
+            .await
+            .as_deref(),
+        Some("orders@2")
+    );
+    assert_eq!(
+        stub.kubectl_ok(&[
+            "get",
+            "rp",
+            "orders",
+            "-o",
+            "jsonpath={.status.observedGeneration} {.status.conditions[0].type}={.status.conditions[0].status}",
+        ]),
+        "2 Accepted=True"
+    );
+
+    // A change the sidecar cannot use (the stub, like a cluster with an
+    // older CRD, does not validate): refused loudly, the last good stays.
+    stub.edit("orders", "s/maxAttempts: 1/maxAttempts: 0/");
+    wait_for(
+        "the refusal to be counted",
+        Duration::from_secs(5),
+        async || {
+            sidecar
+                .metrics()
+                .await
+                .contains("courier_policy_reloads_total{result=\"rejected\"} 1")
+        },
+    )
+    .await;
+    assert!(
+        sidecar.log().contains("policy change rejected"),
+        "{}",
+        sidecar.log()
+    );
+    wait_for("the Event on the pod", Duration::from_secs(5), async || {
+        let events = stub.json(&["get", "events.v1.events.k8s.io", "-n", NS]);
+        events["items"].as_array().unwrap().iter().any(|e| {
+            e["reason"] == "PolicyRejected"
+                && e["regarding"]["kind"] == "Pod"
+                && e["regarding"]["name"] == POD
+                && e["note"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("spec.maxAttempts")
+        })
+    })
+    .await;
+    wait_for(
+        "status Accepted=False",
+        Duration::from_secs(5),
+        async || {
+            let rp = stub.json(&["get", "rp", "orders"]);
+            rp["status"]["observedGeneration"] == 3
+                && rp["status"]["conditions"][0]["status"] == "False"
+        },
+    )
+    .await;
+    fixture.send(&source, "script:503\nthird").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        app.received_body(b"script:503\nthird").len(),
+        1,
+        "the last good policy (maxAttempts 1) stays in force"
+    );
+
+    // kubectl delete: the built-in defaults (5 attempts) come back.
+    stub.kubectl_ok(&["delete", "rp", "orders"]);
+    wait_for(
+        "the defaults to take over",
+        Duration::from_secs(2),
+        async || {
+            sidecar
+                .metrics()
+                .await
+                .contains("courier_policy_generation{policy=\"default\"} 0")
+        },
+    )
+    .await;
+    assert!(sidecar.log().contains("the built-in defaults are in force"));
+    let fourth = fixture.send(&source, "script:503,503,200\nfourth").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        app.received_body(b"script:503,503,200\nfourth").len(),
+        3,
+        "the defaults retry where maxAttempts 1 would have given up"
+    );
+    assert_eq!(
+        dead_letter_field(&fixture, &fourth, "courier-reason").await,
+        None
+    );
+    sidecar.stop();
+}
+
+/// Both examples, applied with kubectl, each followed by a sidecar.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_examples_applied_with_kubectl_do_what_they_say() {
+    let stub = KubeStub::start();
+    stub.kubectl_ok(&[
+        "apply",
+        "-f",
+        root().join("examples/payments.yaml").to_str().unwrap(),
+        "-f",
+        root()
+            .join("examples/fire-and-forget.yaml")
+            .to_str()
+            .unwrap(),
+    ]);
+    let app = TestApp::start().await;
+    let (forget_queue, pay_queue) = (Fixture::redis(), Fixture::redis());
+    let forget = Sidecar::start(&stub, &forget_queue, &app, "fire-and-forget");
+    let pay = Sidecar::start(&stub, &pay_queue, &app, "payments");
+    forget.wait_ready().await;
+    pay.wait_ready().await;
+
+    let forget_source = forget_queue.open().await;
+    let dropped = forget_queue
+        .send(&forget_source, "script:503\nforget")
+        .await;
+    let pay_source = pay_queue.open().await;
+    pay_queue.send(&pay_source, "script:429ra1,200\npay").await;
+    wait_settled(&forget_source, SETTLE).await;
+    wait_settled(&pay_source, SETTLE).await;
+
+    assert_eq!(app.received_body(b"script:503\nforget").len(), 1);
+    assert_eq!(
+        dead_letter_field(&forget_queue, &dropped, "courier-policy")
+            .await
+            .as_deref(),
+        Some("fire-and-forget@1")
+    );
+    let paid = app.received_body(b"script:429ra1,200\npay");
+    assert_eq!(paid.len(), 2, "retried once, then acked");
+    let waited = paid[1].at - paid[0].at;
+    assert!(
+        waited >= Duration::from_millis(950),
+        "Retry-After: 1 is honored, waited {waited:?}"
+    );
+    forget.stop();
+    pay.stop();
+}
+
+/// `--policy` and `--policy-file` name two sources for one thing.
+#[test]
+fn policy_and_policy_file_together_are_a_usage_error() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_courier"));
+        command
+            .args(["run", "--source", "embedded:/tmp/x", "--queue", "q"])
+            .args(args)
+            .env_remove("COURIER_POLICY")
+            .env_remove("COURIER_POLICY_FILE")
+            .env_remove("POD_NAMESPACE");
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        command.output().unwrap()
+    };
+    for (args, env) in [
+        (
+            &["--policy", "orders", "--policy-file", "/tmp/p.yaml"][..],
+            &[][..],
+        ),
+        (
+            &["--policy-file", "/tmp/p.yaml"][..],
+            &[("COURIER_POLICY", "orders")][..],
+        ),
+    ] {
+        let out = run(args, env);
+        assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("--policy"), "{stderr}");
+    }
+    // Outside a pod, without POD_NAMESPACE, there is no namespace to look in.
+    let out = run(&["--policy", "orders"], &[]);
+    if !Path::new(courier::policy::cluster::SERVICE_ACCOUNT_NAMESPACE).exists() {
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("POD_NAMESPACE"));
+    }
+}

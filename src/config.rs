@@ -116,6 +116,10 @@ pub struct RunArgs {
     /// recovers (0: only a refused connection pauses them).
     #[arg(long, env = "COURIER_APP_FAILURE_RUN", default_value_t = 5)]
     pub app_failure_run: u32,
+    /// Remember acked messages this long (e.g. 10m) and ack a redelivery of
+    /// one without sending it to the app again. Off when not given.
+    #[arg(long, env = "COURIER_DEDUP_WINDOW", value_parser = duration::parse_flag)]
+    pub dedup_window: Option<Duration>,
     /// Create the work queue when it is missing (AMQP: a durable classic queue; NATS: a stream
     /// capturing the subject of the same name). Without it a missing queue is an error.
     #[arg(long, env = "COURIER_CREATE")]
@@ -200,6 +204,7 @@ pub struct RunConfig {
     pub depth_interval: Duration,
     pub app_health_path: Option<String>,
     pub app_failure_run: u32,
+    pub dedup_window: Option<Duration>,
 }
 
 /// Checks the queue name, so that a typo fails at start and not on the
@@ -301,6 +306,7 @@ impl RunConfig {
             depth_interval: args.depth_interval,
             app_health_path: args.app_health_path.clone(),
             app_failure_run: args.app_failure_run,
+            dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
         })
     }
 }

@@ -154,6 +154,7 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         depth_interval: Duration::from_secs(1),
         app_health_path: None,
         app_failure_run: crate::dispatch::gate::FAILURE_RUN,
+        dedup_window: None,
     };
     println!(
         "courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/"

@@ -180,6 +180,13 @@ async fn run_sidecar(
             health.set_ready(false);
         })
     };
+    let dedup_window = config.dedup_window.filter(|_| {
+        let supported = source.supports_dedup();
+        if !supported {
+            tracing::warn!("--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated");
+        }
+        supported
+    });
     let dispatcher = Dispatcher {
         source,
         forwarder: Forwarder::new(config.app.clone(), config.concurrency),
@@ -192,6 +199,7 @@ async fn run_sidecar(
         health: health.clone(),
         app_health_path: config.app_health_path.clone(),
         app_failure_run: config.app_failure_run,
+        dedup_window,
     };
     let report = dispatcher.run(shutdown).await;
     tracing::info!(

@@ -79,6 +79,7 @@ pub struct Metrics {
     pub settle_errors: Family<QueueLabels, Counter>,
     pub depth_poll_errors: Family<QueueLabels, Counter>,
     pub concurrency_limit: Family<QueueLabels, Gauge>,
+    pub dedup_hits: Family<QueueLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -108,6 +109,7 @@ impl Metrics {
             settle_errors: Family::default(),
             depth_poll_errors: Family::default(),
             concurrency_limit: Family::default(),
+            dedup_hits: Family::default(),
             registry: Registry::default(),
         };
         let m = &metrics;
@@ -191,6 +193,11 @@ impl Metrics {
             "concurrency_limit",
             "Deliveries allowed in flight now, adapted to the app's answers",
             m.concurrency_limit.clone(),
+        );
+        registry.register(
+            "dedup_hits",
+            "Redeliveries of messages acked within --dedup-window, acked without reaching the app",
+            m.dedup_hits.clone(),
         );
         let build_info = Family::<VersionLabels, Gauge>::default();
         build_info

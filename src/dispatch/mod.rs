@@ -45,6 +45,9 @@ pub struct Dispatcher {
     pub app_health_path: Option<String>,
     /// Consecutive 503s or timeouts that close the gate; 0: never.
     pub app_failure_run: u32,
+    /// Acked idempotency keys are remembered this long, and a redelivery of
+    /// one is acked without reaching the app.
+    pub dedup_window: Option<Duration>,
 }
 
 /// How the drain went.
@@ -235,12 +238,53 @@ impl Shared {
         }
     }
 
+    /// A redelivery of a message acked within the window: ack it again
+    /// without offering it to the app.
+    async fn already_acked(&self, delivery: &Delivery) -> bool {
+        let d = &self.dispatcher;
+        let key = Envelope {
+            message: &delivery.message,
+            queue: &d.queue,
+            attempt: delivery.attempt,
+        }
+        .idempotency_key();
+        match d.source.was_acked(&key).await {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(e) => {
+                tracing::warn!(error = %e, "deduplication check failed; delivering");
+                return false;
+            }
+        }
+        let queue = QueueLabels {
+            queue: d.queue.clone(),
+        };
+        match d.source.ack(delivery).await {
+            Ok(()) => {
+                d.metrics.dedup_hits.get_or_create(&queue).inc();
+                d.metrics.acks.get_or_create(&queue).inc();
+                tracing::debug!(id = %delivery.message.id, %key, "already acked within the dedup window; acked again without delivery");
+            }
+            Err(e) => {
+                d.metrics.settle_errors.get_or_create(&queue).inc();
+                tracing::error!(id = %delivery.message.id, error = %e, "settling failed; the broker will hand the message out again");
+            }
+        }
+        true
+    }
+
     async fn deliver(&self, delivery: Delivery) {
         let d = &self.dispatcher;
         let queue = QueueLabels {
             queue: d.queue.clone(),
         };
         d.metrics.received.get_or_create(&queue).inc();
+        if d.dedup_window.is_some()
+            && delivery.problem.is_none()
+            && self.already_acked(&delivery).await
+        {
+            return;
+        }
         let policy = d.policy.current();
         let started_at = SystemTime::now();
         let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
@@ -337,6 +381,17 @@ impl Shared {
         let id = delivery.message.id.as_str();
         let settled = match decision.verdict {
             Verdict::Ack => {
+                if let Some(window) = d.dedup_window {
+                    let key = Envelope {
+                        message: &delivery.message,
+                        queue: &d.queue,
+                        attempt: delivery.attempt,
+                    }
+                    .idempotency_key();
+                    if let Err(e) = d.source.remember_ack(&key, window).await {
+                        tracing::warn!(id, error = %e, "could not remember the ack for deduplication");
+                    }
+                }
                 let r = d.source.ack(&delivery).await;
                 if r.is_ok() {
                     d.metrics.acks.get_or_create(&queue).inc();

@@ -29,6 +29,8 @@ use super::{
 type QueueTable<'a> = TableDefinition<'a, (u64, u64), &'static [u8]>;
 type DlqTable<'a> = TableDefinition<'a, u64, &'static [u8]>;
 const META: TableDefinition<'_, &str, u64> = TableDefinition::new("meta");
+/// Idempotency key -> ms until which its ack is remembered.
+type AckedTable<'a> = TableDefinition<'a, &'static str, u64>;
 const SEQ: &str = "seq";
 /// How often an idle receive looks again.
 const POLL: Duration = Duration::from_millis(20);
@@ -157,6 +159,10 @@ fn dlq_table(name: &str) -> String {
 }
 
 impl Store {
+    fn acked_table(&self) -> String {
+        format!("acked/{}", self.options.queue)
+    }
+
     /// Takes up to `max` due messages and expired leases, and leases them.
     fn lease(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let now = now_ms();
@@ -463,6 +469,58 @@ impl Source for EmbeddedSource {
                 return Err(not_there(&table, id));
             }
             tx.commit().map_err(store_error)
+        })
+        .await
+    }
+
+    fn supports_dedup(&self) -> bool {
+        true
+    }
+
+    async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
+        let key = key.to_string();
+        let until = now_ms() + window.as_millis() as u64;
+        self.with_store(move |s| {
+            let tx = s.db.begin_write().map_err(store_error)?;
+            {
+                let mut acked = tx
+                    .open_table(AckedTable::new(&s.acked_table()))
+                    .map_err(store_error)?;
+                // Forget what has run out, a little at a time, so the table
+                // stays the size of one window.
+                let now = now_ms();
+                let expired: Vec<String> = acked
+                    .iter()
+                    .map_err(store_error)?
+                    .take(64)
+                    .filter_map(|row| row.ok())
+                    .filter(|(_, v)| v.value() < now)
+                    .map(|(k, _)| k.value().to_string())
+                    .collect();
+                for old in expired {
+                    acked.remove(old.as_str()).map_err(store_error)?;
+                }
+                acked.insert(key.as_str(), until).map_err(store_error)?;
+            }
+            tx.commit().map_err(store_error)
+        })
+        .await
+    }
+
+    async fn was_acked(&self, key: &str) -> Result<bool, SourceError> {
+        let key = key.to_string();
+        self.with_store(move |s| {
+            let tx = s.db.begin_read().map_err(store_error)?;
+            let acked = match tx.open_table(AckedTable::new(&s.acked_table())) {
+                Ok(t) => t,
+                Err(redb::TableError::TableDoesNotExist(_)) => return Ok(false),
+                Err(e) => return Err(store_error(e)),
+            };
+            let until = acked
+                .get(key.as_str())
+                .map_err(store_error)?
+                .map(|v| v.value());
+            Ok(until.is_some_and(|t| t >= now_ms()))
         })
         .await
     }

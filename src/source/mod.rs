@@ -500,6 +500,25 @@ pub trait Source: Send + Sync + 'static {
     async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError>;
     /// Enqueues a message; returns its id.
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError>;
+    /// Whether this source can keep a deduplication window
+    /// ([`Source::remember_ack`], [`Source::was_acked`]).
+    fn supports_dedup(&self) -> bool {
+        false
+    }
+    /// Remembers for `window` that the message with this idempotency key was
+    /// acked.
+    async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
+        let _ = (key, window);
+        Err(SourceError::Invalid(
+            "this source keeps no deduplication window".into(),
+        ))
+    }
+    /// Whether the message with this idempotency key was acked within the
+    /// window.
+    async fn was_acked(&self, key: &str) -> Result<bool, SourceError> {
+        let _ = key;
+        Ok(false)
+    }
     /// Flushes what is buffered (pipelined acks) before the process exits.
     async fn close(&self) {}
     /// False while the broker connection is lost and the source is

@@ -164,6 +164,12 @@ impl RedisSource {
         Ok(source)
     }
 
+    /// `<queue>.acked:<idempotency key>`: derived from the queue name, so a
+    /// hash-tagged queue keeps it in its slot.
+    fn acked_key(&self, key: &str) -> String {
+        format!("{}.acked:{key}", self.options.queue)
+    }
+
     fn spawn_mover(&self) {
         let mut con = self.commands.clone();
         let keys = [self.retry_key.clone(), self.options.queue.clone()];
@@ -595,6 +601,34 @@ impl Source for RedisSource {
         }
         let mut con = self.commands.clone();
         xadd.query_async(&mut con).await.map_err(broker_error)
+    }
+
+    fn supports_dedup(&self) -> bool {
+        true
+    }
+
+    async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
+        let mut con = self.commands.clone();
+        redis::cmd("SET")
+            .arg(self.acked_key(key))
+            .arg(1)
+            .arg("PX")
+            .arg(window.as_millis().max(1) as u64)
+            .arg("NX")
+            .query_async::<Value>(&mut con)
+            .await
+            .map(drop)
+            .map_err(broker_error)
+    }
+
+    async fn was_acked(&self, key: &str) -> Result<bool, SourceError> {
+        let mut con = self.commands.clone();
+        redis::cmd("EXISTS")
+            .arg(self.acked_key(key))
+            .query_async::<i64>(&mut con)
+            .await
+            .map(|n| n > 0)
+            .map_err(broker_error)
     }
 
     async fn close(&self) {

@@ -366,6 +366,11 @@ pub fn fast_policy() -> Policy {
 }
 
 pub fn run_config(fixture: &Fixture, app: &TestApp, policy: Policy) -> RunConfig {
+    run_config_for(fixture, &app.url(), policy)
+}
+
+/// [`run_config`] for an app at `app_url` that is not a [`TestApp`].
+pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunConfig {
     let mut options = SourceOptions::new(&fixture.queue);
     options.consumer = unique("consumer");
     options.visibility_timeout = policy.timeout + Duration::from_secs(2);
@@ -373,7 +378,7 @@ pub fn run_config(fixture: &Fixture, app: &TestApp, policy: Policy) -> RunConfig
     RunConfig {
         source: fixture.url.clone(),
         options,
-        app: app.url().parse().unwrap(),
+        app: app_url.parse().unwrap(),
         policy,
         policy_file: None,
         policy_ref: None,
@@ -387,6 +392,7 @@ pub fn run_config(fixture: &Fixture, app: &TestApp, policy: Policy) -> RunConfig
         // The conformance scenarios fail on purpose, many in a row; the
         // 503/timeout gate is tested on its own in tests/chaos.rs.
         app_failure_run: 0,
+        dedup_window: None,
     }
 }
 

@@ -1,0 +1,93 @@
+//! `--dedup-window`: a redelivery of a message acked within the window is
+//! acked without reaching the app; outside the window, or with the window
+//! off, it is delivered again.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+
+async fn duplicates_reaching_the_app(
+    fixture: Fixture,
+    window: Option<Duration>,
+) -> (usize, String) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let key = [("idempotency-key".to_string(), "charge-7".to_string())];
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.dedup_window = window;
+    let running = Running::start(config).await;
+    source.send(Bytes::from("charge 7"), &key).await.unwrap();
+    wait_for("the first delivery", Duration::from_secs(10), async || {
+        app.received_body(b"charge 7").len() == 1
+    })
+    .await;
+    wait_settled(&source, Duration::from_secs(10)).await;
+    // The producer sends the same message again (a retried publish).
+    source.send(Bytes::from("charge 7"), &key).await.unwrap();
+    wait_settled(&source, Duration::from_secs(10)).await;
+    let metrics = scrape(running.metrics_addr).await;
+    running.stop().await;
+    (app.received_body(b"charge 7").len(), metrics)
+}
+
+async fn window_expires(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let key = [("idempotency-key".to_string(), "charge-8".to_string())];
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.dedup_window = Some(Duration::from_millis(300));
+    let running = Running::start(config).await;
+    source.send(Bytes::from("charge 8"), &key).await.unwrap();
+    wait_settled(&source, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    source.send(Bytes::from("charge 8"), &key).await.unwrap();
+    wait_settled(&source, Duration::from_secs(10)).await;
+    running.stop().await;
+    assert_eq!(
+        app.received_body(b"charge 8").len(),
+        2,
+        "after the window a duplicate is delivered again"
+    );
+}
+
+macro_rules! dedup_suite {
+    ($source:ident, $fixture:expr) => {
+        mod $source {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_duplicate_within_the_window_does_not_reach_the_app() {
+                let (seen, metrics) =
+                    duplicates_reaching_the_app($fixture, Some(Duration::from_secs(30))).await;
+                assert_eq!(seen, 1);
+                assert!(
+                    metrics.contains("courier_dedup_hits_total{queue="),
+                    "{metrics}"
+                );
+                assert!(
+                    metrics
+                        .lines()
+                        .any(|l| l.starts_with("courier_dedup_hits_total") && l.ends_with(" 1")),
+                    "{metrics}"
+                );
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn without_a_window_duplicates_are_delivered() {
+                let (seen, _) = duplicates_reaching_the_app($fixture, None).await;
+                assert_eq!(seen, 2);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_window_expires() {
+                window_expires($fixture).await;
+            }
+        }
+    };
+}
+
+dedup_suite!(redis, Fixture::redis());
+dedup_suite!(embedded, Fixture::embedded());

@@ -1,0 +1,800 @@
+//! The sidecar injector, end to end: AdmissionReview fixtures in
+//! `tests/fixtures/inject/` go through [`courier::inject::review`], the
+//! returned JSON Patch is applied to the pod, and the result must equal the
+//! expected pod next to the fixture. One test runs the built binary as
+//! `courier inject` over HTTPS with a generated certificate, and rotates it.
+//!
+//! After a deliberate change to what is injected, rewrite the expected pods
+//! with `COURIER_BLESS=1 cargo test --test inject` and review the diff.
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use bytes::Bytes;
+use clap::CommandFactory;
+use courier::config::Cli;
+use courier::inject::{self, SidecarDefaults};
+use http_body_util::{BodyExt, Full};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+const IMAGE: &str = "courier:test";
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/inject")
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn defaults() -> SidecarDefaults {
+    SidecarDefaults {
+        image: IMAGE.into(),
+        ..SidecarDefaults::default()
+    }
+}
+
+/// What one fixture came back with.
+struct Reviewed {
+    response: Value,
+    /// The pod after the patch (or unchanged, without one).
+    pod: Value,
+    /// The pod as it came.
+    original: Value,
+}
+
+impl Reviewed {
+    fn allowed(&self) -> bool {
+        self.response["allowed"]
+            .as_bool()
+            .expect("allowed is a bool")
+    }
+
+    fn message(&self) -> &str {
+        self.response["status"]["message"].as_str().unwrap_or("")
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.response["warnings"]
+            .as_array()
+            .map(|w| w.iter().map(|s| s.as_str().unwrap().to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    fn has_patch(&self) -> bool {
+        self.response.get("patch").is_some()
+    }
+
+    fn sidecar(&self) -> Value {
+        let spec = &self.pod["spec"];
+        spec["initContainers"]
+            .as_array()
+            .into_iter()
+            .chain(spec["containers"].as_array())
+            .flatten()
+            .find(|c| c["name"] == "courier")
+            .cloned()
+            .expect("a courier container")
+    }
+}
+
+/// Sends the answer for `review` through the same JSON the API server gets.
+fn answer(review: &Value, defaults: &SidecarDefaults) -> Value {
+    let body = serde_json::to_vec(review).unwrap();
+    inject::review(&body, defaults)
+}
+
+/// Applies an AdmissionReview answer to the pod of its request.
+fn apply(request: &Value, answer: &Value) -> Reviewed {
+    let original = request["request"]["object"].clone();
+    let response = answer["response"].clone();
+    assert_eq!(answer["apiVersion"], "admission.k8s.io/v1", "{answer}");
+    assert_eq!(answer["kind"], "AdmissionReview", "{answer}");
+    assert_eq!(
+        response["uid"], request["request"]["uid"],
+        "the uid is echoed"
+    );
+    let mut pod = original.clone();
+    if let Some(encoded) = response.get("patch") {
+        assert_eq!(response["patchType"], "JSONPatch");
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(encoded.as_str().expect("the patch is base64 text"))
+            .expect("the patch is base64");
+        let patch: json_patch::Patch = serde_json::from_slice(&raw).expect("a JSON Patch");
+        json_patch::patch(&mut pod, &patch).expect("the patch applies to the pod");
+    }
+    Reviewed {
+        response,
+        pod,
+        original,
+    }
+}
+
+fn review_fixture(name: &str) -> Reviewed {
+    let request = read_json(&fixtures().join(format!("{name}.review.json")));
+    apply(&request, &answer(&request, &defaults()))
+}
+
+/// The patched pod must equal `<name>.expected.json`.
+fn assert_expected(name: &str, pod: &Value) {
+    let path = fixtures().join(format!("{name}.expected.json"));
+    if std::env::var_os("COURIER_BLESS").is_some() {
+        std::fs::write(&path, serde_json::to_string_pretty(pod).unwrap() + "\n").unwrap();
+    }
+    let expected = read_json(&path);
+    if &expected != pod {
+        panic!(
+            "{name}: the injected pod differs from {}\n--- got\n{}\n",
+            path.display(),
+            serde_json::to_string_pretty(pod).unwrap()
+        );
+    }
+}
+
+// === Fixtures ===
+
+#[test]
+fn opted_in_pod_gets_the_sidecar_as_a_container() {
+    let r = review_fixture("opted-in");
+    assert!(r.allowed(), "{}", r.response);
+    assert!(
+        r.message().contains("injected as a container"),
+        "{}",
+        r.message()
+    );
+    assert_eq!(r.response["auditAnnotations"]["decision"], "injected");
+    assert_expected("opted-in", &r.pod);
+
+    let c = r.sidecar();
+    assert_eq!(
+        r.pod["spec"]["containers"][1]["name"], "courier",
+        "appended after the app"
+    );
+    assert!(
+        c.get("restartPolicy").is_none(),
+        "a regular container has none"
+    );
+    assert_eq!(c["image"], IMAGE);
+    assert_eq!(c["args"], json!(["run"]));
+    let env = env_of(&c);
+    assert_eq!(
+        env["COURIER_SOURCE"],
+        json!("redis://redis.shop.svc:6379/0")
+    );
+    assert_eq!(env["COURIER_QUEUE"], json!("{orders}"));
+    assert_eq!(env["COURIER_APP"], json!("http://127.0.0.1:8080/"));
+    assert_eq!(env["COURIER_LISTEN"], json!("0.0.0.0:9464"));
+    assert_eq!(env["POD_NAME"]["fieldRef"]["fieldPath"], "metadata.name");
+    assert_eq!(
+        env["POD_NAMESPACE"]["fieldRef"]["fieldPath"],
+        "metadata.namespace"
+    );
+    let sc = &c["securityContext"];
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["ports"][0]["containerPort"], 9464);
+    assert!(
+        c.get("volumeMounts").is_none(),
+        "no API token without a policy to read"
+    );
+    let annotations = &r.pod["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/scrape"], "true");
+    assert_eq!(annotations["prometheus.io/port"], "9464");
+    assert_eq!(annotations["prometheus.io/path"], "/metrics");
+    assert_eq!(
+        r.pod["spec"]["terminationGracePeriodSeconds"], 30,
+        "30s already covers the default 25s drain"
+    );
+}
+
+#[test]
+fn native_sidecar_goes_last_into_init_containers_with_restart_policy_always() {
+    let r = review_fixture("native-sidecar");
+    assert!(r.allowed(), "{}", r.response);
+    assert_eq!(
+        r.response["auditAnnotations"]["decision"],
+        "injected-native-sidecar"
+    );
+    assert_expected("native-sidecar", &r.pod);
+
+    let init = r.pod["spec"]["initContainers"].as_array().unwrap();
+    assert_eq!(init.len(), 2);
+    assert_eq!(
+        init[0]["name"], "migrate",
+        "the pod's own init container runs first"
+    );
+    assert_eq!(init[1]["name"], "courier");
+    assert_eq!(init[1]["restartPolicy"], "Always");
+    assert_eq!(r.pod["spec"]["containers"].as_array().unwrap().len(), 1);
+
+    let c = r.sidecar();
+    let env = env_of(&c);
+    assert_eq!(
+        env["COURIER_SOURCE"],
+        json!({"secretKeyRef": {"name": "orders-broker", "key": "redis-url"}})
+    );
+    assert_eq!(env["COURIER_GROUP"], json!("orders-workers"));
+    assert_eq!(env["COURIER_APP"], json!("http://127.0.0.1:8080/messages"));
+    assert_eq!(env["COURIER_POLICY"], json!("orders"));
+    assert_eq!(env["COURIER_CONCURRENCY"], json!("4"));
+    assert_eq!(env["COURIER_DRAIN_TIMEOUT"], json!("40s"));
+    assert_eq!(c["resources"]["limits"]["memory"], "512Mi");
+    assert_eq!(c["resources"]["requests"]["cpu"], "50m");
+    assert_eq!(
+        c["volumeMounts"],
+        json!([{
+            "name": "kube-api-access-5x2qk",
+            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            "readOnly": true,
+        }]),
+        "the token is mounted to read the RetryPolicy"
+    );
+    assert_eq!(
+        r.pod["spec"]["terminationGracePeriodSeconds"], 45,
+        "room for a 40s drain"
+    );
+    let annotations = &r.pod["metadata"]["annotations"];
+    assert_eq!(
+        annotations["prometheus.io/port"], "8080",
+        "the app's own scrape stays"
+    );
+    assert!(annotations.get("prometheus.io/path").is_none());
+}
+
+#[test]
+fn native_sidecar_without_init_containers_creates_the_list() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/native-sidecar"] =
+        json!("true");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed());
+    let init = r.pod["spec"]["initContainers"].as_array().unwrap();
+    assert_eq!(init.len(), 1);
+    assert_eq!(init[0]["restartPolicy"], "Always");
+
+    // And the injector's default does the same without the annotation,
+    // which in turn can say no.
+    let native = SidecarDefaults {
+        native_sidecars: true,
+        ..defaults()
+    };
+    let request = read_json(&fixtures().join("opted-in.review.json"));
+    let r = apply(&request, &answer(&request, &native));
+    assert_eq!(r.pod["spec"]["initContainers"][0]["name"], "courier");
+    let mut request = request;
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/native-sidecar"] =
+        json!("false");
+    let r = apply(&request, &answer(&request, &native));
+    assert!(r.pod["spec"].get("initContainers").is_none());
+    assert_eq!(r.pod["spec"]["containers"][1]["name"], "courier");
+}
+
+#[test]
+fn already_injected_pod_is_left_alone() {
+    let r = review_fixture("already-injected");
+    assert!(r.allowed());
+    assert!(!r.has_patch(), "{}", r.response);
+    assert_eq!(r.pod, r.original);
+    assert_eq!(
+        r.response["auditAnnotations"]["decision"],
+        "already-injected"
+    );
+    assert!(
+        r.message()
+            .contains("already has a container named courier"),
+        "{}",
+        r.message()
+    );
+}
+
+#[test]
+fn injecting_twice_changes_nothing_the_second_time() {
+    let first = review_fixture("opted-in");
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"] = first.pod.clone();
+    let second = apply(&request, &answer(&request, &defaults()));
+    assert!(!second.has_patch());
+    assert_eq!(second.pod, first.pod);
+}
+
+#[test]
+fn host_network_pod_is_skipped_with_a_warning() {
+    let r = review_fixture("host-network");
+    assert!(r.allowed());
+    assert!(!r.has_patch());
+    assert_eq!(r.pod, r.original);
+    assert_eq!(r.response["auditAnnotations"]["decision"], "host-network");
+    let warnings = r.warnings();
+    assert_eq!(warnings.len(), 1);
+    assert!(warnings[0].contains("hostNetwork"), "{warnings:?}");
+}
+
+#[test]
+fn missing_annotations_deny_the_pod_and_name_them() {
+    let r = review_fixture("missing-annotation");
+    assert!(!r.allowed());
+    assert!(!r.has_patch());
+    assert_eq!(r.response["status"]["code"], 400);
+    let message = r.message();
+    assert!(message.contains("courier.dev/queue"), "{message}");
+    assert!(message.contains("courier.dev/source"), "{message}");
+    assert!(message.contains("courier.dev/source-secret"), "{message}");
+    assert!(
+        message.contains("courier.dev/inject"),
+        "says how to opt out: {message}"
+    );
+    assert_eq!(r.response["auditAnnotations"]["decision"], "denied");
+}
+
+#[test]
+fn every_bad_annotation_is_named_in_one_denial() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    let annotations = &mut request["request"]["object"]["metadata"]["annotations"];
+    annotations["courier.dev/app-url"] = json!("https://127.0.0.1:8443/");
+    annotations["courier.dev/concurrency"] = json!("lots");
+    annotations["courier.dev/native-sidecar"] = json!("yes");
+    annotations["courier.dev/cpu-limit"] = json!("two cores");
+    annotations["courier.dev/drain-timeout"] = json!("soon");
+    annotations["courier.dev/source-secret"] = json!("broker");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(!r.allowed());
+    let message = r.message();
+    for named in [
+        "courier.dev/app-port and courier.dev/app-url are both set",
+        "courier.dev/source and courier.dev/source-secret are both set",
+        "courier.dev/concurrency \"lots\"",
+        "courier.dev/native-sidecar \"yes\"",
+        "courier.dev/cpu-limit \"two cores\"",
+        "courier.dev/drain-timeout \"soon\"",
+    ] {
+        assert!(message.contains(named), "{named:?} not in {message}");
+    }
+}
+
+#[test]
+fn a_bad_broker_url_denies_the_pod() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
+        json!("kafka://broker:9092");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(!r.allowed());
+    assert!(
+        r.message().contains("courier.dev/source"),
+        "{}",
+        r.message()
+    );
+}
+
+#[test]
+fn pod_without_the_label_is_not_touched() {
+    let r = review_fixture("not-opted-in");
+    assert!(r.allowed());
+    assert!(!r.has_patch());
+    assert_eq!(r.response["auditAnnotations"]["decision"], "not-opted-in");
+}
+
+#[test]
+fn only_creation_is_mutated() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["operation"] = json!("UPDATE");
+    request["request"]["oldObject"] = request["request"]["object"].clone();
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed());
+    assert!(!r.has_patch());
+}
+
+#[test]
+fn a_review_that_cannot_be_read_is_refused() {
+    let answer = inject::review(b"{not json", &defaults());
+    assert_eq!(answer["response"]["allowed"], false);
+    assert!(
+        answer["response"]["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot read the AdmissionReview")
+    );
+}
+
+/// `courier run` must understand every variable the injector sets: each
+/// COURIER_* variable is one of its flags' variables, and the values parse
+/// when passed as those flags.
+#[test]
+fn injected_configuration_is_what_courier_run_reads() {
+    let cli = Cli::command();
+    let run = cli.find_subcommand("run").expect("a run command");
+    let known: BTreeSet<String> = cli
+        .get_arguments()
+        .chain(run.get_arguments())
+        .filter_map(|a| {
+            let env = a.get_env()?.to_str()?.to_string();
+            Some(env)
+        })
+        .collect();
+    for fixture in ["opted-in", "native-sidecar"] {
+        let c = review_fixture(fixture).sidecar();
+        let mut argv = vec!["courier".to_string()];
+        let mut run_args = vec![];
+        for (name, value) in env_of(&c).as_object().unwrap() {
+            if !name.starts_with("COURIER_") {
+                continue;
+            }
+            assert!(
+                known.contains(name),
+                "{name} is not a variable of courier run"
+            );
+            let flag = run
+                .get_arguments()
+                .chain(cli.get_arguments())
+                .find(|a| a.get_env().and_then(|e| e.to_str()) == Some(name.as_str()))
+                .and_then(|a| a.get_long())
+                .unwrap();
+            let value = value.as_str().unwrap_or("redis://secret.example:6379/0");
+            let target = if cli.get_arguments().any(|a| a.get_long() == Some(flag)) {
+                &mut argv
+            } else {
+                &mut run_args
+            };
+            target.push(format!("--{flag}={value}"));
+        }
+        argv.push("run".into());
+        argv.extend(run_args);
+        if let Err(e) = <Cli as clap::Parser>::try_parse_from(&argv) {
+            panic!("courier run does not accept {argv:?}: {e}");
+        }
+    }
+}
+
+/// The env list of a container as name -> value (or valueFrom).
+fn env_of(container: &Value) -> Value {
+    let mut map = serde_json::Map::new();
+    for var in container["env"].as_array().expect("an env list") {
+        let name = var["name"].as_str().unwrap().to_string();
+        let value = var
+            .get("value")
+            .cloned()
+            .or_else(|| var.get("valueFrom").cloned())
+            .unwrap();
+        assert!(
+            map.insert(name.clone(), value).is_none(),
+            "{name} set twice"
+        );
+    }
+    Value::Object(map)
+}
+
+/// The injected container survives a round trip through the Kubernetes
+/// types: no misspelt field is silently dropped.
+#[test]
+fn injected_container_has_only_kubernetes_fields() {
+    for fixture in ["opted-in", "native-sidecar"] {
+        let c = review_fixture(fixture).sidecar();
+        let typed: k8s_openapi::api::core::v1::Container =
+            serde_json::from_value(c.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&typed).unwrap(), c, "{fixture}");
+    }
+}
+
+// === `courier inject --pod` ===
+
+#[test]
+fn render_injects_into_a_deployment_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let request = read_json(&fixtures().join("opted-in.review.json"));
+    let pod = &request["request"]["object"];
+    let deployment = json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "orders", "namespace": "shop"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "orders"}},
+            "template": {"metadata": {
+                "labels": pod["metadata"]["labels"],
+                "annotations": pod["metadata"]["annotations"],
+            }, "spec": {"containers": pod["spec"]["containers"]}},
+        },
+    });
+    let path = dir.path().join("deployment.yaml");
+    std::fs::write(&path, serde_json::to_string(&deployment).unwrap()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_courier"))
+        .args(["inject", "--sidecar-image", IMAGE, "--pod"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rendered: Value = serde_saphyr::from_slice(&out.stdout).unwrap();
+    assert_eq!(rendered["kind"], "Deployment");
+    let containers = rendered["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap();
+    assert_eq!(containers.len(), 2);
+    assert_eq!(containers[1]["name"], "courier");
+    assert_eq!(
+        rendered["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"],
+        "9464"
+    );
+
+    // A pod the webhook would deny fails here too, with the same message.
+    let missing = read_json(&fixtures().join("missing-annotation.review.json"));
+    std::fs::write(&path, missing["request"]["object"].to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_courier"))
+        .args(["inject", "--pod"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("courier.dev/queue"));
+}
+
+// === The server, over HTTPS ===
+
+/// A CA and a serving certificate for 127.0.0.1 and localhost, as PEM.
+struct TestPki {
+    ca_pem: String,
+    cert_pem: String,
+    key_pem: String,
+}
+
+fn pki(ca_name: &str) -> TestPki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, ca_name);
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "courier-injector");
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    TestPki {
+        ca_pem: ca_cert.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    }
+}
+
+fn free_port() -> SocketAddr {
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// The injector process; killed when dropped if the test did not stop it.
+struct Injector(Child);
+
+impl Drop for Injector {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One HTTPS request to the injector, trusting only `ca_pem`.
+async fn https(
+    addr: SocketAddr,
+    ca_pem: &str,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, Bytes), String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let tls = TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .map_err(|e| format!("TLS: {e}"))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let request = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((status, body.to_bytes()))
+}
+
+async fn wait_until_serving(addr: SocketAddr, ca_pem: &str, child: &mut Child) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok((200, _)) = https(addr, ca_pem, "GET", "/healthz", vec![]).await {
+            return;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("courier inject exited early: {status}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "courier inject did not start serving"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn binary_serves_admission_reviews_over_https_and_reloads_its_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let first = pki("courier test CA one");
+    std::fs::write(&cert_path, &first.cert_pem).unwrap();
+    std::fs::write(&key_path, &first.key_pem).unwrap();
+    let addr = free_port();
+
+    let mut injector = Injector(
+        Command::new(env!("CARGO_BIN_EXE_courier"))
+            .arg("inject")
+            .arg("--listen")
+            .arg(addr.to_string())
+            .arg("--tls-cert")
+            .arg(&cert_path)
+            .arg("--tls-key")
+            .arg(&key_path)
+            .args(["--tls-reload-interval", "100ms", "--sidecar-image", IMAGE])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until_serving(addr, &first.ca_pem, &mut injector.0).await;
+
+    let (status, body) = https(addr, &first.ca_pem, "GET", "/readyz", vec![])
+        .await
+        .unwrap();
+    assert_eq!((status, &body[..]), (200, &b"ready\n"[..]));
+
+    // The opted-in fixture over the wire gives the same pod as in-process.
+    let request = read_json(&fixtures().join("opted-in.review.json"));
+    let (status, body) = https(
+        addr,
+        &first.ca_pem,
+        "POST",
+        "/mutate",
+        serde_json::to_vec(&request).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    let reviewed = apply(&request, &answer);
+    assert!(reviewed.allowed());
+    assert_expected("opted-in", &reviewed.pod);
+
+    // A denial travels the same way.
+    let missing = read_json(&fixtures().join("missing-annotation.review.json"));
+    let (_, body) = https(
+        addr,
+        &first.ca_pem,
+        "POST",
+        "/mutate",
+        serde_json::to_vec(&missing).unwrap(),
+    )
+    .await
+    .unwrap();
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(answer["response"]["allowed"], false);
+
+    // Rotate: a certificate from another CA replaces the first on disk (as
+    // a renewed Secret would), and the server picks it up without a restart.
+    let second = pki("courier test CA two");
+    std::fs::write(&key_path, &second.key_pem).unwrap();
+    std::fs::write(&cert_path, &second.cert_pem).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while https(addr, &second.ca_pem, "GET", "/healthz", vec![])
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the new certificate was not picked up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        https(addr, &first.ca_pem, "GET", "/healthz", vec![])
+            .await
+            .is_err(),
+        "the old certificate is no longer served"
+    );
+
+    // A broken file on disk is refused; the current certificate stays.
+    std::fs::write(&cert_path, "not a certificate").unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        https(addr, &second.ca_pem, "GET", "/healthz", vec![])
+            .await
+            .is_ok()
+    );
+
+    // SIGTERM stops it cleanly.
+    let pid = injector.0.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = injector.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "courier inject did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn binary_refuses_to_start_without_a_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_courier"))
+        .arg("inject")
+        .args(["--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(dir.path().join("missing.crt"))
+        .arg("--tls-key")
+        .arg(dir.path().join("missing.key"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("missing.crt"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_courier"))
+        .args(["inject", "--sidecar-memory-limit", "lots"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a bad flag is a usage error");
+}

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Checks on rendered courier chart manifests that a schema cannot make.
+
+scripts/test-chart renders the chart with several sets of values and calls
+this once per rendering:
+
+    check-chart.py VARIANT RENDERED.yaml
+
+VARIANT names what the values turned on (see VARIANTS in scripts/test-chart);
+the checks for it say what must and must not be rendered. Custom resources
+that kubernetes-validate has no schema for are checked here: RetryPolicy
+against the CRD's own openAPIV3Schema, PrometheusRule and the dashboard
+against the files in monitoring/ they are copied from. Needs PyYAML and
+jsonschema (both come with kubernetes-validate). Exits 1 on the first failure.
+"""
+
+import base64
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASE_NAMESPACE = "courier-system"
+SIDECAR_NAMESPACES = ["shop", "billing"]
+
+
+class Failed(Exception):
+    pass
+
+
+def check(condition, message):
+    if not condition:
+        raise Failed(message)
+
+
+def load(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d.get("kind") == kind]
+
+
+def one(docs, kind):
+    found = by_kind(docs, kind)
+    check(len(found) == 1, f"expected one {kind}, found {len(found)}")
+    return found[0]
+
+
+def env_of(container):
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def injector(docs):
+    deployment = one(docs, "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+# === Always ===
+
+
+def check_common(docs):
+    webhook = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
+    check(webhook["sideEffects"] == "None", "sideEffects must be None")
+    check(webhook["admissionReviewVersions"] == ["v1"], "admission.k8s.io/v1 only")
+    check(1 <= webhook["timeoutSeconds"] <= 10, "a short timeout")
+    check(
+        webhook["objectSelector"] == {"matchLabels": {"courier.dev/inject": "true"}},
+        "pods are selected by courier.dev/inject=true",
+    )
+    excluded = webhook["namespaceSelector"]["matchExpressions"][0]
+    check(
+        excluded["key"] == "kubernetes.io/metadata.name"
+        and excluded["operator"] == "NotIn"
+        and RELEASE_NAMESPACE in excluded["values"],
+        "the release namespace is never injected",
+    )
+    check(webhook["rules"][0]["operations"] == ["CREATE"], "only CREATE")
+    check(webhook["rules"][0]["resources"] == ["pods"], "only pods")
+    service = one(docs, "Service")
+    check(
+        webhook["clientConfig"]["service"]["name"] == service["metadata"]["name"],
+        "the webhook calls the injector's Service",
+    )
+    check(webhook["clientConfig"]["service"]["path"] == "/mutate", "path /mutate")
+
+    container = injector(docs)
+    check(container["args"] == ["inject"], "the injector runs `courier inject`")
+    sc = container["securityContext"]
+    check(sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"], "locked down")
+    check(sc["capabilities"]["drop"] == ["ALL"], "no capabilities")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    check(pod["securityContext"]["runAsNonRoot"], "the injector runs as non-root")
+    check(pod["automountServiceAccountToken"] is False, "the injector needs no API token")
+    account = one(docs, "ServiceAccount")
+    check(pod["serviceAccountName"] == account["metadata"]["name"], "its own service account")
+    secret_volume = pod["volumes"][0]["secret"]["secretName"]
+    check(secret_volume.endswith("-injector-tls"), "the certificate comes from the TLS Secret")
+
+    role = one(docs, "ClusterRole")
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
+    check(
+        rules[(("courier.dev",), ("retrypolicies",))] == {"get", "list", "watch"},
+        "sidecars get, list and watch RetryPolicies",
+    )
+    check("create" in rules[(("",), ("events",))], "sidecars create Events")
+
+
+# === Variants ===
+
+
+def check_generated_certificate(docs):
+    secret = one(docs, "Secret")
+    check(secret["type"] == "kubernetes.io/tls", "a TLS Secret")
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    check(set(data) == {"ca.crt", "tls.crt", "tls.key"}, f"keys {sorted(data)}")
+    webhook = one(docs, "MutatingWebhookConfiguration")
+    check(
+        webhook["webhooks"][0]["clientConfig"]["caBundle"] == secret["data"]["ca.crt"],
+        "caBundle is the generated CA",
+    )
+    check(not by_kind(docs, "Certificate"), "no cert-manager Certificate")
+    service = one(docs, "Service")["metadata"]["name"]
+    host = f"{service}.{RELEASE_NAMESPACE}.svc"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in data.items():
+            Path(tmp, name).write_text(text)
+        verify = subprocess.run(
+            ["openssl", "verify", "-CAfile", f"{tmp}/ca.crt", f"{tmp}/tls.crt"],
+            capture_output=True,
+            text=True,
+        )
+        check(verify.returncode == 0, f"the certificate is signed by the CA: {verify.stderr}")
+        text = subprocess.run(
+            ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", f"{tmp}/tls.crt"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        check(f"DNS:{host}" in text, f"the certificate names {host}: {text}")
+        cert_key = subprocess.run(
+            ["openssl", "x509", "-noout", "-pubkey", "-in", f"{tmp}/tls.crt"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        key_key = subprocess.run(
+            ["openssl", "pkey", "-pubout", "-in", f"{tmp}/tls.key"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        check(cert_key == key_key, "the key belongs to the certificate")
+
+
+def check_cert_manager(docs, own_issuer=True):
+    check(not by_kind(docs, "Secret"), "no chart-made Secret with cert-manager")
+    certificate = one(docs, "Certificate")
+    webhook = one(docs, "MutatingWebhookConfiguration")
+    annotation = webhook["metadata"].get("annotations", {}).get("cert-manager.io/inject-ca-from")
+    check(
+        annotation == f"{RELEASE_NAMESPACE}/{certificate['metadata']['name']}",
+        f"cainjector is pointed at the Certificate: {annotation}",
+    )
+    check("caBundle" not in webhook["webhooks"][0]["clientConfig"], "cainjector fills caBundle")
+    check(
+        certificate["spec"]["secretName"]
+        == one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
+        "the injector mounts the Certificate's Secret",
+    )
+    issuers = by_kind(docs, "Issuer")
+    if own_issuer:
+        check(len(issuers) == 1 and issuers[0]["spec"] == {"selfSigned": {}}, "a self-signed Issuer")
+        check(certificate["spec"]["issuerRef"]["name"] == issuers[0]["metadata"]["name"], "issued by it")
+    else:
+        check(not issuers, "no Issuer of the chart's own with issuerRef set")
+        check(certificate["spec"]["issuerRef"]["kind"] == "ClusterIssuer", "the given issuer")
+
+
+def check_native(docs, native):
+    env = env_of(injector(docs))
+    check(
+        env["COURIER_NATIVE_SIDECARS"] == ("true" if native else "false"),
+        f"COURIER_NATIVE_SIDECARS is {env['COURIER_NATIVE_SIDECARS']}",
+    )
+
+
+def check_no_monitoring(docs):
+    for kind in ("PodMonitor", "PrometheusRule", "ConfigMap", "RetryPolicy", "RoleBinding"):
+        check(not by_kind(docs, kind), f"no {kind} unless asked for")
+
+
+def check_monitoring(docs):
+    monitor = one(docs, "PodMonitor")
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    check(endpoint["port"] == "courier-metrics", "scrapes the sidecar's named port")
+    check(monitor["spec"]["namespaceSelector"] == {"any": True}, "in every namespace")
+    check(monitor["metadata"]["labels"].get("release") == "prom", "extra labels are added")
+
+    rule = one(docs, "PrometheusRule")
+    with open(ROOT / "monitoring/prometheus/courier-prometheusrule.yaml") as f:
+        shipped = yaml.safe_load(f)
+    check(rule["spec"] == shipped["spec"], "the PrometheusRule's rules are monitoring/'s")
+    check(rule["metadata"]["labels"].get("release") == "prom", "ruleSelector labels are added")
+
+    dashboard = one(docs, "ConfigMap")
+    check(dashboard["metadata"]["labels"].get("grafana_dashboard") == "1", "the grafana_dashboard label")
+    shipped = (ROOT / "monitoring/grafana/courier-dashboard.json").read_text()
+    check(
+        json.loads(dashboard["data"]["courier-dashboard.json"]) == json.loads(shipped),
+        "the dashboard is monitoring/'s",
+    )
+
+
+def check_policy_and_rbac(docs):
+    bindings = by_kind(docs, "RoleBinding")
+    check(
+        sorted(b["metadata"]["namespace"] for b in bindings) == sorted(SIDECAR_NAMESPACES),
+        "one RoleBinding per sidecar namespace",
+    )
+    for b in bindings:
+        ns = b["metadata"]["namespace"]
+        check(b["subjects"] == [{
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Group",
+            "name": f"system:serviceaccounts:{ns}",
+        }], f"bound to the service accounts of {ns}")
+        check(b["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"], "the sidecar role")
+
+    policies = by_kind(docs, "RetryPolicy")
+    check(
+        sorted(p["metadata"]["namespace"] for p in policies) == sorted(SIDECAR_NAMESPACES),
+        "one default RetryPolicy per sidecar namespace",
+    )
+    crd = yaml.safe_load((ROOT / "charts/courier/crds/retrypolicy.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
+    schema = version["schema"]["openAPIV3Schema"]
+    for policy in policies:
+        check(policy["apiVersion"] == f"{crd['spec']['group']}/v1alpha1", "the CRD's group and version")
+        try:
+            validate_structural(policy, schema)
+        except jsonschema.ValidationError as e:
+            raise Failed(f"RetryPolicy {policy['metadata']['namespace']}: {e.message}")
+
+
+def validate_structural(document, schema):
+    """A CRD's openAPIV3Schema as a JSON schema, unknown fields refused
+    (the API server prunes them; here they are a mistake)."""
+    def strict(node):
+        if isinstance(node, dict):
+            node = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+            if node.get("type") == "object" and "properties" in node:
+                node.setdefault("additionalProperties", False)
+            return node
+        if isinstance(node, list):
+            return [strict(v) for v in node]
+        return node
+
+    body = {k: v for k, v in document.items() if k not in ("apiVersion", "kind", "metadata")}
+    schema = strict(schema)
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in ("apiVersion", "kind", "metadata")}
+    jsonschema.validate(body, schema)
+
+
+VARIANTS = {
+    "default": [check_generated_certificate, lambda d: check_native(d, True), check_no_monitoring],
+    "cert-manager": [check_cert_manager],
+    "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
+    "native-off": [lambda d: check_native(d, False), check_generated_certificate],
+    "monitoring": [check_monitoring, check_policy_and_rbac],
+    "everything": [check_cert_manager, check_monitoring, check_policy_and_rbac, lambda d: check_native(d, False)],
+}
+
+
+def main():
+    variant, path = sys.argv[1], sys.argv[2]
+    docs = load(path)
+    try:
+        check_common(docs)
+        for step in VARIANTS[variant]:
+            step(docs)
+    except Failed as e:
+        print(f"check-chart {variant}: {e}", file=sys.stderr)
+        return 1
+    print(f"check-chart {variant}: {len(docs)} manifests as expected")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

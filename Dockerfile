@@ -1,0 +1,28 @@
+# syntax=docker/dockerfile:1
+# The courier image: one binary for the sidecar (`courier run`), the injector
+# (`courier inject`) and the operator tools (`courier dlq`, `courier crd`).
+#
+#   docker build -t REGISTRY/courier:0.1.0 .
+#
+# Build stage: the release binary, with Cargo.lock as committed (--locked).
+# TLS is rustls with ring, so the binary needs no OpenSSL at run time, only
+# glibc, which the distroless "cc" image has.
+FROM rust:1-bookworm AS build
+WORKDIR /src
+# The whole repository (less .dockerignore), so that every workspace member
+# Cargo.toml names is there.
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --package courier --bin courier \
+    && install -m 0755 target/release/courier /courier
+
+# Run stage: distroless, no shell, no package manager; the nonroot user
+# (65532), the same UID the injector's securityContext asks for.
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /courier /usr/local/bin/courier
+USER 65532:65532
+# 9464: the sidecar's /metrics, /healthz, /readyz. 8443: the injector (HTTPS).
+EXPOSE 9464 8443
+ENTRYPOINT ["/usr/local/bin/courier"]
+CMD ["run"]

@@ -459,6 +459,8 @@ macro_rules! conformance {
 
 conformance!(redis, Fixture::redis());
 conformance!(embedded, Fixture::embedded());
+conformance!(amqp, Fixture::amqp());
+conformance!(nats, Fixture::nats());
 
 /// Redis-only: an entry a producer wrote without a `payload` field is
 /// dead-lettered as undeliverable, not dropped and not retried forever.

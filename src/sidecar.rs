@@ -264,6 +264,8 @@ async fn open_source(
     options: source::SourceOptions,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<Arc<dyn Source>>> {
+    let mut options = options;
+    options.max_in_flight = config.concurrency;
     let mut wait = std::time::Duration::from_secs(1);
     loop {
         match source::open(&config.source, options.clone()).await {

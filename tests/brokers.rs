@@ -735,3 +735,214 @@ async fn missing_queues_and_bad_stream_names_are_clear_errors() {
         .expect("a dotted stream name is an error");
     assert!(err.to_string().contains("cannot contain '.'"), "{err}");
 }
+
+// === Attempts across stops and crashes ===
+
+/// A graceful stop lets in-flight deliveries finish and gives back what was
+/// fetched and never offered (AMQP prefetch), so the next run offers every
+/// remaining message as attempt 1.
+async fn a_graceful_stop_uses_no_attempts(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let n = 24;
+    for i in 0..n {
+        fixture
+            .send(&source, format!("script:sleep150\nstop {i}"))
+            .await;
+    }
+    for round in 0..2 {
+        let mut config = run_config(&fixture, &app, fast_policy());
+        config.concurrency = 4;
+        let running = Running::start(config).await;
+        if round == 0 {
+            wait_for("some deliveries", Duration::from_secs(20), async || {
+                app.received().len() >= 6
+            })
+            .await;
+        } else {
+            wait_settled(&source, SETTLE).await;
+        }
+        running.stop().await;
+    }
+    for i in 0..n {
+        let seen = app.received_body(format!("script:sleep150\nstop {i}").as_bytes());
+        assert_eq!(seen.len(), 1, "message {i} offered once");
+        assert_eq!(seen[0].attempt(), 1, "message {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_graceful_stop_uses_no_attempts() {
+    a_graceful_stop_uses_no_attempts(Fixture::amqp()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_graceful_stop_uses_no_attempts() {
+    a_graceful_stop_uses_no_attempts(Fixture::nats()).await;
+}
+
+/// A sidecar killed mid-delivery: the broker hands the message out again
+/// and that counts as an attempt (so a message that kills the sidecar every
+/// time still reaches its dead letter).
+async fn a_crash_mid_delivery_counts_an_attempt(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let body = "script:sleep1500,200\ncrash";
+    fixture.send(&source, body).await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(
+        dir.path(),
+        "maxAttempts: 3\ntimeout: 2s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
+    );
+    let mut args = run_args(&fixture, &app, &policy, "crashing");
+    args.extend(["--visibility-timeout", "3s"].map(str::to_string));
+    let mut courier = CourierProcess::run(&args);
+    wait_for("the first delivery", Duration::from_secs(20), async || {
+        !app.received_body(body.as_bytes()).is_empty()
+    })
+    .await;
+    courier.kill9();
+
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the redelivery", Duration::from_secs(20), async || {
+        app.received_body(body.as_bytes()).len() >= 2
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let attempts: Vec<u32> = app
+        .received_body(body.as_bytes())
+        .iter()
+        .map(Received::attempt)
+        .collect();
+    assert_eq!(attempts, vec![1, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_classic_crash_mid_delivery_counts_an_attempt() {
+    a_crash_mid_delivery_counts_an_attempt(Fixture::amqp()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_quorum_crash_mid_delivery_counts_an_attempt() {
+    let fixture = Fixture::amqp();
+    declare_quorum(&fixture.queue).await;
+    a_crash_mid_delivery_counts_an_attempt(fixture).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_crash_mid_delivery_counts_an_attempt() {
+    a_crash_mid_delivery_counts_an_attempt(Fixture::nats()).await;
+}
+
+// === RabbitMQ: a queue that exists with its own arguments ===
+
+async fn declare_quorum(queue: &str) {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::{AMQPValue, FieldTable};
+    let connection = lapin::Connection::connect(AMQP_URL, Default::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
+    channel
+        .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
+        .await
+        .unwrap();
+    let _ = connection.close(200, "declared".into()).await;
+}
+
+/// A quorum queue declared with arguments courier does not know: used as it
+/// is (never redeclared), with retries, dead letters and replay working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_quorum_queue_with_its_own_arguments_works_the_same() {
+    let fixture = Fixture::amqp();
+    declare_quorum(&fixture.queue).await;
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let retried = fixture.send(&source, "script:503,500,200").await;
+    let dead = fixture.send(&source, "script:400,200").await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    // A quorum queue's message count lags a little behind a message that a
+    // tier just sent back, so wait for the deliveries themselves first.
+    wait_for("three attempts", SETTLE, async || {
+        app.received_body(b"script:503,500,200").len() >= 3
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    let seen: Vec<u32> = app
+        .received_body(b"script:503,500,200")
+        .iter()
+        .map(Received::attempt)
+        .collect();
+    assert_eq!(seen, vec![1, 2, 3]);
+    let letters = source.dead_letters(&fixture.dlq(), 100).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0];
+    assert_eq!(letter.field("courier-message-id"), Some(dead.as_str()));
+    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+    // Listing did not consume it; replay sends it back with the same id.
+    let again = source.dead_letters(&fixture.dlq(), 100).await.unwrap();
+    assert_eq!(again, letters);
+    source.replay(&fixture.dlq(), letter).await.unwrap();
+    wait_for("the replayed delivery", SETTLE, async || {
+        app.received_body(b"script:400,200").len() >= 2
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let replayed = app.received_body(b"script:400,200");
+    assert_eq!(replayed.len(), 2);
+    let key = format!("{}:{dead}", fixture.queue);
+    assert_eq!(replayed[1].header("idempotency-key"), Some(key.as_str()));
+    assert_eq!(replayed[1].attempt(), 1);
+    assert!(
+        source
+            .dead_letters(&fixture.dlq(), 100)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_ne!(retried, dead);
+}
+
+// === NATS: in-progress acks ===
+
+/// A delivery that runs longer than the consumer's `AckWait` is kept alive
+/// with in-progress acks and is not handed out a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_long_delivery_is_kept_in_progress() {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    let fixture = Fixture::nats();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let client = async_nats::connect(NATS_URL).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(&fixture.queue).await.unwrap();
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some("courier".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(2),
+            max_deliver: -1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    fixture.send(&source, "script:sleep5000").await;
+    let mut policy = fast_policy();
+    policy.timeout = Duration::from_secs(8);
+    let running = Running::start(run_config(&fixture, &app, policy)).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(
+        app.received_body(b"script:sleep5000").len(),
+        1,
+        "handed out once although it took 2.5 x AckWait"
+    );
+}

@@ -527,7 +527,7 @@ impl Session {
             return self.declare(queue, FieldTable::default()).await;
         }
         Err(SourceError::Invalid(format!(
-            "queue {queue:?} does not exist in vhost {vhost:?}; declare it (classic or quorum, durable), or start courier with --create to declare a durable classic queue"
+            "queue {queue:?} does not exist in vhost {vhost:?}; declare it (classic or quorum, durable), or start `courier run` with --create to declare a durable classic queue"
         )))
     }
 

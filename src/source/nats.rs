@@ -43,7 +43,7 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use async_nats::connection::State;
 use async_nats::jetstream::ErrorCode;
@@ -290,8 +290,8 @@ pub struct NatsSource {
     send_subject: Option<String>,
     replicas: usize,
     consumer: tokio::sync::Mutex<Option<PullConsumer>>,
-    /// Receipts (reply subjects) in flight, and when they were handed out.
-    in_flight: Arc<Mutex<HashMap<String, (Instant, u64)>>>,
+    /// Receipts (reply subjects) in flight, with their stream sequence.
+    in_flight: Arc<Mutex<HashMap<String, u64>>>,
     /// When messages this source retried with `Nak` were first offered, by
     /// stream sequence: a `Nak` cannot carry `courier-first-attempt-at`.
     first_attempts: Mutex<HashMap<u64, SystemTime>>,
@@ -352,7 +352,7 @@ impl NatsSource {
             }
             Err(e) if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) => {
                 return Err(SourceError::Invalid(format!(
-                    "stream {:?} does not exist on {redacted}; create it (nats stream add {} --subjects {}), or start courier with --create to create a work-queue stream capturing subject {:?}",
+                    "stream {:?} does not exist on {redacted}; create it (nats stream add {} --subjects {}), or start `courier run` with --create to create a work-queue stream capturing subject {:?}",
                     options.queue, options.queue, options.queue, options.queue
                 )));
             }
@@ -449,8 +449,8 @@ impl NatsSource {
         Ok(consumer)
     }
 
-    /// Sends `+WPI` for deliveries in flight longer than a third of
-    /// `AckWait`, every third of it.
+    /// Sends `+WPI` for every delivery in flight, every third of `AckWait`,
+    /// so none runs out of it however long the app takes.
     fn start_progress(&self, ack_wait: Duration) {
         let every = (ack_wait / 3).max(Duration::from_millis(500));
         let (client, in_flight) = (self.client.clone(), self.in_flight.clone());
@@ -460,9 +460,8 @@ impl NatsSource {
                 let due: Vec<String> = in_flight
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .filter(|(_, (at, _))| at.elapsed() >= every)
-                    .map(|(r, _)| r.clone())
+                    .keys()
+                    .cloned()
                     .collect();
                 for receipt in due {
                     let _ = client.publish(receipt, AckKind::Progress.into()).await;
@@ -483,7 +482,7 @@ impl NatsSource {
         self.in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(receipt.to_string(), (Instant::now(), sequence));
+            .insert(receipt.to_string(), sequence);
         self.held.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -494,7 +493,7 @@ impl NatsSource {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(receipt);
-        if let Some((_, sequence)) = held {
+        if let Some(sequence) = held {
             self.held.fetch_sub(1, Ordering::SeqCst);
             if done {
                 self.first_attempts

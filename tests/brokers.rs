@@ -946,3 +946,19 @@ async fn nats_long_delivery_is_kept_in_progress() {
         "handed out once although it took 2.5 x AckWait"
     );
 }
+
+/// `amqps://` is TLS: against a plain AMQP port the handshake fails; it
+/// never falls back to plain text (which would send the password in clear).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqps_never_falls_back_to_plain_text() {
+    use courier::source::{SourceError, SourceOptions, open};
+    let url = SourceUrl::parse("amqps://guest:guest@localhost:5672/%2f").unwrap();
+    let mut options = SourceOptions::new(&unique("tls"));
+    options.create = true;
+    let err = open(&url, options)
+        .await
+        .err()
+        .expect("a TLS handshake with a plain port fails");
+    assert!(matches!(err, SourceError::Unavailable(_)), "{err}");
+    assert!(!err.to_string().contains("guest:guest"), "{err}");
+}

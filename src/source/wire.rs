@@ -46,7 +46,10 @@ pub fn decode_fields(data: &Bytes) -> Option<Vec<(Bytes, Bytes)>> {
     if count % 2 != 0 {
         return None;
     }
-    let mut items = Vec::with_capacity(count);
+    // Every item takes at least one byte: a header claiming more items than
+    // there are bytes left must not reserve memory for them (a five-byte
+    // record once asked for 128 GiB and aborted the process).
+    let mut items = Vec::with_capacity(count.min(data.len() - at));
     for _ in 0..count {
         let marker = *data.get(at)?;
         at += 1;
@@ -95,6 +98,12 @@ mod tests {
             decode_fields(&data),
             Some(vec![(Bytes::from("a"), Bytes::from("bc"))])
         );
+    }
+
+    #[test]
+    fn a_huge_array_count_is_refused_without_reserving_it() {
+        let data = Bytes::from_static(&[ARRAY32, 0xff, 0xff, 0xff, 0xfe]);
+        assert_eq!(decode_fields(&data), None);
     }
 
     #[test]

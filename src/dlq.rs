@@ -166,12 +166,12 @@ impl Filter {
         }
         let age = age(letter, now);
         if let Some(older) = self.older_than
-            && !age.is_some_and(|a| a > older)
+            && age.is_none_or(|a| a <= older)
         {
             return false;
         }
         if let Some(newer) = self.newer_than
-            && !age.is_some_and(|a| a < newer)
+            && age.is_none_or(|a| a >= newer)
         {
             return false;
         }

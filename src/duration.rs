@@ -56,8 +56,8 @@ pub fn format(d: Duration) -> String {
     if nanos == 0 {
         return "0s".into();
     }
-    if nanos % 1_000_000_000 != 0 {
-        return if nanos % 1_000_000 == 0 {
+    if !nanos.is_multiple_of(1_000_000_000) {
+        return if nanos.is_multiple_of(1_000_000) {
             format!("{}ms", nanos / 1_000_000)
         } else {
             format!("{nanos}ns")

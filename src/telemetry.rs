@@ -246,6 +246,50 @@ impl Metrics {
         }
     }
 
+    /// Handles to one queue's series, looked up once: the delivery path then
+    /// touches only atomics, not the label maps.
+    pub fn for_queue(&self, queue: &str) -> QueueMetrics {
+        let q = QueueLabels {
+            queue: queue.to_string(),
+        };
+        let result = |result| {
+            self.deliveries
+                .get_or_create(&DeliveryLabels {
+                    queue: queue.to_string(),
+                    result,
+                })
+                .clone()
+        };
+        let reason = |reason| {
+            self.dead_letters
+                .get_or_create(&DeadLetterLabels {
+                    queue: queue.to_string(),
+                    reason,
+                })
+                .clone()
+        };
+        QueueMetrics {
+            received: self.received.get_or_create(&q).clone(),
+            acks: self.acks.get_or_create(&q).clone(),
+            retries: self.retries.get_or_create(&q).clone(),
+            in_flight: self.in_flight.get_or_create(&q).clone(),
+            duration: self.delivery_duration.get_or_create(&q).clone(),
+            success: result("success"),
+            transient: result("transient"),
+            permanent: result("permanent"),
+            timeout: result("timeout"),
+            unreachable: result("unreachable"),
+            permanent_status: reason("permanent-status"),
+            attempts_exhausted: reason("attempts-exhausted"),
+            undeliverable: reason("undeliverable"),
+            retry_after_invalid: self.retry_after_invalid.get_or_create(&q).clone(),
+            settle_errors: self.settle_errors.get_or_create(&q).clone(),
+            dedup_hits: self.dedup_hits.get_or_create(&q).clone(),
+            concurrency_limit: self.concurrency_limit.get_or_create(&q).clone(),
+            app_up: self.app_up.clone(),
+        }
+    }
+
     /// The OpenMetrics exposition text.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -289,6 +333,53 @@ fn to_prometheus_text(openmetrics: &str) -> String {
         out.push('\n');
     }
     out
+}
+
+/// One queue's series; see [`Metrics::for_queue`].
+#[derive(Clone)]
+pub struct QueueMetrics {
+    pub received: Counter,
+    pub acks: Counter,
+    pub retries: Counter,
+    pub in_flight: Gauge,
+    pub duration: Histogram,
+    success: Counter,
+    transient: Counter,
+    permanent: Counter,
+    timeout: Counter,
+    unreachable: Counter,
+    permanent_status: Counter,
+    attempts_exhausted: Counter,
+    undeliverable: Counter,
+    pub retry_after_invalid: Counter,
+    pub settle_errors: Counter,
+    pub dedup_hits: Counter,
+    pub concurrency_limit: Gauge,
+    pub app_up: Gauge,
+}
+
+impl QueueMetrics {
+    /// `courier_deliveries_total{result}`; `None` for what was never offered.
+    pub fn delivery(&self, class: crate::policy::Class) -> Option<&Counter> {
+        use crate::policy::Class;
+        match class {
+            Class::Success => Some(&self.success),
+            Class::Transient => Some(&self.transient),
+            Class::Permanent => Some(&self.permanent),
+            Class::Timeout => Some(&self.timeout),
+            Class::Unreachable => Some(&self.unreachable),
+            Class::Undeliverable => None,
+        }
+    }
+
+    pub fn dead_letter(&self, reason: crate::policy::DeadLetterReason) -> &Counter {
+        use crate::policy::DeadLetterReason;
+        match reason {
+            DeadLetterReason::PermanentStatus => &self.permanent_status,
+            DeadLetterReason::AttemptsExhausted => &self.attempts_exhausted,
+            DeadLetterReason::Undeliverable => &self.undeliverable,
+        }
+    }
 }
 
 // === Health ===

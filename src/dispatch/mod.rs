@@ -18,9 +18,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::forward::{Envelope, Forwarder, Outcome};
-use crate::policy::{Class, LivePolicy, Verdict, decide};
+use crate::policy::{LivePolicy, Verdict, decide};
 use crate::source::{Delivery, Failure, Source};
-use crate::telemetry::{self, DeadLetterLabels, DeliveryLabels, Metrics, QueueLabels};
+use crate::telemetry::{self, Metrics, QueueMetrics};
 
 use gate::{Change, Gate};
 use limit::{Limiter, Signal};
@@ -68,6 +68,7 @@ struct Shared {
     hold_until: Mutex<Option<Instant>>,
     limiter: Arc<Limiter>,
     gate: Gate,
+    m: QueueMetrics,
 }
 
 impl Dispatcher {
@@ -75,7 +76,9 @@ impl Dispatcher {
     pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
         let limiter = Limiter::new(self.concurrency);
         let gate = Gate::new(self.app_failure_run);
+        let m = self.metrics.for_queue(&self.queue);
         let shared = Arc::new(Shared {
+            m,
             dispatcher: self,
             hold_until: Mutex::new(None),
             limiter: limiter.clone(),
@@ -89,7 +92,7 @@ impl Dispatcher {
                     let d = &shared.dispatcher;
                     let up =
                         d.forwarder.app_accepts_connections().await && !shared.gate.is_closed();
-                    d.metrics.app_up.set(i64::from(up));
+                    shared.m.app_up.set(i64::from(up));
                     tokio::time::sleep(APP_PROBE_INTERVAL).await;
                 }
             }
@@ -151,7 +154,9 @@ impl Dispatcher {
                 let Some(slot) = slots.pop() else { break };
                 let shared = shared.clone();
                 tasks.spawn(async move {
-                    shared.deliver(delivery).await;
+                    if !shared.defer_if_held(&delivery).await {
+                        shared.deliver(delivery).await;
+                    }
                     drop(slot);
                 });
             }
@@ -188,14 +193,35 @@ impl Dispatcher {
 }
 
 impl Shared {
-    fn show_limit(&self) {
+    /// A read that was already waiting on the broker when a 429 set the
+    /// hold can return messages during it: they go back to the broker, due
+    /// when the hold ends, with no attempt used. Stored rather than kept
+    /// waiting here, so a long hold cannot outlast the visibility timeout.
+    async fn defer_if_held(&self, delivery: &Delivery) -> bool {
+        let hold = *self.hold_until.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(until) = hold.filter(|t| *t > Instant::now()) else {
+            return false;
+        };
         let d = &self.dispatcher;
-        d.metrics
-            .concurrency_limit
-            .get_or_create(&QueueLabels {
-                queue: d.queue.clone(),
-            })
-            .set(self.limiter.limit() as i64);
+        let due = SystemTime::now() + until.saturating_duration_since(Instant::now());
+        let first_attempt_at = delivery.first_attempt_at.unwrap_or_else(SystemTime::now);
+        let id = delivery.message.id.as_str();
+        match d
+            .source
+            .retry(delivery, delivery.attempt, first_attempt_at, due)
+            .await
+        {
+            Ok(()) => tracing::debug!(id, "the app asked to wait (Retry-After); deferred"),
+            Err(e) => {
+                self.m.settle_errors.inc();
+                tracing::error!(id, error = %e, "deferring failed; the broker will hand the message out again");
+            }
+        }
+        true
+    }
+
+    fn show_limit(&self) {
+        self.m.concurrency_limit.set(self.limiter.limit() as i64);
     }
 
     /// While the gate is closed: ask the app's health path, or let one
@@ -226,12 +252,12 @@ impl Shared {
         match change {
             Change::Closed => {
                 tracing::warn!(app = %d.forwarder.app(), "the app is down or failing: pausing deliveries and probing it");
-                d.metrics.app_up.set(0);
+                self.m.app_up.set(0);
                 d.health.set_ready(false);
             }
             Change::Opened => {
                 tracing::info!(app = %d.forwarder.app(), "the app answers again: resuming deliveries");
-                d.metrics.app_up.set(1);
+                self.m.app_up.set(1);
                 d.health.set_ready(true);
             }
             Change::Unchanged => {}
@@ -256,17 +282,14 @@ impl Shared {
                 return false;
             }
         }
-        let queue = QueueLabels {
-            queue: d.queue.clone(),
-        };
         match d.source.ack(delivery).await {
             Ok(()) => {
-                d.metrics.dedup_hits.get_or_create(&queue).inc();
-                d.metrics.acks.get_or_create(&queue).inc();
+                self.m.dedup_hits.inc();
+                self.m.acks.inc();
                 tracing::debug!(id = %delivery.message.id, %key, "already acked within the dedup window; acked again without delivery");
             }
             Err(e) => {
-                d.metrics.settle_errors.get_or_create(&queue).inc();
+                self.m.settle_errors.inc();
                 tracing::error!(id = %delivery.message.id, error = %e, "settling failed; the broker will hand the message out again");
             }
         }
@@ -275,10 +298,7 @@ impl Shared {
 
     async fn deliver(&self, delivery: Delivery) {
         let d = &self.dispatcher;
-        let queue = QueueLabels {
-            queue: d.queue.clone(),
-        };
-        d.metrics.received.get_or_create(&queue).inc();
+        self.m.received.inc();
         if d.dedup_window.is_some()
             && delivery.problem.is_none()
             && self.already_acked(&delivery).await
@@ -306,15 +326,11 @@ impl Shared {
                 queue: &d.queue,
                 attempt: delivery.attempt,
             };
-            let in_flight = d.metrics.in_flight.get_or_create(&queue).clone();
-            in_flight.inc();
+            self.m.in_flight.inc();
             let clock = Instant::now();
             let outcome = d.forwarder.deliver(&envelope, policy.timeout).await;
-            in_flight.dec();
-            d.metrics
-                .delivery_duration
-                .get_or_create(&queue)
-                .observe(clock.elapsed().as_secs_f64());
+            self.m.in_flight.dec();
+            self.m.duration.observe(clock.elapsed().as_secs_f64());
             outcome
         };
         let latency = started_at.elapsed().unwrap_or_default();
@@ -343,40 +359,32 @@ impl Shared {
                 attempt_used: false,
             };
         }
-        if decision.class != Class::Undeliverable {
-            d.metrics
-                .deliveries
-                .get_or_create(&DeliveryLabels {
-                    queue: d.queue.clone(),
-                    result: decision.class.as_str(),
-                })
-                .inc();
+        if let Some(counter) = self.m.delivery(decision.class) {
+            counter.inc();
         }
-        match &outcome {
-            Outcome::Answered {
-                status,
-                retry_after,
-                retry_after_invalid,
-                ..
-            } => {
-                if !self.gate.is_closed() {
-                    d.metrics.app_up.set(1);
-                }
-                if *retry_after_invalid {
-                    d.metrics.retry_after_invalid.get_or_create(&queue).inc();
-                }
-                if *status == 429
-                    && policy.retry_after.honor
-                    && let Some(wait) = retry_after
-                {
-                    let until = Instant::now() + (*wait).min(policy.retry_after.max);
-                    let mut hold = self.hold_until.lock().unwrap_or_else(|e| e.into_inner());
-                    if hold.is_none_or(|t| t < until) {
-                        *hold = Some(until);
-                    }
+        if let Outcome::Answered {
+            status,
+            retry_after,
+            retry_after_invalid,
+            ..
+        } = &outcome
+        {
+            if !self.gate.is_closed() {
+                self.m.app_up.set(1);
+            }
+            if *retry_after_invalid {
+                self.m.retry_after_invalid.inc();
+            }
+            if *status == 429
+                && policy.retry_after.honor
+                && let Some(wait) = retry_after
+            {
+                let until = Instant::now() + (*wait).min(policy.retry_after.max);
+                let mut hold = self.hold_until.lock().unwrap_or_else(|e| e.into_inner());
+                if hold.is_none_or(|t| t < until) {
+                    *hold = Some(until);
                 }
             }
-            _ => {}
         }
         let id = delivery.message.id.as_str();
         let settled = match decision.verdict {
@@ -394,7 +402,7 @@ impl Shared {
                 }
                 let r = d.source.ack(&delivery).await;
                 if r.is_ok() {
-                    d.metrics.acks.get_or_create(&queue).inc();
+                    self.m.acks.inc();
                     tracing::debug!(id, attempt = delivery.attempt, "acked");
                 }
                 r
@@ -413,7 +421,7 @@ impl Shared {
                     .retry(&delivery, next, first_attempt_at, SystemTime::now() + delay)
                     .await;
                 if r.is_ok() {
-                    d.metrics.retries.get_or_create(&queue).inc();
+                    self.m.retries.inc();
                     tracing::info!(
                         id,
                         attempt = delivery.attempt,
@@ -445,13 +453,7 @@ impl Shared {
                 };
                 let r = d.source.dead_letter(&delivery, &failure).await;
                 if r.is_ok() {
-                    d.metrics
-                        .dead_letters
-                        .get_or_create(&DeadLetterLabels {
-                            queue: d.queue.clone(),
-                            reason: reason.as_str(),
-                        })
-                        .inc();
+                    self.m.dead_letter(reason).inc();
                     tracing::warn!(
                         id,
                         attempt = delivery.attempt,
@@ -466,7 +468,7 @@ impl Shared {
             }
         };
         if let Err(e) = settled {
-            d.metrics.settle_errors.get_or_create(&queue).inc();
+            self.m.settle_errors.inc();
             tracing::error!(id, error = %e, "settling failed; the broker will hand the message out again");
         }
     }

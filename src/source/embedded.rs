@@ -83,13 +83,26 @@ fn shared_database(dir: &Path) -> Result<Arc<Database>, SourceError> {
     if let Some(db) = open.get(&path).and_then(Weak::upgrade) {
         return Ok(db);
     }
-    let db = Database::create(&path).map_err(|e| match e {
-        redb::DatabaseError::DatabaseAlreadyOpen => SourceError::Invalid(format!(
-            "the embedded queue {} is open in another process; an embedded queue serves one process at a time (stop the other courier first)",
-            path.display()
-        )),
-        other => store_error(other),
-    })?;
+    // A handle of this process that was just dropped may still be closing
+    // the file (its drop runs on another thread); give it a moment before
+    // calling the file another process's.
+    let mut tries = 0;
+    let db = loop {
+        match Database::create(&path) {
+            Ok(db) => break db,
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) if tries < 40 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                return Err(SourceError::Invalid(format!(
+                    "the embedded queue {} is open in another process; an embedded queue serves one process at a time (stop the other courier first)",
+                    path.display()
+                )));
+            }
+            Err(other) => return Err(store_error(other)),
+        }
+    };
     let db = Arc::new(db);
     open.insert(path, Arc::downgrade(&db));
     Ok(db)

@@ -159,6 +159,9 @@ impl Sidecar {
             ])
             .args(["--app", &app.url(), "--policy", policy])
             .args(["--listen", &addr.to_string(), "--drain-timeout", "2s"])
+            // The scripted 503s here are on purpose, many in a row; the
+            // app-health gate would pause pulling and slow the test down.
+            .args(["--app-failure-run", "0"])
             .env_remove("COURIER_POLICY_FILE")
             .env("KUBECONFIG", stub.kubeconfig())
             .env("POD_NAMESPACE", NS)

@@ -67,9 +67,10 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
 
 async fn run(config: RunConfig) -> anyhow::Result<ExitCode> {
     let shutdown = CancellationToken::new();
+    // Listening for signals first: a SIGTERM during start-up drains too.
+    let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
     let (addr, sidecar) = Sidecar::new(config).start(shutdown.clone()).await?;
     tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-    let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
     let result = sidecar.await.context("the sidecar task failed")?;
     signals.abort();
     result.map(|_| ExitCode::SUCCESS)

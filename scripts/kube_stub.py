@@ -15,7 +15,8 @@ added here:
 - lists carry kind/apiVersion and a resourceVersion, and honor
   fieldSelector=metadata.name=...;
 - watches are application/json, start after the requested resourceVersion,
-  and end after timeoutSeconds;
+  and end after timeoutSeconds; a resourceVersion the server never issued
+  (it restarted) is answered with 410 Gone, so clients relist;
 - applying a CustomResourceDefinition registers its resource (discovery,
   short names) and its schema under /openapi/v3.
 
@@ -23,6 +24,7 @@ It does not validate objects against the CRD's schema: like a cluster with an
 older CRD installed, it lets through what courier itself must refuse.
 
 Usage: kube_stub.py [--port N]; prints "READY <port>" once it listens.
+All state is in memory: a restart is an empty cluster.
 """
 
 import argparse
@@ -30,6 +32,7 @@ import asyncio
 import copy
 import datetime
 import json
+import time
 import uuid
 
 import aiohttp.web
@@ -76,7 +79,9 @@ def body_of(obj):
 class Stub(kmock.KubernetesEmulator):
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
-        self.version = 0
+        # Resource versions go on from where a stopped server left them
+        # (as etcd's revision does), so a restart does not reuse them.
+        self.version = int(time.time() * 1000)
         self.schemas = {}  # (group, version, kind) -> openAPIV3Schema
         for key, info in BUILTIN.items():
             self.resources[key] = info
@@ -250,6 +255,13 @@ class Stub(kmock.KubernetesEmulator):
                     await send(event)
 
         try:
+            if since > self.version:
+                # A version this server never issued: it restarted, as after
+                # an outage. Gone, so the client relists.
+                await send({'type': 'ERROR', 'object': {
+                    'apiVersion': 'v1', 'kind': 'Status', 'status': 'Failure', 'code': 410,
+                    'reason': 'Expired', 'message': f'too old resource version: {since}'}})
+                return response
             await asyncio.wait_for(stream(), timeout)
         except (asyncio.TimeoutError, ConnectionResetError):
             pass

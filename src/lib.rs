@@ -9,8 +9,9 @@
 //! - [`forward`]: the pooled HTTP client to the app. Builds the request and
 //!   classifies the answer into an [`forward::Outcome`]; nothing else looks
 //!   at raw HTTP answers.
-//! - [`policy`]: the RetryPolicy document, its validation, the live policy
-//!   (file reload), and the pure decision `decide(policy, outcome, attempt)`.
+//! - [`policy`]: the RetryPolicy document (also the CRD), its validation,
+//!   the live policy (a file reloaded, or the cluster's object watched), and
+//!   the pure decision `decide(policy, outcome, attempt)`.
 //! - [`dispatch`]: concurrency, in-flight tracking, settling and the
 //!   graceful drain.
 //! - [`telemetry`]: Prometheus metrics, `/metrics`, `/healthz`, `/readyz`,

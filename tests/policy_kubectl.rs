@@ -28,26 +28,34 @@ fn root() -> PathBuf {
 /// `scripts/kube-stub` on a free port, and a kubeconfig pointing at it.
 /// Stopped (by its process id) when dropped.
 struct KubeStub {
-    child: Child,
+    child: Option<Child>,
+    port: u16,
     dir: tempfile::TempDir,
+}
+
+/// Starts the server on `port` (0: any free one) and returns it with the
+/// port it listens on.
+fn spawn_stub(port: u16) -> (Child, u16) {
+    let mut child = Command::new(root().join("scripts/kube-stub"))
+        .args(["--port", &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start scripts/kube-stub");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("read the stub's first line");
+    let port: u16 = line
+        .strip_prefix("READY ")
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("scripts/kube-stub did not start: {line:?}"));
+    (child, port)
 }
 
 impl KubeStub {
     fn start() -> Self {
-        let mut child = Command::new(root().join("scripts/kube-stub"))
-            .args(["--port", "0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start scripts/kube-stub");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("read the stub's first line");
-        let port: u16 = line
-            .strip_prefix("READY ")
-            .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("scripts/kube-stub did not start: {line:?}"));
+        let (child, port) = spawn_stub(0);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join("kubeconfig"),
@@ -56,13 +64,37 @@ impl KubeStub {
             ),
         )
         .unwrap();
-        let stub = Self { child, dir };
-        stub.kubectl_ok(&[
+        let stub = Self {
+            child: Some(child),
+            port,
+            dir,
+        };
+        stub.install_crd();
+        stub
+    }
+
+    fn install_crd(&self) {
+        self.kubectl_ok(&[
             "apply",
             "-f",
             root().join("crds/retrypolicy.yaml").to_str().unwrap(),
         ]);
-        stub
+    }
+
+    /// An API outage: the server stops, by its process id.
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The server comes back on the same address, empty, as after a
+    /// restore; the CRD is installed again.
+    fn restart(&mut self) {
+        self.stop();
+        self.child = Some(spawn_stub(self.port).0);
+        self.install_crd();
     }
 
     fn kubeconfig(&self) -> PathBuf {
@@ -123,8 +155,7 @@ impl KubeStub {
 
 impl Drop for KubeStub {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
     }
 }
 
@@ -331,6 +362,35 @@ async fn kubectl_apply_edit_and_delete_steer_the_running_sidecar() {
         "2 Accepted=True"
     );
 
+    // The CRD's printer columns, evaluated by kubectl's own JSONPath engine
+    // (the stub serves no Tables, so `kubectl get rp` cannot show them).
+    let columns: Vec<String> = courier::policy::crd::definition().spec.versions[0]
+        .additional_printer_columns
+        .iter()
+        .flatten()
+        .filter(|c| c.name != "Age")
+        .map(|c| format!("{}:{}", c.name.to_uppercase(), c.json_path))
+        .collect();
+    let table = stub.kubectl_ok(&[
+        "get",
+        "rp",
+        "orders",
+        "-o",
+        &format!("custom-columns={}", columns.join(",")),
+    ]);
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            vec!["ATTEMPTS", "INITIAL", "MAX", "TIMEOUT", "ACCEPTED"],
+            vec!["1", "20ms", "50ms", "500ms", "True"]
+        ],
+        "{table}"
+    );
+
     // A change the sidecar cannot use (the stub, like a cluster with an
     // older CRD, does not validate): refused loudly, the last good stays.
     stub.edit("orders", "s/maxAttempts: 1/maxAttempts: 0/");
@@ -494,4 +554,56 @@ fn policy_and_policy_file_together_are_a_usage_error() {
         assert_eq!(out.status.code(), Some(2), "{out:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("POD_NAMESPACE"));
     }
+}
+
+/// The API goes away: the sidecar keeps the last good policy and goes on
+/// delivering, retries with backoff, and follows the policy again once the
+/// API is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_outage_keeps_the_last_good_policy_and_reconnects() {
+    let mut stub = KubeStub::start();
+    stub.apply(ORDERS);
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "orders");
+    sidecar.wait_ready().await;
+
+    stub.stop();
+    wait_for(
+        "the sidecar to notice",
+        Duration::from_secs(10),
+        async || sidecar.log().contains("lost the RetryPolicy watch"),
+    )
+    .await;
+    fixture.send(&source, "script:503\nduring").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        app.received_body(b"script:503\nduring").len(),
+        3,
+        "the last good policy (3 attempts) stays in force"
+    );
+    assert!(
+        get(sidecar.addr, "/readyz")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+
+    stub.restart();
+    stub.apply(&ORDERS.replace("maxAttempts: 3", "maxAttempts: 1"));
+    wait_for(
+        "the sidecar to reconnect",
+        Duration::from_secs(40),
+        async || {
+            sidecar
+                .metrics()
+                .await
+                .contains("courier_policy_reloads_total{result=\"applied\"} 2")
+        },
+    )
+    .await;
+    fixture.send(&source, "script:503\nafter").await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(app.received_body(b"script:503\nafter").len(), 1);
+    sidecar.stop();
 }

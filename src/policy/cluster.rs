@@ -426,6 +426,22 @@ mod tests {
     }
 
     #[test]
+    fn the_first_read_sets_the_dead_letter_queue_and_a_long_enough_visibility() {
+        let mut options = SourceOptions::new("orders");
+        options.visibility_timeout = Duration::from_secs(60);
+        let mut policy = Policy {
+            dead_letter_queue: Some("orders.parked".into()),
+            ..Policy::default()
+        };
+        adjust_options(&mut options, &policy);
+        assert_eq!(options.dead_letter_queue, "orders.parked");
+        assert_eq!(options.visibility_timeout, Duration::from_secs(60));
+        policy.timeout = Duration::from_secs(90);
+        adjust_options(&mut options, &policy);
+        assert_eq!(options.visibility_timeout, Duration::from_secs(120));
+    }
+
+    #[test]
     fn long_messages_are_cut_on_a_character_boundary() {
         assert_eq!(truncate("abc", 5), "abc");
         assert_eq!(truncate("ééé", 3), "é…");

@@ -2,9 +2,10 @@
 //! pure decision that turns an [`Outcome`] into a [`Verdict`].
 //!
 //! The document ([`RetryPolicySpec`]) keeps every field optional and in the
-//! user's own form (durations as strings), so it can be read from a file or,
-//! later, from the cluster. [`Policy::from_spec`] validates it once into a
-//! [`Policy`] with real types; everything downstream uses only that.
+//! user's own form (durations as strings), so it can be read from a file
+//! ([`file`]) or from the cluster ([`cluster`], the CRD in [`crd`]).
+//! [`Policy::from_spec`] validates it once into a [`Policy`] with real
+//! types; everything downstream uses only that.
 
 pub mod cluster;
 pub mod crd;

@@ -22,6 +22,7 @@ ORDERS_RATE_LIMIT (requests per second, 0 = none; default 0),
 ORDERS_WORK_MS (simulated time talking to the payment provider; default 0).
 """
 
+import asyncio
 import json
 import os
 import sqlite3
@@ -32,6 +33,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field, ValidationError
 
 DB = os.environ.get("ORDERS_DB", "orders.db")
@@ -118,6 +120,12 @@ def log_request(con: sqlite3.Connection, key, attempt, outcome: str) -> None:
     )
 
 
+def log_refusal(key, attempt, outcome: str) -> None:
+    con = connect()
+    log_request(con, key, attempt, outcome)
+    con.close()
+
+
 @app.get("/healthz")
 def healthz():
     return {"ok": True}
@@ -130,9 +138,7 @@ async def charge(request: Request):
     if bucket is not None:
         wait = bucket.take()
         if wait > 0:
-            con = connect()
-            log_request(con, key, attempt, "rate-limited")
-            con.close()
+            await run_in_threadpool(log_refusal, key, attempt, "rate-limited")
             # Retry-After is whole seconds; round up so it is never 0.
             return JSONResponse(
                 {"error": "rate limit; try again later"},
@@ -145,15 +151,14 @@ async def charge(request: Request):
     try:
         order = Order.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as e:
-        con = connect()
-        log_request(con, key, attempt, "invalid")
-        con.close()
+        await run_in_threadpool(log_refusal, key, attempt, "invalid")
         detail = e.errors(include_url=False) if isinstance(e, ValidationError) else str(e)
         return JSONResponse({"error": "invalid order", "detail": detail}, status_code=422)
     if WORK_MS:
         # Talking to the payment provider, before anything is written.
-        time.sleep(WORK_MS / 1000)
-    return write_charge(key, attempt, order)
+        await asyncio.sleep(WORK_MS / 1000)
+    # SQLite blocks: off the event loop, so other requests go on meanwhile.
+    return await run_in_threadpool(write_charge, key, attempt, order)
 
 
 def write_charge(key: str, attempt, order: Order) -> JSONResponse:

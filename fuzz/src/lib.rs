@@ -15,8 +15,11 @@ use courier::forward::{Outcome, parse_retry_after};
 use courier::policy::{CodeMatch, DeadLetterReason, Verdict, decide};
 use courier::source::{Delivery, Failure, decode_fields, encode_fields};
 
+/// A target's body: checks one input, panics on a finding.
+pub type Check = fn(&[u8]);
+
 /// The targets by name, as `cargo fuzz` knows them.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Check)] = &[
     ("retry_after", retry_after),
     ("policy_document", policy_document),
     ("code_match", code_match),

@@ -1,0 +1,146 @@
+//! Bad inputs that reach a running sidecar, end to end, for the rows of
+//! docs/bad-inputs.md that no other suite covers: a producer header HTTP
+//! cannot carry as the Idempotency-Key, an unreadable Retry-After from the
+//! app, and an app answer far larger than the dead-letter excerpt.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use courier::source::DeadLetter;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SETTLE: Duration = Duration::from_secs(30);
+
+async fn only_dead_letter(
+    source: &std::sync::Arc<dyn courier::source::Source>,
+    fixture: &Fixture,
+) -> DeadLetter {
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    letters.into_iter().next().unwrap()
+}
+
+/// A producer's `idempotency-key` with a line break cannot be an HTTP
+/// header: the message is dead-lettered as `undeliverable` with the reason,
+/// never offered to the app, and messages after it flow on.
+async fn an_idempotency_key_http_cannot_carry_is_undeliverable(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let bad = [(
+        "idempotency-key".to_string(),
+        "order-1\r\nx-evil: 1".to_string(),
+    )];
+    source.send(Bytes::from("first"), &bad).await.unwrap();
+    fixture.send(&source, "second").await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert!(
+        app.received_body(b"first").is_empty(),
+        "never offered to the app"
+    );
+    assert_eq!(app.received_body(b"second").len(), 1);
+    let letter = only_dead_letter(&source, &fixture).await;
+    assert_eq!(letter.body, Bytes::from("first"));
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    let error = letter.field("courier-error").unwrap_or_default();
+    assert!(
+        error.contains("idempotency key") && error.contains("not a valid header value"),
+        "{error}"
+    );
+}
+
+/// `Retry-After: soon` is not a delay: it is ignored (the policy's own
+/// backoff applies), counted in `courier_retry_after_invalid_total`, and the
+/// message is delivered on the next attempt.
+async fn an_unreadable_retry_after_is_ignored_and_counted(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let body = "script:503rasoon,200";
+    fixture.send(&source, body).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    let text = scrape(running.metrics_addr).await;
+    running.stop().await;
+    let seen = app.received_body(body.as_bytes());
+    assert_eq!(seen.len(), 2);
+    // fast_policy backs off 50 ms with no jitter; an honored "soon" would
+    // be nothing to honor, so the backoff alone decides.
+    let gap = seen[1].at.duration_since(seen[0].at);
+    assert!(gap < Duration::from_secs(5), "{gap:?}");
+    assert_eq!(
+        metric(&text, "courier_retry_after_invalid_total", &fixture.queue),
+        1.0,
+        "{text}"
+    );
+    assert!(
+        source
+            .dead_letters(&fixture.dlq(), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// The app answers 400 with a 1 MiB body: the dead letter keeps exactly
+/// the first 1 KiB of it as `courier-response-excerpt`.
+async fn a_huge_answer_is_cut_to_the_excerpt(fixture: Fixture) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 64 * 1024];
+                let _ = stream.read(&mut request).await;
+                let body = "x".repeat(1 << 20);
+                let head = format!(
+                    "HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = stream.write_all(head.as_bytes()).await;
+                let _ = stream.write_all(body.as_bytes()).await;
+            });
+        }
+    });
+    let source = fixture.open().await;
+    fixture.send(&source, "an order the app refuses").await;
+    let running = Running::start(run_config_for(&fixture, &url, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let letter = only_dead_letter(&source, &fixture).await;
+    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+    assert_eq!(letter.field("courier-status"), Some("400"));
+    assert_eq!(
+        letter.field("courier-response-excerpt"),
+        Some("x".repeat(courier::forward::EXCERPT_LIMIT).as_str())
+    );
+}
+
+macro_rules! bad_input_tests {
+    ($source:ident, $fixture:expr) => {
+        mod $source {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_idempotency_key_http_cannot_carry_is_undeliverable() {
+                super::an_idempotency_key_http_cannot_carry_is_undeliverable($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_unreadable_retry_after_is_ignored_and_counted() {
+                super::an_unreadable_retry_after_is_ignored_and_counted($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_huge_answer_is_cut_to_the_excerpt() {
+                super::a_huge_answer_is_cut_to_the_excerpt($fixture).await;
+            }
+        }
+    };
+}
+
+bad_input_tests!(redis, Fixture::redis());
+bad_input_tests!(embedded, Fixture::embedded());

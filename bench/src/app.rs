@@ -1,0 +1,156 @@
+//! The trivial app: a hyper HTTP/1.1 server that reads the request body and
+//! answers 200. It is also the stopwatch: it counts what it receives, notes
+//! the first and the last receipt, and for requests stamped with
+//! [`SENT_HEADER`] records how long ago they were stamped.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+/// Header (and message header) carrying the time a message was enqueued, in
+/// nanoseconds on [`now_ns`]'s clock. Producer and app share this process,
+/// so they share the clock.
+pub const SENT_HEADER: &str = "x-bench-sent";
+
+/// Nanoseconds since the harness started, on a monotonic clock.
+pub fn now_ns() -> u64 {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+const NONE: u64 = u64::MAX;
+
+#[derive(Default)]
+struct Receipts {
+    count: AtomicU64,
+    first: AtomicU64,
+    last: AtomicU64,
+    record: AtomicBool,
+    latencies: Mutex<Vec<u64>>,
+}
+
+/// A running app; dropping it does not stop it (it lives as long as the
+/// harness).
+#[derive(Clone)]
+pub struct App {
+    pub addr: SocketAddr,
+    receipts: Arc<Receipts>,
+}
+
+impl App {
+    pub async fn start() -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let receipts = Arc::new(Receipts::default());
+        receipts.first.store(NONE, Ordering::Relaxed);
+        let app = Self { addr, receipts };
+        let shared = app.receipts.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |request| handle(shared.clone(), request));
+                    let _ = http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Ok(app)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/", self.addr)
+    }
+
+    /// Forgets every receipt; `record` turns latency recording on or off.
+    pub fn reset(&self, record: bool) {
+        let r = &self.receipts;
+        r.record.store(false, Ordering::SeqCst);
+        r.latencies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        r.count.store(0, Ordering::SeqCst);
+        r.first.store(NONE, Ordering::SeqCst);
+        r.last.store(0, Ordering::SeqCst);
+        r.record.store(record, Ordering::SeqCst);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.receipts.count.load(Ordering::SeqCst)
+    }
+
+    /// Time between the first and the last receipt since the last reset.
+    pub fn span(&self) -> Option<Duration> {
+        let first = self.receipts.first.load(Ordering::SeqCst);
+        let last = self.receipts.last.load(Ordering::SeqCst);
+        (first != NONE && last >= first).then(|| Duration::from_nanos(last - first))
+    }
+
+    /// Stamp-to-receipt latencies recorded since the last reset, in ns.
+    pub fn latencies(&self) -> Vec<u64> {
+        self.receipts
+            .latencies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Waits until `n` requests arrived, or `timeout` passed; the count then.
+    pub async fn wait_for(&self, n: u64, timeout: Duration) -> u64 {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let count = self.count();
+            if count >= n || tokio::time::Instant::now() >= deadline {
+                return count;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+async fn handle(
+    receipts: Arc<Receipts>,
+    request: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let sent = request
+        .headers()
+        .get(SENT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    // A real app reads what it was sent; so does this one.
+    let _ = request.into_body().collect().await;
+    let now = now_ns();
+    if let Some(sent) = sent
+        && receipts.record.load(Ordering::Relaxed)
+    {
+        receipts
+            .latencies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(now.saturating_sub(sent));
+    }
+    let _ = receipts
+        .first
+        .compare_exchange(NONE, now, Ordering::SeqCst, Ordering::SeqCst);
+    receipts.last.fetch_max(now, Ordering::SeqCst);
+    receipts.count.fetch_add(1, Ordering::SeqCst);
+    Ok(Response::new(Full::new(Bytes::new())))
+}

@@ -1,0 +1,393 @@
+//! courier-bench: measures courier against the app's own limit and against a
+//! Celery worker, on one machine, in one run, as ratios.
+//!
+//! - [`app`]: the trivial hyper app that answers 200, and the stopwatch.
+//! - [`load`]: the closed-loop load generator (the limit) and paced direct
+//!   requests (the latency baseline).
+//! - [`sources`]: the brokers, their pre-fill and clean-up.
+//! - [`child`]: courier and Celery as child processes, and what `/proc` says
+//!   they cost.
+//! - [`runs`]: drain, latency, the Celery peer, the retry backlog.
+//! - [`report`]: the table, `BENCHMARKS.md` and the targets.
+//!
+//! `cargo run --release -p courier-bench -- all` runs everything and
+//! rewrites the generated part of `BENCHMARKS.md`; `--smoke` is the tiny run
+//! the test suite makes.
+#![deny(rust_2018_idioms)]
+
+mod app;
+mod celery;
+mod child;
+mod load;
+mod report;
+mod runs;
+mod sources;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::{Args, Parser, Subcommand};
+
+use report::{Machine, Results, Row, Settings};
+use runs::{Bench, Ctx};
+use sources::Kind;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "courier-bench",
+    about = "Benchmarks courier against the app's own limit and a Celery worker, in one run."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Every measurement, then the table and BENCHMARKS.md.
+    All(Options),
+}
+
+#[derive(Debug, Clone, Args)]
+struct Options {
+    /// Messages pre-filled and drained per source.
+    #[arg(long, default_value_t = 100_000)]
+    messages: u64,
+    /// Messages fed to the Celery worker (about 440 msg/s: 100,000 would take minutes).
+    #[arg(long, default_value_t = 5_000)]
+    celery_messages: u64,
+    /// Entries of the retry-backlog run.
+    #[arg(long, default_value_t = 1_000_000)]
+    backlog: u64,
+    /// Messages per second of the latency runs.
+    #[arg(long, default_value_t = 1_000)]
+    rate: u64,
+    /// Seconds of each latency run (after 1 s of warm-up).
+    #[arg(long, default_value_t = 10)]
+    latency_secs: u64,
+    /// Seconds of the limit run (after 1 s of warm-up).
+    #[arg(long, default_value_t = 10)]
+    limit_secs: u64,
+    /// courier's --concurrency, and the limit's connections.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Sources to run, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "redis,amqp,nats,embedded"
+    )]
+    sources: Vec<String>,
+    /// Skip the Celery peer.
+    #[arg(long)]
+    no_celery: bool,
+    /// Skip the retry-backlog run.
+    #[arg(long)]
+    no_backlog: bool,
+    /// The courier binary [default: built with `cargo build --release`, next to this one].
+    #[arg(long)]
+    courier: Option<PathBuf>,
+    /// Where to write the report [default: BENCHMARKS.md at the repository root; none with --smoke].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Attach `perf record` to courier during each drain (target/bench/perf-<source>.data).
+    #[arg(long)]
+    perf: bool,
+    /// Tiny sizes, no Celery: checks that the harness works.
+    #[arg(long)]
+    smoke: bool,
+}
+
+impl Options {
+    fn apply_smoke(&mut self) {
+        if self.smoke {
+            self.messages = self.messages.min(2_000);
+            self.backlog = self.backlog.min(10_000);
+            self.latency_secs = 1;
+            self.limit_secs = 1;
+            self.no_celery = true;
+        }
+    }
+}
+
+fn repo_root() -> PathBuf {
+    celery::bench_dir()
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+fn text_of(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            let out = String::from_utf8_lossy(&o.stdout).trim().to_string();
+            if out.is_empty() {
+                String::from_utf8_lossy(&o.stderr).trim().to_string()
+            } else {
+                out
+            }
+        })
+        .and_then(|s| s.lines().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(", "))
+        .unwrap_or_default()
+}
+
+fn machine(courier: &Path) -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let memory = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| format!("{:.1} GiB", kib as f64 / 1048576.0))
+        .unwrap_or_default();
+    Machine {
+        date: text_of("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+        cpu,
+        cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        memory,
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| format!("Linux {}", s.trim()))
+            .unwrap_or_default(),
+        rustc: text_of("rustc", &["--version"]),
+        courier: text_of(&courier.to_string_lossy(), &["--version"]),
+        redis: text_of("redis-server", &["--version"]),
+        rabbitmq: format!(
+            "rabbitmq-server {}",
+            text_of("dpkg-query", &["-W", "-f", "${Version}", "rabbitmq-server"])
+        ),
+        nats: text_of("nats-server", &["--version"]),
+        celery: "not run".into(),
+        load_before: loadavg(),
+        load_after: String::new(),
+    }
+}
+
+/// The courier binary: the one given, else `cargo build --release` and the
+/// binary next to this one.
+fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
+    if let Some(path) = &options.courier {
+        return Ok(path.clone());
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("building courier (cargo build --release -p courier --bin courier)...");
+    let status = Command::new(cargo)
+        .args(["build", "--release", "-p", "courier", "--bin", "courier"])
+        .current_dir(repo_root())
+        .status()
+        .context("cannot run cargo")?;
+    if !status.success() {
+        bail!("building courier failed");
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("no directory")?;
+    let dir = if dir.ends_with("release") {
+        dir.to_path_buf()
+    } else {
+        dir.parent().unwrap_or(dir).join("release")
+    };
+    Ok(dir.join("courier"))
+}
+
+fn body(bytes: usize) -> Bytes {
+    // ASCII, so the same body travels as a JSON string through Celery.
+    let pattern = b"courier-bench message body 0123456789 abcdefghijklmnopqrstuvwxyz ";
+    Bytes::from(
+        pattern
+            .iter()
+            .cycle()
+            .take(bytes)
+            .copied()
+            .collect::<Vec<u8>>(),
+    )
+}
+
+fn err(e: anyhow::Error) -> String {
+    format!("{e:#}")
+}
+
+async fn all(mut options: Options) -> anyhow::Result<Results> {
+    options.apply_smoke();
+    let kinds: Vec<Kind> = options
+        .sources
+        .iter()
+        .map(|s| Kind::parse(s).with_context(|| format!("unknown source {s:?}")))
+        .collect::<anyhow::Result<_>>()?;
+    let courier = courier_binary(&options)?;
+    if !courier.exists() {
+        bail!("no courier binary at {}", courier.display());
+    }
+    let work_dir = repo_root().join("target/bench");
+    std::fs::create_dir_all(&work_dir)?;
+    let mut machine = machine(&courier);
+    let app = app::App::start().await?;
+    let ctx: Ctx = Arc::new(Bench {
+        app,
+        courier,
+        work_dir,
+        body: body(256),
+        concurrency: options.concurrency,
+        perf: options.perf,
+    });
+    eprintln!("the app listens on {}", ctx.app.url());
+
+    eprintln!(
+        "the limit: {} connections, closed loop, {} s...",
+        options.concurrency, options.limit_secs
+    );
+    ctx.app.reset(false);
+    let limit = load::closed_loop(
+        ctx.app.addr,
+        options.concurrency,
+        Duration::from_secs(1),
+        Duration::from_secs(options.limit_secs),
+        ctx.body.clone(),
+    )
+    .await
+    .map_err(err);
+    if let Ok(c) = &limit {
+        eprintln!("  {:.0} requests/s ({} errors)", c.per_second(), c.errors);
+    }
+
+    eprintln!("direct-request latency at {} msg/s...", options.rate);
+    let direct = runs::direct_latency(&ctx, options.rate, options.latency_secs)
+        .await
+        .map_err(err);
+
+    let mut rows = Vec::new();
+    for kind in kinds {
+        eprintln!("{}: draining {} messages...", kind.name(), options.messages);
+        let drain = runs::drain(&ctx, kind, options.messages).await.map_err(err);
+        match &drain {
+            Ok(d) => eprintln!(
+                "  {:.0} msg/s, peak RSS {} KiB, {:.3} CPU-s per 10k",
+                d.rate(),
+                d.peak_kib,
+                d.cpu_per_10k()
+            ),
+            Err(e) => eprintln!("  not available: {e}"),
+        }
+        eprintln!("{}: latency at {} msg/s...", kind.name(), options.rate);
+        let latency = runs::latency(&ctx, kind, options.rate, options.latency_secs)
+            .await
+            .map_err(err);
+        match &latency {
+            Ok(l) => eprintln!("  p50 {:?}, p99 {:?}, p99.9 {:?}", l.p50, l.p99, l.p999),
+            Err(e) => eprintln!("  not available: {e}"),
+        }
+        rows.push(Row {
+            kind,
+            drain,
+            latency,
+        });
+    }
+
+    let celery = if options.no_celery {
+        None
+    } else {
+        eprintln!(
+            "celery: {} messages through a prefork worker...",
+            options.celery_messages
+        );
+        let run = runs::celery(&ctx, options.celery_messages)
+            .await
+            .map_err(err);
+        match &run {
+            Ok(c) => {
+                machine.celery = c.versions.clone();
+                eprintln!("  {:.0} msg/s", c.rate());
+            }
+            Err(e) => eprintln!("  not available: {e}"),
+        }
+        Some(run)
+    };
+
+    let backlog = if options.no_backlog {
+        None
+    } else {
+        eprintln!("retry backlog of {} entries...", options.backlog);
+        let traffic = (options.messages / 10).clamp(1_000, 10_000);
+        Some(
+            runs::backlog(&ctx, options.backlog, traffic)
+                .await
+                .map_err(err),
+        )
+    };
+
+    machine.load_after = loadavg();
+    Ok(Results {
+        machine,
+        settings: Settings {
+            messages: options.messages,
+            celery_messages: options.celery_messages,
+            body_bytes: ctx.body.len(),
+            concurrency: options.concurrency,
+            rate: options.rate,
+            latency_secs: options.latency_secs,
+            limit_secs: options.limit_secs,
+            backlog: options.backlog,
+            smoke: options.smoke,
+        },
+        limit,
+        direct,
+        rows,
+        celery,
+        backlog,
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("courier-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Cmd::All(options) = cli.command;
+    let out = options
+        .out
+        .clone()
+        .or_else(|| (!options.smoke).then(|| repo_root().join("BENCHMARKS.md")));
+    match runtime.block_on(all(options)) {
+        Ok(results) => {
+            print!("{}", results.table());
+            if let Some(out) = out {
+                if let Err(e) = report::write_markdown(&out, &results.markdown()) {
+                    eprintln!("courier-bench: cannot write {}: {e}", out.display());
+                    return ExitCode::FAILURE;
+                }
+                eprintln!("wrote {}", out.display());
+            }
+            // Background tasks (the app, in-process courier) end with the runtime.
+            runtime.shutdown_timeout(Duration::from_secs(1));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("courier-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! The brokers the benchmark runs courier against: how each is reached,
+//! pre-filled and cleaned up.
+//!
+//! Producers use courier's own [`Source::send`] where it is a plain publish
+//! (AMQP, NATS, Redis at a fixed rate). Bulk pre-fills that would otherwise
+//! dominate the run write the broker directly in the format courier reads:
+//! pipelined `XADD payload <body>` for Redis, and one redb transaction into
+//! the embedded queue's `ready/<queue>` table (see
+//! `src/source/embedded.rs`); the smoke test catches a drift in either.
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use bytes::Bytes;
+use courier::source::{self, Source, SourceOptions, SourceUrl, encode_fields};
+use futures::StreamExt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Redis,
+    Amqp,
+    Nats,
+    Embedded,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 4] = [Kind::Redis, Kind::Amqp, Kind::Nats, Kind::Embedded];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Redis => "redis",
+            Kind::Amqp => "amqp",
+            Kind::Nats => "nats",
+            Kind::Embedded => "embedded",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Kind::Redis => "Redis Streams",
+            Kind::Amqp => "RabbitMQ",
+            Kind::Nats => "NATS JetStream",
+            Kind::Embedded => "embedded",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// One broker, one queue name for one run.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub kind: Kind,
+    pub url: String,
+    pub queue: String,
+}
+
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+impl Target {
+    /// A fresh queue for `purpose` (`drain`, `latency`, ...).
+    pub fn new(kind: Kind, purpose: &str, work_dir: &std::path::Path) -> Self {
+        let queue = format!(
+            "courier-bench-{}-{}-{purpose}",
+            std::process::id(),
+            kind.name()
+        );
+        let url = match kind {
+            Kind::Redis => REDIS_URL.to_string(),
+            Kind::Amqp => AMQP_URL.to_string(),
+            Kind::Nats => NATS_URL.to_string(),
+            Kind::Embedded => format!("embedded:{}", work_dir.join(&queue).display()),
+        };
+        Self { kind, url, queue }
+    }
+
+    pub fn embedded_dir(&self) -> Option<PathBuf> {
+        self.url.strip_prefix("embedded:").map(PathBuf::from)
+    }
+
+    /// Why this broker cannot be used, if it is not listening.
+    pub fn reachable(&self) -> Result<(), String> {
+        let port = match self.kind {
+            Kind::Redis => 6379,
+            Kind::Amqp => 5672,
+            Kind::Nats => 4222,
+            Kind::Embedded => return Ok(()),
+        };
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .map(drop)
+            .map_err(|e| format!("nothing answers on {addr} ({e}); scripts/services starts it"))
+    }
+
+    /// Flags of `courier run` for this target.
+    pub fn run_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--source".into(),
+            self.url.clone(),
+            "--queue".into(),
+            self.queue.clone(),
+            "--consumer".into(),
+            "bench".into(),
+        ];
+        if matches!(self.kind, Kind::Amqp | Kind::Nats) {
+            args.push("--create".into());
+        }
+        args
+    }
+
+    pub fn options(&self) -> SourceOptions {
+        let mut options = SourceOptions::new(&self.queue);
+        options.create = true;
+        options.consumer = "bench-producer".into();
+        options
+    }
+
+    /// courier's own source for this target, used as a producer.
+    pub async fn producer(&self) -> anyhow::Result<Arc<dyn Source>> {
+        let url = SourceUrl::parse(&self.url).map_err(anyhow::Error::msg)?;
+        Ok(source::open(&url, self.options()).await?)
+    }
+
+    /// Writes `n` messages with `body` to the queue.
+    pub async fn prefill(&self, n: u64, body: &Bytes) -> anyhow::Result<()> {
+        match self.kind {
+            Kind::Redis => prefill_redis(&self.queue, n, body).await,
+            Kind::Embedded => {
+                let dir = self
+                    .embedded_dir()
+                    .expect("an embedded target has a directory");
+                let (queue, body) = (self.queue.clone(), body.clone());
+                tokio::task::spawn_blocking(move || prefill_embedded(&dir, &queue, n, &body))
+                    .await?
+            }
+            Kind::Amqp | Kind::Nats => {
+                let producer = self.producer().await?;
+                let results: Vec<_> = futures::stream::iter(0..n)
+                    .map(|_| producer.send(body.clone(), &[]))
+                    .buffer_unordered(256)
+                    .collect()
+                    .await;
+                producer.close().await;
+                for result in results {
+                    result?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes what this run left in the broker.
+    pub async fn cleanup(&self) {
+        let result = match self.kind {
+            Kind::Redis => cleanup_redis(&self.queue).await,
+            Kind::Amqp => cleanup_amqp(&self.queue).await,
+            Kind::Nats => cleanup_nats(&self.queue).await,
+            Kind::Embedded => self
+                .embedded_dir()
+                .map_or(Ok(()), |d| std::fs::remove_dir_all(d).map_err(Into::into)),
+        };
+        if let Err(e) = result {
+            eprintln!(
+                "  (cleanup of {} {} failed: {e:#})",
+                self.kind.name(),
+                self.queue
+            );
+        }
+    }
+}
+
+pub async fn redis() -> anyhow::Result<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(REDIS_URL)?;
+    Ok(client.get_multiplexed_async_connection().await?)
+}
+
+async fn prefill_redis(queue: &str, n: u64, body: &Bytes) -> anyhow::Result<()> {
+    let mut con = redis().await?;
+    let mut left = n;
+    while left > 0 {
+        let batch = left.min(1000);
+        let mut pipe = redis::pipe();
+        for _ in 0..batch {
+            pipe.cmd("XADD")
+                .arg(queue)
+                .arg("*")
+                .arg(source::PAYLOAD)
+                .arg(body.as_ref())
+                .ignore();
+        }
+        pipe.query_async::<()>(&mut con).await?;
+        left -= batch;
+    }
+    Ok(())
+}
+
+async fn cleanup_redis(queue: &str) -> anyhow::Result<()> {
+    let mut con = redis().await?;
+    redis::cmd("UNLINK")
+        .arg(queue)
+        .arg(format!("{queue}.retry"))
+        .arg(format!("{queue}.dlq"))
+        .query_async::<()>(&mut con)
+        .await?;
+    Ok(())
+}
+
+/// The embedded queue's layout (`src/source/embedded.rs`): table
+/// `ready/<queue>` keyed by `(due ms, seq)` holding the encoded fields, and
+/// the sequence counter `seq` in table `meta`.
+fn prefill_embedded(
+    dir: &std::path::Path,
+    queue: &str,
+    n: u64,
+    body: &Bytes,
+) -> anyhow::Result<()> {
+    use redb::ReadableTable;
+    type QueueTable<'a> = redb::TableDefinition<'a, (u64, u64), &'static [u8]>;
+    const META: redb::TableDefinition<'_, &str, u64> = redb::TableDefinition::new("meta");
+    std::fs::create_dir_all(dir)?;
+    let db = redb::Database::create(dir.join("courier.redb"))
+        .with_context(|| format!("cannot open the embedded queue in {}", dir.display()))?;
+    let data = encode_fields(&[(Bytes::from_static(source::PAYLOAD.as_bytes()), body.clone())]);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64;
+    let tx = db.begin_write()?;
+    {
+        let mut meta = tx.open_table(META)?;
+        let first = meta.get("seq")?.map(|v| v.value()).unwrap_or(0);
+        let mut ready = tx.open_table(QueueTable::new(&format!("ready/{queue}")))?;
+        for seq in first + 1..=first + n {
+            ready.insert((now, seq), data.as_slice())?;
+        }
+        meta.insert("seq", first + n)?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+async fn cleanup_amqp(queue: &str) -> anyhow::Result<()> {
+    use lapin::options::QueueDeleteOptions;
+    let connection =
+        lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    for name in [queue.to_string(), format!("{queue}.dlq")] {
+        // A queue that was never declared closes the channel; use a new one each time.
+        let channel = if channel.status().connected() {
+            channel.clone()
+        } else {
+            connection.create_channel().await?
+        };
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = connection.close(200, "bye".into()).await;
+    Ok(())
+}
+
+async fn cleanup_nats(queue: &str) -> anyhow::Result<()> {
+    let client = async_nats::connect(NATS_URL).await?;
+    let js = async_nats::jetstream::new(client);
+    let _ = js.delete_stream(queue).await;
+    let _ = js.delete_stream(format!("{queue}_dlq")).await;
+    Ok(())
+}

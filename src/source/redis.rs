@@ -93,7 +93,13 @@ fn broker_error(e: redis::RedisError) -> SourceError {
 
 impl RedisSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let client = Client::open(url)
+        // Nagle's algorithm with delayed ACKs holds small commands (an XACK,
+        // a blocking read's reply) for up to 40 ms; redis-rs leaves it on.
+        let client = redis::IntoConnectionInfo::into_connection_info(url)
+            .map(|info| {
+                info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
+            })
+            .and_then(Client::open)
             .map_err(|e| SourceError::Invalid(format!("--source {}: {e}", super::redact(url))))?;
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))

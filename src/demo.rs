@@ -12,9 +12,6 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -22,7 +19,7 @@ use crate::config::RunConfig;
 use crate::policy::{Jitter, Policy};
 use crate::sidecar::Sidecar;
 use crate::source::{self, SourceOptions, SourceUrl};
-use crate::telemetry::{DeadLetterLabels, Metrics, QueueLabels};
+use crate::telemetry::{DeadLetterLabels, Metrics, QueueLabels, serve_http};
 
 const QUEUE: &str = "orders";
 
@@ -42,49 +39,36 @@ fn sample_answer(n: usize, attempt: u32) -> (u16, Option<&'static str>, &'static
     }
 }
 
-async fn sample_app(listener: TcpListener, stop: CancellationToken) {
-    loop {
-        let stream = tokio::select! {
-            _ = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) => continue,
-            },
-        };
-        tokio::spawn(async move {
-            let service = service_fn(|req: Request<Incoming>| async move {
-                let attempt: u32 = req
-                    .headers()
-                    .get("courier-attempt")
-                    .and_then(|v| v.to_str().ok()?.parse().ok())
-                    .unwrap_or(1);
-                let body = req
-                    .into_body()
-                    .collect()
-                    .await
-                    .map(|b| b.to_bytes())
-                    .unwrap_or_default();
-                let n: usize = std::str::from_utf8(&body)
-                    .ok()
-                    .and_then(|b| {
-                        b.split('"')
-                            .find_map(|part| part.strip_prefix("order-")?.parse().ok())
-                    })
-                    .unwrap_or(0);
-                let (status, retry_after, text) = sample_answer(n, attempt);
-                let mut response = Response::builder()
-                    .status(status)
-                    .header("content-type", "application/json");
-                if let Some(value) = retry_after {
-                    response = response.header("retry-after", value);
-                }
-                response.body(Full::new(Bytes::from_static(text.as_bytes())))
-            });
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
+/// The sample app's answer to one request.
+async fn sample_request(req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let attempt: u32 = req
+        .headers()
+        .get("courier-attempt")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(1);
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let n: usize = std::str::from_utf8(&body)
+        .ok()
+        .and_then(|b| {
+            b.split('"')
+                .find_map(|part| part.strip_prefix("order-")?.parse().ok())
+        })
+        .unwrap_or(0);
+    let (status, retry_after, text) = sample_answer(n, attempt);
+    let mut response = Response::builder()
+        .status(status)
+        .header("content-type", "application/json");
+    if let Some(value) = retry_after {
+        response = response.header("retry-after", value);
     }
+    response
+        .body(Full::new(Bytes::from_static(text.as_bytes())))
+        .unwrap_or_default()
 }
 
 fn counter_sum(metrics: &Metrics) -> (u64, u64, u64, HashMap<&'static str, u64>) {
@@ -114,7 +98,7 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
     let app_listener = TcpListener::bind("127.0.0.1:0").await?;
     let app_addr = app_listener.local_addr()?;
     let app_stop = CancellationToken::new();
-    let app = tokio::spawn(sample_app(app_listener, app_stop.clone()));
+    let app = tokio::spawn(serve_http(app_listener, app_stop.clone(), sample_request));
 
     let url = SourceUrl::Embedded(dir.path().to_path_buf());
     let producer = source::open(&url, SourceOptions::new(QUEUE)).await?;

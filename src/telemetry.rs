@@ -416,26 +416,44 @@ pub async fn serve(
     health: Arc<Health>,
     shutdown: CancellationToken,
 ) {
+    serve_http(listener, shutdown, move |req| {
+        let response = respond(&req, &metrics, &health);
+        async move { response }
+    })
+    .await;
+}
+
+/// A plain HTTP/1 and HTTP/2 server: every request on `listener` goes to
+/// `handler` until `stop`, which also cuts the connections still open. The
+/// metrics endpoint, the demo's sample app and the tests' apps all use it.
+pub async fn serve_http<H, F>(listener: TcpListener, stop: CancellationToken, handler: H)
+where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
     loop {
-        let (stream, _) = tokio::select! {
-            _ = shutdown.cancelled() => return,
+        let stream = tokio::select! {
+            _ = stop.cancelled() => return,
             accepted = listener.accept() => match accepted {
-                Ok(conn) => conn,
+                Ok((stream, _)) => stream,
                 Err(e) => {
-                    tracing::warn!(error = %e, "accepting a metrics connection failed");
+                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
                     continue;
                 }
             },
         };
-        let (metrics, health) = (metrics.clone(), health.clone());
+        let (handler, stop) = (handler.clone(), stop.clone());
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<Incoming>| {
-                let response = respond(&req, &metrics, &health);
-                async move { Ok::<_, std::convert::Infallible>(response) }
+                let answer = handler(req);
+                async move { Ok::<_, std::convert::Infallible>(answer.await) }
             });
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let builder = auto::Builder::new(TokioExecutor::new());
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                _ = connection => {}
+                _ = stop.cancelled() => {}
+            }
         });
     }
 }

@@ -27,12 +27,10 @@ use bytes::Bytes;
 use common::*;
 use courier::policy::{Jitter, Policy};
 use courier::source::{DeadLetter, Source, SourceUrl};
+use courier::telemetry::serve_http;
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -133,31 +131,10 @@ impl ChaosApp {
             state,
             stop: CancellationToken::new(),
         };
-        let (state, stop) = (app.state.clone(), app.stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok((stream, _)) => stream,
-                        Err(_) => continue,
-                    },
-                };
-                let (state, stop) = (state.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let service = service_fn(move |req: Request<Incoming>| {
-                        let state = state.clone();
-                        async move { Ok::<_, hyper::Error>(answer(state, req).await) }
-                    });
-                    let builder = auto::Builder::new(TokioExecutor::new());
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    tokio::select! {
-                        _ = conn => {}
-                        _ = stop.cancelled() => {}
-                    }
-                });
-            }
-        });
+        let state = app.state.clone();
+        tokio::spawn(serve_http(listener, app.stop.clone(), move |req| {
+            answer(state.clone(), req)
+        }));
         app
     }
 

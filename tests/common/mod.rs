@@ -14,12 +14,9 @@ use courier::config::RunConfig;
 use courier::policy::{Jitter, Policy};
 use courier::sidecar::Sidecar;
 use courier::source::{self, Depth, Source, SourceOptions, SourceUrl};
-use http::{Request, Response};
+use courier::telemetry::serve_http;
+use http::Response;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -85,84 +82,65 @@ impl TestApp {
             received: Arc::default(),
             stop: CancellationToken::new(),
         };
-        let (received, stop) = (app.received.clone(), app.stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok((stream, _)) => stream,
-                        Err(_) => continue,
-                    },
-                };
-                let (received, stop) = (received.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let service = service_fn(move |req: Request<Incoming>| {
-                        let received = received.clone();
-                        async move {
-                            let headers = req
-                                .headers()
-                                .iter()
-                                .map(|(n, v)| {
-                                    (
-                                        n.as_str().to_string(),
-                                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                                    )
-                                })
-                                .collect();
-                            let body = req
-                                .into_body()
-                                .collect()
-                                .await
-                                .map(|b| b.to_bytes())
-                                .unwrap_or_default();
-                            let at = Instant::now();
-                            let seen = {
-                                let mut all = received.lock().unwrap();
-                                let seen =
-                                    all.iter().filter(|r: &&Received| r.body == body).count();
-                                all.push(Received {
-                                    at,
-                                    headers,
-                                    body: body.clone(),
-                                });
-                                seen
-                            };
-                            let script = std::str::from_utf8(&body).ok().and_then(|b| {
-                                b.lines()
-                                    .next()?
-                                    .strip_prefix("script:")
-                                    .map(str::to_string)
-                            });
-                            let (status, retry_after, sleep) = match script {
-                                Some(script) => {
-                                    let steps: Vec<&str> = script.split(',').collect();
-                                    answer(steps[seen.min(steps.len() - 1)])
-                                }
-                                None => (200, None, None),
-                            };
-                            if let Some(ms) = sleep {
-                                tokio::time::sleep(Duration::from_millis(ms)).await;
-                            }
-                            let mut response = Response::builder().status(status);
-                            if let Some(ra) = retry_after {
-                                response = response.header("retry-after", ra);
-                            }
-                            response.body(Full::new(Bytes::from(format!(
-                                "answer {status} to attempt {}",
-                                seen + 1
-                            ))))
-                        }
+        let received = app.received.clone();
+        tokio::spawn(serve_http(listener, app.stop.clone(), move |req| {
+            let received = received.clone();
+            async move {
+                let headers = req
+                    .headers()
+                    .iter()
+                    .map(|(n, v)| {
+                        (
+                            n.as_str().to_string(),
+                            String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                        )
+                    })
+                    .collect();
+                let body = req
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let at = Instant::now();
+                let seen = {
+                    let mut all = received.lock().unwrap();
+                    let seen = all.iter().filter(|r: &&Received| r.body == body).count();
+                    all.push(Received {
+                        at,
+                        headers,
+                        body: body.clone(),
                     });
-                    let builder = auto::Builder::new(TokioExecutor::new());
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    tokio::select! {
-                        _ = conn => {}
-                        _ = stop.cancelled() => {}
-                    }
+                    seen
+                };
+                let script = std::str::from_utf8(&body).ok().and_then(|b| {
+                    b.lines()
+                        .next()?
+                        .strip_prefix("script:")
+                        .map(str::to_string)
                 });
+                let (status, retry_after, sleep) = match script {
+                    Some(script) => {
+                        let steps: Vec<&str> = script.split(',').collect();
+                        answer(steps[seen.min(steps.len() - 1)])
+                    }
+                    None => (200, None, None),
+                };
+                if let Some(ms) = sleep {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                let mut response = Response::builder().status(status);
+                if let Some(ra) = retry_after {
+                    response = response.header("retry-after", ra);
+                }
+                response
+                    .body(Full::new(Bytes::from(format!(
+                        "answer {status} to attempt {}",
+                        seen + 1
+                    ))))
+                    .unwrap()
             }
-        });
+        }));
         app
     }
 

@@ -99,27 +99,7 @@ mod tests {
 
     #[test]
     fn the_design_document_parses_to_the_defaults() {
-        let text = r#"
-apiVersion: courier.dev/v1alpha1
-kind: RetryPolicy
-metadata:
-  name: orders
-spec:
-  maxAttempts: 5
-  timeout: 30s
-  backoff:
-    initial: 1s
-    max: 5m
-    multiplier: 2
-    jitter: full
-  retryAfter:
-    honor: true
-    max: 1h
-  statusCodes:
-    retry: ["408", "429", "5xx"]
-    deadLetter: ["501", "4xx"]
-  deadLetterQueue: ""
-"#;
+        let text = include_str!("../../examples/defaults.yaml");
         let policy = parse(text).unwrap();
         assert_eq!(
             policy,

@@ -119,28 +119,11 @@ async fn a_huge_answer_is_cut_to_the_excerpt(fixture: Fixture) {
     );
 }
 
-macro_rules! bad_input_tests {
-    ($source:ident, $fixture:expr) => {
-        mod $source {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn an_idempotency_key_http_cannot_carry_is_undeliverable() {
-                super::an_idempotency_key_http_cannot_carry_is_undeliverable($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn an_unreadable_retry_after_is_ignored_and_counted() {
-                super::an_unreadable_retry_after_is_ignored_and_counted($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_huge_answer_is_cut_to_the_excerpt() {
-                super::a_huge_answer_is_cut_to_the_excerpt($fixture).await;
-            }
-        }
-    };
-}
-
-bad_input_tests!(redis, Fixture::redis());
-bad_input_tests!(embedded, Fixture::embedded());
+crate::per_source!(
+    [redis => Fixture::redis(), embedded => Fixture::embedded()],
+    [
+        an_idempotency_key_http_cannot_carry_is_undeliverable,
+        an_unreadable_retry_after_is_ignored_and_counted,
+        a_huge_answer_is_cut_to_the_excerpt,
+    ]
+);

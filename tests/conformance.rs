@@ -1,6 +1,6 @@
 //! The conformance suite: every source runs the same scenarios against a real
 //! broker and a real HTTP app on loopback. A new source is one line in the
-//! `conformance!` invocations at the bottom.
+//! `per_source!` list at the bottom.
 
 mod common;
 
@@ -413,63 +413,25 @@ pub async fn policy_file_reload(fixture: Fixture) {
     }
 }
 
-macro_rules! conformance {
-    ($source:ident, $fixture:expr) => {
-        mod $source {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn classification_table() {
-                super::classification_table($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn retry_after_is_honored() {
-                super::retry_after_is_honored($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn headers_and_idempotency() {
-                super::headers_and_idempotency($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn attempts_exhausted() {
-                super::attempts_exhausted($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn permanent_status() {
-                super::permanent_status($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn acked_exactly_once() {
-                super::acked_exactly_once($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn bodies_are_bytes() {
-                super::bodies_are_bytes($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn unreachable_app_uses_no_attempts() {
-                super::unreachable_app_uses_no_attempts($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn policy_file_reload() {
-                super::policy_file_reload($fixture).await;
-            }
-        }
-    };
-}
-
-conformance!(redis, Fixture::redis());
-conformance!(embedded, Fixture::embedded());
-conformance!(amqp, Fixture::amqp());
-conformance!(nats, Fixture::nats());
+crate::per_source!(
+    [
+        redis => Fixture::redis(),
+        embedded => Fixture::embedded(),
+        amqp => Fixture::amqp(),
+        nats => Fixture::nats(),
+    ],
+    [
+        classification_table,
+        retry_after_is_honored,
+        headers_and_idempotency,
+        attempts_exhausted,
+        permanent_status,
+        acked_exactly_once,
+        bodies_are_bytes,
+        unreachable_app_uses_no_attempts,
+        policy_file_reload,
+    ]
+);
 
 /// Redis-only: an entry a producer wrote without a `payload` field is
 /// dead-lettered as undeliverable, not dropped and not retried forever.

@@ -9,6 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 
+/// Sends one message, then the same message again (a retried publish), and
+/// returns how often the app saw it and the final scrape.
 async fn duplicates_reaching_the_app(
     fixture: Fixture,
     window: Option<Duration>,
@@ -28,12 +30,32 @@ async fn duplicates_reaching_the_app(
     // The producer sends the same message again (a retried publish).
     source.send(Bytes::from("charge 7"), &key).await.unwrap();
     wait_settled(&source, Duration::from_secs(10)).await;
-    let metrics = scrape(running.metrics_addr).await;
+    // Counters move just after the broker confirms the ack.
+    let acks = format!("courier_acks_total{{queue=\"{}\"}} 2", fixture.queue);
+    let mut metrics = String::new();
+    wait_for("both acks counted", Duration::from_secs(5), async || {
+        metrics = scrape(running.metrics_addr).await;
+        metrics.contains(&acks)
+    })
+    .await;
     running.stop().await;
     (app.received_body(b"charge 7").len(), metrics)
 }
 
-async fn window_expires(fixture: Fixture) {
+async fn a_duplicate_within_the_window_does_not_reach_the_app(fixture: Fixture) {
+    let queue = fixture.queue.clone();
+    let (seen, metrics) = duplicates_reaching_the_app(fixture, Some(Duration::from_secs(30))).await;
+    assert_eq!(seen, 1);
+    let hits = format!("courier_dedup_hits_total{{queue=\"{queue}\"}} 1");
+    assert!(metrics.contains(&hits), "{hits} in\n{metrics}");
+}
+
+async fn without_a_window_duplicates_are_delivered(fixture: Fixture) {
+    let (seen, _) = duplicates_reaching_the_app(fixture, None).await;
+    assert_eq!(seen, 2);
+}
+
+async fn the_window_expires(fixture: Fixture) {
     let app = TestApp::start().await;
     let source = fixture.open().await;
     let key = [("idempotency-key".to_string(), "charge-8".to_string())];
@@ -53,41 +75,11 @@ async fn window_expires(fixture: Fixture) {
     );
 }
 
-macro_rules! dedup_suite {
-    ($source:ident, $fixture:expr) => {
-        mod $source {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_duplicate_within_the_window_does_not_reach_the_app() {
-                let (seen, metrics) =
-                    duplicates_reaching_the_app($fixture, Some(Duration::from_secs(30))).await;
-                assert_eq!(seen, 1);
-                assert!(
-                    metrics.contains("courier_dedup_hits_total{queue="),
-                    "{metrics}"
-                );
-                assert!(
-                    metrics
-                        .lines()
-                        .any(|l| l.starts_with("courier_dedup_hits_total") && l.ends_with(" 1")),
-                    "{metrics}"
-                );
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn without_a_window_duplicates_are_delivered() {
-                let (seen, _) = duplicates_reaching_the_app($fixture, None).await;
-                assert_eq!(seen, 2);
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn the_window_expires() {
-                window_expires($fixture).await;
-            }
-        }
-    };
-}
-
-dedup_suite!(redis, Fixture::redis());
-dedup_suite!(embedded, Fixture::embedded());
+crate::per_source!(
+    [redis => Fixture::redis(), embedded => Fixture::embedded()],
+    [
+        a_duplicate_within_the_window_does_not_reach_the_app,
+        without_a_window_duplicates_are_delivered,
+        the_window_expires,
+    ]
+);

@@ -342,21 +342,7 @@ pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
     }
 }
 
-macro_rules! dlq_suite {
-    ($source:ident, $fixture:expr) => {
-        mod $source {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn list_show_replay_purge() {
-                super::list_show_replay_purge($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn replay_killed_halfway_loses_nothing() {
-                super::replay_killed_halfway_loses_nothing($fixture).await;
-            }
-        }
-    };
-}
-
-dlq_suite!(redis, super::Fixture::redis());
-dlq_suite!(embedded, super::Fixture::embedded());
+crate::per_source!(
+    [redis => Fixture::redis(), embedded => Fixture::embedded()],
+    [list_show_replay_purge, replay_killed_halfway_loses_nothing]
+);

@@ -549,31 +549,14 @@ async fn redis_restart_hands_out_each_unsettled_entry_once() {
 
 // === The matrix ===
 
-macro_rules! process_tests {
-    ($source:ident, $fixture:expr) => {
-        mod $source {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn scheduled_retry_survives_restart() {
-                super::scheduled_retry_survives_restart($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sigterm_drains_in_flight() {
-                super::sigterm_drains_in_flight($fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn drain_timeout_cuts_off_and_redelivers() {
-                super::drain_timeout_cuts_off_and_redelivers($fixture).await;
-            }
-        }
-    };
-}
-
-process_tests!(redis, Fixture::redis());
-process_tests!(embedded, Fixture::embedded());
+crate::per_source!(
+    [redis => Fixture::redis(), embedded => Fixture::embedded()],
+    [
+        scheduled_retry_survives_restart,
+        sigterm_drains_in_flight,
+        drain_timeout_cuts_off_and_redelivers,
+    ]
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_crash_restart_same_consumer() {

@@ -677,3 +677,27 @@ impl Drop for CourierProcess {
         }
     }
 }
+
+/// One `#[tokio::test]` per source and scenario, in a module per source:
+/// a new source is one more `name => fixture` pair, a new scenario one more
+/// name. Each scenario is an `async fn(Fixture)` of the calling file.
+///
+/// `crate::per_source!([redis => Fixture::redis(), embedded => Fixture::embedded()], [scenario_a, scenario_b]);`
+#[macro_export]
+macro_rules! per_source {
+    ([$($source:ident => $fixture:expr),+ $(,)?], $scenarios:tt) => {
+        $( $crate::per_source!(@source $source, $fixture, $scenarios); )+
+    };
+    (@source $source:ident, $fixture:expr, [$($scenario:ident),+ $(,)?]) => {
+        mod $source {
+            use super::*;
+
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario($fixture).await;
+                }
+            )+
+        }
+    };
+}

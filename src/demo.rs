@@ -24,7 +24,10 @@ use crate::telemetry::{DeadLetterLabels, Metrics, QueueLabels, serve_http};
 const QUEUE: &str = "orders";
 
 /// How the sample app treats order `n`: mostly 200; some 503 twice then
-/// 200; some 429 with `Retry-After: 1` once; some 400; a few always 503.
+/// 200; a burst of 429 with `Retry-After: 1` among the first orders; some
+/// 400; a few always 503. The 429s stay in one early burst: courier holds
+/// every delivery for the Retry-After, so a 429 spread through the whole run
+/// would make the demo mostly a wait.
 fn sample_answer(n: usize, attempt: u32) -> (u16, Option<&'static str>, &'static str) {
     match n % 20 {
         0 => (
@@ -32,7 +35,7 @@ fn sample_answer(n: usize, attempt: u32) -> (u16, Option<&'static str>, &'static
             None,
             r#"{"error":"invalid order: quantity must be positive"}"#,
         ),
-        1 | 2 if attempt == 1 => (429, Some("1"), r#"{"error":"slow down"}"#),
+        1 | 2 if attempt == 1 && n < 40 => (429, Some("1"), r#"{"error":"slow down"}"#),
         3..=5 if attempt <= 2 => (503, None, r#"{"error":"database is restarting"}"#),
         7 if n % 40 == 7 => (503, None, r#"{"error":"payment provider down"}"#),
         _ => (200, None, r#"{"ok":true}"#),
@@ -144,7 +147,7 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         "courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/"
     );
     println!(
-        "the app answers mostly 200, some 503 then 200, some 429 with Retry-After: 1, some 400, a few always 503\n"
+        "the app answers mostly 200, some 503 then 200, an early burst of 429 with Retry-After: 1, some 400, a few always 503\n"
     );
     let sidecar = Sidecar::new(config);
     let metrics = sidecar.metrics.clone();

@@ -533,3 +533,25 @@ fn help_names_the_environment_variables() {
         }
     }
 }
+
+/// The README's first command: the whole loop on the embedded queue ends,
+/// with every message acked or dead-lettered and a dead letter shown.
+#[test]
+fn the_demo_runs_the_whole_loop() {
+    let out = courier(&["demo", "--messages", "60"], &[], None);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", out.stderr);
+    let count = |label: &str| -> u64 {
+        stdout
+            .lines()
+            .find_map(|line| line.trim().strip_prefix(label)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {label:?} line in:\n{stdout}"))
+    };
+    assert_eq!(count("sent"), 60);
+    // Orders 0, 20 and 40 are refused with 400; 7 and 47 always get 503 and
+    // use up the demo policy's 4 attempts; everything else ends acked.
+    assert_eq!(count("dead-lettered"), 5, "{stdout}");
+    assert_eq!(count("acked"), 55, "{stdout}");
+    assert!(count("retries") > 0, "{stdout}");
+    assert!(stdout.contains("courier-reason: permanent-status"), "{stdout}");
+}

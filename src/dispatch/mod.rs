@@ -1,4 +1,4 @@
-//! The delivery loop: pull as many messages as there are free slots, offer
+//! The delivery loop: read up to one round of the concurrency limit, offer
 //! each to the app, settle it from the policy's verdict; on shutdown stop
 //! pulling and let what is in flight finish, up to the drain timeout.
 //!
@@ -9,6 +9,7 @@
 pub mod gate;
 pub mod limit;
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
@@ -27,6 +28,10 @@ use limit::{Limiter, Signal};
 
 /// At most this many messages are asked for in one read.
 const MAX_BATCH: usize = 256;
+/// A message read ahead waits at most this long for a free slot before it
+/// goes back to the broker: a read-ahead helps a fast app, and must not hold
+/// messages the broker could hand to another replica while a slow one works.
+const READ_AHEAD_WAIT: Duration = Duration::from_secs(2);
 /// How often the app is probed for `courier_app_up`.
 const APP_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -58,6 +63,28 @@ pub struct DrainReport {
     /// Deliveries cut off at the drain deadline; left unsettled, so the broker
     /// hands them out again.
     pub abandoned: usize,
+}
+
+/// Messages read and not yet handed to a delivery task.
+struct ReadAhead {
+    deliveries: VecDeque<Delivery>,
+    read_at: Instant,
+}
+
+impl Default for ReadAhead {
+    fn default() -> Self {
+        Self {
+            deliveries: VecDeque::new(),
+            read_at: Instant::now(),
+        }
+    }
+}
+
+impl ReadAhead {
+    fn fill(&mut self, deliveries: Vec<Delivery>) {
+        self.deliveries.extend(deliveries);
+        self.read_at = Instant::now();
+    }
 }
 
 /// Shared by the loop and its delivery tasks.
@@ -98,18 +125,21 @@ impl Dispatcher {
             }
         });
         let mut tasks = JoinSet::new();
+        let mut ahead = ReadAhead::default();
         let mut failures = 0u32;
         let mut probes = 0u32;
         while !shutdown.is_cancelled() {
             while tasks.try_join_next().is_some() {}
             let hold = *shared.hold_until.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(until) = hold.filter(|t| *t > Instant::now()) {
+                shared.give_back(&mut ahead, until).await;
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep_until(until) => {}
                 }
             }
             if shared.gate.is_closed() {
+                shared.give_back(&mut ahead, Instant::now()).await;
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(gate::probe_delay(probes)) => {}
@@ -119,48 +149,64 @@ impl Dispatcher {
                 continue;
             }
             probes = 0;
-            let first = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                slot = limiter.acquire() => slot,
-            };
-            let mut slots = vec![first];
-            while slots.len() < MAX_BATCH {
-                match limiter.try_acquire() {
-                    Some(slot) => slots.push(slot),
-                    None => break,
-                }
-            }
-            // Not raced against shutdown: a read the broker already answered
-            // must reach a delivery task, and a read blocks about a second.
-            let source = shared.dispatcher.source.clone();
-            let deliveries = match source.receive(slots.len()).await {
-                Ok(deliveries) => {
-                    failures = 0;
-                    deliveries
-                }
-                Err(e) => {
-                    failures += 1;
-                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)))
-                        .min(Duration::from_secs(5));
-                    tracing::warn!(error = %e, retry_in = ?wait, queue = %shared.dispatcher.queue, "reading from the broker failed");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(wait) => {}
+            let first = if ahead.deliveries.is_empty() {
+                let first = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    slot = limiter.acquire() => slot,
+                };
+                // One round of the current limit is read at once, not just
+                // the free slots: a read costs a round trip and a wake-up
+                // whatever its size, and slots come free one by one.
+                let want = limiter.limit().clamp(1, MAX_BATCH);
+                // Not raced against shutdown: a read the broker already
+                // answered must reach a delivery task (or go back), and a
+                // read blocks about a second.
+                let source = shared.dispatcher.source.clone();
+                match source.receive(want).await {
+                    Ok(deliveries) => {
+                        failures = 0;
+                        ahead.fill(deliveries);
                     }
-                    continue;
+                    Err(e) => {
+                        failures += 1;
+                        let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)))
+                            .min(Duration::from_secs(5));
+                        tracing::warn!(error = %e, retry_in = ?wait, queue = %shared.dispatcher.queue, "reading from the broker failed");
+                        drop(first);
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(wait) => {}
+                        }
+                        continue;
+                    }
+                }
+                first
+            } else {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    slot = limiter.acquire() => slot,
+                    _ = tokio::time::sleep_until(ahead.read_at + READ_AHEAD_WAIT) => {
+                        shared.give_back(&mut ahead, Instant::now()).await;
+                        continue;
+                    }
                 }
             };
-            for delivery in deliveries {
-                let Some(slot) = slots.pop() else { break };
+            let mut slot = Some(first);
+            while let Some(delivery) = ahead.deliveries.pop_front() {
+                let Some(taken) = slot.take().or_else(|| limiter.try_acquire()) else {
+                    ahead.deliveries.push_front(delivery);
+                    break;
+                };
                 let shared = shared.clone();
                 tasks.spawn(async move {
                     if !shared.defer_if_held(&delivery).await {
                         shared.deliver(delivery).await;
                     }
-                    drop(slot);
+                    drop(taken);
                 });
             }
         }
+        shared.give_back(&mut ahead, Instant::now()).await;
         while tasks.try_join_next().is_some() {}
         let in_flight = tasks.len();
         let dispatcher = &shared.dispatcher;
@@ -202,6 +248,27 @@ impl Shared {
         let Some(until) = hold.filter(|t| *t > Instant::now()) else {
             return false;
         };
+        self.defer(delivery, until).await;
+        true
+    }
+
+    /// Messages read ahead go back to the broker, due at `until`, with no
+    /// attempt used: the app is held, down or slow, or courier is stopping,
+    /// and another replica (or this one later) should have them.
+    async fn give_back(&self, ahead: &mut ReadAhead, until: Instant) {
+        if ahead.deliveries.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            count = ahead.deliveries.len(),
+            "returning messages read ahead to the broker"
+        );
+        for delivery in ahead.deliveries.drain(..) {
+            self.defer(&delivery, until).await;
+        }
+    }
+
+    async fn defer(&self, delivery: &Delivery, until: Instant) {
         let d = &self.dispatcher;
         let due = SystemTime::now() + until.saturating_duration_since(Instant::now());
         let first_attempt_at = delivery.first_attempt_at.unwrap_or_else(SystemTime::now);
@@ -211,13 +278,12 @@ impl Shared {
             .retry(delivery, delivery.attempt, first_attempt_at, due)
             .await
         {
-            Ok(()) => tracing::debug!(id, "the app asked to wait (Retry-After); deferred"),
+            Ok(()) => tracing::debug!(id, "deferred: back to the broker, due again later"),
             Err(e) => {
                 self.m.settle_errors.inc();
                 tracing::error!(id, error = %e, "deferring failed; the broker will hand the message out again");
             }
         }
-        true
     }
 
     fn show_limit(&self) {

@@ -39,6 +39,11 @@ pub struct Cli {
     /// Log level or filter (RUST_LOG syntax); RUST_LOG wins when set.
     #[arg(long, env = "COURIER_LOG_LEVEL", default_value = "info", global = true)]
     pub log_level: String,
+    /// Threads that move messages. 1 keeps courier on one core, next to
+    /// the app it serves, and spends the least CPU per message; 0 uses one
+    /// per core, for an app faster than one core of courier can feed.
+    #[arg(long, env = "COURIER_THREADS", default_value_t = 1, global = true)]
+    pub threads: usize,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -553,5 +553,8 @@ fn the_demo_runs_the_whole_loop() {
     assert_eq!(count("dead-lettered"), 5, "{stdout}");
     assert_eq!(count("acked"), 55, "{stdout}");
     assert!(count("retries") > 0, "{stdout}");
-    assert!(stdout.contains("courier-reason: permanent-status"), "{stdout}");
+    assert!(
+        stdout.contains("courier-reason: permanent-status"),
+        "{stdout}"
+    );
 }

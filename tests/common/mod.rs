@@ -192,6 +192,16 @@ impl Fixture {
         }
     }
 
+    /// Redis at `url` (a private server), with the queue named `queue`.
+    pub fn redis_at(url: &str, queue: &str) -> Self {
+        Self {
+            url: SourceUrl::parse(url).unwrap(),
+            queue: queue.into(),
+            _dir: None,
+            _cleanup: None,
+        }
+    }
+
     /// RabbitMQ; `open` declares the queue (as `--create` would).
     pub fn amqp() -> Self {
         Self::broker(AMQP_URL)

@@ -343,6 +343,11 @@ pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
 }
 
 crate::per_source!(
-    [redis => Fixture::redis(), embedded => Fixture::embedded()],
+    [
+        redis => Fixture::redis(),
+        embedded => Fixture::embedded(),
+        amqp => Fixture::amqp(),
+        nats => Fixture::nats(),
+    ],
     [list_show_replay_purge, replay_killed_halfway_loses_nothing]
 );

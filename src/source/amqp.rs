@@ -5,7 +5,8 @@
 //!   creates it, durable and without arguments, when `--create` is given.
 //! - One connection with three channels: a consumer channel (manual acks,
 //!   prefetch = `--concurrency`), a publisher channel in confirm mode, and an
-//!   admin channel for declares. Consuming starts on the first `receive`, so
+//!   admin channel for declares. Frames are at most 16 KiB (lapin's buffers
+//!   are 64 frames). Consuming starts on the first `receive`, so
 //!   `courier send` and `courier dlq` never take messages.
 //! - An ack is one `basic.ack` frame without a broker reply, written as soon
 //!   as the app answered: acks from concurrent deliveries are pipelined by
@@ -71,6 +72,13 @@ use crate::duration;
 const WAIT: Duration = Duration::from_secs(1);
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest frame courier proposes (RabbitMQ's default is 128 KiB). lapin
+/// keeps a read and a write ring buffer of 32 frames per connection, and
+/// when RabbitMQ tunes 128 KiB it grows both to 4 MiB by zero-filling them:
+/// 8 MiB resident from the start, a third of courier's memory. At 16 KiB
+/// they are 1 MiB at most. A bigger body is split into more frames, 8 bytes
+/// of overhead each. `?frame_max=` in `--source` overrides it.
+const FRAME_MAX: u32 = 16 * 1024;
 /// Header with the time a retry is due, for delays beyond the longest tier.
 const F_RETRY_AT: &str = "courier-retry-at";
 const CONTENT_TYPE: &str = "content-type";
@@ -608,6 +616,7 @@ impl AmqpSource {
         // two heartbeats.
         uri.query.heartbeat.get_or_insert(10);
         uri.query.connection_timeout.get_or_insert(5_000);
+        uri.query.frame_max.get_or_insert(FRAME_MAX);
         short(&options.queue)?;
         let key = format!(
             "{}:{}/{}/{}",

@@ -7,11 +7,16 @@
 //!   (longer than the policy timeout) and no `MaxDeliver` or
 //!   `MaxAckPending` limit: courier, not the server, decides when a message
 //!   is done.
-//! - A read asks for what is there (`no_wait`); when nothing is, it waits up
-//!   to a second for one message. A pull request never outlives `receive`,
-//!   so no message is delivered to a reader that stopped listening.
-//! - Acks are `+ACK` publishes to the reply subject; concurrent acks are
-//!   written together and flushed once.
+//! - A read is one pull request for up to the free slots, with `no_wait`
+//!   and an expiry of a second: the server holds it until a message is
+//!   there, delivers what the stream has, and ends it at once. Its answers
+//!   come to one subscription the source keeps (each request on a reply
+//!   subject of its own), so a read costs one publish, and a message sent
+//!   to a request the reader stopped waiting for is handed out by the next
+//!   read rather than lost until `AckWait`.
+//! - Acks are `+ACK` publishes to the reply subject, queued to the
+//!   connection's writer, which writes concurrent ones together; `close`
+//!   flushes it.
 //! - Deliveries still in flight get `+WPI` (in progress) every third of
 //!   `AckWait`, so a policy timeout raised at run time does not make the
 //!   server hand them out twice.
@@ -47,7 +52,7 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::connection::State;
 use async_nats::jetstream::ErrorCode;
-use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::pull::{BatchConfig, Config as PullConfig};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::context::Context;
 use async_nats::jetstream::context::{
@@ -60,14 +65,18 @@ use async_nats::jetstream::stream::{
     DeleteMessageErrorKind, RawMessageError, RawMessageErrorKind, RetentionPolicy, StorageType,
 };
 use async_nats::jetstream::{self, Message};
-use async_nats::{Client, ConnectErrorKind, ConnectOptions, HeaderMap, HeaderName, HeaderValue};
+use async_nats::{
+    Client, ConnectErrorKind, ConnectOptions, HeaderMap, HeaderName, HeaderValue, StatusCode,
+    Subscriber,
+};
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
+use tokio::time::Instant;
 
 use super::{
-    Batcher, DeadLetter, Delivery, Depth, F_FIRST_ATTEMPT_AT, Failure, PAYLOAD, Source,
-    SourceError, SourceOptions, parse_time, rfc3339,
+    DeadLetter, Delivery, Depth, F_FIRST_ATTEMPT_AT, Failure, PAYLOAD, Source, SourceError,
+    SourceOptions, parse_time, rfc3339,
 };
 
 /// How long one `receive` waits for a first message.
@@ -167,15 +176,19 @@ fn to_headers(fields: &[(Bytes, Bytes)]) -> (Bytes, HeaderMap) {
     (body, headers)
 }
 
+fn text(name: &HeaderName) -> &str {
+    name.as_ref()
+}
+
 fn from_headers(payload: &Bytes, headers: Option<&HeaderMap>) -> Vec<(Bytes, Bytes)> {
     let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), payload.clone())];
     if let Some(headers) = headers {
         let mut named: Vec<_> = headers.iter().collect();
-        named.sort_by_key(|(name, _)| name.to_string());
+        named.sort_by(|(a, _), (b, _)| text(a).cmp(text(b)));
         for (name, values) in named {
             for value in values {
                 fields.push((
-                    Bytes::from(name.to_string()),
+                    Bytes::copy_from_slice(text(name).as_bytes()),
                     Bytes::copy_from_slice(value.as_str().as_bytes()),
                 ));
             }
@@ -280,6 +293,111 @@ fn held_counter(key: &str) -> Arc<AtomicI64> {
         .clone()
 }
 
+// === Pull requests ===
+
+/// One subscription, for the life of the source, that receives the answers
+/// to all its pull requests; each request has a reply subject of its own
+/// under it. async-nats' `fetch` and `batch` subscribe and unsubscribe for
+/// every request, which costs two more protocol round trips per read, and
+/// a message the server sent to a request the reader stopped waiting for
+/// was lost with the dropped subscription (and counted as an attempt when
+/// AckWait handed it out again). Here it waits for the next read.
+struct Puller {
+    subscriber: Subscriber,
+    inbox: String,
+    requests: u64,
+}
+
+impl Puller {
+    /// Up to `max` messages: what earlier requests left, else one request
+    /// that the server holds until a message arrives (at most `wait`) and
+    /// ends as soon as it has delivered what the stream had (`no_wait` with
+    /// `expires`). So a read is one publish and one answer, a message is
+    /// handed out as soon as it is stored, and the request is over when the
+    /// read returns (unless it gave up waiting for an answer).
+    async fn pull(
+        &mut self,
+        consumer: &PullConsumer,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<async_nats::Message>, SourceError> {
+        let mut got = Vec::new();
+        while got.len() < max {
+            match self.subscriber.next().now_or_never() {
+                Some(Some(message)) if is_delivery(&message) => got.push(message),
+                Some(Some(_)) => {}
+                Some(None) => return Err(unavailable("the pull subscription ended")),
+                None => break,
+            }
+        }
+        if !got.is_empty() {
+            return Ok(got);
+        }
+        self.requests += 1;
+        let reply = format!("{}.{}", self.inbox, self.requests);
+        let request = BatchConfig {
+            batch: max,
+            expires: Some(wait),
+            no_wait: true,
+            ..Default::default()
+        };
+        let sent = Instant::now();
+        consumer
+            .request_batch(request, reply.clone().into())
+            .await
+            .map_err(unavailable)?;
+        // A request whose answer was lost with the connection must not hold
+        // the reader forever.
+        let deadline = sent + wait + Duration::from_secs(5);
+        while got.len() < max {
+            let message = match tokio::time::timeout_at(deadline, self.subscriber.next()).await {
+                Ok(Some(message)) => message,
+                Ok(None) => return Err(unavailable("the pull subscription ended")),
+                Err(_) if got.is_empty() => {
+                    return Err(unavailable("no answer to a pull request"));
+                }
+                Err(_) => break,
+            };
+            if is_delivery(&message) {
+                got.push(message);
+                continue;
+            }
+            // Status messages come on the request's own reply subject; one
+            // on another is the end of an earlier request.
+            if message.subject.as_str() != reply {
+                continue;
+            }
+            match message.status {
+                Some(StatusCode::IDLE_HEARTBEAT) => continue,
+                Some(StatusCode::TIMEOUT | StatusCode::NOT_FOUND) => {
+                    // An empty end before the wait is over means other
+                    // readers' requests are waiting for the messages there
+                    // are ("Requests Pending"): pause, or the dispatcher's
+                    // next read would ask again at once, and again.
+                    if got.is_empty() && sent.elapsed() < wait / 2 {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    break;
+                }
+                status if got.is_empty() => {
+                    return Err(SourceError::Broker(format!(
+                        "JetStream refused a pull request: {} {}",
+                        status.map(|s| s.as_u16()).unwrap_or_default(),
+                        message.description.unwrap_or_default()
+                    )));
+                }
+                _ => break,
+            }
+        }
+        Ok(got)
+    }
+}
+
+/// A message from the stream, not a status about a pull request.
+fn is_delivery(message: &async_nats::Message) -> bool {
+    matches!(message.status, None | Some(StatusCode::OK))
+}
+
 // === The source ===
 
 pub struct NatsSource {
@@ -289,14 +407,16 @@ pub struct NatsSource {
     /// Where `send` publishes: the stream's first subject without wildcards.
     send_subject: Option<String>,
     replicas: usize,
-    consumer: tokio::sync::Mutex<Option<PullConsumer>>,
+    /// Shared, not cloned per read: its cached info is a deep structure.
+    consumer: tokio::sync::Mutex<Option<Arc<PullConsumer>>>,
     /// Receipts (reply subjects) in flight, with their stream sequence.
     in_flight: Arc<Mutex<HashMap<String, u64>>>,
     /// When messages this source retried with `Nak` were first offered, by
     /// stream sequence: a `Nak` cannot carry `courier-first-attempt-at`.
     first_attempts: Mutex<HashMap<u64, SystemTime>>,
     held: Arc<AtomicI64>,
-    acks: Batcher<String>,
+    /// Created on the first read.
+    puller: tokio::sync::Mutex<Option<Puller>>,
     dead_letter_streams: Mutex<Vec<String>>,
     progress: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -369,21 +489,6 @@ impl NatsSource {
             .iter()
             .find(|s| !s.split('.').any(|t| t == "*" || t == ">"))
             .cloned();
-        let acks = {
-            let client = client.clone();
-            Batcher::spawn(512, move |receipts: Vec<String>| {
-                let client = client.clone();
-                async move {
-                    for receipt in receipts {
-                        client
-                            .publish(receipt, AckKind::Ack.into())
-                            .await
-                            .map_err(unavailable)?;
-                    }
-                    client.flush().await.map_err(unavailable)
-                }
-            })
-        };
         let held = held_counter(&format!("{}/{}/{}", redacted, options.queue, options.group));
         Ok(Self {
             client,
@@ -394,7 +499,7 @@ impl NatsSource {
             in_flight: Arc::default(),
             first_attempts: Mutex::new(HashMap::new()),
             held,
-            acks,
+            puller: tokio::sync::Mutex::new(None),
             dead_letter_streams: Mutex::new(Vec::new()),
             progress: Mutex::new(None),
             options,
@@ -403,7 +508,7 @@ impl NatsSource {
 
     /// The durable consumer, created when missing; starts the in-progress
     /// ticker for its `AckWait`.
-    async fn consumer(&self) -> Result<PullConsumer, SourceError> {
+    async fn consumer(&self) -> Result<Arc<PullConsumer>, SourceError> {
         let mut slot = self.consumer.lock().await;
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
@@ -445,6 +550,7 @@ impl NatsSource {
         }
         let ack_wait = info.config.ack_wait;
         self.start_progress(ack_wait);
+        let consumer = Arc::new(consumer);
         *slot = Some(consumer.clone());
         Ok(consumer)
     }
@@ -665,39 +771,40 @@ fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
 impl Source for NatsSource {
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let consumer = self.consumer().await?;
-        let max = max.max(1);
-        // A pull whose answer was lost with the connection must not hold
-        // the reader forever.
-        let pull = async {
-            let mut got = Vec::new();
-            let mut ready = consumer
-                .fetch()
-                .max_messages(max)
-                .messages()
-                .await
-                .map_err(unavailable)?;
-            while let Some(m) = ready.next().await {
-                got.push(m.map_err(unavailable)?);
-            }
-            if got.is_empty() {
-                let mut one = consumer
-                    .batch()
-                    .max_messages(1)
-                    .expires(WAIT)
-                    .messages()
+        let got = {
+            let mut puller = self.puller.lock().await;
+            if puller.is_none() {
+                let inbox = self.client.new_inbox();
+                let subscriber = self
+                    .client
+                    .subscribe(format!("{inbox}.*"))
                     .await
                     .map_err(unavailable)?;
-                while let Some(m) = one.next().await {
-                    got.push(m.map_err(unavailable)?);
-                }
+                *puller = Some(Puller {
+                    subscriber,
+                    inbox,
+                    requests: 0,
+                });
             }
-            Ok::<_, SourceError>(got)
+            // A consumer someone else created may cap what one request asks.
+            let limits = &consumer.cached_info().config;
+            let mut max = max.max(1);
+            if limits.max_batch > 0 {
+                max = max.min(limits.max_batch as usize);
+            }
+            let mut wait = WAIT;
+            if !limits.max_expires.is_zero() {
+                wait = wait.min(limits.max_expires);
+            }
+            let puller = puller.as_mut().expect("created above");
+            puller.pull(&consumer, max, wait).await?
         };
-        let got = tokio::time::timeout(WAIT + Duration::from_secs(5), pull)
-            .await
-            .map_err(|_| unavailable("no answer to a pull request"))??;
         let mut out = Vec::with_capacity(got.len());
         for message in got {
+            let message = Message {
+                message,
+                context: self.js.clone(),
+            };
             if let Some(d) = self.admit(message).await? {
                 out.push(d);
             }
@@ -706,7 +813,14 @@ impl Source for NatsSource {
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        let result = self.acks.submit(delivery.receipt.clone()).await;
+        // Queued to the connection's writer, which writes what concurrent
+        // deliveries queued together; `close` flushes it. An ack lost with
+        // the connection only means a redelivery.
+        let result = self
+            .client
+            .publish(delivery.receipt.clone(), AckKind::Ack.into())
+            .await
+            .map_err(unavailable);
         self.settled(&delivery.receipt, true);
         result
     }

@@ -347,8 +347,8 @@ impl Results {
         let _ = writeln!(md, "| Celery peer | {} |\n", m.celery);
         let _ = writeln!(
             md,
-            "Settings: {} messages of {} bytes per source; courier `--concurrency {}` and the same number of \
-             connections for the limit; limit measured for {} s after 1 s of warm-up; latency at {} msg/s for {} s \
+            "Settings: {} messages of {} bytes per source; courier `--concurrency {}` (every other flag at its \
+             default, so one thread) and the same number of connections for the limit; limit measured for {} s after 1 s of warm-up; latency at {} msg/s for {} s \
              after 1 s of warm-up; Celery fed {} messages; retry backlog of {} entries.\n",
             s.messages,
             s.body_bytes,

@@ -12,58 +12,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::source::Message;
+use crate::model::{EXCERPT_LIMIT, Message, Outcome};
 
-/// How much of the app's answer body is kept for `courier-response-excerpt`.
-pub const EXCERPT_LIMIT: usize = 1024;
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
 const DRAIN_LIMIT: usize = 256 * 1024;
-
-/// What happened when a message was offered to the app.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// The app answered with a status.
-    Answered {
-        status: u16,
-        /// A valid `Retry-After`, already turned into a delay.
-        retry_after: Option<Duration>,
-        /// `Retry-After` was present but unreadable (ignored, and counted).
-        retry_after_invalid: bool,
-        /// The first [`EXCERPT_LIMIT`] bytes of the answer body.
-        excerpt: Bytes,
-    },
-    /// No answer within the policy's timeout.
-    Timeout,
-    /// Connection refused or reset before any answer.
-    Unreachable { error: String },
-    /// The message could not be offered at all (too large, malformed).
-    Undeliverable { error: String },
-}
-
-impl Outcome {
-    pub fn status(&self) -> Option<u16> {
-        match self {
-            Self::Answered { status, .. } => Some(*status),
-            _ => None,
-        }
-    }
-
-    pub fn error(&self) -> Option<String> {
-        match self {
-            Self::Answered { .. } => None,
-            Self::Timeout => Some("timeout".into()),
-            Self::Unreachable { error } | Self::Undeliverable { error } => Some(error.clone()),
-        }
-    }
-
-    pub fn excerpt(&self) -> Bytes {
-        match self {
-            Self::Answered { excerpt, .. } => excerpt.clone(),
-            _ => Bytes::new(),
-        }
-    }
-}
 
 /// Reads `Retry-After` as delta-seconds or an HTTP-date. A date in the past
 /// is zero; `None` means the value is not readable.

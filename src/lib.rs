@@ -22,14 +22,12 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
-pub mod cli;
-pub mod config;
-pub mod demo;
+pub mod cmd;
 pub mod dispatch;
-pub mod dlq;
 pub mod duration;
 pub mod forward;
 pub mod inject;
+pub mod model;
 pub mod policy;
 pub mod sidecar;
 pub mod source;

@@ -8,5 +8,5 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    courier::cli::main()
+    courier::cmd::main()
 }

@@ -1,19 +1,45 @@
-//! `courier run`: wires a source, the policy, the forwarder, the dispatcher
+//! The pipeline assembled: wires a source, the policy, the forwarder, the dispatcher
 //! and the telemetry endpoint together, and takes them down in order.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
+
+use http::Uri;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::RunConfig;
 use crate::dispatch::{Dispatcher, DrainReport};
 use crate::forward::Forwarder;
+use crate::model::{Class, DeadLetterReason};
 use crate::policy::file::Reload;
 use crate::policy::{self, LivePolicy, Policy};
-use crate::source::{self, Source};
+use crate::source::{self, Source, SourceOptions, SourceUrl};
 use crate::telemetry::{self, Health, Metrics, PolicyLabels, QueueLabels, ResultLabels};
+
+/// Everything `courier run` needs, checked.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub source: SourceUrl,
+    pub options: SourceOptions,
+    pub app: Uri,
+    pub policy: Policy,
+    pub policy_file: Option<PathBuf>,
+    /// The RetryPolicy to watch in the cluster (`--policy`).
+    pub policy_ref: Option<policy::cluster::PolicyRef>,
+    /// How often the policy file is checked for changes.
+    pub policy_poll: Duration,
+    pub concurrency: usize,
+    pub listen: SocketAddr,
+    pub drain_timeout: Duration,
+    pub max_body: usize,
+    pub depth_interval: Duration,
+    pub app_health_path: Option<String>,
+    pub app_failure_run: u32,
+    pub dedup_window: Option<Duration>,
+}
 
 /// A sidecar ready to start; its metrics and health are readable from
 /// outside (the demo shows progress from them).
@@ -26,7 +52,12 @@ pub struct Sidecar {
 impl Sidecar {
     pub fn new(config: RunConfig) -> Self {
         let metrics = Arc::new(Metrics::new());
-        metrics.init_queue(&config.options.queue);
+        // The series exist at zero from the start, for dashboards and rate().
+        metrics.for_queue(
+            &config.options.queue,
+            &Class::result_labels(),
+            &DeadLetterReason::labels(),
+        );
         Self {
             config,
             metrics,
@@ -142,7 +173,7 @@ async fn run_sidecar(
                 return Ok(DrainReport { finished: 0, abandoned: 0 });
             }
         }
-        policy::cluster::adjust_options(&mut options, &live.current());
+        adjust_options(&mut options, &live.current());
         Some(watcher)
     } else {
         None
@@ -181,7 +212,7 @@ async fn run_sidecar(
         })
     };
     let dedup_window = config.dedup_window.filter(|_| {
-        let supported = source.supports_dedup();
+        let supported = source.capabilities().dedup;
         if !supported {
             tracing::warn!("--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated");
         }
@@ -303,5 +334,41 @@ async fn follow_connection(source: &dyn Source, health: &Health, shutdown: &Canc
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
         }
+    }
+}
+
+/// What the source needs from the first policy read: its dead-letter queue,
+/// and a visibility timeout longer than its per-attempt timeout.
+pub fn adjust_options(options: &mut SourceOptions, policy: &Policy) {
+    options.dead_letter_queue = policy.dead_letter_queue_for(&options.queue);
+    if options.visibility_timeout <= policy.timeout {
+        let longer = policy.timeout + Duration::from_secs(30);
+        tracing::warn!(
+            policy = %policy.label(),
+            visibility_timeout = %crate::duration::format(longer),
+            "the policy timeout is not shorter than --visibility-timeout; using the policy timeout + 30s"
+        );
+        options.visibility_timeout = longer;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_read_sets_the_dead_letter_queue_and_a_long_enough_visibility() {
+        let mut options = SourceOptions::new("orders");
+        options.visibility_timeout = Duration::from_secs(60);
+        let mut policy = Policy {
+            dead_letter_queue: Some("orders.parked".into()),
+            ..Policy::default()
+        };
+        adjust_options(&mut options, &policy);
+        assert_eq!(options.dead_letter_queue, "orders.parked");
+        assert_eq!(options.visibility_timeout, Duration::from_secs(60));
+        policy.timeout = Duration::from_secs(90);
+        adjust_options(&mut options, &policy);
+        assert_eq!(options.visibility_timeout, Duration::from_secs(120));
     }
 }

@@ -215,73 +215,48 @@ impl Metrics {
         }
     }
 
-    /// Creates the per-queue series at zero so dashboards and `rate()` see
-    /// them before the first event.
-    pub fn init_queue(&self, queue: &str) {
+    /// Creates one queue's series at zero, so dashboards and `rate()` see
+    /// them before the first event, and returns handles to them looked up
+    /// once: the delivery path then touches only atomics, not the label
+    /// maps. `results` and `reasons` are every value of the `result` and
+    /// `reason` labels.
+    pub fn for_queue(
+        &self,
+        queue: &str,
+        results: &[&'static str],
+        reasons: &[&'static str],
+    ) -> QueueMetrics {
         let q = QueueLabels {
             queue: queue.to_string(),
         };
-        let _ = self.received.get_or_create(&q);
-        let _ = self.acks.get_or_create(&q);
-        let _ = self.retries.get_or_create(&q);
-        let _ = self.in_flight.get_or_create(&q);
-        let _ = self.delivery_duration.get_or_create(&q);
-        for result in [
-            "success",
-            "transient",
-            "permanent",
-            "timeout",
-            "unreachable",
-        ] {
-            let _ = self.deliveries.get_or_create(&DeliveryLabels {
-                queue: queue.to_string(),
-                result,
-            });
-        }
-        for reason in ["permanent-status", "attempts-exhausted", "undeliverable"] {
-            let _ = self.dead_letters.get_or_create(&DeadLetterLabels {
-                queue: queue.to_string(),
-                reason,
-            });
-        }
-    }
-
-    /// Handles to one queue's series, looked up once: the delivery path then
-    /// touches only atomics, not the label maps.
-    pub fn for_queue(&self, queue: &str) -> QueueMetrics {
-        let q = QueueLabels {
-            queue: queue.to_string(),
-        };
-        let result = |result| {
-            self.deliveries
-                .get_or_create(&DeliveryLabels {
+        let results = results
+            .iter()
+            .map(|&result| {
+                let labels = DeliveryLabels {
                     queue: queue.to_string(),
                     result,
-                })
-                .clone()
-        };
-        let reason = |reason| {
-            self.dead_letters
-                .get_or_create(&DeadLetterLabels {
+                };
+                (result, self.deliveries.get_or_create(&labels).clone())
+            })
+            .collect();
+        let reasons = reasons
+            .iter()
+            .map(|&reason| {
+                let labels = DeadLetterLabels {
                     queue: queue.to_string(),
                     reason,
-                })
-                .clone()
-        };
+                };
+                (reason, self.dead_letters.get_or_create(&labels).clone())
+            })
+            .collect();
         QueueMetrics {
             received: self.received.get_or_create(&q).clone(),
             acks: self.acks.get_or_create(&q).clone(),
             retries: self.retries.get_or_create(&q).clone(),
             in_flight: self.in_flight.get_or_create(&q).clone(),
             duration: self.delivery_duration.get_or_create(&q).clone(),
-            success: result("success"),
-            transient: result("transient"),
-            permanent: result("permanent"),
-            timeout: result("timeout"),
-            unreachable: result("unreachable"),
-            permanent_status: reason("permanent-status"),
-            attempts_exhausted: reason("attempts-exhausted"),
-            undeliverable: reason("undeliverable"),
+            results,
+            reasons,
             retry_after_invalid: self.retry_after_invalid.get_or_create(&q).clone(),
             settle_errors: self.settle_errors.get_or_create(&q).clone(),
             dedup_hits: self.dedup_hits.get_or_create(&q).clone(),
@@ -343,14 +318,10 @@ pub struct QueueMetrics {
     pub retries: Counter,
     pub in_flight: Gauge,
     pub duration: Histogram,
-    success: Counter,
-    transient: Counter,
-    permanent: Counter,
-    timeout: Counter,
-    unreachable: Counter,
-    permanent_status: Counter,
-    attempts_exhausted: Counter,
-    undeliverable: Counter,
+    /// `courier_deliveries_total` by `result` label.
+    results: Vec<(&'static str, Counter)>,
+    /// `courier_dead_letters_total` by `reason` label.
+    reasons: Vec<(&'static str, Counter)>,
     pub retry_after_invalid: Counter,
     pub settle_errors: Counter,
     pub dedup_hits: Counter,
@@ -359,26 +330,21 @@ pub struct QueueMetrics {
 }
 
 impl QueueMetrics {
-    /// `courier_deliveries_total{result}`; `None` for what was never offered.
-    pub fn delivery(&self, class: crate::policy::Class) -> Option<&Counter> {
-        use crate::policy::Class;
-        match class {
-            Class::Success => Some(&self.success),
-            Class::Transient => Some(&self.transient),
-            Class::Permanent => Some(&self.permanent),
-            Class::Timeout => Some(&self.timeout),
-            Class::Unreachable => Some(&self.unreachable),
-            Class::Undeliverable => None,
-        }
+    /// `courier_deliveries_total{result}`; `None` for a label that was not
+    /// registered (what was never offered to the app has no result).
+    pub fn delivery(&self, result: &str) -> Option<&Counter> {
+        self.results
+            .iter()
+            .find(|(label, _)| *label == result)
+            .map(|(_, counter)| counter)
     }
 
-    pub fn dead_letter(&self, reason: crate::policy::DeadLetterReason) -> &Counter {
-        use crate::policy::DeadLetterReason;
-        match reason {
-            DeadLetterReason::PermanentStatus => &self.permanent_status,
-            DeadLetterReason::AttemptsExhausted => &self.attempts_exhausted,
-            DeadLetterReason::Undeliverable => &self.undeliverable,
-        }
+    /// `courier_dead_letters_total{reason}`.
+    pub fn dead_letter(&self, reason: &str) -> Option<&Counter> {
+        self.reasons
+            .iter()
+            .find(|(label, _)| *label == reason)
+            .map(|(_, counter)| counter)
     }
 }
 
@@ -527,7 +493,7 @@ mod tests {
     #[test]
     fn classic_text_names_counter_families_after_their_samples() {
         let metrics = Metrics::new();
-        metrics.init_queue("orders");
+        metrics.for_queue("orders", &["success"], &["undeliverable"]);
         let text = metrics.encode_prometheus_text();
         assert!(
             text.contains("# TYPE courier_acks_total counter\n"),

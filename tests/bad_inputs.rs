@@ -115,7 +115,7 @@ async fn a_huge_answer_is_cut_to_the_excerpt(fixture: Fixture) {
     assert_eq!(letter.field("courier-status"), Some("400"));
     assert_eq!(
         letter.field("courier-response-excerpt"),
-        Some("x".repeat(courier::forward::EXCERPT_LIMIT).as_str())
+        Some("x".repeat(courier::model::EXCERPT_LIMIT).as_str())
     );
 }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use bytes::Bytes;
 use clap::CommandFactory;
-use courier::config::Cli;
+use courier::cmd::Cli;
 use courier::inject::{self, SidecarDefaults};
 use http_body_util::{BodyExt, Full};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, anyhow, bail};
 use bytes::Bytes;
-use courier::source::{self, Delivery, encode_fields};
+use courier::source::{Delivery, encode_fields};
 use tokio::time::Instant;
 
 use crate::app::{App, SENT_HEADER, now_ns};
@@ -307,11 +307,11 @@ impl InProcess {
         use clap::Parser;
         let mut argv = vec!["courier".to_string(), "run".to_string()];
         argv.extend(courier_args(ctx, target, &["--listen", "127.0.0.1:0"]));
-        let cli = courier::config::Cli::try_parse_from(argv)?;
-        let courier::config::Command::Run(args) = cli.command else {
+        let cli = courier::cmd::Cli::try_parse_from(argv)?;
+        let courier::cmd::Command::Run(args) = cli.command else {
             bail!("not a run command");
         };
-        let config = courier::config::RunConfig::from_args(&args).map_err(|e| anyhow!(e.0))?;
+        let config = courier::cmd::run::config(&args).map_err(|e| anyhow!(e.0))?;
         let shutdown = tokio_util::sync::CancellationToken::new();
         let (_, handle) = courier::sidecar::Sidecar::new(config)
             .start(shutdown.clone())
@@ -513,7 +513,10 @@ async fn write_backlog(queue: &str, entries: u64, body: &Bytes) -> anyhow::Resul
                     break;
                 }
                 let id = format!("1700000000000-{i}");
-                let fields = vec![(Bytes::from_static(source::PAYLOAD.as_bytes()), body.clone())];
+                let fields = vec![(
+                    Bytes::from_static(courier::model::PAYLOAD.as_bytes()),
+                    body.clone(),
+                )];
                 let delivery = Delivery::from_fields(&id, fields, 0, id.clone());
                 zadd.arg(due)
                     .arg(encode_fields(&delivery.fields_for_retry(2, now)));

@@ -191,7 +191,7 @@ async fn prefill_redis(queue: &str, n: u64, body: &Bytes) -> anyhow::Result<()> 
             pipe.cmd("XADD")
                 .arg(queue)
                 .arg("*")
-                .arg(source::PAYLOAD)
+                .arg(courier::model::PAYLOAD)
                 .arg(body.as_ref())
                 .ignore();
         }
@@ -227,7 +227,10 @@ fn prefill_embedded(
     std::fs::create_dir_all(dir)?;
     let db = redb::Database::create(dir.join("courier.redb"))
         .with_context(|| format!("cannot open the embedded queue in {}", dir.display()))?;
-    let data = encode_fields(&[(Bytes::from_static(source::PAYLOAD.as_bytes()), body.clone())]);
+    let data = encode_fields(&[(
+        Bytes::from_static(courier::model::PAYLOAD.as_bytes()),
+        body.clone(),
+    )]);
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()

@@ -11,9 +11,10 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use courier::forward::{Outcome, parse_retry_after};
-use courier::policy::{CodeMatch, DeadLetterReason, Verdict, decide};
-use courier::source::{Delivery, Failure, decode_fields, encode_fields};
+use courier::forward::parse_retry_after;
+use courier::model::{DeadLetterReason, Delivery, Failure, Outcome};
+use courier::policy::{CodeMatch, Verdict, decide};
+use courier::source::{decode_fields, encode_fields};
 
 /// A target's body: checks one input, panics on a finding.
 pub type Check = fn(&[u8]);

@@ -7,7 +7,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::policy::Class;
+use crate::model::Class;
 
 /// Consecutive 503s or timeouts that close the gate, by default.
 pub const FAILURE_RUN: u32 = 5;

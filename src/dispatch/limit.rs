@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::policy::Class;
+use crate::model::Class;
 
 /// Latency above this multiple of the recent best counts as rising.
 const LATENCY_RISE: f64 = 2.0;

@@ -18,9 +18,11 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::forward::{Envelope, Forwarder, Outcome};
+use crate::forward::{Envelope, Forwarder};
+use crate::model::{Class, DeadLetterReason, Outcome};
+use crate::model::{Delivery, Failure};
 use crate::policy::{LivePolicy, Verdict, decide};
-use crate::source::{Delivery, Failure, Source};
+use crate::source::Source;
 use crate::telemetry::{self, Metrics, QueueMetrics};
 
 use gate::{Change, Gate};
@@ -103,7 +105,11 @@ impl Dispatcher {
     pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
         let limiter = Limiter::new(self.concurrency);
         let gate = Gate::new(self.app_failure_run);
-        let m = self.metrics.for_queue(&self.queue);
+        let m = self.metrics.for_queue(
+            &self.queue,
+            &Class::result_labels(),
+            &DeadLetterReason::labels(),
+        );
         let shared = Arc::new(Shared {
             m,
             dispatcher: self,
@@ -425,7 +431,7 @@ impl Shared {
                 attempt_used: false,
             };
         }
-        if let Some(counter) = self.m.delivery(decision.class) {
+        if let Some(counter) = self.m.delivery(decision.class.as_str()) {
             counter.inc();
         }
         if let Outcome::Answered {
@@ -512,14 +518,13 @@ impl Shared {
                     message_id: delivery.message.id.clone(),
                     excerpt: outcome.excerpt(),
                     policy: policy.label(),
-                    dead_letter_queue: policy
-                        .dead_letter_queue
-                        .clone()
-                        .unwrap_or_else(|| format!("{}.dlq", d.queue)),
+                    dead_letter_queue: policy.dead_letter_queue_for(&d.queue),
                 };
                 let r = d.source.dead_letter(&delivery, &failure).await;
                 if r.is_ok() {
-                    self.m.dead_letter(reason).inc();
+                    if let Some(counter) = self.m.dead_letter(reason.as_str()) {
+                        counter.inc();
+                    }
                     tracing::warn!(
                         id,
                         attempt = delivery.attempt,

@@ -15,7 +15,6 @@
 //! deleted or absent policy puts the built-in defaults in force.
 
 use std::path::Path;
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -31,7 +30,6 @@ use tokio::sync::watch as signal;
 
 use super::crd::ACCEPTED;
 use super::{Policy, PolicyUpdate, Reload, RetryPolicy};
-use crate::source::SourceOptions;
 
 /// Where Kubernetes puts the pod's namespace when no `POD_NAMESPACE` is set.
 pub const SERVICE_ACCOUNT_NAMESPACE: &str =
@@ -133,23 +131,6 @@ pub async fn follow(
     let client = Client::try_default().await?;
     let (read, read_rx) = signal::channel(false);
     Ok((watch(client, target, update, read, on_reload), read_rx))
-}
-
-/// What the source needs from the first policy read: its dead-letter queue,
-/// and a visibility timeout longer than its per-attempt timeout.
-pub fn adjust_options(options: &mut SourceOptions, policy: &Policy) {
-    if let Some(queue) = &policy.dead_letter_queue {
-        options.dead_letter_queue = queue.clone();
-    }
-    if options.visibility_timeout <= policy.timeout {
-        let longer = policy.timeout + Duration::from_secs(30);
-        tracing::warn!(
-            policy = %policy.label(),
-            visibility_timeout = %crate::duration::format(longer),
-            "the policy timeout is not shorter than --visibility-timeout; using the policy timeout + 30s"
-        );
-        options.visibility_timeout = longer;
-    }
 }
 
 /// Follows one RetryPolicy until the task is aborted. `read` turns true
@@ -423,22 +404,6 @@ mod tests {
             );
         }
         assert!(PolicyRef::resolve("orders.v2-a", Some("ns".into()), file, None).is_ok());
-    }
-
-    #[test]
-    fn the_first_read_sets_the_dead_letter_queue_and_a_long_enough_visibility() {
-        let mut options = SourceOptions::new("orders");
-        options.visibility_timeout = Duration::from_secs(60);
-        let mut policy = Policy {
-            dead_letter_queue: Some("orders.parked".into()),
-            ..Policy::default()
-        };
-        adjust_options(&mut options, &policy);
-        assert_eq!(options.dead_letter_queue, "orders.parked");
-        assert_eq!(options.visibility_timeout, Duration::from_secs(60));
-        policy.timeout = Duration::from_secs(90);
-        adjust_options(&mut options, &policy);
-        assert_eq!(options.visibility_timeout, Duration::from_secs(120));
     }
 
     #[test]

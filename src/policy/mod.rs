@@ -22,7 +22,7 @@ use ::kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use crate::duration;
-use crate::forward::Outcome;
+use crate::model::{Class, DeadLetterReason, Outcome, default_dead_letter_queue};
 
 // === The document ===
 
@@ -327,6 +327,14 @@ impl PolicyError {
 }
 
 impl Policy {
+    /// Where dead letters of `queue` go: the policy's `deadLetterQueue`, else
+    /// `<queue>.dlq`. The one place that name is derived.
+    pub fn dead_letter_queue_for(&self, queue: &str) -> String {
+        self.dead_letter_queue
+            .clone()
+            .unwrap_or_else(|| default_dead_letter_queue(queue))
+    }
+
     /// `name@generation`, the value of the `courier-policy` dead-letter field.
     pub fn label(&self) -> String {
         format!("{}@{}", self.name, self.generation)
@@ -509,49 +517,6 @@ impl Policy {
 }
 
 // === The decision ===
-
-/// What an outcome means; also the `result` label of `courier_deliveries_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Class {
-    Success,
-    Transient,
-    Permanent,
-    Timeout,
-    Unreachable,
-    /// The message could not be sent at all (too large, malformed).
-    Undeliverable,
-}
-
-impl Class {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Success => "success",
-            Self::Transient => "transient",
-            Self::Permanent => "permanent",
-            Self::Timeout => "timeout",
-            Self::Unreachable => "unreachable",
-            Self::Undeliverable => "undeliverable",
-        }
-    }
-}
-
-/// Why a message went to the dead-letter queue (`courier-reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeadLetterReason {
-    PermanentStatus,
-    AttemptsExhausted,
-    Undeliverable,
-}
-
-impl DeadLetterReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::PermanentStatus => "permanent-status",
-            Self::AttemptsExhausted => "attempts-exhausted",
-            Self::Undeliverable => "undeliverable",
-        }
-    }
-}
 
 /// How to settle a delivery.
 #[derive(Debug, Clone, PartialEq)]

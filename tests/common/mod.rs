@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use courier::config::RunConfig;
 use courier::policy::{Jitter, Policy};
+use courier::sidecar::RunConfig;
 use courier::sidecar::Sidecar;
 use courier::source::{self, Depth, Source, SourceOptions, SourceUrl};
 use courier::telemetry::serve_http;
@@ -230,7 +230,7 @@ impl Fixture {
     pub fn embedded() -> Self {
         let dir = tempfile::tempdir().unwrap();
         Self {
-            url: SourceUrl::Embedded(dir.path().to_path_buf()),
+            url: courier::source::embedded::url(dir.path()),
             queue: unique("test"),
             _dir: Some(Arc::new(dir)),
             _cleanup: None,
@@ -239,17 +239,11 @@ impl Fixture {
 
     /// The `--source` text.
     pub fn source_arg(&self) -> String {
-        match &self.url {
-            SourceUrl::Embedded(dir) => format!("embedded:{}", dir.display()),
-            SourceUrl::Redis(url) | SourceUrl::Amqp(url) | SourceUrl::Nats(url) => url.clone(),
-        }
+        self.url.as_str().to_string()
     }
 
     pub fn dir(&self) -> Option<PathBuf> {
-        match &self.url {
-            SourceUrl::Embedded(dir) => Some(dir.clone()),
-            _ => None,
-        }
+        courier::source::embedded::dir_of(self.url.as_str()).ok()
     }
 
     pub fn dlq(&self) -> String {

@@ -44,9 +44,10 @@ use redb::{
 use tokio::sync::oneshot;
 
 use super::{
-    DeadLetter, Delivery, Depth, F_DELIVERIES, Failure, PAYLOAD, Source, SourceError,
-    SourceOptions, decode_fields, encode_fields,
+    Broker, Capabilities, Depth, Source, SourceError, SourceOptions, SourceUrl, decode_fields,
+    encode_fields,
 };
+use crate::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
 
 type QueueTable<'a> = TableDefinition<'a, (u64, u64), &'static [u8]>;
 type DlqTable<'a> = TableDefinition<'a, u64, &'static [u8]>;
@@ -91,6 +92,39 @@ const FLUSH_EVERY: Duration = Duration::from_millis(20);
 const CACHE_BYTES: usize = 4 << 20;
 /// At most this many calls go into one transaction.
 const MAX_BATCH: usize = 1024;
+
+/// The built-in queue: `embedded:<dir>`.
+pub const BROKER: Broker = Broker {
+    name: "embedded",
+    schemes: &["embedded"],
+    url_form: "embedded:<dir>",
+    check_url: |text| dir_of(text).map(drop),
+    open: |url, options| {
+        Box::pin(async move {
+            let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
+            Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn Source>)
+        })
+    },
+};
+
+/// The directory an `embedded:<dir>` URL names.
+pub fn dir_of(url: &str) -> Result<PathBuf, String> {
+    match url
+        .strip_prefix("embedded:")
+        .map(|d| d.trim_start_matches("//"))
+    {
+        Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir)),
+        _ => Err(format!(
+            "{url:?} names no directory; write embedded:/path/to/dir"
+        )),
+    }
+}
+
+/// The `--source` URL of the embedded queue in `dir`.
+pub fn url(dir: &Path) -> SourceUrl {
+    SourceUrl::parse(&format!("embedded:{}", dir.display()))
+        .expect("an embedded: URL with a directory is valid")
+}
 
 pub struct EmbeddedSource {
     file: Arc<File>,
@@ -841,8 +875,8 @@ impl Writer {
                 .and_then(|f| {
                     let at = f
                         .iter()
-                        .find(|(n, _)| n.as_ref() == super::F_LAST_ATTEMPT_AT.as_bytes())?;
-                    super::parse_time(&at.1)
+                        .find(|(n, _)| n.as_ref() == crate::model::F_LAST_ATTEMPT_AT.as_bytes())?;
+                    crate::model::parse_time(&at.1)
                 })
                 .map(|t| SystemTime::now().duration_since(t).unwrap_or_default()),
             None => None,
@@ -1213,6 +1247,16 @@ fn parse_receipt(receipt: &str) -> Result<(u64, u64), SourceError> {
 
 #[async_trait]
 impl Source for EmbeddedSource {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            per_message_delay: true,
+            out_of_order_acks: true,
+            dead_letter_browsing: true,
+            dedup: true,
+            byte_bounded_reads: false,
+        }
+    }
+
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let now = Instant::now();
         let tables = self.tables.clone();
@@ -1294,7 +1338,7 @@ impl Source for EmbeddedSource {
                             vec![(PAYLOAD.into(), data.clone())],
                         );
                         letter.fields.push((
-                            super::F_ERROR.into(),
+                            crate::model::F_ERROR.into(),
                             format!(
                                 "the stored dead letter cannot be read ({} bytes); its raw bytes are the body",
                                 data.len()
@@ -1359,10 +1403,6 @@ impl Source for EmbeddedSource {
             }
         })
         .await
-    }
-
-    fn supports_dedup(&self) -> bool {
-        true
     }
 
     /// Not fsynced on its own, like an ack (see [`FLUSH_EVERY`]): a key lost

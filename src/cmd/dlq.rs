@@ -14,10 +14,11 @@ use anyhow::Context;
 use base64::Engine;
 use clap::{Args, Subcommand, ValueEnum};
 
-use crate::config::{SourceArgs, UsageError, check_queue, parse_source};
+use super::args::{SourceArgs, UsageError, check_queue, parse_source};
 use crate::duration;
+use crate::model::{DeadLetter, F_LAST_ATTEMPT_AT, default_dead_letter_queue, parse_time};
 use crate::policy::CodeMatch;
-use crate::source::{self, DeadLetter, F_LAST_ATTEMPT_AT, Source, SourceOptions};
+use crate::source::{self, Source, SourceOptions};
 
 #[derive(Debug, Clone, Args)]
 pub struct DlqArgs {
@@ -180,7 +181,7 @@ impl Filter {
 }
 
 fn age(letter: &DeadLetter, now: SystemTime) -> Option<Duration> {
-    let at = source::parse_time(letter.field(F_LAST_ATTEMPT_AT)?.as_bytes())?;
+    let at = parse_time(letter.field(F_LAST_ATTEMPT_AT)?.as_bytes())?;
     Some(now.duration_since(at).unwrap_or_default())
 }
 
@@ -200,7 +201,10 @@ async fn open(target: &Target) -> anyhow::Result<(Arc<dyn Source>, String)> {
     let url = parse_source(&target.source.source)?;
     check_queue(&target.source.queue)?;
     let queue = &target.source.queue;
-    let dlq = target.dlq.clone().unwrap_or_else(|| format!("{queue}.dlq"));
+    let dlq = target
+        .dlq
+        .clone()
+        .unwrap_or_else(|| default_dead_letter_queue(queue));
     let mut options = SourceOptions::new(queue);
     options.dead_letter_queue = dlq.clone();
     let source = source::open(&url, options)
@@ -490,7 +494,10 @@ mod tests {
             fields: vec![
                 ("courier-reason".into(), reason.into()),
                 ("courier-status".into(), status.into()),
-                ("courier-last-attempt-at".into(), source::rfc3339(last)),
+                (
+                    "courier-last-attempt-at".into(),
+                    crate::model::rfc3339(last),
+                ),
                 ("traceparent".into(), "00-x".into()),
             ],
         }

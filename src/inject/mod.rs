@@ -43,7 +43,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{UsageError, parse_app, parse_source};
+use crate::cmd::args::{UsageError, parse_app, parse_source};
 use crate::duration;
 use crate::telemetry::LogFormat;
 

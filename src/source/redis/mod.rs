@@ -27,9 +27,9 @@ use redis::{Client, Script, Value};
 use tokio::sync::Mutex;
 
 use super::{
-    Batcher, DeadLetter, Delivery, Depth, Failure, PAYLOAD, Source, SourceError, SourceOptions,
-    encode_fields,
+    Batcher, Broker, Capabilities, Depth, Source, SourceError, SourceOptions, encode_fields,
 };
+use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
 
 /// How long one `XREADGROUP` waits for new entries.
 const BLOCK: Duration = Duration::from_secs(1);
@@ -63,6 +63,19 @@ fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
         "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
     ))
 }
+
+/// Redis Streams: `redis://host:port/db` (`rediss://` for TLS).
+pub const BROKER: Broker = Broker {
+    name: "redis",
+    schemes: &["redis", "rediss"],
+    url_form: "redis://host:port/db",
+    check_url: |_| Ok(()),
+    open: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(RedisSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+};
 
 pub struct RedisSource {
     options: SourceOptions,
@@ -432,6 +445,16 @@ fn id_time(id: &str) -> Option<SystemTime> {
 
 #[async_trait]
 impl Source for RedisSource {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            per_message_delay: true,
+            out_of_order_acks: true,
+            dead_letter_browsing: true,
+            dedup: true,
+            byte_bounded_reads: false,
+        }
+    }
+
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let mut reader = self.reader.lock().await;
         let redelivered = self.redeliveries(&mut reader, max).await?;
@@ -652,10 +675,6 @@ impl Source for RedisSource {
         }
         let mut con = self.commands.clone();
         xadd.query_async(&mut con).await.map_err(broker_error)
-    }
-
-    fn supports_dedup(&self) -> bool {
-        true
     }
 
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {

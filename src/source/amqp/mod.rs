@@ -62,11 +62,12 @@ use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 use tokio::sync::mpsc;
 
-use super::{
-    DeadLetter, Delivery, Depth, F_ATTEMPT, F_LAST_ATTEMPT_AT, F_MESSAGE_ID, Failure, PAYLOAD,
-    Source, SourceError, SourceOptions, parse_time, rfc3339,
-};
+use super::{Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
 use crate::duration;
+use crate::model::{
+    DeadLetter, Delivery, F_ATTEMPT, F_LAST_ATTEMPT_AT, F_MESSAGE_ID, Failure, PAYLOAD, parse_time,
+    rfc3339,
+};
 
 /// How long one `receive` waits for a first message.
 const WAIT: Duration = Duration::from_secs(1);
@@ -593,6 +594,19 @@ impl Session {
 
 // === The source ===
 
+/// RabbitMQ: `amqp://user:pass@host:port/vhost` (`amqps://` for TLS).
+pub const BROKER: Broker = Broker {
+    name: "amqp",
+    schemes: &["amqp", "amqps"],
+    url_form: "amqp://user:pass@host:port/vhost",
+    check_url,
+    open: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(AmqpSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+};
+
 pub struct AmqpSource {
     uri: AMQPUri,
     redacted: String,
@@ -1089,6 +1103,16 @@ impl AmqpSource {
 
 #[async_trait]
 impl Source for AmqpSource {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            per_message_delay: false,
+            out_of_order_acks: true,
+            dead_letter_browsing: true,
+            dedup: false,
+            byte_bounded_reads: false,
+        }
+    }
+
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let session = self.session().await?;
         if !self.consuming.swap(true, Ordering::SeqCst)

@@ -15,13 +15,22 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::RunConfig;
+use clap::Args;
+
+use crate::model::default_dead_letter_queue;
 use crate::policy::{Jitter, Policy};
-use crate::sidecar::Sidecar;
-use crate::source::{self, SourceOptions, SourceUrl};
+use crate::sidecar::{RunConfig, Sidecar};
+use crate::source::{self, SourceOptions, embedded};
 use crate::telemetry::{DeadLetterLabels, Metrics, QueueLabels, serve_http};
 
 const QUEUE: &str = "orders";
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Messages to send through the demo.
+    #[arg(long, env = "COURIER_DEMO_MESSAGES", default_value_t = 300)]
+    pub messages: usize,
+}
 
 /// How the sample app treats order `n`: mostly 200; some 503 twice then
 /// 200; a burst of 429 with `Retry-After: 1` among the first orders; some
@@ -103,7 +112,7 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
     let app_stop = CancellationToken::new();
     let app = tokio::spawn(serve_http(app_listener, app_stop.clone(), sample_request));
 
-    let url = SourceUrl::Embedded(dir.path().to_path_buf());
+    let url = embedded::url(dir.path());
     let producer = source::open(&url, SourceOptions::new(QUEUE)).await?;
     for n in 0..messages {
         let body = format!(r#"{{"order":"order-{n}","amount":{}}}"#, 10 + n % 90);
@@ -192,7 +201,9 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
     for (reason, n) in reasons {
         println!("    {reason:<18} {n}");
     }
-    let dead_letters = producer.dead_letters(&format!("{QUEUE}.dlq"), 1).await?;
+    let dead_letters = producer
+        .dead_letters(&default_dead_letter_queue(QUEUE), 1)
+        .await?;
     if let Some(letter) = dead_letters.first() {
         println!("\na dead letter, as `courier dlq show` will print it:");
         println!("  id: {}", letter.id);

@@ -74,9 +74,9 @@ use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
 use tokio::time::Instant;
 
-use super::{
-    DeadLetter, Delivery, Depth, F_FIRST_ATTEMPT_AT, Failure, PAYLOAD, Source, SourceError,
-    SourceOptions, parse_time, rfc3339,
+use super::{Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
+use crate::model::{
+    DeadLetter, Delivery, F_FIRST_ATTEMPT_AT, Failure, PAYLOAD, parse_time, rfc3339,
 };
 
 /// How long one `receive` waits for a first message.
@@ -399,6 +399,19 @@ fn is_delivery(message: &async_nats::Message) -> bool {
 }
 
 // === The source ===
+
+/// NATS JetStream: `nats://[user:pass@]host:port`.
+pub const BROKER: Broker = Broker {
+    name: "nats",
+    schemes: &["nats"],
+    url_form: "nats://host:port",
+    check_url,
+    open: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(NatsSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+};
 
 pub struct NatsSource {
     client: Client,
@@ -769,6 +782,16 @@ fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
 
 #[async_trait]
 impl Source for NatsSource {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            per_message_delay: true,
+            out_of_order_acks: true,
+            dead_letter_browsing: true,
+            dedup: false,
+            byte_bounded_reads: false,
+        }
+    }
+
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let consumer = self.consumer().await?;
         let got = {

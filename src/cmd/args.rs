@@ -1,0 +1,134 @@
+//! What every command's flags share: the source flags, the parsers of
+//! sizes, headers and URLs, and [`UsageError`]: a message that says what was
+//! wrong and what to do, and exit code 2, before anything has started.
+
+use clap::Args;
+use http::Uri;
+
+use crate::source::SourceUrl;
+
+/// Bad usage: the message is printed as is and the process exits with 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+#[derive(Debug, Clone, Args)]
+pub struct SourceArgs {
+    /// Broker URL: redis://host:port/db, amqp://user:pass@host:port/vhost, nats://host:port or
+    /// embedded:<dir> (the brokers of this build; an unknown scheme's error lists them).
+    #[arg(long, env = "COURIER_SOURCE")]
+    pub source: String,
+    /// Queue to consume: the Redis stream key, the RabbitMQ queue, the NATS stream, the embedded
+    /// queue name.
+    #[arg(long, env = "COURIER_QUEUE")]
+    pub queue: String,
+}
+
+/// `4MiB`, `512KiB`, `1MB`, `1048576`.
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size; write it like 4MiB, 512KiB or 1048576"))?;
+    let factor = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" | "kB" => 1000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => {
+            return Err(format!(
+                "{text:?} has an unknown unit; use B, KiB, MiB, GiB, KB, MB or GB"
+            ));
+        }
+    };
+    n.checked_mul(factor)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+pub fn parse_header(text: &str) -> Result<(String, String), String> {
+    let (name, value) = text.split_once('=').ok_or_else(|| {
+        format!("{text:?} is not K=V; write --header content-type=application/json")
+    })?;
+    if name.is_empty() {
+        return Err(format!("{text:?} has an empty header name"));
+    }
+    if name.to_ascii_lowercase().starts_with("courier-") {
+        return Err(format!(
+            "{name:?}: courier-* names are courier's own bookkeeping and cannot be set by a producer"
+        ));
+    }
+    Ok((name.to_string(), value.to_string()))
+}
+
+/// Checks the queue name, so that a typo fails at start and not on the
+/// first broker call.
+pub fn check_queue(queue: &str) -> Result<(), UsageError> {
+    if queue.trim().is_empty() {
+        return Err(UsageError(
+            "--queue is empty; name the stream or queue to consume".into(),
+        ));
+    }
+    Ok(())
+}
+
+pub fn parse_source(text: &str) -> Result<SourceUrl, UsageError> {
+    SourceUrl::parse(text).map_err(|e| UsageError(format!("--source: {e}")))
+}
+
+/// The app URL: `http://` only, because the app is on localhost and TLS
+/// there would only cost time.
+pub fn parse_app(text: &str) -> Result<Uri, UsageError> {
+    let uri: Uri = text.parse().map_err(|e| {
+        UsageError(format!(
+            "--app {text:?} is not a URL ({e}); write it like http://127.0.0.1:8080/"
+        ))
+    })?;
+    match uri.scheme_str() {
+        Some("http") if uri.host().is_some() => Ok(uri),
+        Some("http") => Err(UsageError(format!(
+            "--app {text:?} has no host; write it like http://127.0.0.1:8080/"
+        ))),
+        Some(other) => Err(UsageError(format!(
+            "--app {text:?}: scheme {other:?} is not supported; the app is reached over plain http:// on localhost"
+        ))),
+        None => Err(UsageError(format!(
+            "--app {text:?} has no scheme; write it like http://127.0.0.1:8080/"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4MiB"), Ok(4 << 20));
+        assert_eq!(parse_size("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_size("1MB"), Ok(1_000_000));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("4TiB").is_err());
+    }
+
+    #[test]
+    fn app_urls() {
+        assert!(parse_app("http://127.0.0.1:8080/").is_ok());
+        let err = parse_app("https://127.0.0.1:8443/").unwrap_err().0;
+        assert!(err.contains("\"https\" is not supported"), "{err}");
+        assert!(parse_app("127.0.0.1:8080").is_err());
+    }
+
+    #[test]
+    fn headers() {
+        assert_eq!(parse_header("a=b=c"), Ok(("a".into(), "b=c".into())));
+        assert!(parse_header("novalue").is_err());
+        assert!(parse_header("=x").is_err());
+        assert!(parse_header("Courier-Attempt=9").is_err());
+    }
+}

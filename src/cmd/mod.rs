@@ -1,0 +1,118 @@
+//! The commands behind the binary, their flags, and how their failures
+//! become exit codes: 0 done, 1 failed, 2 bad usage. The pipeline they run
+//! lives outside this folder; nothing outside it imports from here.
+
+pub mod args;
+pub mod crd;
+#[cfg(feature = "embedded")]
+pub mod demo;
+pub mod dlq;
+pub mod inject;
+pub mod run;
+pub mod send;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::telemetry::{self, LogFormat};
+use args::UsageError;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "courier",
+    version,
+    about = "A consumer sidecar: pulls messages from a broker, POSTs each to the app, settles it from the answer.",
+    propagate_version = true
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(
+        long,
+        env = "COURIER_LOG_FORMAT",
+        value_enum,
+        default_value = "human",
+        global = true
+    )]
+    pub log_format: LogFormat,
+    /// Log level or filter (RUST_LOG syntax); RUST_LOG wins when set.
+    #[arg(long, env = "COURIER_LOG_LEVEL", default_value = "info", global = true)]
+    pub log_level: String,
+    /// Threads that move messages. 1 keeps courier on one core, next to
+    /// the app it serves, and spends the least CPU per message; 0 uses one
+    /// per core, for an app faster than one core of courier can feed.
+    #[arg(long, env = "COURIER_THREADS", default_value_t = 1, global = true)]
+    pub threads: usize,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the sidecar: pull, forward, settle.
+    Run(run::RunArgs),
+    /// Print the RetryPolicy CustomResourceDefinition (YAML) for kubectl apply.
+    Crd,
+    /// Enqueue one message.
+    Send(send::SendArgs),
+    /// Everything on the embedded queue with a sample app; no broker needed.
+    #[cfg(feature = "embedded")]
+    Demo(demo::DemoArgs),
+    /// Inspect, replay and purge dead letters.
+    Dlq(dlq::DlqArgs),
+    /// The admission webhook that adds the sidecar to pods that opt in.
+    Inject(inject::InjectArgs),
+}
+
+/// Parses the command line, runs the command, and maps the result to an
+/// exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo's own progress line is the output; its per-message warnings
+    // (the dead letters it makes on purpose) would only bury it.
+    let level = match cli.command {
+        #[cfg(feature = "embedded")]
+        Command::Demo(_) if cli.log_level == "info" => "error",
+        _ => cli.log_level.as_str(),
+    };
+    telemetry::init_logging(cli.log_format, level);
+    let mut builder = match cli.threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        0 => tokio::runtime::Builder::new_multi_thread(),
+        n => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+    };
+    let runtime = match builder.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(code) => code,
+        Err(e) if e.downcast_ref::<UsageError>().is_some() => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Run(args) => run::run(run::config(&args)?).await,
+        Command::Send(args) => send::run(args).await,
+        Command::Crd => crd::run(),
+        #[cfg(feature = "embedded")]
+        Command::Demo(args) => demo::run(args.messages).await,
+        Command::Dlq(args) => dlq::run(args).await,
+        Command::Inject(args) => inject::run(args).await,
+    }
+}

@@ -1,0 +1,162 @@
+//! `courier run`: the sidecar's flags, checked into a [`RunConfig`], and the
+//! run itself until SIGTERM has drained it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tokio_util::sync::CancellationToken;
+
+use super::args::{SourceArgs, UsageError, check_queue, parse_app, parse_size, parse_source};
+use crate::duration;
+use crate::policy::{self, Policy};
+use crate::sidecar::{RunConfig, Sidecar};
+use crate::source::{SourceOptions, default_consumer_name};
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Consumer group every replica joins.
+    #[arg(long, env = "COURIER_GROUP", default_value = "courier")]
+    pub group: String,
+    /// This replica's name in the group [default: $POD_NAME, else the host name].
+    #[arg(long, env = "COURIER_CONSUMER")]
+    pub consumer: Option<String>,
+    /// Where the app listens; messages are POSTed here.
+    #[arg(long, env = "COURIER_APP", default_value = "http://127.0.0.1:8080/")]
+    pub app: String,
+    /// A RetryPolicy YAML document, reloaded when it changes.
+    #[arg(long, env = "COURIER_POLICY_FILE", conflicts_with = "policy")]
+    pub policy_file: Option<PathBuf>,
+    /// A RetryPolicy in the pod's namespace, watched and applied live.
+    #[arg(long, env = "COURIER_POLICY")]
+    pub policy: Option<String>,
+    /// Deliveries in flight at most.
+    #[arg(long, env = "COURIER_CONCURRENCY", default_value_t = 16)]
+    pub concurrency: usize,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "COURIER_LISTEN", default_value = "0.0.0.0:9464")]
+    pub listen: String,
+    /// On SIGTERM, how long in-flight deliveries may finish.
+    #[arg(long, env = "COURIER_DRAIN_TIMEOUT", default_value = "25s", value_parser = duration::parse_flag)]
+    pub drain_timeout: Duration,
+    /// Largest body offered to the app; larger ones are dead-lettered as undeliverable.
+    #[arg(long, env = "COURIER_MAX_BODY", default_value = "4MiB", value_parser = parse_size)]
+    pub max_body: usize,
+    /// An unsettled delivery is handed out again after this [default: policy timeout + 30s].
+    #[arg(long, env = "COURIER_VISIBILITY_TIMEOUT", value_parser = duration::parse_flag)]
+    pub visibility_timeout: Option<Duration>,
+    /// How often queue depths are read from the broker.
+    #[arg(long, env = "COURIER_DEPTH_INTERVAL", default_value = "15s", value_parser = duration::parse_flag)]
+    pub depth_interval: Duration,
+    /// While the app is down, probe it with GET on this path (e.g. /healthz)
+    /// instead of letting one delivery through.
+    #[arg(long, env = "COURIER_APP_HEALTH_PATH")]
+    pub app_health_path: Option<String>,
+    /// Consecutive 503s or timeouts that pause deliveries until the app
+    /// recovers (0: only a refused connection pauses them).
+    #[arg(long, env = "COURIER_APP_FAILURE_RUN", default_value_t = 5)]
+    pub app_failure_run: u32,
+    /// Remember acked messages this long (e.g. 10m) and ack a redelivery of
+    /// one without sending it to the app again. Off when not given.
+    #[arg(long, env = "COURIER_DEDUP_WINDOW", value_parser = duration::parse_flag)]
+    pub dedup_window: Option<Duration>,
+    /// Create the work queue when it is missing (AMQP: a durable classic queue; NATS: a stream
+    /// capturing the subject of the same name). Without it a missing queue is an error.
+    #[arg(long, env = "COURIER_CREATE")]
+    pub create: bool,
+}
+
+/// Checks every flag of `courier run` into the config the sidecar runs with.
+pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
+    let source = parse_source(&args.source.source)?;
+    check_queue(&args.source.queue)?;
+    let app = parse_app(&args.app)?;
+    if args.concurrency == 0 {
+        return Err(UsageError("--concurrency must be at least 1".into()));
+    }
+    let listen: SocketAddr = args.listen.parse().map_err(|_| {
+        UsageError(format!(
+            "--listen {:?} is not an address; write it like 0.0.0.0:9464",
+            args.listen
+        ))
+    })?;
+    let policy = match &args.policy_file {
+        Some(path) => policy::file::load(path).map_err(|e| UsageError(e.to_string()))?,
+        None => Policy::default(),
+    };
+    let policy_ref = args
+        .policy
+        .as_deref()
+        .map(policy::cluster::PolicyRef::from_env)
+        .transpose()
+        .map_err(UsageError)?;
+    let queue = args.source.queue.clone();
+    let visibility_timeout = args
+        .visibility_timeout
+        .unwrap_or(policy.timeout + Duration::from_secs(30));
+    if visibility_timeout <= policy.timeout {
+        return Err(UsageError(format!(
+            "--visibility-timeout {} must be longer than the policy timeout {}, or deliveries still in progress are handed out again",
+            duration::format(visibility_timeout),
+            duration::format(policy.timeout)
+        )));
+    }
+    let options = SourceOptions {
+        dead_letter_queue: policy.dead_letter_queue_for(&queue),
+        queue,
+        group: args.group.clone(),
+        consumer: args.consumer.clone().unwrap_or_else(default_consumer_name),
+        visibility_timeout,
+        create: args.create,
+        max_in_flight: args.concurrency,
+    };
+    Ok(RunConfig {
+        source,
+        options,
+        app,
+        policy,
+        policy_file: args.policy_file.clone(),
+        policy_ref,
+        policy_poll: Duration::from_secs(1),
+        concurrency: args.concurrency,
+        listen,
+        drain_timeout: args.drain_timeout,
+        max_body: args.max_body,
+        depth_interval: args.depth_interval,
+        app_health_path: args.app_health_path.clone(),
+        app_failure_run: args.app_failure_run,
+        dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
+    })
+}
+
+pub async fn run(config: RunConfig) -> anyhow::Result<ExitCode> {
+    let shutdown = CancellationToken::new();
+    // Listening for signals first: a SIGTERM during start-up drains too.
+    let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
+    let (addr, sidecar) = Sidecar::new(config).start(shutdown.clone()).await?;
+    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    let result = sidecar.await.context("the sidecar task failed")?;
+    signals.abort();
+    result.map(|_| ExitCode::SUCCESS)
+}
+
+/// SIGTERM (Kubernetes) or SIGINT (a terminal) starts the drain.
+async fn wait_for_signal(shutdown: CancellationToken) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+    }
+    shutdown.cancel();
+}

@@ -1,0 +1,42 @@
+//! The names of the fields a stored message is made of, the same on every
+//! broker: `payload` is the body, `courier-*` fields are courier's
+//! bookkeeping, every other field is a producer header.
+
+/// Field that carries the body.
+pub const PAYLOAD: &str = "payload";
+/// The broker id of the original message; kept across retries and replays.
+pub const F_MESSAGE_ID: &str = "courier-message-id";
+/// The attempt number of the next delivery.
+pub const F_ATTEMPT: &str = "courier-attempt";
+pub const F_FIRST_ATTEMPT_AT: &str = "courier-first-attempt-at";
+pub const F_LAST_ATTEMPT_AT: &str = "courier-last-attempt-at";
+pub const F_REASON: &str = "courier-reason";
+pub const F_STATUS: &str = "courier-status";
+pub const F_ERROR: &str = "courier-error";
+pub const F_ATTEMPTS: &str = "courier-attempts";
+pub const F_QUEUE: &str = "courier-queue";
+pub const F_EXCERPT: &str = "courier-response-excerpt";
+pub const F_POLICY: &str = "courier-policy";
+/// Deliveries since the message was last stored, for sources that count
+/// unsettled deliveries themselves (the embedded queue).
+pub const F_DELIVERIES: &str = "courier-deliveries";
+/// How often a message was sent back from the dead-letter queue.
+pub const F_REPLAYS: &str = "courier-replays";
+
+/// Bookkeeping that describes one stored copy and never outlives it.
+/// The dead-letter queue of `queue` when the policy names none:
+/// `<queue>.dlq`. Everything else asks
+/// `Policy::dead_letter_queue_for`, which falls back to this.
+pub fn default_dead_letter_queue(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
+pub(crate) fn is_transient_bookkeeping(name: &[u8]) -> bool {
+    matches!(
+        name,
+        b"courier-message-id"
+            | b"courier-attempt"
+            | b"courier-first-attempt-at"
+            | b"courier-deliveries"
+    )
+}

@@ -1,0 +1,291 @@
+//! A message, one delivery of it, and what a dead letter records.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+
+use super::fields::*;
+use super::outcome::DeadLetterReason;
+use super::time::{parse_time, rfc3339};
+
+// === Messages and deliveries ===
+
+/// A message as the app will see it: id, body, headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The broker's id of the original message.
+    pub id: String,
+    pub body: Bytes,
+    /// Producer headers, in the order they were stored.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Message {
+    /// A header by name, ignoring case.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One delivery of a message, with what the source needs to settle it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub message: Message,
+    /// 1 on the first delivery, +1 on each later one.
+    pub attempt: u32,
+    /// When the message was first offered to the app, if it has been.
+    pub first_attempt_at: Option<SystemTime>,
+    /// Why this entry cannot be offered to the app at all (a Redis entry
+    /// without `payload`, say); it is dead-lettered as `undeliverable`.
+    pub problem: Option<String>,
+    /// Source-specific handle used to settle this delivery.
+    pub receipt: String,
+    /// Every stored field, for sources that re-store the message on retry.
+    fields: Vec<(Bytes, Bytes)>,
+}
+
+impl Delivery {
+    /// Reads a stored message: `payload` is the body, `courier-*` fields are
+    /// bookkeeping, the rest are headers. `extra_attempts` counts deliveries
+    /// the broker made that courier never settled (a crash mid-flight).
+    pub fn from_fields(
+        fallback_id: &str,
+        fields: Vec<(Bytes, Bytes)>,
+        extra_attempts: u32,
+        receipt: String,
+    ) -> Self {
+        let mut body = None;
+        let mut id = None;
+        let mut attempt = 1u32;
+        let mut first_attempt_at = None;
+        let mut headers = Vec::new();
+        for (name, value) in &fields {
+            let name = String::from_utf8_lossy(name);
+            match name.as_ref() {
+                PAYLOAD => body = Some(value.clone()),
+                F_MESSAGE_ID => id = Some(String::from_utf8_lossy(value).into_owned()),
+                F_ATTEMPT => attempt = parse_text(value).unwrap_or(1).max(1),
+                F_FIRST_ATTEMPT_AT => first_attempt_at = parse_time(value),
+                n if n.to_ascii_lowercase().starts_with("courier-") => {}
+                _ => headers.push((
+                    name.into_owned(),
+                    String::from_utf8_lossy(value).into_owned(),
+                )),
+            }
+        }
+        let problem = body
+            .is_none()
+            .then(|| format!("the entry has no {PAYLOAD:?} field; a producer writes XADD <queue> * payload <body> [header value ...]"));
+        Self {
+            message: Message {
+                id: id.unwrap_or_else(|| fallback_id.to_string()),
+                body: body.unwrap_or_default(),
+                headers,
+            },
+            attempt: attempt.saturating_add(extra_attempts),
+            first_attempt_at,
+            problem,
+            receipt,
+            fields,
+        }
+    }
+
+    /// The fields to store when this message is scheduled for `next_attempt`.
+    pub fn fields_for_retry(
+        &self,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+    ) -> Vec<(Bytes, Bytes)> {
+        let mut out: Vec<(Bytes, Bytes)> = self
+            .fields
+            .iter()
+            .filter(|(n, _)| !is_transient_bookkeeping(n))
+            .cloned()
+            .collect();
+        out.push((F_MESSAGE_ID.into(), Bytes::from(self.message.id.clone())));
+        out.push((F_ATTEMPT.into(), Bytes::from(next_attempt.to_string())));
+        out.push((
+            F_FIRST_ATTEMPT_AT.into(),
+            Bytes::from(rfc3339(first_attempt_at)),
+        ));
+        out
+    }
+
+    /// The original fields plus the failure metadata: a dead letter.
+    pub fn fields_for_dead_letter(&self, failure: &Failure) -> Vec<(Bytes, Bytes)> {
+        let mut out: Vec<(Bytes, Bytes)> = self
+            .fields
+            .iter()
+            .filter(|(n, _)| !failure.names().any(|f| f.as_bytes() == n.as_ref()))
+            .filter(|(n, _)| !is_transient_bookkeeping(n))
+            .cloned()
+            .collect();
+        out.extend(
+            failure
+                .fields()
+                .map(|(n, v)| (Bytes::from_static(n.as_bytes()), Bytes::from(v))),
+        );
+        out
+    }
+}
+
+fn parse_text<T: std::str::FromStr>(value: &[u8]) -> Option<T> {
+    std::str::from_utf8(value).ok()?.trim().parse().ok()
+}
+
+// === Failures and dead letters ===
+
+/// Everything a dead letter records about why it could not be delivered.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub reason: DeadLetterReason,
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    pub attempts: u32,
+    pub first_attempt_at: SystemTime,
+    pub last_attempt_at: SystemTime,
+    pub queue: String,
+    pub message_id: String,
+    pub excerpt: Bytes,
+    /// `name@generation`.
+    pub policy: String,
+    /// Where the dead letter goes (`<queue>.dlq` unless the policy says).
+    pub dead_letter_queue: String,
+}
+
+impl Failure {
+    fn names(&self) -> impl Iterator<Item = &'static str> {
+        [
+            F_REASON,
+            F_STATUS,
+            F_ERROR,
+            F_ATTEMPTS,
+            F_FIRST_ATTEMPT_AT,
+            F_LAST_ATTEMPT_AT,
+            F_QUEUE,
+            F_MESSAGE_ID,
+            F_EXCERPT,
+            F_POLICY,
+        ]
+        .into_iter()
+    }
+
+    /// The `courier-*` fields of a dead letter, the same for every source.
+    pub fn fields(&self) -> impl Iterator<Item = (&'static str, String)> {
+        let values = [
+            self.reason.as_str().to_string(),
+            self.status.map(|s| s.to_string()).unwrap_or_default(),
+            self.error.clone().unwrap_or_default(),
+            self.attempts.to_string(),
+            rfc3339(self.first_attempt_at),
+            rfc3339(self.last_attempt_at),
+            self.queue.clone(),
+            self.message_id.clone(),
+            String::from_utf8_lossy(&self.excerpt).into_owned(),
+            self.policy.clone(),
+        ];
+        self.names().zip(values)
+    }
+}
+
+/// A dead letter as read back from a dead-letter queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The dead-letter queue's own id of this entry.
+    pub id: String,
+    pub body: Bytes,
+    /// `courier-*` fields and the original headers, as stored.
+    pub fields: Vec<(String, String)>,
+}
+
+impl DeadLetter {
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The fields of the fresh message a replay writes to the work queue:
+    /// body and original headers, the original message id (so the app sees
+    /// the same Idempotency-Key), `courier-replays` + 1, and no failure
+    /// record, so the attempt count starts again at 1.
+    pub fn fields_for_replay(&self) -> Vec<(Bytes, Bytes)> {
+        let replays: u32 = self
+            .field(F_REPLAYS)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let mut out = vec![(Bytes::from_static(PAYLOAD.as_bytes()), self.body.clone())];
+        out.extend(
+            self.fields
+                .iter()
+                .filter(|(n, _)| !n.to_ascii_lowercase().starts_with("courier-"))
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        if let Some(id) = self.field(F_MESSAGE_ID) {
+            out.push((F_MESSAGE_ID.into(), Bytes::from(id.to_string())));
+        }
+        out.push((F_REPLAYS.into(), Bytes::from((replays + 1).to_string())));
+        out
+    }
+
+    pub fn from_fields(id: String, fields: Vec<(Bytes, Bytes)>) -> Self {
+        let mut body = Bytes::new();
+        let mut out = Vec::new();
+        for (name, value) in fields {
+            if name.as_ref() == PAYLOAD.as_bytes() {
+                body = value;
+            } else {
+                out.push((
+                    String::from_utf8_lossy(&name).into_owned(),
+                    String::from_utf8_lossy(&value).into_owned(),
+                ));
+            }
+        }
+        Self {
+            id,
+            body,
+            fields: out,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_without_payload_is_a_problem_not_a_message() {
+        let d = Delivery::from_fields(
+            "1-0",
+            vec![("content-type".into(), "text/plain".into())],
+            0,
+            "r".into(),
+        );
+        assert!(d.problem.is_some());
+        assert_eq!(d.message.id, "1-0");
+    }
+
+    #[test]
+    fn retry_fields_keep_the_original_id_and_count_attempts() {
+        let d = Delivery::from_fields(
+            "5-0",
+            vec![
+                ("payload".into(), "x".into()),
+                ("traceparent".into(), "00-a-b-01".into()),
+            ],
+            0,
+            "r".into(),
+        );
+        let fields = d.fields_for_retry(2, SystemTime::UNIX_EPOCH);
+        let again = Delivery::from_fields("9-0", fields, 0, "r2".into());
+        assert_eq!(again.message.id, "5-0");
+        assert_eq!(again.attempt, 2);
+        assert_eq!(again.message.body, Bytes::from("x"));
+        assert_eq!(again.message.header("traceparent"), Some("00-a-b-01"));
+        assert_eq!(again.first_attempt_at, Some(SystemTime::UNIX_EPOCH));
+    }
+}

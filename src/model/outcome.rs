@@ -1,0 +1,124 @@
+//! What happened when a message was offered to the app ([`Outcome`]), what
+//! that means ([`Class`]), and why a message is dead-lettered
+//! ([`DeadLetterReason`]). `forward` makes outcomes, `policy` classifies
+//! them; every other layer only reads these names.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+/// How much of the app's answer body is kept for `courier-response-excerpt`.
+pub const EXCERPT_LIMIT: usize = 1024;
+
+/// What happened when a message was offered to the app.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The app answered with a status.
+    Answered {
+        status: u16,
+        /// A valid `Retry-After`, already turned into a delay.
+        retry_after: Option<Duration>,
+        /// `Retry-After` was present but unreadable (ignored, and counted).
+        retry_after_invalid: bool,
+        /// The first [`EXCERPT_LIMIT`] bytes of the answer body.
+        excerpt: Bytes,
+    },
+    /// No answer within the policy's timeout.
+    Timeout,
+    /// Connection refused or reset before any answer.
+    Unreachable { error: String },
+    /// The message could not be offered at all (too large, malformed).
+    Undeliverable { error: String },
+}
+
+impl Outcome {
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Self::Answered { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    pub fn error(&self) -> Option<String> {
+        match self {
+            Self::Answered { .. } => None,
+            Self::Timeout => Some("timeout".into()),
+            Self::Unreachable { error } | Self::Undeliverable { error } => Some(error.clone()),
+        }
+    }
+
+    pub fn excerpt(&self) -> Bytes {
+        match self {
+            Self::Answered { excerpt, .. } => excerpt.clone(),
+            _ => Bytes::new(),
+        }
+    }
+}
+
+/// What an outcome means; also the `result` label of `courier_deliveries_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    Success,
+    Transient,
+    Permanent,
+    Timeout,
+    Unreachable,
+    /// The message could not be sent at all (too large, malformed).
+    Undeliverable,
+}
+
+impl Class {
+    /// Every class that is the `result` of a delivery the app was offered.
+    pub const RESULTS: [Class; 5] = [
+        Self::Success,
+        Self::Transient,
+        Self::Permanent,
+        Self::Timeout,
+        Self::Unreachable,
+    ];
+
+    /// The `result` labels of [`Class::RESULTS`].
+    pub fn result_labels() -> Vec<&'static str> {
+        Self::RESULTS.iter().map(|c| c.as_str()).collect()
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Success => "success",
+            Self::Transient => "transient",
+            Self::Permanent => "permanent",
+            Self::Timeout => "timeout",
+            Self::Unreachable => "unreachable",
+            Self::Undeliverable => "undeliverable",
+        }
+    }
+}
+
+/// Why a message went to the dead-letter queue (`courier-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterReason {
+    PermanentStatus,
+    AttemptsExhausted,
+    Undeliverable,
+}
+
+impl DeadLetterReason {
+    pub const ALL: [DeadLetterReason; 3] = [
+        Self::PermanentStatus,
+        Self::AttemptsExhausted,
+        Self::Undeliverable,
+    ];
+
+    /// The `reason` labels of every reason.
+    pub fn labels() -> Vec<&'static str> {
+        Self::ALL.iter().map(|r| r.as_str()).collect()
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PermanentStatus => "permanent-status",
+            Self::AttemptsExhausted => "attempts-exhausted",
+            Self::Undeliverable => "undeliverable",
+        }
+    }
+}

@@ -335,6 +335,12 @@ impl Policy {
             .unwrap_or_else(|| default_dead_letter_queue(queue))
     }
 
+    /// Hand-outs without a settlement after which a message is a poison
+    /// pill: `maxAttempts + 2`, room for a crash or two of courier itself.
+    pub fn max_deliveries(&self) -> u32 {
+        self.max_attempts.saturating_add(2)
+    }
+
     /// `name@generation`, the value of the `courier-policy` dead-letter field.
     pub fn label(&self) -> String {
         format!("{}@{}", self.name, self.generation)

@@ -14,6 +14,7 @@ pub mod embedded;
 pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
+mod shared;
 mod wire;
 
 use std::fmt;
@@ -90,6 +91,36 @@ pub struct SourceOptions {
     /// Deliveries this replica has in flight at most (`--concurrency`);
     /// brokers that push (AMQP) prefetch this many.
     pub max_in_flight: usize,
+    /// A message handed out more than this many times without being
+    /// settled is a poison pill: dead-lettered as `undeliverable` by the
+    /// broker's own delivery counter, before it is loaded where the broker
+    /// allows (the policy's `maxAttempts + 2`).
+    pub max_deliveries: u32,
+}
+
+/// What a live policy change means to an open source: the values it
+/// started with, updated. A source knows no policy; the sidecar derives
+/// these from the current one and hands them over on every change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveSettings {
+    /// [`SourceOptions::visibility_timeout`].
+    pub visibility_timeout: Duration,
+    /// [`SourceOptions::dead_letter_queue`]: where depth is read and
+    /// dead letters are browsed.
+    pub dead_letter_queue: String,
+    /// [`SourceOptions::max_deliveries`].
+    pub max_deliveries: u32,
+}
+
+impl SourceOptions {
+    /// The live part of these options.
+    pub fn live(&self) -> LiveSettings {
+        LiveSettings {
+            visibility_timeout: self.visibility_timeout,
+            dead_letter_queue: self.dead_letter_queue.clone(),
+            max_deliveries: self.max_deliveries,
+        }
+    }
 }
 
 impl SourceOptions {
@@ -102,6 +133,7 @@ impl SourceOptions {
             dead_letter_queue: crate::model::default_dead_letter_queue(queue),
             create: false,
             max_in_flight: 16,
+            max_deliveries: 7,
         }
     }
 }
@@ -173,6 +205,26 @@ pub trait Source: Send + Sync + 'static {
     async fn was_acked(&self, key: &str) -> Result<bool, SourceError> {
         let _ = key;
         Ok(false)
+    }
+    /// Refuses settings this source cannot work with (a Redis Cluster
+    /// dead-letter queue outside the work stream's hash slot), saying why;
+    /// the policy change that asked for them is then refused as a whole.
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        let _ = settings;
+        Ok(())
+    }
+    /// Takes new settings (a live policy change); what is in flight keeps
+    /// running.
+    fn apply(&self, settings: &LiveSettings) {
+        let _ = settings;
+    }
+    /// Keeps deliveries still in flight claimed by this consumer, so that
+    /// the broker does not hand them to another while the app works on
+    /// them (Redis: reset their idle time; embedded: extend the lease;
+    /// JetStream: in-progress). Called well within the visibility timeout.
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        let _ = in_flight;
+        Ok(())
     }
     /// Flushes what is buffered (pipelined acks) before the process exits.
     async fn close(&self) {}

@@ -62,6 +62,7 @@ use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 use tokio::sync::mpsc;
 
+use super::shared::{F_RETRY_AT, RECEIVE_WAIT, replace, without};
 use super::{Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
 use crate::duration;
 use crate::model::{
@@ -69,8 +70,6 @@ use crate::model::{
     rfc3339,
 };
 
-/// How long one `receive` waits for a first message.
-const WAIT: Duration = Duration::from_secs(1);
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest frame courier proposes (RabbitMQ's default is 128 KiB). lapin
@@ -80,8 +79,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// they are 1 MiB at most. A bigger body is split into more frames, 8 bytes
 /// of overhead each. `?frame_max=` in `--source` overrides it.
 const FRAME_MAX: u32 = 16 * 1024;
-/// Header with the time a retry is due, for delays beyond the longest tier.
-const F_RETRY_AT: &str = "courier-retry-at";
 const CONTENT_TYPE: &str = "content-type";
 
 /// Delay tiers: each is at most 2.5 times the one before, so a retry is late
@@ -337,19 +334,6 @@ fn message_for(
         }
     }
     (body, props.with_headers(headers))
-}
-
-fn without(fields: Vec<(Bytes, Bytes)>, name: &str) -> Vec<(Bytes, Bytes)> {
-    fields
-        .into_iter()
-        .filter(|(n, _)| n.as_ref() != name.as_bytes())
-        .collect()
-}
-
-fn replace(mut fields: Vec<(Bytes, Bytes)>, name: &str, value: String) -> Vec<(Bytes, Bytes)> {
-    fields.retain(|(n, _)| n.as_ref() != name.as_bytes());
-    fields.push((Bytes::copy_from_slice(name.as_bytes()), Bytes::from(value)));
-    fields
 }
 
 /// A stable id for a dead letter someone else wrote without a `message_id`.
@@ -1130,7 +1114,7 @@ impl Source for AmqpSource {
                     "the consumer is not running".into(),
                 ));
             };
-            match tokio::time::timeout(WAIT, rx.recv()).await {
+            match tokio::time::timeout(RECEIVE_WAIT, rx.recv()).await {
                 Err(_) => return Ok(Vec::new()),
                 Ok(None) => {
                     session.broken.store(true, Ordering::SeqCst);

@@ -43,6 +43,7 @@ use redb::{
 };
 use tokio::sync::oneshot;
 
+use super::shared::{self, RECEIVE_WAIT};
 use super::{
     Broker, Capabilities, Depth, Source, SourceError, SourceOptions, SourceUrl, decode_fields,
     encode_fields,
@@ -55,8 +56,6 @@ const META: TableDefinition<'_, &str, u64> = TableDefinition::new("meta");
 /// Idempotency key -> ms until which its ack is remembered.
 type AckedTable<'a> = TableDefinition<'a, &'static str, u64>;
 const SEQ: &str = "seq";
-/// How long one receive waits when nothing is due.
-const WAIT: Duration = Duration::from_secs(1);
 /// A waiting receive is tried again at least this often. Every change goes
 /// through the writer, which tries waiting receives after each transaction
 /// and at the next due time, so this only covers what the writer cannot
@@ -1224,10 +1223,7 @@ fn take_deliveries(fields: &mut Vec<(Bytes, Bytes)>) -> u32 {
 }
 
 fn not_there(table: &str, id: u64) -> SourceError {
-    SourceError::Invalid(format!(
-        "dead letter {id} is not in {} (already replayed or purged?)",
-        table.trim_start_matches("dlq/")
-    ))
+    shared::not_there(table.trim_start_matches("dlq/"), &id.to_string())
 }
 
 fn parse_dead_letter_id(id: &str) -> Result<u64, SourceError> {
@@ -1266,7 +1262,7 @@ impl Source for EmbeddedSource {
                 tables,
                 max,
                 visibility,
-                deadline: now + WAIT,
+                deadline: now + RECEIVE_WAIT,
                 next_try: now,
                 reply,
             })

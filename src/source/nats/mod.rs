@@ -74,15 +74,12 @@ use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
 use tokio::time::Instant;
 
+use super::shared::{F_RETRY_AT, RECEIVE_WAIT, not_there, replace};
 use super::{Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
 use crate::model::{
     DeadLetter, Delivery, F_FIRST_ATTEMPT_AT, Failure, PAYLOAD, parse_time, rfc3339,
 };
 
-/// How long one `receive` waits for a first message.
-const WAIT: Duration = Duration::from_secs(1);
-/// When a copy that must wait is due; its first delivery only waits.
-const F_RETRY_AT: &str = "courier-retry-at";
 /// The subject a message was published to; kept in dead letters for replay.
 const F_SUBJECT: &str = "courier-subject";
 
@@ -202,12 +199,6 @@ fn field<'a>(fields: &'a [(Bytes, Bytes)], name: &str) -> Option<&'a str> {
         .iter()
         .find(|(n, _)| n.as_ref() == name.as_bytes())
         .and_then(|(_, v)| std::str::from_utf8(v).ok())
-}
-
-fn replace(mut fields: Vec<(Bytes, Bytes)>, name: &str, value: String) -> Vec<(Bytes, Bytes)> {
-    fields.retain(|(n, _)| n.as_ref() != name.as_bytes());
-    fields.push((Bytes::copy_from_slice(name.as_bytes()), Bytes::from(value)));
-    fields
 }
 
 fn unavailable(e: impl std::fmt::Display) -> SourceError {
@@ -774,12 +765,6 @@ impl NatsSource {
     }
 }
 
-fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
-    SourceError::Invalid(format!(
-        "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
-    ))
-}
-
 #[async_trait]
 impl Source for NatsSource {
     fn capabilities(&self) -> Capabilities {
@@ -815,7 +800,7 @@ impl Source for NatsSource {
             if limits.max_batch > 0 {
                 max = max.min(limits.max_batch as usize);
             }
-            let mut wait = WAIT;
+            let mut wait = RECEIVE_WAIT;
             if !limits.max_expires.is_zero() {
                 wait = wait.min(limits.max_expires);
             }

@@ -2,7 +2,7 @@
 //!
 //! - The work stream is `--queue`, read by the consumer group `--group` with
 //!   blocking `XREADGROUP` in batches on a connection of its own (a shared
-//!   multiplexed connection would time out a long `BLOCK`).
+//!   multiplexed connection would time out a long `RECEIVE_WAIT`).
 //! - Acks are pipelined: concurrent acks become one `XACK` with many ids.
 //! - A retry is the message's fields stored in the sorted set
 //!   `<queue>.retry` (score = due time in ms) and the `XACK`, in one MULTI. A
@@ -26,13 +26,12 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
 use tokio::sync::Mutex;
 
+use super::shared::{RECEIVE_WAIT, not_there};
 use super::{
     Batcher, Broker, Capabilities, Depth, Source, SourceError, SourceOptions, encode_fields,
 };
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
 
-/// How long one `XREADGROUP` waits for new entries.
-const BLOCK: Duration = Duration::from_secs(1);
 /// How often due retries are moved back, and reclaiming is checked.
 const MOVE_INTERVAL: Duration = Duration::from_millis(50);
 const MOVE_BATCH: usize = 500;
@@ -57,12 +56,6 @@ if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[1], '*', unpack(cmsgpack.unpack(ARGV[2])))
 return 1
 ";
-
-fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
-    SourceError::Invalid(format!(
-        "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
-    ))
-}
 
 /// Redis Streams: `redis://host:port/db` (`rediss://` for TLS).
 pub const BROKER: Broker = Broker {
@@ -127,7 +120,7 @@ impl RedisSource {
             .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
         let reader = client
             .get_connection_manager_with_config(
-                base.set_response_timeout(Some(BLOCK + Duration::from_secs(10))),
+                base.set_response_timeout(Some(RECEIVE_WAIT + Duration::from_secs(10))),
             )
             .await
             .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
@@ -467,8 +460,8 @@ impl Source for RedisSource {
             .arg(&self.options.consumer)
             .arg("COUNT")
             .arg(max)
-            .arg("BLOCK")
-            .arg(BLOCK.as_millis() as u64)
+            .arg("RECEIVE_WAIT")
+            .arg(RECEIVE_WAIT.as_millis() as u64)
             .arg("STREAMS")
             .arg(&self.options.queue)
             .arg(">")

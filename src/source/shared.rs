@@ -1,0 +1,59 @@
+//! What every broker folder needs the same way: the wait of one receive,
+//! editing a stored field list, and the error for a dead letter that is gone.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::SourceError;
+
+/// How long one `receive` waits for a first message when none is ready.
+pub const RECEIVE_WAIT: Duration = Duration::from_secs(1);
+
+/// The field with the time a stored copy is due, for brokers that cannot
+/// delay one message exactly and hold it until then.
+pub const F_RETRY_AT: &str = "courier-retry-at";
+
+/// `fields` without any field called `name`.
+pub fn without(fields: Vec<(Bytes, Bytes)>, name: &str) -> Vec<(Bytes, Bytes)> {
+    fields
+        .into_iter()
+        .filter(|(n, _)| n.as_ref() != name.as_bytes())
+        .collect()
+}
+
+/// `fields` with `name` set to `value`, once.
+pub fn replace(fields: Vec<(Bytes, Bytes)>, name: &str, value: String) -> Vec<(Bytes, Bytes)> {
+    let mut fields = without(fields, name);
+    fields.push((Bytes::copy_from_slice(name.as_bytes()), Bytes::from(value)));
+    fields
+}
+
+/// A dead letter asked for by id that is not (any longer) there.
+pub fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
+    SourceError::Invalid(format!(
+        "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replace_sets_a_field_once() {
+        let fields = vec![
+            (Bytes::from("a"), Bytes::from("1")),
+            (Bytes::from("b"), Bytes::from("2")),
+            (Bytes::from("a"), Bytes::from("3")),
+        ];
+        let out = replace(fields, "a", "9".into());
+        assert_eq!(
+            out,
+            vec![
+                (Bytes::from("b"), Bytes::from("2")),
+                (Bytes::from("a"), Bytes::from("9")),
+            ]
+        );
+    }
+}

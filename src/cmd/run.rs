@@ -114,6 +114,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         visibility_timeout,
         create: args.create,
         max_in_flight: args.concurrency,
+        max_deliveries: policy.max_deliveries(),
     };
     Ok(RunConfig {
         source,

@@ -24,6 +24,16 @@ pub const F_DELIVERIES: &str = "courier-deliveries";
 pub const F_REPLAYS: &str = "courier-replays";
 
 /// Bookkeeping that describes one stored copy and never outlives it.
+/// The age of a dead letter written at `dead_lettered_at` (its
+/// `courier-last-attempt-at`), as `courier_dlq_oldest_age_seconds` reports it
+/// on every broker: a clock that went backwards reads as zero.
+pub fn dead_letter_age(
+    dead_lettered_at: std::time::SystemTime,
+    now: std::time::SystemTime,
+) -> std::time::Duration {
+    now.duration_since(dead_lettered_at).unwrap_or_default()
+}
+
 /// The dead-letter queue of `queue` when the policy names none:
 /// `<queue>.dlq`. Everything else asks
 /// `Policy::dead_letter_queue_for`, which falls back to this.

@@ -202,6 +202,13 @@ pub struct DeadLetter {
 }
 
 impl DeadLetter {
+    /// When it was dead-lettered: its `courier-last-attempt-at`. The age of
+    /// the oldest dead letter (`courier_dlq_oldest_age_seconds`) is the time
+    /// since this, on every broker.
+    pub fn dead_lettered_at(&self) -> Option<SystemTime> {
+        parse_time(self.field(F_LAST_ATTEMPT_AT)?.as_bytes())
+    }
+
     pub fn field(&self, name: &str) -> Option<&str> {
         self.fields
             .iter()

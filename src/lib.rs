@@ -1,24 +1,29 @@
 //! courier: a consumer sidecar that pulls messages from a broker, POSTs each
 //! one to the application over localhost HTTP, and settles it from the answer.
 //!
-//! How the code is laid out, in the order a message travels:
+//! How the code is laid out, in the order a message travels
+//! (docs/architecture.md draws it and says who may import whom):
 //!
-//! - [`source`]: one trait ([`source::Source`]) and one file per broker
-//!   (Redis Streams, the embedded redb queue). Receive, ack, retry-at,
-//!   dead-letter, depth.
+//! - [`model`]: the words every layer shares: [`model::Message`],
+//!   [`model::Delivery`], [`model::Outcome`], [`model::Class`],
+//!   [`model::DeadLetterReason`], the stored field names. A leaf.
+//! - [`source`]: one trait ([`source::Source`]), the broker table
+//!   ([`source::BROKERS`]) and one folder per broker (`source/<broker>/`,
+//!   each a cargo feature). Receive, ack, retry-at, dead-letter, depth.
 //! - [`forward`]: the pooled HTTP client to the app. Builds the request and
-//!   classifies the answer into an [`forward::Outcome`]; nothing else looks
-//!   at raw HTTP answers.
+//!   turns the answer into an [`model::Outcome`]; nothing else looks at raw
+//!   HTTP answers.
 //! - [`policy`]: the RetryPolicy document (also the CRD), its validation,
 //!   the live policy (a file reloaded, or the cluster's object watched), and
-//!   the pure decision `decide(policy, outcome, attempt)`.
-//! - [`dispatch`]: concurrency, in-flight tracking, settling and the
-//!   graceful drain.
+//!   the pure decision [`policy::decide`].
+//! - [`dispatch`]: the one join: concurrency, the app-health gate, settling
+//!   and the graceful drain.
 //! - [`telemetry`]: Prometheus metrics, `/metrics`, `/healthz`, `/readyz`,
-//!   logging set-up.
-//! - [`config`] and [`cli`]: flags and `COURIER_*` variables, validated once.
-//! - [`demo`]: everything on the embedded source with a sample app.
+//!   logging set-up. A leaf: it takes labels, not courier's types.
+//! - [`sidecar`]: wires one run of the pipeline together.
 //! - [`inject`]: the admission webhook that adds the sidecar to pods.
+//! - [`cmd`]: the commands (`run`, `send`, `demo`, `dlq`, `inject`, `crd`),
+//!   their flags and exit codes; `main.rs` only calls [`cmd::main`].
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 

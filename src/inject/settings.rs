@@ -1,0 +1,397 @@
+//! What the injector knows before it sees a pod: the names it uses, the
+//! annotations it reads, the defaults every sidecar gets, and how one pod's
+//! annotations become checked [`Settings`].
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::duration;
+use crate::source::{BROKERS, redact, url_forms};
+
+// === Names ===
+
+/// The label that opts a pod in; the webhook configuration selects on it.
+pub const INJECT_LABEL: &str = "courier.dev/inject";
+/// The injected container's name, and how an injected pod is recognised.
+pub const CONTAINER_NAME: &str = "courier";
+/// The sidecar's metrics port name, for probes and PodMonitors.
+pub const METRICS_PORT_NAME: &str = "courier-metrics";
+/// Where Kubernetes mounts the service account token.
+pub(super) const TOKEN_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// The UID and GID of the image's non-root user (distroless `nonroot`).
+pub(super) const SIDECAR_UID: i64 = 65532;
+/// Added to the drain timeout for the pod's grace period: time to stop the
+/// HTTP server and close the broker connection after the drain.
+pub(super) const GRACE_MARGIN: Duration = Duration::from_secs(5);
+/// Kubernetes' own default `terminationGracePeriodSeconds`.
+pub(super) const DEFAULT_GRACE_SECONDS: i64 = 30;
+
+/// The pod annotations the injector reads.
+pub mod annotations {
+    /// Broker URL (`redis://…`, `amqp://…`, `nats://…`); or use `SOURCE_SECRET`.
+    pub const SOURCE: &str = "courier.dev/source";
+    /// Name of a Secret in the pod's namespace holding the broker URL.
+    pub const SOURCE_SECRET: &str = "courier.dev/source-secret";
+    /// The key in that Secret; `url` when not given.
+    pub const SOURCE_SECRET_KEY: &str = "courier.dev/source-secret-key";
+    /// Queue (stream, subject) to consume. Required.
+    pub const QUEUE: &str = "courier.dev/queue";
+    /// Consumer group; courier's default (`courier`) when not given.
+    pub const GROUP: &str = "courier.dev/group";
+    /// Port the app listens on, on localhost.
+    pub const APP_PORT: &str = "courier.dev/app-port";
+    /// Full app URL, instead of `APP_PORT`.
+    pub const APP_URL: &str = "courier.dev/app-url";
+    /// Name of the RetryPolicy in the pod's namespace.
+    pub const POLICY: &str = "courier.dev/policy";
+    /// Deliveries in flight at most.
+    pub const CONCURRENCY: &str = "courier.dev/concurrency";
+    /// How long in-flight deliveries may finish on shutdown (`25s`).
+    pub const DRAIN_TIMEOUT: &str = "courier.dev/drain-timeout";
+    /// Port of `/metrics`, `/healthz`, `/readyz` (9464).
+    pub const METRICS_PORT: &str = "courier.dev/metrics-port";
+    /// Log level or filter of the sidecar.
+    pub const LOG_LEVEL: &str = "courier.dev/log-level";
+    /// `true` or `false`: overrides the injector's `--native-sidecars`.
+    pub const NATIVE_SIDECAR: &str = "courier.dev/native-sidecar";
+    pub const CPU_REQUEST: &str = "courier.dev/cpu-request";
+    pub const MEMORY_REQUEST: &str = "courier.dev/memory-request";
+    pub const CPU_LIMIT: &str = "courier.dev/cpu-limit";
+    pub const MEMORY_LIMIT: &str = "courier.dev/memory-limit";
+}
+
+// === Defaults (the injector's flags) ===
+
+pub const DEFAULT_IMAGE: &str = concat!("courier:", env!("CARGO_PKG_VERSION"));
+pub const DEFAULT_CPU_REQUEST: &str = "50m";
+pub const DEFAULT_MEMORY_REQUEST: &str = "64Mi";
+pub const DEFAULT_MEMORY_LIMIT: &str = "256Mi";
+pub const DEFAULT_METRICS_PORT: u16 = 9464;
+/// courier run's own default `--drain-timeout`.
+pub(super) const DEFAULT_DRAIN: Duration = Duration::from_secs(25);
+
+/// What every injected sidecar gets unless the pod's annotations say
+/// otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SidecarDefaults {
+    pub image: String,
+    pub image_pull_policy: String,
+    pub native_sidecars: bool,
+    pub resources: Resources,
+    /// `json` or `human`.
+    pub log_format: String,
+}
+
+/// Requests and limits; `None` leaves one out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub cpu_request: Option<String>,
+    pub memory_request: Option<String>,
+    pub cpu_limit: Option<String>,
+    pub memory_limit: Option<String>,
+}
+
+impl Default for SidecarDefaults {
+    fn default() -> Self {
+        Self {
+            image: DEFAULT_IMAGE.into(),
+            image_pull_policy: "IfNotPresent".into(),
+            native_sidecars: false,
+            resources: Resources {
+                cpu_request: Some(DEFAULT_CPU_REQUEST.into()),
+                memory_request: Some(DEFAULT_MEMORY_REQUEST.into()),
+                cpu_limit: None,
+                memory_limit: Some(DEFAULT_MEMORY_LIMIT.into()),
+            },
+            log_format: "json".into(),
+        }
+    }
+}
+
+// === One pod's settings ===
+
+/// The sidecar's settings, read from the pod's annotations and checked.
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    pub(super) source: SourceSetting,
+    pub(super) queue: String,
+    pub(super) group: Option<String>,
+    pub(super) app: Option<String>,
+    pub(super) policy: Option<String>,
+    pub(super) concurrency: Option<usize>,
+    pub(super) drain: Option<Duration>,
+    pub(super) metrics_port: u16,
+    pub(super) log_level: Option<String>,
+    pub(super) native: bool,
+    pub(super) resources: Resources,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum SourceSetting {
+    Url(String),
+    Secret { name: String, key: String },
+}
+
+/// Reads every annotation and collects every problem, so that one denial
+/// names all that needs fixing.
+pub(super) fn read_settings(
+    given: &BTreeMap<String, String>,
+    defaults: &SidecarDefaults,
+) -> Result<Settings, Vec<String>> {
+    use annotations as a;
+    let get = |key: &str| given.get(key).map(|v| v.trim()).filter(|v| !v.is_empty());
+    let mut problems = Vec::new();
+
+    let mut missing = Vec::new();
+    let queue = get(a::QUEUE);
+    if queue.is_none() {
+        missing.push(a::QUEUE.to_string());
+    }
+    let source = match (get(a::SOURCE), get(a::SOURCE_SECRET)) {
+        (Some(_), Some(_)) => {
+            problems.push(format!(
+                "{} and {} are both set; keep one",
+                a::SOURCE,
+                a::SOURCE_SECRET
+            ));
+            None
+        }
+        (Some(url), None) => match check_source(url) {
+            Ok(()) => Some(SourceSetting::Url(url.to_string())),
+            Err(e) => {
+                problems.push(format!("{}: {e}", a::SOURCE));
+                None
+            }
+        },
+        (None, Some(name)) => Some(SourceSetting::Secret {
+            name: name.to_string(),
+            key: get(a::SOURCE_SECRET_KEY).unwrap_or("url").to_string(),
+        }),
+        (None, None) => {
+            missing.push(format!("{} (or {})", a::SOURCE, a::SOURCE_SECRET));
+            None
+        }
+    };
+    if !missing.is_empty() {
+        problems.insert(
+            0,
+            format!(
+                "missing annotation{} {}",
+                plural(missing.len()),
+                missing.join(", ")
+            ),
+        );
+    }
+
+    let app = match (get(a::APP_PORT), get(a::APP_URL)) {
+        (Some(_), Some(_)) => {
+            problems.push(format!(
+                "{} and {} are both set; keep one",
+                a::APP_PORT,
+                a::APP_URL
+            ));
+            None
+        }
+        (Some(port), None) => match parse_port(port) {
+            Some(port) => Some(format!("http://127.0.0.1:{port}/")),
+            None => {
+                problems.push(format!("{} {port:?} is not a port (1-65535)", a::APP_PORT));
+                None
+            }
+        },
+        (None, Some(url)) => match check_app_url(url) {
+            Ok(()) => Some(url.to_string()),
+            Err(e) => {
+                problems.push(format!("{}: {e}", a::APP_URL));
+                None
+            }
+        },
+        (None, None) => None,
+    };
+    let concurrency = get(a::CONCURRENCY).and_then(|v| match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Some(n),
+        _ => {
+            problems.push(format!(
+                "{} {v:?} is not a whole number of at least 1",
+                a::CONCURRENCY
+            ));
+            None
+        }
+    });
+    let drain = get(a::DRAIN_TIMEOUT).and_then(|v| match duration::parse(v) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            problems.push(format!("{} {v:?}: {e}", a::DRAIN_TIMEOUT));
+            None
+        }
+    });
+    let metrics_port = match get(a::METRICS_PORT) {
+        None => DEFAULT_METRICS_PORT,
+        Some(v) => parse_port(v).unwrap_or_else(|| {
+            problems.push(format!("{} {v:?} is not a port (1-65535)", a::METRICS_PORT));
+            DEFAULT_METRICS_PORT
+        }),
+    };
+    let native = match get(a::NATIVE_SIDECAR) {
+        None => defaults.native_sidecars,
+        Some("true") => true,
+        Some("false") => false,
+        Some(v) => {
+            problems.push(format!("{} {v:?} is not true or false", a::NATIVE_SIDECAR));
+            defaults.native_sidecars
+        }
+    };
+    let mut quantity = |key: &str, default: &Option<String>| match get(key) {
+        None => default.clone(),
+        Some(v) if is_quantity(v) => Some(v.to_string()),
+        Some(v) => {
+            problems.push(format!(
+                "{key} {v:?} is not a Kubernetes quantity (like 100m, 64Mi or 1)"
+            ));
+            None
+        }
+    };
+    let d = &defaults.resources;
+    let resources = Resources {
+        cpu_request: quantity(a::CPU_REQUEST, &d.cpu_request),
+        memory_request: quantity(a::MEMORY_REQUEST, &d.memory_request),
+        cpu_limit: quantity(a::CPU_LIMIT, &d.cpu_limit),
+        memory_limit: quantity(a::MEMORY_LIMIT, &d.memory_limit),
+    };
+
+    match (queue, source) {
+        (Some(queue), Some(source)) if problems.is_empty() => Ok(Settings {
+            source,
+            queue: queue.to_string(),
+            group: get(a::GROUP).map(str::to_string),
+            app,
+            policy: get(a::POLICY).map(str::to_string),
+            concurrency,
+            drain,
+            metrics_port,
+            log_level: get(a::LOG_LEVEL).map(str::to_string),
+            native,
+            resources,
+        }),
+        _ => Err(problems),
+    }
+}
+
+/// The scheme of a `courier.dev/source` URL must name a broker of this
+/// build. Only the scheme: the rest of the URL is the sidecar's to check
+/// when it starts, so the injector loads no broker code and a broker's URL
+/// rules live in one place. What is echoed back is redacted, because the
+/// denial reaches `kubectl` and the API server's logs.
+pub(super) fn check_source(url: &str) -> Result<(), String> {
+    let supported = || format!("use {}", url_forms());
+    let scheme = match url.split_once(':') {
+        Some((scheme, rest)) if !scheme.is_empty() && !rest.is_empty() => scheme,
+        _ => {
+            return Err(format!(
+                "{:?} is not a broker URL; {}",
+                redact(url),
+                supported()
+            ));
+        }
+    };
+    if BROKERS.iter().any(|b| b.schemes.contains(&scheme)) {
+        Ok(())
+    } else {
+        Err(format!(
+            "unknown scheme {scheme:?} in {:?}; {}",
+            redact(url),
+            supported()
+        ))
+    }
+}
+
+/// The app is reached over plain `http://` on localhost, as `courier run`
+/// requires of `--app`.
+pub(super) fn check_app_url(text: &str) -> Result<(), String> {
+    let example = "write it like http://127.0.0.1:8080/";
+    let uri: http::Uri = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a URL ({e}); {example}"))?;
+    match (uri.scheme_str(), uri.host()) {
+        (Some("http"), Some(_)) => Ok(()),
+        (Some("http"), None) => Err(format!("{text:?} has no host; {example}")),
+        (Some(other), _) => Err(format!(
+            "{text:?}: scheme {other:?} is not supported; the sidecar reaches the app over plain http:// on localhost"
+        )),
+        (None, _) => Err(format!("{text:?} has no scheme; {example}")),
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+fn parse_port(text: &str) -> Option<u16> {
+    text.parse::<u16>().ok().filter(|p| *p != 0)
+}
+
+/// A Kubernetes resource quantity: a decimal number with an optional
+/// binary (`Ki`…`Ei`) or decimal (`m`, `k`, `M`…`E`) suffix or exponent.
+pub fn is_quantity(text: &str) -> bool {
+    let number_end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(number_end);
+    let unsigned = number.strip_prefix(['+', '-']).unwrap_or(number);
+    let number_ok = !unsigned.is_empty()
+        && unsigned != "."
+        && unsigned.chars().filter(|c| *c == '.').count() <= 1
+        && unsigned.chars().all(|c| c.is_ascii_digit() || c == '.');
+    let suffix_ok = match suffix {
+        "" | "m" | "k" | "M" | "G" | "T" | "P" | "E" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei" => {
+            true
+        }
+        s => s
+            .strip_prefix(['e', 'E'])
+            .map(|exp| exp.strip_prefix(['+', '-']).unwrap_or(exp))
+            .is_some_and(|exp| !exp.is_empty() && exp.chars().all(|c| c.is_ascii_digit())),
+    };
+    number_ok && suffix_ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities() {
+        for good in [
+            "100m", "1", "0.5", "64Mi", "1Gi", "2k", "1e3", "1E-2", "+1", ".5",
+        ] {
+            assert!(is_quantity(good), "{good}");
+        }
+        for bad in ["", "lots", "64MB", "1.2.3", "m", "1e", "Mi", "64 Mi", "."] {
+            assert!(!is_quantity(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn source_schemes_of_this_build() {
+        for broker in BROKERS {
+            for scheme in broker.schemes {
+                assert_eq!(check_source(&format!("{scheme}://host/x")), Ok(()));
+            }
+        }
+        let err = check_source("kafka://user:hunter2@broker:9092").unwrap_err();
+        assert!(err.contains("unknown scheme \"kafka\""), "{err}");
+        assert!(err.contains(&url_forms()), "names what to write: {err}");
+        assert!(!err.contains("hunter2"), "{err}");
+        for bad in ["localhost", "redis:", ":6379"] {
+            assert!(check_source(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn app_urls() {
+        assert_eq!(check_app_url("http://127.0.0.1:8080/"), Ok(()));
+        let err = check_app_url("https://127.0.0.1:8443/").unwrap_err();
+        assert!(err.contains("\"https\" is not supported"), "{err}");
+        assert!(check_app_url("127.0.0.1:8080").is_err());
+        assert!(check_app_url("not a url").is_err());
+    }
+}

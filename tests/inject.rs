@@ -8,6 +8,7 @@
 //! with `COURIER_BLESS=1 cargo test --test inject` and review the diff.
 
 use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -381,6 +382,20 @@ fn a_bad_broker_url_denies_the_pod() {
 }
 
 #[test]
+fn a_bad_broker_url_denial_does_not_echo_the_credentials() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
+        json!("kafka://orders:p@ss/w0rd@broker:9092");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(!r.allowed());
+    let message = r.message();
+    assert!(message.contains("kafka://***@broker:9092"), "{message}");
+    for secret in ["p@ss", "w0rd", "orders:"] {
+        assert!(!message.contains(secret), "{secret} in {message}");
+    }
+}
+
+#[test]
 fn pod_without_the_label_is_not_touched() {
     let r = review_fixture("not-opted-in");
     assert!(r.allowed());
@@ -584,6 +599,50 @@ fn free_port() -> SocketAddr {
     listener.local_addr().unwrap()
 }
 
+/// The injector's log (`--log-format json`), read from its stderr on a
+/// thread, one JSON object a line.
+struct Log(tokio::sync::mpsc::UnboundedReceiver<Value>);
+
+impl Log {
+    fn capture(child: &mut Child) -> Self {
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let event =
+                    serde_json::from_str(&line).unwrap_or_else(|_| json!({ "message": line }));
+                if tx.send(event).is_err() {
+                    break;
+                }
+            }
+        });
+        Self(rx)
+    }
+
+    /// The next line with this message, skipping the others; fails the
+    /// test when none comes within `within`.
+    async fn next(&mut self, message: &str, within: Duration) -> Value {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, self.0.recv()).await {
+                Ok(Some(event)) if event["message"] == message => return event,
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the injector's log ended before {message:?}"),
+                Err(_) => panic!("no {message:?} in the injector's log within {within:?}"),
+            }
+        }
+    }
+}
+
+/// Writes a file as a Secret volume update does: whole, in one step, so
+/// that the reloader never reads half of it.
+fn replace_file(path: &Path, contents: &str) {
+    let staged = path.with_extension("staged");
+    std::fs::write(&staged, contents).unwrap();
+    std::fs::rename(&staged, path).unwrap();
+}
+
 /// The injector process; killed when dropped if the test did not stop it.
 struct Injector(Child);
 
@@ -679,11 +738,13 @@ async fn binary_serves_admission_reviews_over_https_and_reloads_its_certificate(
             .arg("--tls-key")
             .arg(&key_path)
             .args(["--tls-reload-interval", "100ms", "--sidecar-image", IMAGE])
+            .args(["--log-format", "json"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
     );
+    let mut log = Log::capture(&mut injector.0);
     wait_until_serving(addr, &first.ca_pem, &mut injector.0).await;
 
     let (status, body) = https(addr, &first.ca_pem, "GET", "/readyz", vec![])
@@ -724,20 +785,19 @@ async fn binary_serves_admission_reviews_over_https_and_reloads_its_certificate(
 
     // Rotate: a certificate from another CA replaces the first on disk (as
     // a renewed Secret would), and the server picks it up without a restart.
+    // The key goes first, so the reloader may see the new key with the old
+    // certificate for a moment: it refuses that pair and takes the next.
     let second = pki("courier test CA two");
-    std::fs::write(&key_path, &second.key_pem).unwrap();
-    std::fs::write(&cert_path, &second.cert_pem).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while https(addr, &second.ca_pem, "GET", "/healthz", vec![])
+    replace_file(&key_path, &second.key_pem);
+    replace_file(&cert_path, &second.cert_pem);
+    let reloaded = log
+        .next("TLS certificate reloaded", Duration::from_secs(10))
+        .await;
+    assert_eq!(reloaded["cert"], cert_path.display().to_string());
+    // Once the log says so, every new connection gets the new certificate.
+    https(addr, &second.ca_pem, "GET", "/healthz", vec![])
         .await
-        .is_err()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the new certificate was not picked up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        .expect("the new certificate is served");
     assert!(
         https(addr, &first.ca_pem, "GET", "/healthz", vec![])
             .await
@@ -745,9 +805,18 @@ async fn binary_serves_admission_reviews_over_https_and_reloads_its_certificate(
         "the old certificate is no longer served"
     );
 
-    // A broken file on disk is refused; the current certificate stays.
-    std::fs::write(&cert_path, "not a certificate").unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // A broken file on disk is refused, and says why; the current
+    // certificate stays.
+    replace_file(&cert_path, "not a certificate");
+    let refused = log
+        .next(
+            "the new TLS certificate was refused; serving the previous one",
+            Duration::from_secs(10),
+        )
+        .await;
+    let error = refused["error"].as_str().unwrap_or_default();
+    assert!(error.contains("no PEM certificate"), "{refused}");
+    assert!(error.contains("tls.crt"), "names the file: {refused}");
     assert!(
         https(addr, &second.ca_pem, "GET", "/healthz", vec![])
             .await

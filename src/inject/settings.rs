@@ -381,6 +381,7 @@ mod tests {
         assert!(err.contains("unknown scheme \"kafka\""), "{err}");
         assert!(err.contains(&url_forms()), "names what to write: {err}");
         assert!(!err.contains("hunter2"), "{err}");
+        assert!(err.contains("\"kafka://***@broker:9092\""), "{err}");
         for bad in ["localhost", "redis:", ":6379"] {
             assert!(check_source(bad).is_err(), "{bad}");
         }

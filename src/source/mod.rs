@@ -346,17 +346,22 @@ impl fmt::Debug for SourceUrl {
     }
 }
 
-/// `redis://user:secret@host` becomes `redis://user:***@host`.
+/// The URL with its whole user info hidden, for logs and errors:
+/// `amqp://guest:guest@h/v` becomes `amqp://***@h/v`. The user name goes
+/// too: a token (`nats://token@host`) sits where a user name does.
+///
+/// The cut is at the last `@`, because a password may hold a raw `@` or
+/// `/` that a URL parser would read differently. An `@` after the host
+/// (rare in a broker URL) then hides the host as well: a log line with too
+/// little in it is the lesser harm.
 pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        // `user:pass@host` without a scheme: the password still goes.
+        None => (String::new(), url),
     };
-    match rest.split_once('@') {
-        Some((auth, host)) if auth.contains(':') => {
-            let user = auth.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        Some((_, host)) => format!("{scheme}://***@{host}"),
+    match rest.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}***@{host}"),
         None => url.to_string(),
     }
 }
@@ -446,8 +451,39 @@ mod tests {
 
     #[test]
     fn credentials_are_redacted() {
-        assert_eq!(redact("redis://:pw@host:6379"), "redis://:***@host:6379");
-        assert_eq!(redact("amqp://guest:guest@h/v"), "amqp://guest:***@h/v");
-        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+        assert_eq!(redact("redis://:pw@host:6379"), "redis://***@host:6379");
+        assert_eq!(redact("amqp://guest:guest@h/v"), "amqp://***@h/v");
+        assert_eq!(redact("nats://s3cr3t-token@h:4222"), "nats://***@h:4222");
+        assert_eq!(redact("redis://host:6379/0"), "redis://host:6379/0");
+        assert_eq!(redact("embedded:/var/lib/q"), "embedded:/var/lib/q");
+    }
+
+    #[test]
+    fn no_part_of_a_password_with_raw_at_or_slash_leaks() {
+        for (url, shown) in [
+            ("redis://:p@ss@host:6379", "redis://***@host:6379"),
+            ("amqp://u:a@b@c@h:5672/v", "amqp://***@h:5672/v"),
+            ("redis://u:p/ss?x#y@host/0", "redis://***@host/0"),
+            ("u:p@ss@host:6379", "***@host:6379"),
+        ] {
+            let redacted = redact(url);
+            assert_eq!(redacted, shown, "{url}");
+            for secret in ["p@ss", "ss@", "a@b", "b@c", "p/ss", "u:"] {
+                assert!(!redacted.contains(secret), "{secret} in {redacted}");
+            }
+        }
+    }
+
+    #[test]
+    fn url_errors_show_only_the_redacted_url() {
+        for url in [
+            "kafka://user:hunter2@broker:9092",
+            "kafka://:hun@ter2@broker:9092",
+            "user:hunter2@broker:9092",
+        ] {
+            let err = broker_of(url).unwrap_err();
+            assert!(!err.contains("hunter2") && !err.contains("ter2"), "{err}");
+            assert!(err.contains("***@broker:9092"), "{err}");
+        }
     }
 }

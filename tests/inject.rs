@@ -396,6 +396,25 @@ fn a_bad_broker_url_denial_does_not_echo_the_credentials() {
 }
 
 #[test]
+fn credentials_in_the_source_annotation_get_a_warning_that_does_not_repeat_them() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
+        json!("amqp://orders:s3cret@rabbitmq.shop.svc:5672/%2f");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed(), "a warning, not a denial");
+    let warnings = r.warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("courier.dev/source-secret"),
+        "says what to do instead: {warnings:?}"
+    );
+    assert!(!warnings[0].contains("s3cret"), "{warnings:?}");
+
+    let plain = review_fixture("opted-in");
+    assert!(plain.warnings().is_empty(), "{:?}", plain.warnings());
+}
+
+#[test]
 fn pod_without_the_label_is_not_touched() {
     let r = review_fixture("not-opted-in");
     assert!(r.allowed());

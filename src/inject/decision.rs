@@ -14,6 +14,7 @@ use super::settings::{
     annotations, read_settings,
 };
 use crate::duration;
+use crate::source::redact;
 
 /// What the injector does with one pod, and why.
 #[derive(Debug, Clone)]
@@ -147,6 +148,15 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
         warnings.push(format!(
             "courier: {} is set but no container mounts a service account token, so the sidecar cannot read the RetryPolicy",
             annotations::POLICY
+        ));
+    }
+    if let SourceSetting::Url(url) = &settings.source
+        && redact(url) != *url
+    {
+        warnings.push(format!(
+            "courier: {} holds credentials, readable by anyone who can read the pod; put the URL in a Secret and name it with {}",
+            annotations::SOURCE,
+            annotations::SOURCE_SECRET
         ));
     }
     let mut container = sidecar_container(&settings, defaults);

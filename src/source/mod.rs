@@ -14,6 +14,9 @@ pub mod embedded;
 pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
+// The field edits and the retry-at field serve the brokers that re-store a
+// message (AMQP, NATS); a build without them leaves those unused.
+#[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
 mod shared;
 mod wire;
 
@@ -237,6 +240,9 @@ pub trait Source: Send + Sync + 'static {
 
 // === The broker table ===
 
+/// A source being opened.
+pub type Opening = BoxFuture<'static, Result<Arc<dyn Source>, SourceError>>;
+
 /// One broker courier can consume from: the URL schemes that name it, how
 /// such a URL is checked before anything starts, and how a source is
 /// opened. Each broker folder defines its own `BROKER`; [`BROKERS`] lists
@@ -248,8 +254,7 @@ pub struct Broker {
     pub url_form: &'static str,
     /// Refuses a URL this broker cannot use, saying what to write instead.
     pub check_url: fn(&str) -> Result<(), String>,
-    pub open:
-        fn(SourceUrl, SourceOptions) -> BoxFuture<'static, Result<Arc<dyn Source>, SourceError>>,
+    pub open: fn(SourceUrl, SourceOptions) -> Opening,
 }
 
 impl fmt::Debug for Broker {

@@ -71,6 +71,8 @@ pub(super) fn age(letter: &DeadLetter, now: SystemTime) -> Option<Duration> {
     Some(dead_letter_age(letter.dead_lettered_at()?, now))
 }
 
+/// The dead letters a command acts on: the ids given, or those matching
+/// the filters.
 pub(super) async fn select(
     source: &Arc<dyn Source>,
     dlq: &str,
@@ -112,8 +114,6 @@ pub(super) fn require_selection(
     }
     Ok(())
 }
-
-/// A dead letter as one JSON object: every field, and the body (base64
 
 #[cfg(test)]
 mod tests {

@@ -144,8 +144,6 @@ async fn open(target: &Target) -> anyhow::Result<(Arc<dyn Source>, String)> {
     Ok((source, dlq))
 }
 
-/// The dead letters a command acts on: the ids given, or those matching
-
 pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     match args.action {

@@ -18,6 +18,8 @@ fn short_age(age: Option<Duration>) -> String {
     }
 }
 
+/// A dead letter as one JSON object: every field, and the body (base64
+/// when it is not UTF-8).
 pub fn to_json(letter: &DeadLetter) -> serde_json::Value {
     let mut courier = serde_json::Map::new();
     let mut headers = serde_json::Map::new();

@@ -1,0 +1,216 @@
+//! Settling a delivery: ack, retry (`Nak` or a waiting copy), dead letter;
+//! and publishing.
+
+use std::sync::atomic::Ordering;
+use std::time::SystemTime;
+
+use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::message::AckKind;
+use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
+use bytes::Bytes;
+
+use super::NatsSource;
+use super::connection::{js_code, unavailable};
+use super::dead_letters::dead_letter_stream;
+use super::fields::{F_SUBJECT, field, to_headers};
+use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::source::SourceError;
+use crate::source::shared::{F_RETRY_AT, replace};
+
+impl NatsSource {
+    pub(super) fn hand_out(&self, receipt: &str, sequence: u64) {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(receipt.to_string(), sequence);
+        self.held.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// This delivery is settled; when `done`, the message is too.
+    pub(super) fn settled(&self, receipt: &str, done: bool) {
+        let held = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(receipt);
+        if let Some(sequence) = held {
+            self.held.fetch_sub(1, Ordering::SeqCst);
+            if done {
+                self.first_attempts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&sequence);
+            }
+        }
+    }
+
+    /// An ack the server confirms (`AckSync`).
+    pub(super) async fn confirmed(&self, receipt: &str, kind: AckKind) -> Result<(), SourceError> {
+        self.client
+            .request(receipt.to_string(), kind.into())
+            .await
+            .map(drop)
+            .map_err(|e| {
+                SourceError::Unavailable(format!(
+                    "NATS did not confirm the settlement ({e}); the message is handed out again after AckWait"
+                ))
+            })
+    }
+
+    pub(super) async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        // Queued to the connection's writer, which writes what concurrent
+        // deliveries queued together; `close` flushes it. An ack lost with
+        // the connection only means a redelivery.
+        let result = self
+            .client
+            .publish(delivery.receipt.clone(), AckKind::Ack.into())
+            .await
+            .map_err(unavailable);
+        self.settled(&delivery.receipt, true);
+        result
+    }
+
+    pub(super) async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let receipt = &delivery.receipt;
+        if next_attempt > delivery.attempt {
+            let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
+            let result = self
+                .client
+                .publish(receipt.clone(), AckKind::Nak(Some(delay)).into())
+                .await
+                .map_err(unavailable);
+            self.settled(receipt, false);
+            return result;
+        }
+        // The attempt is not used up: a copy that remembers the attempt.
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = replace(fields, F_RETRY_AT, rfc3339(at));
+        let subject = field(&fields, F_SUBJECT)
+            .map(str::to_string)
+            .or_else(|| self.send_subject.clone())
+            .unwrap_or_else(|| self.options.queue.clone());
+        let result = async {
+            self.publish(&subject, &self.options.queue, &fields).await?;
+            self.confirmed(receipt, AckKind::Ack).await
+        }
+        .await;
+        self.settled(receipt, true);
+        result
+    }
+
+    pub(super) async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let receipt = &delivery.receipt;
+        let result = async {
+            let subject = &failure.dead_letter_queue;
+            let stream = self.dead_letter_stream(subject).await?;
+            let fields = delivery.fields_for_dead_letter(failure);
+            let fields: Vec<_> = fields
+                .into_iter()
+                .filter(|(n, _)| n.as_ref() != F_RETRY_AT.as_bytes())
+                .collect();
+            self.publish(subject, &stream, &fields).await?;
+            self.confirmed(receipt, AckKind::Term).await
+        }
+        .await;
+        self.settled(receipt, true);
+        result
+    }
+
+    /// The dead-letter stream for a subject, created on first use with the
+    /// work stream's replica count.
+    pub(super) async fn dead_letter_stream(&self, subject: &str) -> Result<String, SourceError> {
+        let name = dead_letter_stream(subject);
+        if self
+            .dead_letter_streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&name)
+        {
+            return Ok(name);
+        }
+        match self.js.get_stream(&name).await {
+            Ok(_) => {}
+            Err(e) if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) => {
+                let config = StreamConfig {
+                    name: name.clone(),
+                    subjects: vec![subject.to_string()],
+                    storage: StorageType::File,
+                    num_replicas: self.replicas,
+                    ..Default::default()
+                };
+                if let Err(e) = self.js.create_stream(config).await {
+                    let overlap = js_code(&e) == Some(ErrorCode::STREAM_SUBJECT_OVERLAP);
+                    return Err(if overlap {
+                        SourceError::Invalid(format!(
+                            "the dead-letter subject {subject:?} is already captured by another stream (the work stream's subjects may cover it); name another deadLetterQueue in the policy"
+                        ))
+                    } else {
+                        SourceError::Broker(format!(
+                            "cannot create the dead-letter stream {name:?}: {e}"
+                        ))
+                    });
+                }
+            }
+            Err(e) => return Err(unavailable(e)),
+        }
+        self.dead_letter_streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(name.clone());
+        Ok(name)
+    }
+
+    /// Publishes to `subject` and waits for the stream `stream` to store it.
+    pub(super) async fn publish(
+        &self,
+        subject: &str,
+        stream: &str,
+        fields: &[(Bytes, Bytes)],
+    ) -> Result<u64, SourceError> {
+        let (body, mut headers) = to_headers(fields);
+        headers.insert("Nats-Expected-Stream", stream);
+        let ack = self
+            .js
+            .publish_with_headers(subject.to_string(), headers, body)
+            .await
+            .map_err(|e| SourceError::Broker(format!("publishing to {subject:?}: {e}")))?
+            .await
+            .map_err(|e| {
+                SourceError::Broker(format!(
+                    "JetStream did not store the message for {subject:?}: {e}"
+                ))
+            })?;
+        Ok(ack.sequence)
+    }
+
+    pub(super) async fn publish_new(
+        &self,
+        body: Bytes,
+        headers: &[(String, String)],
+    ) -> Result<String, SourceError> {
+        let subject = self.send_subject.clone().ok_or_else(|| {
+            SourceError::Invalid(format!(
+                "stream {:?} has only wildcard subjects; publish with a NATS client to a subject it captures",
+                self.options.queue
+            ))
+        })?;
+        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
+        fields.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        let sequence = self.publish(&subject, &self.options.queue, &fields).await?;
+        Ok(sequence.to_string())
+    }
+}

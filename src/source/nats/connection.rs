@@ -3,10 +3,11 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::AtomicI64;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use async_nats::jetstream;
 use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
@@ -19,12 +20,12 @@ use async_nats::jetstream::stream::{
     Config as StreamConfig, ConsumerError, ConsumerErrorKind, DeleteMessageError,
     DeleteMessageErrorKind, RawMessageError, RawMessageErrorKind, RetentionPolicy, StorageType,
 };
-use async_nats::jetstream::{self};
 use async_nats::{ConnectErrorKind, ConnectOptions};
 
 use super::NatsSource;
 use super::dead_letters::dead_letter_stream;
-use crate::source::{SourceError, SourceOptions};
+use crate::model::Delivery;
+use crate::source::{LiveSettings, SourceError, SourceOptions};
 
 /// Checks a `nats://` URL at start.
 pub fn check_url(text: &str) -> Result<(), String> {
@@ -228,13 +229,15 @@ impl NatsSource {
             js,
             send_subject,
             replicas: info.config.num_replicas.max(1),
-            consumer: tokio::sync::Mutex::new(None),
+            consumer: Arc::default(),
             in_flight: Arc::default(),
             first_attempts: Mutex::new(HashMap::new()),
             held,
             puller: tokio::sync::Mutex::new(None),
             dead_letter_streams: Mutex::new(Vec::new()),
             progress: Mutex::new(None),
+            ack_wait_ms: Arc::new(AtomicU64::new(millis(options.visibility_timeout))),
+            live: Mutex::new(options.live()),
             options,
         })
     }
@@ -260,7 +263,7 @@ impl NatsSource {
                 let config = PullConfig {
                     durable_name: Some(self.options.group.clone()),
                     ack_policy: AckPolicy::Explicit,
-                    ack_wait: self.options.visibility_timeout,
+                    ack_wait: self.live().visibility_timeout,
                     max_deliver: -1,
                     max_ack_pending: -1,
                     ..Default::default()
@@ -281,8 +284,9 @@ impl NatsSource {
                 self.options.group, self.options.queue
             )));
         }
-        let ack_wait = info.config.ack_wait;
-        self.start_progress(ack_wait);
+        self.ack_wait_ms
+            .store(millis(info.config.ack_wait), Ordering::SeqCst);
+        self.start_progress();
         let consumer = Arc::new(consumer);
         *slot = Some(consumer.clone());
         Ok(consumer)
@@ -290,12 +294,13 @@ impl NatsSource {
 
     /// Sends `+WPI` for every delivery in flight, every third of `AckWait`,
     /// so none runs out of it however long the app takes.
-    pub(super) fn start_progress(&self, ack_wait: Duration) {
-        let every = (ack_wait / 3).max(Duration::from_millis(500));
+    pub(super) fn start_progress(&self) {
         let (client, in_flight) = (self.client.clone(), self.in_flight.clone());
+        let ack_wait_ms = self.ack_wait_ms.clone();
         let task = tokio::spawn(async move {
             loop {
-                tokio::time::sleep(every).await;
+                let ack_wait = Duration::from_millis(ack_wait_ms.load(Ordering::SeqCst));
+                tokio::time::sleep((ack_wait / 3).max(Duration::from_millis(500))).await;
                 let due: Vec<String> = in_flight
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -316,6 +321,86 @@ impl NatsSource {
             old.abort();
         }
     }
+
+    /// `+WPI` for each of these deliveries: the server restarts their
+    /// `AckWait` and hands them to no one else.
+    pub(super) async fn in_progress(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        let mut result = Ok(());
+        for delivery in in_flight {
+            if let Err(e) = self
+                .client
+                .publish(delivery.receipt.clone(), AckKind::Progress.into())
+                .await
+            {
+                result = Err(unavailable(e));
+            }
+        }
+        result
+    }
+
+    /// Takes a live policy change. The dead-letter queue (for depth) and
+    /// the poison-pill limit apply at once. The visibility timeout becomes
+    /// the durable consumer's `AckWait`, updated on the server (JetStream
+    /// 2.10 and later allow it); in-flight deliveries are kept claimed by
+    /// in-progress acks whatever it is.
+    pub(super) fn follow(&self, settings: &LiveSettings) {
+        let before = std::mem::replace(
+            &mut *self.live.lock().unwrap_or_else(|e| e.into_inner()),
+            settings.clone(),
+        );
+        if before.visibility_timeout == settings.visibility_timeout {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (js, slot, ack_wait_ms) = (
+            self.js.clone(),
+            self.consumer.clone(),
+            self.ack_wait_ms.clone(),
+        );
+        let (queue, group) = (self.options.queue.clone(), self.options.group.clone());
+        let ack_wait = settings.visibility_timeout;
+        runtime.spawn(async move {
+            // Not created yet: it is created with the new AckWait.
+            let mut slot = slot.lock().await;
+            let Some(current) = slot.as_ref() else {
+                return;
+            };
+            let mut config = current.cached_info().config.clone();
+            if config.ack_wait == ack_wait {
+                return;
+            }
+            config.ack_wait = ack_wait;
+            let updated = match js.get_stream_no_info(&queue).await {
+                Ok(stream) => match stream.update_consumer(config).await {
+                    Ok(_) => stream
+                        .get_consumer::<PullConfig>(&group)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                Err(e) => Err(e.to_string()),
+            };
+            match updated {
+                Ok(consumer) => {
+                    ack_wait_ms.store(millis(ack_wait), Ordering::SeqCst);
+                    *slot = Some(Arc::new(consumer));
+                    tracing::info!(stream = %queue, consumer = %group, ?ack_wait, "the consumer's AckWait follows the policy");
+                }
+                Err(e) => tracing::warn!(
+                    stream = %queue,
+                    consumer = %group,
+                    error = %e,
+                    "the consumer's AckWait could not follow the policy; deliveries in flight are still kept in progress"
+                ),
+            }
+        });
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

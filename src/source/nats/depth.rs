@@ -1,4 +1,5 @@
-//! Depth from stream and consumer info.
+//! Depth from stream and consumer info; the oldest dead letter's age from
+//! its `courier-last-attempt-at`.
 
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
@@ -8,6 +9,8 @@ use async_nats::jetstream::ErrorCode;
 use super::NatsSource;
 use super::connection::{js_code, unavailable};
 use super::dead_letters::dead_letter_stream;
+use super::fields::from_headers;
+use crate::model::{DeadLetter, dead_letter_age};
 use crate::source::{Depth, SourceError};
 
 impl NatsSource {
@@ -26,20 +29,36 @@ impl NatsSource {
             Err(e) => return Err(unavailable(e)),
         };
         let held = (self.held.load(Ordering::SeqCst).max(0) as u64).min(ack_pending);
-        let dlq = dead_letter_stream(&self.options.dead_letter_queue);
-        let (dead_letters, oldest_dead_letter_age) = match self.js.get_stream(&dlq).await {
-            Ok(s) => {
-                let state = &s.cached_info().state;
-                let age = (state.messages > 0).then(|| {
-                    SystemTime::now()
-                        .duration_since(SystemTime::from(state.first_timestamp))
-                        .unwrap_or_default()
-                });
-                (state.messages, age)
-            }
-            Err(e) if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) => (0, None),
-            Err(e) => return Err(unavailable(e)),
-        };
+        // Read where the current policy writes dead letters.
+        let subject = self.live().dead_letter_queue;
+        let (dead_letters, oldest_dead_letter_age) =
+            match self.js.get_stream(dead_letter_stream(&subject)).await {
+                Ok(s) if s.cached_info().state.messages > 0 => {
+                    let state = &s.cached_info().state;
+                    let oldest = s
+                        .raw_message_builder()
+                        .sequence(state.first_sequence)
+                        .next_by_subject(subject.clone())
+                        .send()
+                        .await;
+                    let at = match oldest {
+                        Ok(m) => DeadLetter::from_fields(
+                            m.sequence.to_string(),
+                            from_headers(&m.payload, Some(&m.headers)),
+                        )
+                        .dead_lettered_at()
+                        .unwrap_or_else(|| SystemTime::from(m.time)),
+                        Err(e) if js_code(&e) == Some(ErrorCode::NO_MESSAGE_FOUND) => {
+                            SystemTime::from(state.first_timestamp)
+                        }
+                        Err(e) => return Err(unavailable(e)),
+                    };
+                    (state.messages, Some(dead_letter_age(at, SystemTime::now())))
+                }
+                Ok(_) => (0, None),
+                Err(e) if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) => (0, None),
+                Err(e) => return Err(unavailable(e)),
+            };
         Ok(Depth {
             ready,
             pending: held,

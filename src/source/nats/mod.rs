@@ -57,7 +57,7 @@ mod pull;
 mod settle;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -68,7 +68,7 @@ use async_nats::jetstream::context::Context;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
+use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
 use crate::model::{DeadLetter, Delivery, Failure};
 use pull::Puller;
 
@@ -96,7 +96,7 @@ pub struct NatsSource {
     send_subject: Option<String>,
     replicas: usize,
     /// Shared, not cloned per read: its cached info is a deep structure.
-    consumer: tokio::sync::Mutex<Option<Arc<PullConsumer>>>,
+    consumer: Arc<tokio::sync::Mutex<Option<Arc<PullConsumer>>>>,
     /// Receipts (reply subjects) in flight, with their stream sequence.
     in_flight: Arc<Mutex<HashMap<String, u64>>>,
     /// When messages this source retried with `Nak` were first offered, by
@@ -107,6 +107,11 @@ pub struct NatsSource {
     puller: tokio::sync::Mutex<Option<Puller>>,
     dead_letter_streams: Mutex<Vec<String>>,
     progress: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The consumer's `AckWait` in ms, which paces the in-progress ticker.
+    ack_wait_ms: Arc<AtomicU64>,
+    /// What a live policy change updates: the dead-letter queue depth is
+    /// read from, the poison-pill limit, the visibility timeout.
+    live: Mutex<LiveSettings>,
 }
 
 #[async_trait]
@@ -117,7 +122,7 @@ impl Source for NatsSource {
             out_of_order_acks: true,
             dead_letter_browsing: true,
             dedup: false,
-            byte_bounded_reads: false,
+            byte_bounded_reads: true,
         }
     }
 
@@ -172,6 +177,14 @@ impl Source for NatsSource {
         self.publish_new(body, headers).await
     }
 
+    fn apply(&self, settings: &LiveSettings) {
+        self.follow(settings);
+    }
+
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        self.in_progress(in_flight).await
+    }
+
     async fn close(&self) {
         if let Some(task) = self
             .progress
@@ -186,6 +199,12 @@ impl Source for NatsSource {
 
     fn connected(&self) -> bool {
         self.client.connection_state() == State::Connected
+    }
+}
+
+impl NatsSource {
+    fn live(&self) -> LiveSettings {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 

@@ -30,6 +30,27 @@ pub(super) struct Puller {
     subscriber: Subscriber,
     inbox: String,
     requests: u64,
+    /// The server ended the last request because its next message alone
+    /// was over the byte bound: the next request asks for that one.
+    oversized: bool,
+}
+
+/// What one read asking for more than one message may bring in, in bytes,
+/// so that a batch of large messages cannot exhaust the sidecar's memory;
+/// never less than one message of the server's largest size, or that
+/// message could never be read.
+const READ_BYTES: usize = 8 << 20;
+
+/// A message's subject, reply subject and protocol line on top of the
+/// server's `max_payload` (which counts headers and body).
+const MESSAGE_OVERHEAD: usize = 64 << 10;
+
+/// The outcome of admitting one message of a read.
+enum Admitted {
+    /// For the app, with its stream sequence.
+    Deliver(Delivery, u64),
+    /// A waiting copy's first delivery: `Nak`ed with the time still to wait.
+    Wait(String, Duration),
 }
 
 impl Puller {
@@ -44,6 +65,7 @@ impl Puller {
         consumer: &PullConsumer,
         max: usize,
         wait: Duration,
+        max_bytes: usize,
     ) -> Result<Vec<async_nats::Message>, SourceError> {
         let mut got = Vec::new();
         while got.len() < max {
@@ -59,8 +81,16 @@ impl Puller {
         }
         self.requests += 1;
         let reply = format!("{}.{}", self.inbox, self.requests);
+        // One message is bounded by the server's max_payload; more are
+        // bounded by `max_bytes` too.
+        let max = if std::mem::take(&mut self.oversized) {
+            1
+        } else {
+            max
+        };
         let request = BatchConfig {
             batch: max,
+            max_bytes: if max > 1 { max_bytes } else { 0 },
             expires: Some(wait),
             no_wait: true,
             ..Default::default()
@@ -103,6 +133,16 @@ impl Puller {
                     }
                     break;
                 }
+                Some(StatusCode::REQUEST_TERMINATED)
+                    if got.is_empty()
+                        && message
+                            .description
+                            .as_deref()
+                            .is_some_and(|d| d.to_ascii_lowercase().contains("maxbytes")) =>
+                {
+                    self.oversized = true;
+                    break;
+                }
                 status if got.is_empty() => {
                     return Err(SourceError::Broker(format!(
                         "JetStream refused a pull request: {} {}",
@@ -138,6 +178,7 @@ impl NatsSource {
                     subscriber,
                     inbox,
                     requests: 0,
+                    oversized: false,
                 });
             }
             // A consumer someone else created may cap what one request asks.
@@ -150,25 +191,66 @@ impl NatsSource {
             if !limits.max_expires.is_zero() {
                 wait = wait.min(limits.max_expires);
             }
+            let mut max_bytes =
+                READ_BYTES.max(self.client.server_info().max_payload + MESSAGE_OVERHEAD);
+            if limits.max_bytes > 0 {
+                max_bytes = max_bytes.min(limits.max_bytes as usize);
+            }
             let puller = puller.as_mut().expect("created above");
-            puller.pull(&consumer, max, wait).await?
+            puller.pull(&consumer, max, wait, max_bytes).await?
         };
-        let mut out = Vec::with_capacity(got.len());
+        let max_deliveries = self.live().max_deliveries;
+        let mut deliveries = Vec::with_capacity(got.len());
+        let mut waiting = Vec::new();
+        let mut refused = None;
         for message in got {
             let message = Message {
                 message,
                 context: self.js.clone(),
             };
-            if let Some(d) = self.admit(message).await? {
-                out.push(d);
+            // One message that cannot be admitted does not cost the others
+            // their read: it is left to the server, which hands it out again
+            // after AckWait.
+            match self.admit(message, max_deliveries) {
+                Ok(Admitted::Deliver(delivery, sequence)) => deliveries.push((delivery, sequence)),
+                Ok(Admitted::Wait(receipt, delay)) => waiting.push((receipt, delay)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a message from JetStream was left unread");
+                    refused.get_or_insert(e);
+                }
             }
         }
-        Ok(out)
+        for (receipt, delay) in waiting {
+            // Unsent, the copy only waits for AckWait instead.
+            if let Err(e) = self
+                .client
+                .publish(receipt, AckKind::Nak(Some(delay)).into())
+                .await
+            {
+                tracing::warn!(error = %e, "a waiting retry copy could not be put back");
+            }
+        }
+        if deliveries.is_empty()
+            && let Some(e) = refused
+        {
+            return Err(e);
+        }
+        // Registered last, with nothing awaited after: a read that fails or
+        // is dropped before here leaves nothing in flight (and kept in
+        // progress) that no one will settle.
+        Ok(deliveries
+            .into_iter()
+            .map(|(delivery, sequence)| {
+                self.hand_out(&delivery.receipt, sequence);
+                delivery
+            })
+            .collect())
     }
 
-    /// Turns a delivery into one for the app, or makes the first delivery
-    /// of a waiting copy wait.
-    pub(super) async fn admit(&self, message: Message) -> Result<Option<Delivery>, SourceError> {
+    /// Turns a delivery into one for the app (or, handed out too often, one
+    /// to dead-letter without offering it), or makes the first delivery of
+    /// a waiting copy wait.
+    fn admit(&self, message: Message, max_deliveries: u32) -> Result<Admitted, SourceError> {
         let info = message.info().map_err(|e| {
             SourceError::Broker(format!("a message without JetStream metadata: {e}"))
         })?;
@@ -184,11 +266,7 @@ impl NatsSource {
             && delivered == 1
         {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
-            self.client
-                .publish(receipt, AckKind::Nak(Some(delay)).into())
-                .await
-                .map_err(unavailable)?;
-            return Ok(None);
+            return Ok(Admitted::Wait(receipt, delay));
         }
         let mut fields = replace(fields, F_SUBJECT, message.subject.to_string());
         let extra = delivered - 1 - u32::from(waits.is_some());
@@ -209,12 +287,16 @@ impl NatsSource {
                 fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(at))));
             }
         }
-        self.hand_out(&receipt, sequence);
-        Ok(Some(Delivery::from_fields(
-            &sequence.to_string(),
-            fields,
-            extra,
-            receipt,
-        )))
+        let mut delivery = Delivery::from_fields(&sequence.to_string(), fields, extra, receipt);
+        // A poison pill: every delivery of it ended without a settlement
+        // (the sidecar crashed or hung on it). JetStream's own counter says
+        // so; the dispatcher dead-letters it as undeliverable without
+        // offering it to the app again.
+        if delivered > max_deliveries {
+            delivery.problem = Some(format!(
+                "handed out {delivered} times without being settled (the limit is {max_deliveries}, maxAttempts + 2)"
+            ));
+        }
+        Ok(Admitted::Deliver(delivery, sequence))
     }
 }

@@ -2,7 +2,7 @@
 //! and publishing.
 
 use std::sync::atomic::Ordering;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::message::AckKind;
@@ -15,7 +15,13 @@ use super::dead_letters::dead_letter_stream;
 use super::fields::{F_SUBJECT, field, to_headers};
 use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
 use crate::source::SourceError;
-use crate::source::shared::{F_RETRY_AT, replace};
+use crate::source::shared::{F_RETRY_AT, replace, without};
+
+/// How long a message whose retry copy or dead letter could not be written
+/// waits before it is handed out again: not at once, since the write that
+/// failed (a full or missing stream) is likely to fail again, and not a
+/// whole `AckWait`, so that a passing fault costs little.
+const AFTER_FAILED_SETTLE: Duration = Duration::from_secs(5);
 
 impl NatsSource {
     pub(super) fn hand_out(&self, receipt: &str, sequence: u64) {
@@ -95,12 +101,12 @@ impl NatsSource {
             .map(str::to_string)
             .or_else(|| self.send_subject.clone())
             .unwrap_or_else(|| self.options.queue.clone());
-        let result = async {
-            self.publish(&subject, &self.options.queue, &fields).await?;
-            self.confirmed(receipt, AckKind::Ack).await
+        if let Err(e) = self.publish(&subject, &self.options.queue, &fields).await {
+            self.unsettled(receipt).await;
+            return Err(e);
         }
-        .await;
-        self.settled(receipt, true);
+        let result = self.confirmed(receipt, AckKind::Ack).await;
+        self.settled(receipt, result.is_ok());
         result
     }
 
@@ -110,20 +116,36 @@ impl NatsSource {
         failure: &Failure,
     ) -> Result<(), SourceError> {
         let receipt = &delivery.receipt;
-        let result = async {
+        let stored = async {
             let subject = &failure.dead_letter_queue;
             let stream = self.dead_letter_stream(subject).await?;
-            let fields = delivery.fields_for_dead_letter(failure);
-            let fields: Vec<_> = fields
-                .into_iter()
-                .filter(|(n, _)| n.as_ref() != F_RETRY_AT.as_bytes())
-                .collect();
-            self.publish(subject, &stream, &fields).await?;
-            self.confirmed(receipt, AckKind::Term).await
+            let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+            self.publish(subject, &stream, &fields).await
         }
         .await;
-        self.settled(receipt, true);
+        // Terminated only once the dead-letter stream has stored it.
+        if let Err(e) = stored {
+            self.unsettled(receipt).await;
+            return Err(e);
+        }
+        let result = self.confirmed(receipt, AckKind::Term).await;
+        self.settled(receipt, result.is_ok());
         result
+    }
+
+    /// The write that was to settle this delivery failed: the message stays
+    /// in the work stream, unsettled, and is handed out again after
+    /// [`AFTER_FAILED_SETTLE`] (a `Nak` with that delay; if even that is
+    /// lost, after `AckWait`).
+    async fn unsettled(&self, receipt: &str) {
+        let _ = self
+            .client
+            .publish(
+                receipt.to_string(),
+                AckKind::Nak(Some(AFTER_FAILED_SETTLE)).into(),
+            )
+            .await;
+        self.settled(receipt, false);
     }
 
     /// The dead-letter stream for a subject, created on first use with the

@@ -300,3 +300,70 @@ impl NatsSource {
         Ok(Admitted::Deliver(delivery, sequence))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use async_nats::jetstream::consumer::pull::BatchConfig;
+
+    use super::*;
+    use crate::source::SourceOptions;
+
+    /// Against the NATS server on loopback: a read whose batch holds a
+    /// good delivery and then something that is no JetStream delivery
+    /// returns the good one, registered in flight once, and nothing else
+    /// stays registered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_that_cannot_be_admitted_leaves_nothing_in_flight() {
+        let queue = format!("unit-{}-{}", std::process::id(), rand::random::<u32>());
+        let mut options = SourceOptions::new(&queue);
+        options.create = true;
+        let source = NatsSource::connect("nats://127.0.0.1:4222", options)
+            .await
+            .expect("NATS JetStream on 127.0.0.1:4222");
+        // The first read creates the consumer and the pull subscription.
+        assert!(source.read_batch(1).await.unwrap().is_empty());
+        let inbox = source.puller.lock().await.as_ref().unwrap().inbox.clone();
+        source
+            .publish_new(Bytes::from_static(b"good"), &[])
+            .await
+            .unwrap();
+        let consumer = source.consumer().await.unwrap();
+        let request = BatchConfig {
+            batch: 1,
+            expires: Some(Duration::from_secs(1)),
+            no_wait: true,
+            ..Default::default()
+        };
+        consumer
+            .request_batch(request, format!("{inbox}.by-hand").into())
+            .await
+            .unwrap();
+        let stream = source.js.get_stream(&queue).await.unwrap();
+        while stream
+            .consumer_info("courier")
+            .await
+            .unwrap()
+            .num_ack_pending
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // After the good delivery, on the same subscription: a message
+        // without JetStream metadata. The flush's round trip puts it in the
+        // subscription behind the delivery.
+        source
+            .client
+            .publish(format!("{inbox}.stray"), Bytes::from_static(b"stray"))
+            .await
+            .unwrap();
+        source.client.flush().await.unwrap();
+
+        let got = source.read_batch(2).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].message.body.as_ref(), b"good");
+        assert_eq!(source.in_flight.lock().unwrap().len(), 1);
+        source.settle_ack(&got[0]).await.unwrap();
+        assert!(source.in_flight.lock().unwrap().is_empty());
+        let _ = source.js.delete_stream(&queue).await;
+    }
+}

@@ -13,13 +13,21 @@
 //!   come to one subscription the source keeps (each request on a reply
 //!   subject of its own), so a read costs one publish, and a message sent
 //!   to a request the reader stopped waiting for is handed out by the next
-//!   read rather than lost until `AckWait`.
+//!   read rather than lost until `AckWait`. A request for more than one
+//!   message is bounded in bytes too (8 MiB, or one message of the
+//!   server's `max_payload`). A read registers its deliveries in flight
+//!   only once nothing in it can fail any more.
+//! - A message JetStream handed out more than `max_deliveries` times
+//!   (`num_delivered`) is marked undeliverable: the dispatcher dead-letters
+//!   it without offering it to the app.
 //! - Acks are `+ACK` publishes to the reply subject, queued to the
 //!   connection's writer, which writes concurrent ones together; `close`
 //!   flushes it.
 //! - Deliveries still in flight get `+WPI` (in progress) every third of
-//!   `AckWait`, so a policy timeout raised at run time does not make the
-//!   server hand them out twice.
+//!   `AckWait` (and on `keep_alive`), so a policy timeout raised at run
+//!   time does not make the server hand them out twice. A live change
+//!   (`apply`) moves the dead-letter subject depth reads, the poison-pill
+//!   limit, and the consumer's `AckWait` (updated on the server).
 //! - A retry that uses up an attempt is a `Nak` with the decided delay: the
 //!   attempt is `courier-attempt` (1 when absent) plus the deliveries
 //!   JetStream counted. A retry that must *not* use up an attempt (the app
@@ -29,13 +37,15 @@
 //!   a copy carrying `courier-retry-at` is never offered: it is `Nak`ed with
 //!   the time still to wait, and the attempt formula subtracts that one
 //!   delivery. So the delay is durable in the server and the count exact.
+//!   A copy the work stream does not store leaves the original unacked.
 //! - Dead letters are published, with `Nats-Expected-Stream`, to the subject
 //!   `<queue>.dlq` (or the policy's queue); the dead-letter stream capturing
 //!   it is created on first use and named after the subject with every
 //!   character a stream name cannot hold (`.`, `*`, `>`, `/`, `\`,
 //!   whitespace) replaced by `_`: subject `orders.dlq`, stream `orders_dlq`.
 //!   Once the server acknowledged the dead letter, the original is `Term`ed
-//!   (and that is confirmed). A dead letter's id is its sequence in the
+//!   (and that is confirmed); a dead letter it did not store leaves the
+//!   original unsettled (`Nak`ed with a short delay). A dead letter's id is its sequence in the
 //!   dead-letter stream, and it records the original subject as
 //!   `courier-subject`, where replay publishes it again.
 //! - NATS header values cannot hold CR or LF: in dead-letter fields they
@@ -43,6 +53,8 @@
 //! - Depth: stream and consumer info. JetStream counts a `Nak`ed message as
 //!   pending until it is redelivered, so the retry backlog is the
 //!   consumer's pending count minus what the sources of this process hold.
+//!   The oldest dead letter's age is the time since its
+//!   `courier-last-attempt-at`.
 //!
 //! Files: `connection` (connecting, the durable consumer, in-progress
 //! ticker), `pull` (pull requests and admitting a delivery), `fields`

@@ -218,11 +218,12 @@ async fn nats_a_message_handed_out_too_often_is_dead_lettered_without_the_app() 
     assert_eq!(messages_in(&js, &fixture.queue).await, 0);
 }
 
-/// A live change of the visibility timeout becomes the consumer's
+/// A live change naming a dead-letter subject the work stream captures is
+/// refused; one of the visibility timeout becomes the consumer's
 /// `AckWait`; depth reads the dead-letter stream the change names, with
 /// the oldest letter's age from its `courier-last-attempt-at`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_live_settings_move_ack_wait_and_the_dead_letters_depth_reads() {
+async fn nats_live_settings_are_checked_and_move_ack_wait_and_the_dead_letters_depth_reads() {
     let fixture = Fixture::nats();
     let js = jetstream().await;
     let mut options = SourceOptions::new(&fixture.queue);
@@ -262,6 +263,20 @@ async fn nats_live_settings_move_ack_wait_and_the_dead_letters_depth_reads() {
         .await
         .unwrap();
     assert_eq!(source.depth().await.unwrap().dead_letters, 0);
+
+    // A dead-letter subject the work stream captures is refused, saying why.
+    let captured = LiveSettings {
+        visibility_timeout: Duration::from_secs(20),
+        dead_letter_queue: fixture.queue.clone(),
+        max_deliveries: 7,
+    };
+    let err = source.check(&captured).unwrap_err();
+    assert!(err.contains("captured by the work stream"), "{err}");
+    let moved = LiveSettings {
+        dead_letter_queue: other.clone(),
+        ..captured
+    };
+    assert_eq!(source.check(&moved), Ok(()));
 
     source.apply(&LiveSettings {
         visibility_timeout: Duration::from_secs(20),

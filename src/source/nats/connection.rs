@@ -228,6 +228,7 @@ impl NatsSource {
             client,
             js,
             send_subject,
+            work_subjects: info.config.subjects.clone(),
             replicas: info.config.num_replicas.max(1),
             consumer: Arc::default(),
             in_flight: Arc::default(),

@@ -24,6 +24,47 @@ pub fn dead_letter_stream(subject: &str) -> String {
         .collect()
 }
 
+/// Refuses a dead-letter subject courier could not publish to, or one the
+/// work stream captures (its dead letters would come back as work).
+pub(super) fn check_dead_letter_subject(
+    subject: &str,
+    stream: &str,
+    work_subjects: &[String],
+) -> Result<(), String> {
+    let tokens: Vec<&str> = subject.split('.').collect();
+    if subject.chars().any(char::is_whitespace)
+        || tokens
+            .iter()
+            .any(|t| t.is_empty() || *t == "*" || *t == ">")
+    {
+        return Err(format!(
+            "the dead-letter queue {subject:?} is not a NATS subject courier can publish to: write dot-separated tokens without spaces or wildcards, like orders.dlq"
+        ));
+    }
+    if let Some(filter) = work_subjects.iter().find(|f| captures(f, &tokens)) {
+        return Err(format!(
+            "the dead-letter subject {subject:?} is captured by the work stream {stream:?} (subject {filter:?}), so dead letters would be delivered again as work; name another deadLetterQueue in the policy"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a stream subject (`*` one token, `>` the rest) captures a
+/// subject of literal tokens.
+fn captures(filter: &str, subject: &[&str]) -> bool {
+    let mut at = 0;
+    for token in filter.split('.') {
+        match token {
+            ">" => return at < subject.len(),
+            "*" if at < subject.len() => {}
+            t if subject.get(at) == Some(&t) => {}
+            _ => return false,
+        }
+        at += 1;
+    }
+    at == subject.len()
+}
+
 impl NatsSource {
     pub(super) async fn stored(
         &self,
@@ -155,6 +196,22 @@ impl NatsSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_letter_subject_must_be_publishable_and_not_work() {
+        let work = vec!["orders".to_string(), "shop.*.created".to_string()];
+        assert!(check_dead_letter_subject("orders.dlq", "orders", &work).is_ok());
+        assert!(check_dead_letter_subject("shop.eu.created.dlq", "orders", &work).is_ok());
+        let err = check_dead_letter_subject("shop.eu.created", "orders", &work).unwrap_err();
+        assert!(err.contains("captured by the work stream"), "{err}");
+        let wide = vec!["orders.>".to_string()];
+        assert!(check_dead_letter_subject("orders.dlq", "orders", &wide).is_err());
+        assert!(check_dead_letter_subject("orders", "orders", &wide).is_ok());
+        for bad in ["", "orders.*", "a..b", "failed orders", "orders.>"] {
+            let err = check_dead_letter_subject(bad, "orders", &work).unwrap_err();
+            assert!(err.contains("not a NATS subject"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn dead_letter_streams_have_no_dots() {

@@ -106,6 +106,8 @@ pub struct NatsSource {
     options: SourceOptions,
     /// Where `send` publishes: the stream's first subject without wildcards.
     send_subject: Option<String>,
+    /// The work stream's subjects: a dead-letter subject must not be one.
+    work_subjects: Vec<String>,
     replicas: usize,
     /// Shared, not cloned per read: its cached info is a deep structure.
     consumer: Arc<tokio::sync::Mutex<Option<Arc<PullConsumer>>>>,
@@ -187,6 +189,14 @@ impl Source for NatsSource {
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         self.publish_new(body, headers).await
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        dead_letters::check_dead_letter_subject(
+            &settings.dead_letter_queue,
+            &self.options.queue,
+            &self.work_subjects,
+        )
     }
 
     fn apply(&self, settings: &LiveSettings) {

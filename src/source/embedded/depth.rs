@@ -1,0 +1,45 @@
+//! The depth of a queue as this process knows it.
+
+use super::*;
+
+impl Writer {
+    /// The queue's depth as this process knows it: the tables, less what is
+    /// held or acked in memory.
+    pub(super) fn depth(&self, tables: &Tables, dlq: &str) -> Result<Depth, SourceError> {
+        let tx = self.db.begin_read().map_err(store_error)?;
+        let now = now_ms();
+        let ready = tx
+            .open_table(QueueTable::new(&tables.ready))
+            .map_err(store_error)?;
+        let leased = tx
+            .open_table(QueueTable::new(&tables.leased))
+            .map_err(store_error)?;
+        let dlq = tx.open_table(DlqTable::new(dlq)).map_err(store_error)?;
+        // Counts the retries scheduled for later, not the due messages:
+        // during a drain there are none, where a backlog can be large.
+        let later = ready.range((now + 1, 0)..).map_err(store_error)?.count() as u64;
+        let total = ready.len().map_err(store_error)?;
+        let (taken, held, acked_leased) = self.queues.get(&tables.ready).map_or((0, 0, 0), |o| {
+            (o.taken.len(), o.held.len(), o.acked_leased.len())
+        });
+        let oldest = match dlq.first().map_err(store_error)? {
+            Some((_, v)) => decode_fields(&Bytes::copy_from_slice(v.value()))
+                .and_then(|f| {
+                    let at = f
+                        .iter()
+                        .find(|(n, _)| n.as_ref() == crate::model::F_LAST_ATTEMPT_AT.as_bytes())?;
+                    crate::model::parse_time(&at.1)
+                })
+                .map(|t| SystemTime::now().duration_since(t).unwrap_or_default()),
+            None => None,
+        };
+        Ok(Depth {
+            ready: total.saturating_sub(later + taken as u64),
+            pending: (leased.len().map_err(store_error)? + held as u64)
+                .saturating_sub(acked_leased as u64),
+            retry_backlog: later,
+            dead_letters: dlq.len().map_err(store_error)?,
+            oldest_dead_letter_age: oldest,
+        })
+    }
+}

@@ -1,0 +1,143 @@
+//! What the writer holds in memory beyond what the tables say: hand-outs
+//! and acks not yet written, and how they are written.
+
+use super::*;
+
+/// What the writer knows about one queue beyond what its tables say.
+pub(super) struct Overlay {
+    pub(super) tables: Arc<Tables>,
+    /// Handed out from `ready` and not yet settled nor moved to `leased`, by
+    /// seq. Their rows are still in `ready`.
+    pub(super) held: HashMap<u64, Held>,
+    /// Rows of `ready` that are no longer there for new receives: those of
+    /// `held`, and those in `acked_ready`.
+    pub(super) taken: HashSet<(u64, u64)>,
+    /// Rows of `ready` whose message was acked while held: to delete.
+    pub(super) acked_ready: Vec<(u64, u64)>,
+    /// Rows of `leased` whose message was acked: to delete.
+    pub(super) acked_leased: HashSet<(u64, u64)>,
+    /// Every row of `ready` up to this key is taken (or deleted), so a
+    /// receive reads on from here instead of skipping them all again.
+    /// Anything that may store a row below it forgets it.
+    pub(super) cursor: Option<(u64, u64)>,
+}
+
+/// A message handed out from `ready`, not yet written to `leased`.
+pub(super) struct Held {
+    pub(super) ready_key: (u64, u64),
+    /// The lease's end, as in the receipt.
+    pub(super) until: u64,
+    /// What `leased` will hold: the record with its delivery counted.
+    pub(super) record: Vec<u8>,
+}
+
+impl Overlay {
+    pub(super) fn new(tables: Arc<Tables>) -> Self {
+        Self {
+            tables,
+            held: HashMap::new(),
+            taken: HashSet::new(),
+            acked_ready: Vec::new(),
+            acked_leased: HashSet::new(),
+            cursor: None,
+        }
+    }
+
+    /// Nothing here that the tables do not say already.
+    pub(super) fn is_clean(&self) -> bool {
+        self.held.is_empty() && self.acked_ready.is_empty() && self.acked_leased.is_empty()
+    }
+
+    /// The ready row of a held lease that `key` (a receipt) names.
+    pub(super) fn held_row(&self, key: (u64, u64)) -> Option<(u64, u64)> {
+        self.held
+            .get(&key.1)
+            .filter(|h| h.until == key.0)
+            .map(|h| h.ready_key)
+    }
+}
+
+/// What trying one receive came to.
+#[derive(Default)]
+pub(super) struct Leased {
+    pub(super) deliveries: Vec<Delivery>,
+    /// Some were leases that had run out (see [`FLUSH_EVERY`]).
+    pub(super) retaken: bool,
+}
+
+pub(super) fn overlay_of<'a>(
+    queues: &'a mut HashMap<String, Overlay>,
+    tables: &Arc<Tables>,
+) -> &'a mut Overlay {
+    queues
+        .entry(tables.ready.clone())
+        .or_insert_with(|| Overlay::new(tables.clone()))
+}
+
+/// Deletes the rows acks made obsolete.
+pub(super) fn write_removals(
+    tx: &WriteTransaction,
+    overlay: &mut Overlay,
+) -> Result<(), SourceError> {
+    if !overlay.acked_ready.is_empty() {
+        let mut ready = tx
+            .open_table(QueueTable::new(&overlay.tables.ready))
+            .map_err(store_error)?;
+        for row in overlay.acked_ready.drain(..) {
+            ready.remove(row).map_err(store_error)?;
+            overlay.taken.remove(&row);
+        }
+    }
+    if !overlay.acked_leased.is_empty() {
+        let mut leased = tx
+            .open_table(QueueTable::new(&overlay.tables.leased))
+            .map_err(store_error)?;
+        for row in overlay.acked_leased.drain() {
+            leased.remove(row).map_err(store_error)?;
+        }
+    }
+    Ok(())
+}
+
+/// Moves the held leases from `ready` to `leased`, with their delivery
+/// counted, where a restart finds them.
+pub(super) fn write_held(tx: &WriteTransaction, overlay: &mut Overlay) -> Result<(), SourceError> {
+    if overlay.held.is_empty() {
+        return Ok(());
+    }
+    let mut ready = tx
+        .open_table(QueueTable::new(&overlay.tables.ready))
+        .map_err(store_error)?;
+    let mut leased = tx
+        .open_table(QueueTable::new(&overlay.tables.leased))
+        .map_err(store_error)?;
+    for (seq, held) in overlay.held.drain() {
+        ready.remove(held.ready_key).map_err(store_error)?;
+        overlay.taken.remove(&held.ready_key);
+        leased
+            .insert((held.until, seq), held.record.as_slice())
+            .map_err(store_error)?;
+    }
+    Ok(())
+}
+
+/// Applies one change inside the batch's transaction; an error aborts the
+/// batch.
+/// A row is about to be stored in `ready`: a cursor past it must go.
+pub(super) fn stored_ready(
+    queues: &mut HashMap<String, Overlay>,
+    tables: &Tables,
+    key: (u64, u64),
+) {
+    if let Some(overlay) = queues.get_mut(&tables.ready)
+        && overlay.cursor.is_some_and(|cursor| cursor >= key)
+    {
+        overlay.cursor = None;
+    }
+}
+
+pub(super) fn forget_cursors(queues: &mut HashMap<String, Overlay>) {
+    for overlay in queues.values_mut() {
+        overlay.cursor = None;
+    }
+}

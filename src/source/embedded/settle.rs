@@ -1,0 +1,90 @@
+//! Changes inside the batch transaction: sends, retries, dead letters and
+//! the writes of dead-letter tools.
+
+use super::*;
+
+pub(super) fn apply(
+    tx: &WriteTransaction,
+    change: &mut Change,
+    queues: &mut HashMap<String, Overlay>,
+    now_ms: u64,
+) -> Result<Outcome, SourceError> {
+    match change {
+        Change::Send { tables, data, .. } => {
+            let seq = next_seq(tx)?;
+            stored_ready(queues, tables, (now_ms, seq));
+            tx.open_table(QueueTable::new(&tables.ready))
+                .map_err(store_error)?
+                .insert((now_ms, seq), data.as_slice())
+                .map_err(store_error)?;
+            Ok(Outcome::Seq(seq))
+        }
+        Change::Settle {
+            tables, key, then, ..
+        } => {
+            // A lease still held in memory has its row in `ready`; else it
+            // is in `leased`, unless it ran out and was handed out again,
+            // and then the newer delivery settles the message.
+            let overlay = queues.get_mut(&tables.ready);
+            let row = overlay.as_ref().and_then(|o| o.held_row(*key));
+            let held = match (row, overlay) {
+                (Some(row), Some(overlay)) => {
+                    overlay.held.remove(&key.1);
+                    overlay.taken.remove(&row);
+                    tx.open_table(QueueTable::new(&tables.ready))
+                        .map_err(store_error)?
+                        .remove(row)
+                        .map_err(store_error)?
+                        .is_some()
+                }
+                _ => tx
+                    .open_table(QueueTable::new(&tables.leased))
+                    .map_err(store_error)?
+                    .remove(*key)
+                    .map_err(store_error)?
+                    .is_some(),
+            };
+            if held {
+                match then {
+                    Then::Retry { at, data } => {
+                        stored_ready(queues, tables, (*at, key.1));
+                        tx.open_table(QueueTable::new(&tables.ready))
+                            .map_err(store_error)?
+                            .insert((*at, key.1), data.as_slice())
+                            .map_err(store_error)?;
+                    }
+                    Then::DeadLetter { table, data } => {
+                        let id = next_seq(tx)?;
+                        tx.open_table(DlqTable::new(table))
+                            .map_err(store_error)?
+                            .insert(id, data.as_slice())
+                            .map_err(store_error)?;
+                    }
+                }
+            }
+            Ok(Outcome::Unit(Ok(())))
+        }
+        Change::Write { work, .. } => match work.take().map(|work| {
+            // It may store anything anywhere.
+            forget_cursors(queues);
+            work(tx)
+        }) {
+            Some(Err(e @ SourceError::Invalid(_))) => Ok(Outcome::Unit(Err(e))),
+            Some(Err(e)) => Err(e),
+            Some(Ok(())) | None => Ok(Outcome::Unit(Ok(()))),
+        },
+        Change::Flush { .. } => Ok(Outcome::Unit(Ok(()))),
+    }
+}
+
+pub(super) fn next_seq(tx: &WriteTransaction) -> Result<u64, SourceError> {
+    let mut meta = tx.open_table(META).map_err(store_error)?;
+    let seq = meta
+        .get(SEQ)
+        .map_err(store_error)?
+        .map(|v| v.value())
+        .unwrap_or(0)
+        + 1;
+    meta.insert(SEQ, seq).map_err(store_error)?;
+    Ok(seq)
+}

@@ -30,6 +30,10 @@ pub(super) struct Lease {
     pub(super) tables: Arc<Tables>,
     pub(super) max: usize,
     pub(super) visibility: u64,
+    /// Where a message handed out too often is dead-lettered, and how
+    /// often is too often (the live settings when the receive was made).
+    pub(super) dead_letter_queue: String,
+    pub(super) max_deliveries: u32,
     pub(super) deadline: Instant,
     /// When the writer tries it again if nothing else happens first.
     pub(super) next_try: Instant,
@@ -55,6 +59,13 @@ pub(super) enum Change {
         durable: bool,
         reply: Reply<()>,
     },
+    /// Extends the leases that receipts name to `now + visibility`.
+    KeepAlive {
+        tables: Arc<Tables>,
+        keys: Vec<(u64, u64)>,
+        visibility: u64,
+        reply: Reply<()>,
+    },
     /// Writes what is held in memory and makes everything durable.
     Flush { reply: Reply<()> },
 }
@@ -66,6 +77,9 @@ impl Change {
         match self {
             Self::Send { .. } | Self::Settle { .. } | Self::Flush { .. } => true,
             Self::Write { durable, .. } => *durable,
+            // A lease extension lost in a crash is moot: the deliveries it
+            // kept alive died with the process.
+            Self::KeepAlive { .. } => false,
         }
     }
 
@@ -77,7 +91,10 @@ impl Change {
                     Outcome::Unit(r) => r.and(Err(store_error("a send came back without an id"))),
                 }));
             }
-            Self::Settle { reply, .. } | Self::Write { reply, .. } | Self::Flush { reply } => {
+            Self::Settle { reply, .. }
+            | Self::Write { reply, .. }
+            | Self::KeepAlive { reply, .. }
+            | Self::Flush { reply } => {
                 let _ = reply.send(result.and_then(|o| match o {
                     Outcome::Unit(r) => r,
                     Outcome::Seq(_) => Ok(()),

@@ -14,7 +14,6 @@ impl Writer {
         let leased = tx
             .open_table(QueueTable::new(&tables.leased))
             .map_err(store_error)?;
-        let dlq = tx.open_table(DlqTable::new(dlq)).map_err(store_error)?;
         // Counts the retries scheduled for later, not the due messages:
         // during a drain there are none, where a backlog can be large.
         let later = ready.range((now + 1, 0)..).map_err(store_error)?.count() as u64;
@@ -22,24 +21,40 @@ impl Writer {
         let (taken, held, acked_leased) = self.queues.get(&tables.ready).map_or((0, 0, 0), |o| {
             (o.taken.len(), o.held.len(), o.acked_leased.len())
         });
-        let oldest = match dlq.first().map_err(store_error)? {
-            Some((_, v)) => decode_fields(&Bytes::copy_from_slice(v.value()))
-                .and_then(|f| {
-                    let at = f
-                        .iter()
-                        .find(|(n, _)| n.as_ref() == crate::model::F_LAST_ATTEMPT_AT.as_bytes())?;
-                    crate::model::parse_time(&at.1)
-                })
-                .map(|t| SystemTime::now().duration_since(t).unwrap_or_default()),
-            None => None,
-        };
+        let (dead_letters, oldest) = dead_letters(&tx, dlq)?;
         Ok(Depth {
             ready: total.saturating_sub(later + taken as u64),
             pending: (leased.len().map_err(store_error)? + held as u64)
                 .saturating_sub(acked_leased as u64),
             retry_backlog: later,
-            dead_letters: dlq.len().map_err(store_error)?,
+            dead_letters,
             oldest_dead_letter_age: oldest,
         })
     }
+}
+
+/// How many dead letters `dlq` (a table name) holds and the oldest one's
+/// age; none when no dead letter was ever written there (a dead-letter
+/// queue the policy just named).
+fn dead_letters(
+    tx: &redb::ReadTransaction,
+    dlq: &str,
+) -> Result<(u64, Option<Duration>), SourceError> {
+    let dlq = match tx.open_table(DlqTable::new(dlq)) {
+        Ok(dlq) => dlq,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok((0, None)),
+        Err(e) => return Err(store_error(e)),
+    };
+    let oldest = match dlq.first().map_err(store_error)? {
+        Some((_, v)) => decode_fields(&Bytes::copy_from_slice(v.value()))
+            .and_then(|f| {
+                let at = f
+                    .iter()
+                    .find(|(n, _)| n.as_ref() == crate::model::F_LAST_ATTEMPT_AT.as_bytes())?;
+                crate::model::parse_time(&at.1)
+            })
+            .map(|t| SystemTime::now().duration_since(t).unwrap_or_default()),
+        None => None,
+    };
+    Ok((dlq.len().map_err(store_error)?, oldest))
 }

@@ -56,15 +56,21 @@ impl EmbeddedSource {
             parse_dead_letter_id(&letter.id)?,
         );
         self.write(true, move |tx, tables| {
-            let removed = tx
-                .open_table(DlqTable::new(&table))
+            let mut dlq = tx.open_table(DlqTable::new(&table)).map_err(store_error)?;
+            let readable = dlq
+                .get(id)
                 .map_err(store_error)?
-                .remove(id)
-                .map_err(store_error)?
-                .is_some();
-            if !removed {
-                return Err(not_there(&table, id));
+                .map(|stored| decode_fields(&Bytes::copy_from_slice(stored.value())).is_some());
+            match readable {
+                None => return Err(not_there(&table, id)),
+                // What the listing showed of it is a stand-in (its raw
+                // bytes), not the message: replaying that would send the
+                // app something no producer wrote.
+                Some(false) => return Err(unreadable(&table, id)),
+                Some(true) => {}
             }
+            dlq.remove(id).map_err(store_error)?;
+            drop(dlq);
             let seq = next_seq(tx)?;
             tx.open_table(QueueTable::new(&tables.ready))
                 .map_err(store_error)?
@@ -103,6 +109,14 @@ impl EmbeddedSource {
 
 pub(super) fn not_there(table: &str, id: u64) -> SourceError {
     shared::not_there(table.trim_start_matches("dlq/"), &id.to_string())
+}
+
+/// Why an unreadable dead letter cannot be replayed, and what to do.
+fn unreadable(table: &str, id: u64) -> SourceError {
+    SourceError::Invalid(format!(
+        "dead letter {id} in {} is stored in a form that cannot be read, so it cannot be replayed; `courier dlq list` shows its raw bytes as the body, and `courier dlq purge` deletes it",
+        table.trim_start_matches("dlq/")
+    ))
 }
 
 pub(super) fn parse_dead_letter_id(id: &str) -> Result<u64, SourceError> {

@@ -71,6 +71,7 @@ impl EmbeddedSource {
     pub fn open(dir: &Path, options: SourceOptions) -> Result<Self, SourceError> {
         let file = shared_file(dir)?;
         let tables = Tables {
+            queue: options.queue.clone(),
             ready: format!("ready/{}", options.queue),
             leased: format!("leased/{}", options.queue),
             acked: format!("acked/{}", options.queue),
@@ -79,8 +80,13 @@ impl EmbeddedSource {
         Ok(Self {
             file,
             tables: Arc::new(tables),
-            options,
+            live: Mutex::new(options.live()),
         })
+    }
+
+    /// The live settings now.
+    pub(super) fn live(&self) -> LiveSettings {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Hands `call` to the writer and waits for its answer.

@@ -45,8 +45,8 @@ use tokio::sync::oneshot;
 
 use super::shared::{self, RECEIVE_WAIT};
 use super::{
-    Broker, Capabilities, Depth, Source, SourceError, SourceOptions, SourceUrl, decode_fields,
-    encode_fields,
+    Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions, SourceUrl,
+    decode_fields, encode_fields,
 };
 use crate::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
 
@@ -105,6 +105,14 @@ const FLUSH_EVERY: Duration = Duration::from_millis(20);
 /// for a 100,000-message backlog. Reads past it come from the kernel's page
 /// cache, which the queue's access pattern (oldest keys first) suits.
 const CACHE_BYTES: usize = 4 << 20;
+/// A receive hands out at most this many bytes of stored messages in all,
+/// and always one message at least, so a backlog of big messages cannot
+/// take more memory than this per read.
+const READ_BUDGET: usize = 16 << 20;
+/// A stored message over this many bytes is dead-lettered as
+/// `undeliverable` instead of handed out (it is never loaded into a
+/// delivery), and `send` refuses one: only another tool can store it.
+const RECORD_LIMIT: usize = 32 << 20;
 /// At most this many calls go into one transaction.
 const MAX_BATCH: usize = 1024;
 
@@ -144,11 +152,13 @@ pub fn url(dir: &Path) -> SourceUrl {
 pub struct EmbeddedSource {
     file: Arc<File>,
     tables: Arc<Tables>,
-    options: SourceOptions,
+    /// The options' live part, as the policy now says.
+    live: Mutex<LiveSettings>,
 }
 
 /// The names of one queue's tables.
 struct Tables {
+    queue: String,
     ready: String,
     leased: String,
     acked: String,
@@ -205,19 +215,21 @@ impl Source for EmbeddedSource {
             out_of_order_acks: true,
             dead_letter_browsing: true,
             dedup: true,
-            byte_bounded_reads: false,
+            byte_bounded_reads: true,
         }
     }
 
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let now = Instant::now();
         let tables = self.tables.clone();
-        let visibility = self.options.visibility_timeout.as_millis() as u64;
+        let live = self.live();
         self.call(|reply| {
             Call::Lease(Lease {
                 tables,
                 max,
-                visibility,
+                visibility: live.visibility_timeout.as_millis() as u64,
+                dead_letter_queue: live.dead_letter_queue,
+                max_deliveries: live.max_deliveries,
                 deadline: now + RECEIVE_WAIT,
                 next_try: now,
                 reply,
@@ -260,8 +272,36 @@ impl Source for EmbeddedSource {
 
     async fn depth(&self) -> Result<Depth, SourceError> {
         let tables = self.tables.clone();
-        let dlq = dlq_table(&self.options.dead_letter_queue);
+        let dlq = dlq_table(&self.live().dead_letter_queue);
         self.call(|reply| Call::Depth { tables, dlq, reply }).await
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
+    }
+
+    /// Extends the leases of `in_flight` to now + the visibility timeout, in
+    /// the writer's next transaction (not fsynced: after a crash there is
+    /// nothing in flight to keep).
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        if in_flight.is_empty() {
+            return Ok(());
+        }
+        let keys = in_flight
+            .iter()
+            .map(|d| parse_receipt(&d.receipt))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tables = self.tables.clone();
+        let visibility = self.live().visibility_timeout.as_millis() as u64;
+        self.call(|reply| {
+            Call::Change(Change::KeepAlive {
+                tables,
+                keys,
+                visibility,
+                reply,
+            })
+        })
+        .await
     }
 
     async fn dead_letters(
@@ -330,6 +370,8 @@ impl Source for EmbeddedSource {
         .await
     }
 
+    /// Refuses a message over [`RECORD_LIMIT`], which could never be
+    /// handed out.
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
         fields.extend(
@@ -338,6 +380,12 @@ impl Source for EmbeddedSource {
                 .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
         );
         let data = encode_fields(&fields);
+        if data.len() > RECORD_LIMIT {
+            return Err(SourceError::Invalid(format!(
+                "the message is {} bytes with its headers, over the embedded queue's limit of {RECORD_LIMIT} bytes for one message; send a smaller body (or a reference to where the data is)",
+                data.len()
+            )));
+        }
         let tables = self.tables.clone();
         let seq = self
             .call(|reply| {

@@ -20,12 +20,29 @@ pub(super) struct Overlay {
     /// receive reads on from here instead of skipping them all again.
     /// Anything that may store a row below it forgets it.
     pub(super) cursor: Option<(u64, u64)>,
+    /// Leases in `leased` that `keep_alive` moved to a later end, by seq:
+    /// (the end a receipt names, the end it has now). A receipt names the
+    /// lease it was handed out with; this finds where that lease is now.
+    pub(super) extended: HashMap<u64, (u64, u64)>,
+    /// Rows of `ready` found unfit to hand out (handed out too often, too
+    /// big), taken and waiting for the next transaction to dead-letter them.
+    pub(super) doomed: Vec<Doomed>,
+}
+
+/// A row of `ready` to dead-letter as `undeliverable` instead of handing it
+/// out.
+pub(super) struct Doomed {
+    pub(super) ready_key: (u64, u64),
+    pub(super) why: String,
+    pub(super) dead_letter_queue: String,
 }
 
 /// A message handed out from `ready`, not yet written to `leased`.
 pub(super) struct Held {
     pub(super) ready_key: (u64, u64),
-    /// The lease's end, as in the receipt.
+    /// The lease's end as the receipt names it.
+    pub(super) receipt_until: u64,
+    /// The lease's end now: later than the receipt's once kept alive.
     pub(super) until: u64,
     /// What `leased` will hold: the record with its delivery counted.
     pub(super) record: Vec<u8>,
@@ -40,20 +57,33 @@ impl Overlay {
             acked_ready: Vec::new(),
             acked_leased: HashSet::new(),
             cursor: None,
+            extended: HashMap::new(),
+            doomed: Vec::new(),
         }
     }
 
     /// Nothing here that the tables do not say already.
     pub(super) fn is_clean(&self) -> bool {
-        self.held.is_empty() && self.acked_ready.is_empty() && self.acked_leased.is_empty()
+        self.held.is_empty()
+            && self.acked_ready.is_empty()
+            && self.acked_leased.is_empty()
+            && self.doomed.is_empty()
     }
 
     /// The ready row of a held lease that `key` (a receipt) names.
     pub(super) fn held_row(&self, key: (u64, u64)) -> Option<(u64, u64)> {
         self.held
             .get(&key.1)
-            .filter(|h| h.until == key.0)
+            .filter(|h| h.receipt_until == key.0)
             .map(|h| h.ready_key)
+    }
+
+    /// Where in `leased` the lease a receipt names is now.
+    pub(super) fn leased_key(&self, key: (u64, u64)) -> (u64, u64) {
+        match self.extended.get(&key.1) {
+            Some(&(named, now)) if named == key.0 => (now, key.1),
+            _ => key,
+        }
     }
 }
 
@@ -99,6 +129,39 @@ pub(super) fn write_removals(
     Ok(())
 }
 
+/// Dead-letters the rows of `ready` found unfit to hand out; whether there
+/// were any.
+pub(super) fn write_doomed(
+    tx: &WriteTransaction,
+    overlay: &mut Overlay,
+) -> Result<bool, SourceError> {
+    if overlay.doomed.is_empty() {
+        return Ok(false);
+    }
+    let mut ready = tx
+        .open_table(QueueTable::new(&overlay.tables.ready))
+        .map_err(store_error)?;
+    for doomed in std::mem::take(&mut overlay.doomed) {
+        overlay.taken.remove(&doomed.ready_key);
+        let Some(stored) = ready
+            .remove(doomed.ready_key)
+            .map_err(store_error)?
+            .map(|v| v.value().to_vec())
+        else {
+            continue;
+        };
+        let record = undeliverable(
+            doomed.ready_key.1,
+            &stored,
+            &doomed.why,
+            &overlay.tables.queue,
+            &doomed.dead_letter_queue,
+        );
+        store_dead_letter(tx, &doomed.dead_letter_queue, &record)?;
+    }
+    Ok(true)
+}
+
 /// Moves the held leases from `ready` to `leased`, with their delivery
 /// counted, where a restart finds them.
 pub(super) fn write_held(tx: &WriteTransaction, overlay: &mut Overlay) -> Result<(), SourceError> {
@@ -117,6 +180,11 @@ pub(super) fn write_held(tx: &WriteTransaction, overlay: &mut Overlay) -> Result
         leased
             .insert((held.until, seq), held.record.as_slice())
             .map_err(store_error)?;
+        if held.until != held.receipt_until {
+            overlay
+                .extended
+                .insert(seq, (held.receipt_until, held.until));
+        }
     }
     Ok(())
 }

@@ -37,12 +37,17 @@ pub(super) fn apply(
                         .map_err(store_error)?
                         .is_some()
                 }
-                _ => tx
-                    .open_table(QueueTable::new(&tables.leased))
-                    .map_err(store_error)?
-                    .remove(*key)
-                    .map_err(store_error)?
-                    .is_some(),
+                (_, overlay) => {
+                    let at = overlay.as_ref().map_or(*key, |o| o.leased_key(*key));
+                    if let Some(overlay) = overlay {
+                        overlay.extended.remove(&key.1);
+                    }
+                    tx.open_table(QueueTable::new(&tables.leased))
+                        .map_err(store_error)?
+                        .remove(at)
+                        .map_err(store_error)?
+                        .is_some()
+                }
             };
             if held {
                 match then {
@@ -73,8 +78,57 @@ pub(super) fn apply(
             Some(Err(e)) => Err(e),
             Some(Ok(())) | None => Ok(Outcome::Unit(Ok(()))),
         },
+        Change::KeepAlive {
+            tables,
+            keys,
+            visibility,
+            ..
+        } => {
+            let overlay = overlay_of(queues, tables);
+            keep_alive(tx, overlay, keys, now_ms + *visibility)?;
+            Ok(Outcome::Unit(Ok(())))
+        }
         Change::Flush { .. } => Ok(Outcome::Unit(Ok(()))),
     }
+}
+
+/// Moves the leases that receipts name to end at `until`: in memory for a
+/// lease still held, in `leased` for one written there. A lease that is no
+/// longer this delivery's (settled, or taken back and handed out again) is
+/// left alone.
+fn keep_alive(
+    tx: &WriteTransaction,
+    overlay: &mut Overlay,
+    keys: &[(u64, u64)],
+    until: u64,
+) -> Result<(), SourceError> {
+    let mut leased = tx
+        .open_table(QueueTable::new(&overlay.tables.leased))
+        .map_err(store_error)?;
+    for &key in keys {
+        if overlay.held_row(key).is_some() {
+            if let Some(held) = overlay.held.get_mut(&key.1) {
+                held.until = held.until.max(until);
+            }
+            continue;
+        }
+        let at = overlay.leased_key(key);
+        if at.0 >= until || overlay.acked_leased.contains(&at) {
+            continue;
+        }
+        let Some(record) = leased
+            .remove(at)
+            .map_err(store_error)?
+            .map(|v| v.value().to_vec())
+        else {
+            continue;
+        };
+        leased
+            .insert((until, key.1), record.as_slice())
+            .map_err(store_error)?;
+        overlay.extended.insert(key.1, (key.0, until));
+    }
+    Ok(())
 }
 
 pub(super) fn next_seq(tx: &WriteTransaction) -> Result<u64, SourceError> {

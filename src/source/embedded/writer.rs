@@ -49,6 +49,9 @@ impl Writer {
 
     pub(super) fn next_wake(&self) -> Option<Instant> {
         let flush = self.dirty_since.map(|t| t + FLUSH_EVERY);
+        if self.queues.values().any(|o| !o.doomed.is_empty()) {
+            return Some(Instant::now());
+        }
         let lease = self.waiting.iter().map(|l| l.next_try).min();
         flush.into_iter().chain(lease).min()
     }
@@ -94,7 +97,8 @@ impl Writer {
             self.ack(acks, now);
         }
         let flush = self.dirty_since.is_some_and(|t| now >= t + FLUSH_EVERY)
-            || changes.iter().any(|c| matches!(c, Change::Flush { .. }));
+            || changes.iter().any(|c| matches!(c, Change::Flush { .. }))
+            || self.queues.values().any(|o| !o.doomed.is_empty());
         let write = flush || !changes.is_empty() || self.must_retake(&leases, now);
         // Waiting receives are tried when their time comes, and after a
         // transaction, which may have made something due.
@@ -129,35 +133,38 @@ impl Writer {
                     changed = true;
                     let _ = ack.reply.send(Ok(()));
                 }
-                None => in_leased.push(ack),
+                None => {
+                    let at = overlay.leased_key(ack.key);
+                    in_leased.push((ack, at));
+                }
             }
         }
         if !in_leased.is_empty() {
             let stored = self.db.begin_read().map_err(store_error).and_then(|tx| {
                 in_leased
                     .iter()
-                    .map(|ack| {
+                    .map(|(ack, at)| {
                         let leased = tx
                             .open_table(QueueTable::new(&ack.tables.leased))
                             .map_err(store_error)?;
-                        Ok(leased.get(ack.key).map_err(store_error)?.is_some())
+                        Ok(leased.get(*at).map_err(store_error)?.is_some())
                     })
                     .collect::<Result<Vec<bool>, SourceError>>()
             });
             match stored {
                 Ok(stored) => {
-                    for (ack, stored) in in_leased.into_iter().zip(stored) {
+                    for ((ack, at), stored) in in_leased.into_iter().zip(stored) {
                         if stored {
-                            overlay_of(&mut self.queues, &ack.tables)
-                                .acked_leased
-                                .insert(ack.key);
+                            let overlay = overlay_of(&mut self.queues, &ack.tables);
+                            overlay.acked_leased.insert(at);
+                            overlay.extended.remove(&ack.key.1);
                             changed = true;
                         }
                         let _ = ack.reply.send(Ok(()));
                     }
                 }
                 Err(e) => {
-                    for ack in in_leased {
+                    for (ack, _) in in_leased {
                         let _ = ack.reply.send(Err(e.clone()));
                     }
                 }
@@ -217,12 +224,15 @@ impl Writer {
         let applied = (|| {
             for overlay in self.queues.values_mut() {
                 write_removals(&tx, overlay)?;
+                // Dead letters are answered for only once durable.
+                durable |= write_doomed(&tx, overlay)?;
             }
             for change in &mut changes {
                 outcomes.push(apply(&tx, change, &mut self.queues, now_ms)?);
             }
             for lease in &tried {
-                let l = retake(&tx, lease, now_ms)?;
+                let overlay = overlay_of(&mut self.queues, &lease.tables);
+                let l = retake(&tx, lease, overlay, now_ms)?;
                 durable |= l.retaken;
                 leased.push(l);
             }
@@ -315,10 +325,16 @@ impl Writer {
         for (mut lease, mut leased) in tried {
             let overlay = overlay_of(&mut self.queues, &lease.tables);
             let room = lease.max.saturating_sub(leased.deliveries.len());
+            let budget = Budget {
+                room,
+                bytes: READ_BUDGET
+                    .saturating_sub(leased.deliveries.iter().map(|d| d.message.body.len()).sum()),
+                has_one: !leased.deliveries.is_empty(),
+            };
             let fresh = tx
                 .open_table(QueueTable::new(&lease.tables.ready))
                 .map_err(store_error)
-                .and_then(|ready| hand_out(&ready, overlay, &lease, now_ms, room));
+                .and_then(|ready| hand_out(&ready, overlay, &lease, now_ms, budget));
             match fresh {
                 Ok(fresh) if !fresh.is_empty() => {
                     leased.deliveries.extend(fresh);

@@ -1,0 +1,193 @@
+//! What the embedded queue promises across `kill -9`, tested on a real
+//! process: a child (this test binary run again, see [`child_workload`])
+//! sends and acks as fast as it can and says on stdout what returned and
+//! when; it is killed with SIGKILL mid-stream; the file is opened again and
+//! drained.
+//!
+//! - every `send` that returned is there (handed out again, or acked);
+//! - every ack that returned more than [`ACK_BOUND`] before the kill stays
+//!   acked: the message is not handed out again. An ack younger than that
+//!   may be undone (at-least-once: the message comes again).
+//!
+//! The bound in `docs/sources.md` is the flush interval (20 ms) plus the one
+//! fsynced commit that writes it; [`COMMIT_ALLOWANCE`] is what this test
+//! grants a commit on a loaded, shared machine.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use common::*;
+use courier::source::{self, SourceOptions};
+
+/// Set, the child runs the workload in this directory.
+const CHILD_DIR: &str = "EMBEDDED_DURABILITY_CHILD_DIR";
+const QUEUE: &str = "durable";
+const VISIBILITY: Duration = Duration::from_millis(300);
+/// The flush interval of hand-outs and acks held in memory.
+const FLUSH_EVERY: Duration = Duration::from_millis(20);
+/// What one fsynced commit may take here.
+const COMMIT_ALLOWANCE: Duration = Duration::from_millis(500);
+const ACK_BOUND: Duration =
+    Duration::from_millis(FLUSH_EVERY.as_millis() as u64 + COMMIT_ALLOWANCE.as_millis() as u64);
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn options() -> SourceOptions {
+    let mut options = SourceOptions::new(QUEUE);
+    options.visibility_timeout = VISIBILITY;
+    options.create = true;
+    options
+}
+
+/// The child: four tasks send, one receives and acks, and every call that
+/// returned is printed (`sent <id>`, `acked <id> <wall ms>`) before the next
+/// is made. Without [`CHILD_DIR`] (an ordinary test run) it does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_workload() {
+    let Ok(dir) = std::env::var(CHILD_DIR) else {
+        return;
+    };
+    let url = courier::source::embedded::url(std::path::Path::new(&dir));
+    let source = source::open(&url, options()).await.unwrap();
+    let say = |line: String| {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").unwrap();
+        out.flush().unwrap();
+    };
+    for task in 0..4 {
+        let source = source.clone();
+        tokio::spawn(async move {
+            for i in 0.. {
+                let id = source
+                    .send(Bytes::from(format!("{task}/{i}")), &[])
+                    .await
+                    .unwrap();
+                say(format!("sent {id}"));
+            }
+        });
+    }
+    loop {
+        for delivery in source.receive(16).await.unwrap() {
+            source.ack(&delivery).await.unwrap();
+            say(format!("acked {} {}", delivery.message.id, wall_ms()));
+        }
+    }
+}
+
+#[derive(Default)]
+struct Said {
+    sent: Vec<String>,
+    /// Id -> wall ms when its ack returned.
+    acked: HashMap<String, u64>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_loses_no_send_and_undoes_no_ack_older_than_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_workload",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_DIR, dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the child");
+    let said = Arc::new(Mutex::new(Said::default()));
+    let reader = std::thread::spawn({
+        let (stdout, said) = (child.stdout.take().unwrap(), said.clone());
+        move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let mut said = said.lock().unwrap();
+                let words: Vec<&str> = line.split(' ').collect();
+                match words.as_slice() {
+                    ["sent", id] => said.sent.push(id.to_string()),
+                    ["acked", id, at] => {
+                        said.acked.insert(id.to_string(), at.parse().unwrap());
+                    }
+                    _ => {}
+                }
+            }
+        }
+    });
+    wait_for(
+        "the child to send and ack a few hundred",
+        Duration::from_secs(60),
+        async || {
+            let said = said.lock().unwrap();
+            said.sent.len() >= 400 && said.acked.len() >= 300
+        },
+    )
+    .await;
+    let killed_at = wall_ms();
+    child.kill().expect("SIGKILL the child");
+    child.wait().unwrap();
+    reader.join().unwrap();
+    let said = std::mem::take(&mut *said.lock().unwrap());
+
+    // Opened again: what the child left is delivered, its leases once they
+    // run out.
+    let url = courier::source::embedded::url(dir.path());
+    let source = source::open(&url, options()).await.unwrap();
+    let mut again = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        for delivery in source.receive(64).await.unwrap() {
+            again.insert(delivery.message.id.clone());
+            source.ack(&delivery).await.unwrap();
+        }
+        let depth = source.depth().await.unwrap();
+        if depth.ready + depth.pending + depth.retry_backlog == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not drained: {depth:?}");
+    }
+
+    let lost: Vec<&String> = said
+        .sent
+        .iter()
+        .filter(|id| !said.acked.contains_key(*id) && !again.contains(*id))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} sends that returned are gone after kill -9: {lost:?}",
+        lost.len(),
+        said.sent.len()
+    );
+    let undone: Vec<(&String, u64)> = said
+        .acked
+        .iter()
+        .filter(|(id, _)| again.contains(*id))
+        .map(|(id, at)| (id, killed_at.saturating_sub(*at)))
+        .collect();
+    let too_old: Vec<_> = undone
+        .iter()
+        .filter(|(_, age)| *age > ACK_BOUND.as_millis() as u64)
+        .collect();
+    assert!(
+        too_old.is_empty(),
+        "acks older than {ACK_BOUND:?} at the kill were undone (id, ms before the kill): {too_old:?}"
+    );
+    println!(
+        "{} sent, {} acked, {} acks undone by the kill (at most {} ms old)",
+        said.sent.len(),
+        said.acked.len(),
+        undone.len(),
+        undone.iter().map(|(_, age)| *age).max().unwrap_or(0)
+    );
+}

@@ -11,7 +11,7 @@ use redb::ReadableTable;
 const SETTLE: Duration = Duration::from_secs(20);
 
 /// Stores `data` as the next message of the fixture's queue straight into
-/// the redb file, in the layout of `src/source/embedded.rs` (table
+/// the redb file, in the layout of `src/source/embedded/` (table
 /// `ready/<queue>` keyed by `(due ms, seq)`, the sequence in table `meta`),
 /// the way a bug or a broken tool would. The file must not be open in this
 /// process.

@@ -191,3 +191,91 @@ async fn kill_9_loses_no_send_and_undoes_no_ack_older_than_the_bound() {
         undone.iter().map(|(_, age)| *age).max().unwrap_or(0)
     );
 }
+
+/// Set, the child runs [`poison_child`] on this directory and queue.
+const POISON_DIR: &str = "EMBEDDED_POISON_CHILD_DIR";
+const POISON_QUEUE: &str = "EMBEDDED_POISON_CHILD_QUEUE";
+const MAX_DELIVERIES: u32 = 3;
+
+/// The child: a courier that dies (abort, as a segfault or an OOM kill
+/// would) the instant it is handed the message `poison`, and acks every
+/// other; once the poison pill is a dead letter it says so and ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_child() {
+    let (Ok(dir), Ok(queue)) = (std::env::var(POISON_DIR), std::env::var(POISON_QUEUE)) else {
+        return;
+    };
+    let url = courier::source::embedded::url(std::path::Path::new(&dir));
+    let mut options = SourceOptions::new(&queue);
+    options.visibility_timeout = VISIBILITY;
+    options.max_deliveries = MAX_DELIVERIES;
+    let source = source::open(&url, options).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        for delivery in source.receive(1).await.unwrap() {
+            if delivery.message.body.as_ref() == b"poison" {
+                std::process::abort();
+            }
+            source.ack(&delivery).await.unwrap();
+        }
+        if source.depth().await.unwrap().dead_letters > 0 {
+            println!("dead-lettered");
+            source.close().await;
+            return;
+        }
+    }
+}
+
+/// A message that crashes courier the moment it is handed out, before its
+/// hand-out would be written in the ordinary course (20 ms), does not
+/// crash-loop courier for ever: after an unclean stop hand-outs are made
+/// durable first, so each crash counts, and after `max_deliveries` the
+/// message is dead-lettered as `undeliverable`; the others are delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_crashes_courier_is_dead_lettered_not_crash_looped() {
+    let fixture = Fixture::embedded();
+    let source = fixture.open().await;
+    fixture.send(&source, "poison").await;
+    for i in 0..5 {
+        fixture.send(&source, format!("good {i}")).await;
+    }
+    release(&fixture, source).await;
+    let dir = fixture.dir().unwrap();
+    let mut crashes = 0;
+    loop {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "poison_child", "--nocapture", "--test-threads=1"])
+            .env(POISON_DIR, &dir)
+            .env(POISON_QUEUE, &fixture.queue)
+            .stderr(Stdio::null())
+            .output()
+            .expect("run the child");
+        if String::from_utf8_lossy(&out.stdout).contains("dead-lettered") {
+            break;
+        }
+        assert!(
+            !out.status.success(),
+            "the child ended without a dead letter"
+        );
+        crashes += 1;
+        assert!(
+            crashes <= MAX_DELIVERIES + 1,
+            "{crashes} crashes and the poison pill is still handed out"
+        );
+    }
+    // The first crash is not counted: that hand-out was still in memory.
+    assert!(crashes >= MAX_DELIVERIES, "crashed only {crashes} times");
+    let source = fixture.open().await;
+    let depth = source.depth().await.unwrap();
+    assert_eq!(
+        (depth.ready, depth.pending),
+        (0, 0),
+        "the good ones were delivered: {depth:?}"
+    );
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].body.as_ref(), b"poison");
+    assert_eq!(letters[0].field("courier-reason"), Some("undeliverable"));
+    let error = letters[0].field("courier-error").unwrap();
+    assert!(error.contains("without being settled"), "{error}");
+}

@@ -46,6 +46,13 @@ pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
             Err(other) => return Err(store_error(other)),
         }
     };
+    let careful_until = opened(&db)?.then(|| {
+        tracing::warn!(
+            file = %path.display(),
+            "embedded queue: the last process on this file did not close it; for {CAREFUL_FOR:?} every hand-out is made durable before it is delivered, so a message that crashes courier is counted and dead-lettered after max_deliveries"
+        );
+        Instant::now() + CAREFUL_FOR
+    });
     let db = Arc::new(db);
     let (calls, inbox) = mpsc::channel();
     let writer = Writer {
@@ -53,6 +60,7 @@ pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
         waiting: Vec::new(),
         queues: HashMap::new(),
         dirty_since: None,
+        careful_until,
     };
     let writer = std::thread::Builder::new()
         .name("courier-embedded".into())
@@ -153,9 +161,38 @@ impl EmbeddedSource {
     }
 }
 
+/// Marks the file open, durably; whether it was open already, which means
+/// the process that had it died without closing it.
+fn opened(db: &Database) -> Result<bool, SourceError> {
+    let was_open = {
+        let tx = db.begin_read().map_err(store_error)?;
+        match tx.open_table(META) {
+            Ok(meta) => meta
+                .get(OPEN)
+                .map_err(store_error)?
+                .is_some_and(|v| v.value() != 0),
+            Err(redb::TableError::TableDoesNotExist(_)) => false,
+            Err(e) => return Err(store_error(e)),
+        }
+    };
+    let tx = db.begin_write().map_err(store_error)?;
+    mark_open(&tx, true)?;
+    tx.commit().map_err(store_error)?;
+    Ok(was_open)
+}
+
+/// Notes in `meta` whether a process has the file open.
+pub(super) fn mark_open(tx: &WriteTransaction, open: bool) -> Result<(), SourceError> {
+    tx.open_table(META)
+        .map_err(store_error)?
+        .insert(OPEN, u64::from(open))
+        .map_err(store_error)?;
+    Ok(())
+}
+
 /// Creates the queue's tables, so that a read before the first write works.
 /// Checked with a read first: opening a source on an existing queue (every
-/// `courier send`, `courier dlq`) then writes nothing.
+/// `courier send`, `courier dlq`) then takes no transaction of its own.
 pub(super) fn create_tables(db: &Database, tables: &Tables, dlq: &str) -> Result<(), SourceError> {
     let names = [tables.ready.as_str(), tables.leased.as_str(), dlq];
     let present = {

@@ -72,6 +72,16 @@ const META: TableDefinition<'_, &str, u64> = TableDefinition::new("meta");
 /// Idempotency key -> ms until which its ack is remembered.
 type AckedTable<'a> = TableDefinition<'a, &'static str, u64>;
 const SEQ: &str = "seq";
+/// In `meta`: 1 while a process has the file open, 0 once it closed it.
+const OPEN: &str = "open";
+/// After opening a file its last process did not close (it crashed, or was
+/// killed), every hand-out is made durable before it is answered for this
+/// long, instead of within [`FLUSH_EVERY`]: a message that crashes courier
+/// the moment it is handed out is so counted (`courier-deliveries`), and
+/// after `max_deliveries` crashes dead-lettered instead of crash-looping
+/// courier for ever. It comes first after a restart (it is still at the
+/// head of `ready`, or its lease runs out), so a short window catches it.
+const CAREFUL_FOR: Duration = Duration::from_secs(10);
 /// A waiting receive is tried again at least this often. Every change goes
 /// through the writer, which tries waiting receives after each transaction
 /// and at the next due time, so this only covers what the writer cannot

@@ -12,6 +12,9 @@ pub(super) struct Writer {
     /// When the first change not yet durable was made (in memory or by a
     /// commit without fsync).
     pub(super) dirty_since: Option<Instant>,
+    /// Until then every hand-out is made durable before it is answered:
+    /// set for [`CAREFUL_FOR`] when the file was not closed cleanly.
+    pub(super) careful_until: Option<Instant>,
 }
 
 impl Writer {
@@ -41,10 +44,17 @@ impl Writer {
         for lease in self.waiting.drain(..) {
             let _ = lease.reply.send(Ok(Vec::new()));
         }
-        if self.dirty_since.is_some() || !self.queues.values().all(Overlay::is_clean) {
-            let (reply, _) = oneshot::channel();
-            self.batch(vec![Call::Change(Change::Flush { reply })]);
-        }
+        let (reply, _) = oneshot::channel();
+        let closed = Change::Write {
+            work: Some(Box::new(|tx| mark_open(tx, false))),
+            durable: true,
+            reply,
+        };
+        let (reply, _) = oneshot::channel();
+        self.batch(vec![
+            Call::Change(Change::Flush { reply }),
+            Call::Change(closed),
+        ]);
     }
 
     pub(super) fn next_wake(&self) -> Option<Instant> {
@@ -56,11 +66,21 @@ impl Writer {
         flush.into_iter().chain(lease).min()
     }
 
-    /// An empty transaction, fsynced: makes what was committed without
-    /// fsync durable.
-    pub(super) fn commit_durable(&self) -> Result<(), SourceError> {
+    /// A transaction, fsynced, that writes everything held in memory: makes
+    /// what was committed without fsync durable, and the hand-outs since.
+    pub(super) fn commit_durable(&mut self, now: Instant) -> Result<(), SourceError> {
         let tx = self.db.begin_write().map_err(store_error)?;
-        tx.commit().map_err(store_error)
+        let written = self.queues.values_mut().try_for_each(|overlay| {
+            write_removals(&tx, overlay)?;
+            write_doomed(&tx, overlay)?;
+            write_held(&tx, overlay)
+        });
+        let result = written.and_then(|()| tx.commit().map_err(store_error));
+        match &result {
+            Ok(()) => self.durable_at(now),
+            Err(_) => forget_cursors(&mut self.queues),
+        }
+        result
     }
 
     /// After a durable commit, which wrote everything held before it: what
@@ -110,7 +130,8 @@ impl Writer {
         } else if !tried.is_empty() {
             let tried = tried.into_iter().map(|l| (l, Leased::default())).collect();
             if let Some(late) = self.serve(tried, now) {
-                answer_leases(late, Ok(()));
+                let result = self.commit_durable(now);
+                answer_leases(late, result);
             }
         }
         for (tables, dlq, reply) in depths {
@@ -287,12 +308,8 @@ impl Writer {
             changes = late;
         }
         let late = self.serve(tried.into_iter().zip(leased).collect(), now);
-        let result = if split {
-            let result = self.commit_durable();
-            if result.is_ok() {
-                self.durable_at(now);
-            }
-            result
+        let result = if split || late.is_some() {
+            self.commit_durable(now)
         } else {
             Ok(())
         };
@@ -347,7 +364,7 @@ impl Writer {
                 }
             }
             if !leased.deliveries.is_empty() {
-                if leased.retaken {
+                if leased.retaken || self.careful_until.is_some_and(|t| now < t) {
                     late.push((lease, leased));
                 } else {
                     let _ = lease.reply.send(Ok(leased.deliveries));

@@ -13,7 +13,9 @@ pub(super) fn retake(
     overlay: &mut Overlay,
     now: u64,
 ) -> Result<Leased, SourceError> {
-    let until = now + lease.visibility;
+    // Past `now` even with no visibility timeout, or the loop below would
+    // find the lease it just stored.
+    let until = now + lease.visibility.max(1);
     let mut leased = tx
         .open_table(QueueTable::new(&lease.tables.leased))
         .map_err(store_error)?;

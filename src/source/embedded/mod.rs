@@ -105,7 +105,8 @@ const FALLBACK_POLL: Duration = Duration::from_millis(200);
 ///   an attempt" for a message that crashes courier within this window of
 ///   being handed out; a lease that is taken back after it ran out (a sign
 ///   of such trouble) is therefore made durable before it is handed out
-///   again.
+///   again, and so is every hand-out for a while after an unclean stop
+///   (see [`CAREFUL_FOR`]).
 /// - Sends, retries, dead letters, replays and purges create a message or
 ///   move it somewhere new: they are answered only once durable, so a send
 ///   that returned Ok is never lost, a retry never lost nor fired early, a

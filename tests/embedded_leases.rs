@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use common::*;
-use courier::model::{DeadLetter, Delivery};
+use courier::model::{DeadLetter, DeadLetterReason, Delivery, Failure};
 use courier::source::{self, LiveSettings, Source, SourceError, SourceOptions};
 use redb::ReadableTable;
 
@@ -83,6 +83,52 @@ async fn a_delivery_kept_alive_is_not_handed_out_again() {
     assert_eq!(again.len(), 1, "handed out again once its lease ran out");
     assert_eq!(again[0].attempt, 2);
     source.ack(&again[0]).await.unwrap();
+}
+
+/// A delivery kept alive after its lease was written to the file (past the
+/// 20 ms flush) still settles by its receipt: a retry comes back as the
+/// next attempt, a dead letter is written, and nothing stays leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_delivery_settles_by_retry_and_dead_letter() {
+    let fixture = Fixture::embedded();
+    let source = open_with(&fixture, |o| o.visibility_timeout = Duration::from_secs(30)).await;
+    fixture.send(&source, "retried").await;
+    fixture.send(&source, "dead").await;
+    let got = source.receive(2).await.unwrap();
+    assert_eq!(got.len(), 2);
+    // Written to `leased` by the next flush, then kept alive twice.
+    source.close().await;
+    source.keep_alive(&got).await.unwrap();
+    source.keep_alive(&got).await.unwrap();
+
+    let now = SystemTime::now();
+    source.retry(&got[0], 2, now, now).await.unwrap();
+    let failure = Failure {
+        reason: DeadLetterReason::PermanentStatus,
+        status: Some(400),
+        error: None,
+        attempts: 1,
+        first_attempt_at: now,
+        last_attempt_at: now,
+        queue: fixture.queue.clone(),
+        message_id: got[1].message.id.clone(),
+        excerpt: Bytes::new(),
+        policy: String::new(),
+        dead_letter_queue: fixture.dlq(),
+    };
+    source.dead_letter(&got[1], &failure).await.unwrap();
+    let again = receive_some(&source, Duration::from_secs(5)).await;
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(
+        (again[0].message.body.as_ref(), again[0].attempt),
+        (&b"retried"[..], 2)
+    );
+    source.ack(&again[0]).await.unwrap();
+    let letters = letters(&source, &fixture.dlq()).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].body.as_ref(), b"dead");
+    let depth = source.depth().await.unwrap();
+    assert_eq!((depth.ready, depth.pending), (0, 0), "{depth:?}");
 }
 
 /// A live change of the visibility timeout applies to the next hand-out

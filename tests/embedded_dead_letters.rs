@@ -84,3 +84,60 @@ async fn a_corrupt_dead_letter_is_listed_purgeable_and_not_replayed() {
     source.purge(&dlq, bad).await.unwrap();
     assert!(source.dead_letters(&dlq, 100).await.unwrap().is_empty());
 }
+
+/// What a user of `courier dlq` sees: the listing shows the corrupt dead
+/// letter beside the good one; `replay --all` replays the good one and
+/// names the corrupt one as not replayed (exit 1, a partial failure);
+/// `purge` deletes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn courier_dlq_lists_skips_and_purges_a_corrupt_dead_letter() {
+    let fixture = Fixture::embedded();
+    let good = encode_fields(&[(Bytes::from_static(b"payload"), Bytes::from_static(b"fine"))]);
+    let ids = store_dead_letters(&fixture, &[b"\xc1 junk".to_vec(), good]);
+    let (bad_id, good_id) = (&ids[0], &ids[1]);
+    let dlq = |args: &[&str]| {
+        let out = courier_command()
+            .arg("dlq")
+            .args(args)
+            .args(["--source", &fixture.source_arg(), "--queue", &fixture.queue])
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("run courier dlq");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    let (code, out, err) = dlq(&["list"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains(bad_id.as_str()) && out.contains(good_id.as_str()),
+        "{out}"
+    );
+
+    let (code, out, err) = dlq(&["replay", "--all"]);
+    assert_eq!(code, Some(1), "a partial failure: {out}{err}");
+    assert!(
+        err.contains(bad_id.as_str()) && err.contains("cannot be read"),
+        "the corrupt one is named, and why: {err}"
+    );
+    let (_, out, _) = dlq(&["list", "--output", "json"]);
+    let left: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(left.len(), 1, "the good one was replayed: {out}");
+    assert_eq!(left[0]["id"], bad_id.as_str());
+
+    let (code, _, err) = dlq(&["purge", "--all", "--yes"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (_, out, _) = dlq(&["list", "--output", "json"]);
+    assert!(out.trim().is_empty(), "{out}");
+
+    let source = fixture.open().await;
+    let back = source.receive(10).await.unwrap();
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].message.body.as_ref(), b"fine");
+}

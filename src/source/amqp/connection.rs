@@ -1,0 +1,353 @@
+//! Opening, re-opening and closing the connection, and the consumer.
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::types::FieldTable;
+use lapin::uri::AMQPUri;
+use lapin::{BasicProperties, Connection, ConnectionProperties, ErrorKind};
+use tokio::sync::mpsc;
+
+use super::convert::fields_of;
+use super::errors::{broker_error, lost, short};
+use super::session::Session;
+use super::{AmqpSource, CONNECT_TIMEOUT, FRAME_MAX, new_id, queue_state};
+use crate::model::Delivery;
+use crate::source::shared::RECEIVE_WAIT;
+use crate::source::{SourceError, SourceOptions};
+
+impl AmqpSource {
+    pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let mut uri = AMQPUri::from_str(url).map_err(|e| {
+            SourceError::Invalid(format!("--source {}: {e}", crate::source::redact(url)))
+        })?;
+        // A peer that vanishes without closing the socket is noticed within
+        // two heartbeats.
+        uri.query.heartbeat.get_or_insert(10);
+        uri.query.connection_timeout.get_or_insert(5_000);
+        uri.query.frame_max.get_or_insert(FRAME_MAX);
+        short(&options.queue)?;
+        let key = format!(
+            "{}:{}/{}/{}",
+            uri.authority.host, uri.authority.port, uri.vhost, options.queue
+        );
+        let source = Self {
+            uri,
+            redacted: crate::source::redact(url),
+            state: queue_state(&key),
+            options,
+            session: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            generation: AtomicU64::new(0),
+            consuming: AtomicBool::new(false),
+            properties: Mutex::new(HashMap::new()),
+        };
+        source.session().await?;
+        Ok(source)
+    }
+
+    pub(super) fn current(&self) -> Option<Arc<Session>> {
+        self.session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The live session, opening a new one when the last was lost.
+    pub(super) async fn session(&self) -> Result<Arc<Session>, SourceError> {
+        if let Some(s) = self.current().filter(|s| s.healthy()) {
+            return Ok(s);
+        }
+        let _one_at_a_time = self.connecting.lock().await;
+        if let Some(s) = self.current() {
+            if s.healthy() {
+                return Ok(s);
+            }
+            s.retire();
+            *self.session.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            tracing::warn!(source = %self.redacted, queue = %self.options.queue, "the connection to RabbitMQ was lost; reconnecting");
+        }
+        let session = Arc::new(self.open_session().await?);
+        *self.session.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
+        if self.consuming.load(Ordering::SeqCst)
+            && let Err(e) = self.start_consuming(&session).await
+        {
+            session.retire();
+            return Err(e);
+        }
+        Ok(session)
+    }
+
+    pub(super) async fn open_session(&self) -> Result<Session, SourceError> {
+        let properties = ConnectionProperties::default().with_connection_name(
+            format!("courier {} ({})", self.options.consumer, self.options.queue).into(),
+        );
+        let connection = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            Connection::connect_uri(self.uri.clone(), properties),
+        )
+        .await
+        .map_err(|_| {
+            SourceError::Unavailable(format!(
+                "{}: no answer within {CONNECT_TIMEOUT:?}",
+                self.redacted
+            ))
+        })?
+        .map_err(|e| self.connect_error(e))?;
+        let consume = connection
+            .create_channel()
+            .await
+            .map_err(|e| self.connect_error(e))?;
+        let publish = connection
+            .create_channel()
+            .await
+            .map_err(|e| self.connect_error(e))?;
+        publish
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(broker_error)?;
+        let session = Session {
+            generation: self.generation.fetch_add(1, Ordering::SeqCst) + 1,
+            connection,
+            consume,
+            publish,
+            admin: tokio::sync::Mutex::new(None),
+            inbox: tokio::sync::Mutex::new(None),
+            consumer_tag: Mutex::new(None),
+            pump: Mutex::new(None),
+            declared: Mutex::new(HashSet::new()),
+            outstanding: Arc::default(),
+            broken: Arc::default(),
+            state: self.state.clone(),
+        };
+        if let Err(e) = session
+            .require(&self.options.queue, self.options.create, &self.uri.vhost)
+            .await
+        {
+            session.retire();
+            return Err(e);
+        }
+        Ok(session)
+    }
+
+    pub(super) fn connect_error(&self, e: lapin::Error) -> SourceError {
+        let user = &self.uri.authority.userinfo.username;
+        match e.kind() {
+            ErrorKind::ProtocolError(p)
+                if matches!(p.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
+            {
+                SourceError::Broker(format!(
+                    "RabbitMQ at {} refused the login of user {user:?} ({p}); check the user name and password in --source",
+                    self.redacted
+                ))
+            }
+            ErrorKind::ProtocolError(p)
+                if matches!(p.kind(), AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)) =>
+            {
+                SourceError::Broker(format!(
+                    "RabbitMQ at {} does not let user {user:?} into vhost {:?} ({p}); check the vhost in --source (%2f is /) and the user's permissions",
+                    self.redacted, self.uri.vhost
+                ))
+            }
+            ErrorKind::ProtocolError(p) => {
+                SourceError::Broker(format!("RabbitMQ at {}: {p}", self.redacted))
+            }
+            _ => SourceError::Unavailable(format!("{}: {e}", self.redacted)),
+        }
+    }
+
+    /// Starts the consumer and the task that moves its deliveries to the
+    /// inbox, counting each as held.
+    pub(super) async fn start_consuming(&self, session: &Session) -> Result<(), SourceError> {
+        let prefetch = self.options.max_in_flight.clamp(1, usize::from(u16::MAX)) as u16;
+        session
+            .consume
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|e| session.fail(e))?;
+        let mut consumer = session
+            .consume
+            .basic_consume(
+                short(&self.options.queue)?,
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| session.fail(e))?;
+        *session
+            .consumer_tag
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(consumer.tag());
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (outstanding, broken, state) = (
+            session.outstanding.clone(),
+            session.broken.clone(),
+            session.state.clone(),
+        );
+        let queue = self.options.queue.clone();
+        let pump = tokio::spawn(async move {
+            while let Some(item) = consumer.next().await {
+                match item {
+                    Ok(delivery) => {
+                        outstanding
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(delivery.delivery_tag);
+                        state.unacked.fetch_add(1, Ordering::SeqCst);
+                        if tx.send(delivery).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, %queue, "the RabbitMQ consumer failed");
+                        break;
+                    }
+                }
+            }
+            broken.store(true, Ordering::SeqCst);
+        });
+        *session.pump.lock().unwrap_or_else(|e| e.into_inner()) = Some(pump);
+        *session.inbox.lock().await = Some(rx);
+        Ok(())
+    }
+
+    /// The session a receipt belongs to, if it is still the live one.
+    pub(super) fn session_for(&self, receipt: &str) -> Result<(Arc<Session>, u64), SourceError> {
+        let (generation, tag) = receipt
+            .split_once(':')
+            .and_then(|(g, t)| Some((g.parse::<u64>().ok()?, t.parse::<u64>().ok()?)))
+            .ok_or_else(|| SourceError::Broker(format!("bad receipt {receipt:?}")))?;
+        let session = self
+            .current()
+            .filter(|s| s.generation == generation && s.healthy())
+            .ok_or_else(lost)?;
+        Ok((session, tag))
+    }
+
+    pub(super) fn take_properties(&self, receipt: &str) -> Option<BasicProperties> {
+        self.properties
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(receipt)
+    }
+
+    pub(super) async fn receive_batch(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        let session = self.session().await?;
+        if !self.consuming.swap(true, Ordering::SeqCst)
+            && let Err(e) = self.start_consuming(&session).await
+        {
+            self.consuming.store(false, Ordering::SeqCst);
+            return Err(e);
+        }
+        let mut batch = Vec::new();
+        {
+            let mut inbox = session.inbox.lock().await;
+            let Some(rx) = inbox.as_mut() else {
+                session.broken.store(true, Ordering::SeqCst);
+                return Err(SourceError::Unavailable(
+                    "the consumer is not running".into(),
+                ));
+            };
+            match tokio::time::timeout(RECEIVE_WAIT, rx.recv()).await {
+                Err(_) => return Ok(Vec::new()),
+                Ok(None) => {
+                    session.broken.store(true, Ordering::SeqCst);
+                    return Err(SourceError::Unavailable(
+                        "the RabbitMQ consumer stopped (connection lost or queue deleted); reconnecting".into(),
+                    ));
+                }
+                Ok(Some(d)) => batch.push(d),
+            }
+            while batch.len() < max.max(1) {
+                match rx.try_recv() {
+                    Ok(d) => batch.push(d),
+                    Err(_) => break,
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(batch.len());
+        for delivery in batch {
+            match self.admit(&session, delivery).await {
+                Ok(Some(d)) => out.push(d),
+                Ok(None) => {}
+                // What was taken and not handed out is requeued by the
+                // broker when the broken connection is replaced.
+                Err(e) => {
+                    session.broken.store(true, Ordering::SeqCst);
+                    for d in &out {
+                        self.take_properties(&d.receipt);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stops consuming and gives back, without counting an attempt, what
+    /// was prefetched and never offered to the app; then closes.
+    pub(super) async fn shut_down(&self) {
+        let Some(session) = self.current() else {
+            return;
+        };
+        let tag = session
+            .consumer_tag
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(tag) = tag
+            && session.healthy()
+        {
+            let _ = session
+                .consume
+                .basic_cancel(tag, BasicCancelOptions::default())
+                .await;
+            let pump = session
+                .pump
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(pump) = pump {
+                let _ = tokio::time::timeout(Duration::from_secs(1), pump).await;
+            }
+            let mut inbox = session.inbox.lock().await;
+            if let Some(rx) = inbox.as_mut() {
+                while let Ok(d) = rx.try_recv() {
+                    let fields = fields_of(&d);
+                    let id = d
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|id| id.to_string())
+                        .unwrap_or_else(new_id);
+                    let given_back = self
+                        .move_to(
+                            &session,
+                            d.delivery_tag,
+                            None,
+                            &fields,
+                            Some(&d.properties),
+                            &id,
+                        )
+                        .await;
+                    if let Err(e) = given_back {
+                        tracing::warn!(error = %e, "giving back prefetched messages failed; RabbitMQ requeues them");
+                        break;
+                    }
+                }
+            }
+        }
+        session.retire();
+        let _ = session.connection.close(200, "courier stops".into()).await;
+        *self.session.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}

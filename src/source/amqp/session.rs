@@ -1,0 +1,240 @@
+//! One connection and its channels: declares, confirmed publishes, acks.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lapin::message::Delivery as AmqpDelivery;
+use lapin::options::{BasicAckOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::protocol::AMQPSoftError;
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use tokio::sync::mpsc;
+
+use super::QueueState;
+use super::errors::{Timed, broker_error, is_soft, short, timed};
+use crate::source::SourceError;
+
+/// One connection and its channels; replaced as a whole when anything on it
+/// fails, because the broker then requeues what it held anyway.
+pub(super) struct Session {
+    pub(super) generation: u64,
+    pub(super) connection: Connection,
+    pub(super) consume: Channel,
+    pub(super) publish: Channel,
+    pub(super) admin: tokio::sync::Mutex<Option<Channel>>,
+    /// Deliveries the pump took from the consumer, in order.
+    pub(super) inbox: tokio::sync::Mutex<Option<mpsc::UnboundedReceiver<AmqpDelivery>>>,
+    pub(super) consumer_tag: Mutex<Option<ShortString>>,
+    pub(super) pump: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Queues known to exist on this connection.
+    pub(super) declared: Mutex<HashSet<String>>,
+    /// Delivery tags handed to courier and not yet settled.
+    pub(super) outstanding: Arc<Mutex<HashSet<u64>>>,
+    pub(super) broken: Arc<AtomicBool>,
+    pub(super) state: Arc<QueueState>,
+}
+
+impl Session {
+    pub(super) fn healthy(&self) -> bool {
+        !self.broken.load(Ordering::SeqCst)
+            && self.connection.status().connected()
+            && self.consume.status().connected()
+            && self.publish.status().connected()
+    }
+
+    /// Marks the session unusable when an error came from the connection or
+    /// one of its long-lived channels (both close on any error).
+    pub(super) fn fail(&self, e: lapin::Error) -> SourceError {
+        self.broken.store(true, Ordering::SeqCst);
+        broker_error(e)
+    }
+
+    /// A settled delivery is no longer counted as pending.
+    pub(super) fn settled(&self, tag: u64) {
+        if self
+            .outstanding
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&tag)
+        {
+            self.state.unacked.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Gives up the connection; the broker requeues whatever it held.
+    pub(super) fn retire(&self) {
+        self.broken.store(true, Ordering::SeqCst);
+        if let Some(pump) = self.pump.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            pump.abort();
+        }
+        let held = std::mem::take(&mut *self.outstanding.lock().unwrap_or_else(|e| e.into_inner()));
+        self.state
+            .unacked
+            .fetch_sub(held.len() as i64, Ordering::SeqCst);
+        let (consume, publish) = (self.consume.clone(), self.publish.clone());
+        tokio::spawn(async move {
+            let _ = consume.close(200, "courier reconnects".into()).await;
+            let _ = publish.close(200, "courier reconnects".into()).await;
+        });
+    }
+
+    pub(super) async fn admin(&self) -> Result<Channel, SourceError> {
+        let mut admin = self.admin.lock().await;
+        if let Some(channel) = admin.as_ref().filter(|c| c.status().connected()) {
+            return Ok(channel.clone());
+        }
+        let channel = self
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| self.fail(e))?;
+        *admin = Some(channel.clone());
+        Ok(channel)
+    }
+
+    /// Forgets the admin channel after an error: the broker closed it.
+    pub(super) async fn drop_admin(&self) {
+        *self.admin.lock().await = None;
+    }
+
+    /// Message count of a queue, or `None` when it does not exist.
+    pub(super) async fn passive_count(&self, queue: &str) -> Result<Option<u32>, SourceError> {
+        let channel = self.admin().await?;
+        let options = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        match timed(channel.queue_declare(short(queue)?, options, FieldTable::default())).await {
+            Ok(q) => {
+                self.known(queue);
+                Ok(Some(q.message_count()))
+            }
+            Err(e) => {
+                self.drop_admin().await;
+                match e {
+                    Timed::Broker(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => Ok(None),
+                    e => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    pub(super) fn known(&self, queue: &str) {
+        self.declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(queue.to_string());
+    }
+
+    pub(super) fn is_known(&self, queue: &str) -> bool {
+        self.declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(queue)
+    }
+
+    /// Declares a queue courier owns (a tier, a dead-letter queue), durable.
+    pub(super) async fn declare(
+        &self,
+        queue: &str,
+        arguments: FieldTable,
+    ) -> Result<(), SourceError> {
+        if self.is_known(queue) {
+            return Ok(());
+        }
+        let channel = self.admin().await?;
+        let declared =
+            timed(channel.queue_declare(short(queue)?, QueueDeclareOptions::durable(), arguments))
+                .await;
+        if let Err(e) = declared {
+            self.drop_admin().await;
+            return Err(SourceError::Broker(format!(
+                "cannot declare queue {queue:?}: {}",
+                SourceError::from(e)
+            )));
+        }
+        self.known(queue);
+        Ok(())
+    }
+
+    /// A dead-letter queue: used as it is when it exists (classic or quorum),
+    /// else declared durable. Checked once per connection, so depth polls do
+    /// not probe a missing queue (which closes a channel) again and again.
+    pub(super) async fn ensure_dead_letter_queue(&self, queue: &str) -> Result<(), SourceError> {
+        if self.is_known(queue) || self.passive_count(queue).await?.is_some() {
+            return Ok(());
+        }
+        self.declare(queue, FieldTable::default()).await
+    }
+
+    /// A queue that must exist; one that is missing is declared durable with
+    /// no arguments when `create`, an error otherwise.
+    pub(super) async fn require(
+        &self,
+        queue: &str,
+        create: bool,
+        vhost: &str,
+    ) -> Result<(), SourceError> {
+        if self.is_known(queue) || self.passive_count(queue).await?.is_some() {
+            return Ok(());
+        }
+        if create {
+            return self.declare(queue, FieldTable::default()).await;
+        }
+        Err(SourceError::Invalid(format!(
+            "queue {queue:?} does not exist in vhost {vhost:?}; declare it (classic or quorum, durable), or start `courier run` with --create to declare a durable classic queue"
+        )))
+    }
+
+    /// Publishes through the default exchange and waits for the broker's
+    /// confirm; an unroutable message (a queue deleted meanwhile) is an error.
+    pub(super) async fn publish(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), SourceError> {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let routing_key = short(queue)?;
+        let published = timed(async {
+            self.publish
+                .basic_publish("".into(), routing_key, options, body, properties)
+                .await?
+                .await
+        })
+        .await;
+        let confirm = published.map_err(|e| {
+            self.broken.store(true, Ordering::SeqCst);
+            SourceError::from(e)
+        })?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(returned)) => {
+                self.declared
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(queue);
+                Err(SourceError::Broker(format!(
+                    "RabbitMQ could not route the message to queue {queue:?} ({} {})",
+                    returned.reply_code, returned.reply_text
+                )))
+            }
+            Confirmation::Nack(_) => Err(SourceError::Broker(format!(
+                "RabbitMQ refused to store the message for queue {queue:?} (publisher nack)"
+            ))),
+        }
+    }
+
+    pub(super) async fn ack(&self, tag: u64) -> Result<(), SourceError> {
+        self.consume
+            .basic_ack(tag, BasicAckOptions { multiple: false })
+            .await
+            .map_err(|e| self.fail(e))?;
+        self.settled(tag);
+        Ok(())
+    }
+}

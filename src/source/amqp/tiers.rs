@@ -1,0 +1,216 @@
+//! Delay tiers: retries wait in `<queue>.retry.<d>` queues, and what the
+//! broker hands out is admitted (or sent round again) here.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use lapin::BasicProperties;
+use lapin::message::Delivery as AmqpDelivery;
+use lapin::types::{AMQPValue, FieldTable};
+
+use super::convert::{fields_of, header, header_text, header_u32, message_for, value_bytes};
+use super::session::Session;
+use super::{AmqpSource, new_id};
+use crate::duration;
+use crate::model::{Delivery, F_ATTEMPT, F_MESSAGE_ID, parse_time, rfc3339};
+use crate::source::SourceError;
+use crate::source::shared::{F_RETRY_AT, replace, without};
+
+/// Delay tiers: each is at most 2.5 times the one before, so a retry is late
+/// by less than one tier step.
+pub(super) const TIERS_MS: &[u64] = &[
+    10, 20, 50, 100, 200, 500, 1_000, 2_000, 4_000, 8_000, 15_000, 30_000, 60_000, 120_000,
+    240_000, 480_000, 900_000, 1_800_000, 3_600_000, 7_200_000, 14_400_000, 28_800_000, 43_200_000,
+    86_400_000,
+];
+
+/// The tier for a delay: the shortest not shorter than it, else the longest.
+pub(super) fn tier_for(delay: Duration) -> Duration {
+    let ms = delay.as_millis();
+    let tier = TIERS_MS
+        .iter()
+        .copied()
+        .find(|t| u128::from(*t) >= ms)
+        .unwrap_or(TIERS_MS[TIERS_MS.len() - 1]);
+    Duration::from_millis(tier)
+}
+
+pub(super) fn tier_queue(queue: &str, tier: Duration) -> String {
+    format!("{queue}.retry.{}", duration::format(tier))
+}
+
+impl AmqpSource {
+    /// Publishes `fields` to `queue` (after the delay of `tier`, when given),
+    /// then acks the delivery `tag`.
+    pub(super) async fn move_to(
+        &self,
+        session: &Session,
+        tag: u64,
+        tier: Option<Duration>,
+        fields: &[(Bytes, Bytes)],
+        original: Option<&BasicProperties>,
+        message_id: &str,
+    ) -> Result<(), SourceError> {
+        let target = match tier {
+            Some(tier) => {
+                let name = tier_queue(&self.options.queue, tier);
+                if !session.is_known(&name) {
+                    let mut args = FieldTable::default();
+                    args.insert(
+                        "x-message-ttl".into(),
+                        AMQPValue::LongLongInt(tier.as_millis() as i64),
+                    );
+                    args.insert(
+                        "x-dead-letter-exchange".into(),
+                        AMQPValue::LongString("".into()),
+                    );
+                    args.insert(
+                        "x-dead-letter-routing-key".into(),
+                        AMQPValue::LongString(self.options.queue.clone().into()),
+                    );
+                    session.declare(&name, args).await?;
+                    self.state
+                        .tiers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(tier.as_millis() as u64);
+                }
+                name
+            }
+            None => self.options.queue.clone(),
+        };
+        let (body, properties) = message_for(fields, original, message_id);
+        session.publish(&target, &body, properties).await?;
+        session.ack(tag).await
+    }
+
+    /// Schedules `fields` for delivery at `at`.
+    pub(super) async fn schedule(
+        &self,
+        session: &Session,
+        tag: u64,
+        fields: Vec<(Bytes, Bytes)>,
+        original: Option<&BasicProperties>,
+        message_id: &str,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
+        let mut fields = without(fields, F_RETRY_AT);
+        let tier = (!delay.is_zero()).then(|| tier_for(delay));
+        if tier.is_some_and(|t| t < delay) {
+            fields.push((F_RETRY_AT.into(), Bytes::from(rfc3339(at))));
+        }
+        self.move_to(session, tag, tier, &fields, original, message_id)
+            .await
+    }
+
+    /// Turns what the broker delivered into a delivery for the app, or deals
+    /// with it here: a long retry that came back early goes round a tier
+    /// again, and a classic-queue redelivery is re-published with the
+    /// attempt advanced first.
+    pub(super) async fn admit(
+        &self,
+        session: &Session,
+        delivery: AmqpDelivery,
+    ) -> Result<Option<Delivery>, SourceError> {
+        let props = &delivery.properties;
+        let tag = delivery.delivery_tag;
+        let fields = fields_of(&delivery);
+        let message_id = header_text(props, F_MESSAGE_ID)
+            .or_else(|| props.message_id().as_ref().map(|id| id.to_string()))
+            .unwrap_or_else(new_id);
+        if let Some(at) = header_text(props, F_RETRY_AT).and_then(|t| parse_time(t.as_bytes()))
+            && at.duration_since(SystemTime::now()).unwrap_or_default()
+                >= Duration::from_millis(TIERS_MS[0])
+        {
+            self.schedule(session, tag, fields, Some(props), &message_id, at)
+                .await?;
+            return Ok(None);
+        }
+        self.learn_tiers(props);
+        let quorum_count = header_u32(props, "x-delivery-count");
+        if delivery.redelivered && quorum_count.is_none() {
+            let attempt = header_u32(props, F_ATTEMPT).unwrap_or(1).max(1);
+            let fields = replace(fields, F_ATTEMPT, (attempt + 1).to_string());
+            let fields = replace(fields, F_MESSAGE_ID, message_id.clone());
+            tracing::info!(id = %message_id, attempt, queue = %self.options.queue, "a delivery was never settled (crash or lost connection); it counts as an attempt");
+            self.move_to(session, tag, None, &fields, Some(props), &message_id)
+                .await?;
+            return Ok(None);
+        }
+        let receipt = format!("{}:{tag}", session.generation);
+        let out = Delivery::from_fields(
+            &message_id,
+            fields,
+            quorum_count.unwrap_or(0),
+            receipt.clone(),
+        );
+        self.properties
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(receipt, delivery.properties);
+        Ok(Some(out))
+    }
+
+    /// Tiers this process did not declare (another replica did, or an
+    /// earlier run) show in the `x-death` header of the messages they send
+    /// back; from then on they count in the retry backlog.
+    pub(super) fn learn_tiers(&self, props: &BasicProperties) {
+        let Some(AMQPValue::FieldArray(deaths)) = header(props, "x-death") else {
+            return;
+        };
+        let prefix = format!("{}.retry.", self.options.queue);
+        for death in deaths.as_slice() {
+            let AMQPValue::FieldTable(death) = death else {
+                continue;
+            };
+            let Some(queue) = death.inner().get("queue").and_then(value_bytes) else {
+                continue;
+            };
+            let queue = String::from_utf8_lossy(&queue);
+            let Some(tier) = queue.strip_prefix(&prefix) else {
+                continue;
+            };
+            if let Some(ms) = TIERS_MS
+                .iter()
+                .find(|ms| duration::format(Duration::from_millis(**ms)) == tier)
+            {
+                self.state
+                    .tiers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(*ms);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiers_are_never_shorter_and_at_most_one_step_longer() {
+        for ms in [1u64, 10, 11, 49, 50, 51, 999, 1_000, 1_001, 3_000, 299_999] {
+            let delay = Duration::from_millis(ms);
+            let tier = tier_for(delay);
+            assert!(tier >= delay, "{ms}ms went to {tier:?}");
+            let i = TIERS_MS
+                .iter()
+                .position(|t| *t == tier.as_millis() as u64)
+                .unwrap();
+            assert!(i == 0 || TIERS_MS[i - 1] < ms, "{ms}ms skipped a tier");
+        }
+        assert_eq!(
+            tier_for(Duration::from_secs(3 * 86_400)),
+            Duration::from_secs(86_400)
+        );
+        for pair in TIERS_MS.windows(2) {
+            assert!(pair[1] * 2 <= pair[0] * 5, "{pair:?}");
+        }
+        assert_eq!(
+            tier_queue("orders", Duration::from_secs(120)),
+            "orders.retry.2m"
+        );
+    }
+}

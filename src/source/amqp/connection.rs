@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,12 +43,16 @@ impl AmqpSource {
             uri,
             redacted: crate::source::redact(url),
             state: queue_state(&key),
-            options,
             session: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
             generation: AtomicU64::new(0),
             consuming: AtomicBool::new(false),
             properties: Mutex::new(HashMap::new()),
+            dead_letter_queue: Mutex::new(options.dead_letter_queue.clone()),
+            max_deliveries: AtomicU32::new(options.max_deliveries),
+            kind: Mutex::new(None),
+            cursor: tokio::sync::Mutex::new(None),
+            options,
         };
         source.session().await?;
         Ok(source)
@@ -296,6 +300,7 @@ impl AmqpSource {
     /// Stops consuming and gives back, without counting an attempt, what
     /// was prefetched and never offered to the app; then closes.
     pub(super) async fn shut_down(&self) {
+        self.close_cursor().await;
         let Some(session) = self.current() else {
             return;
         };

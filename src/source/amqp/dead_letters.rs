@@ -1,4 +1,14 @@
-//! Dead letters: written with confirm, browsed without taking them.
+//! Dead letters: written with confirm, browsed without taking them, and
+//! replayed or purged one by one without scanning the queue again for each.
+//!
+//! AMQP can only read a queue by handing its messages out. Listing gets
+//! them without ack on a channel of its own and closes it, which puts them
+//! back where they were. Replay and purge go through a cursor: a channel
+//! that keeps what it read past and not yet asked for, so a run over many
+//! letters (`courier dlq replay --reason ...`) reads each letter once, not
+//! the queue once per letter. Letters the cursor holds are invisible to
+//! others until it is closed: when it holds nothing, when a listing
+//! starts, when a lookup fails and when the source closes.
 
 use std::future::Future;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -13,7 +23,47 @@ use super::errors::{broker_error, is_soft, short};
 use super::{AmqpSource, new_id};
 use crate::model::{DeadLetter, Delivery, F_MESSAGE_ID, Failure};
 use crate::source::SourceError;
-use crate::source::shared::{F_RETRY_AT, without};
+use crate::source::shared::{F_RETRY_AT, not_there, without};
+
+/// A channel reading one dead-letter queue from the head, with the letters
+/// it read and that were not asked for yet, in queue order.
+pub(super) struct Cursor {
+    queue: String,
+    channel: Channel,
+    held: Vec<(String, AmqpDelivery)>,
+}
+
+impl Cursor {
+    /// The letter `id`: from what is held, else read on until it comes.
+    async fn find(&mut self, id: &str) -> Result<Option<AmqpDelivery>, SourceError> {
+        if let Some(i) = self.held.iter().position(|(held, _)| held == id) {
+            return Ok(Some(self.held.remove(i).1));
+        }
+        loop {
+            let got = self
+                .channel
+                .basic_get(short(&self.queue)?, BasicGetOptions { no_ack: false })
+                .await;
+            match got {
+                Ok(Some(message)) => {
+                    let letter_id = dead_letter_of(&message.delivery).id;
+                    if letter_id == id {
+                        return Ok(Some(message.delivery));
+                    }
+                    self.held.push((letter_id, message.delivery));
+                }
+                Ok(None) => return Ok(None),
+                Err(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => return Ok(None),
+                Err(e) => return Err(broker_error(e)),
+            }
+        }
+    }
+
+    /// Puts back everything held.
+    async fn close(self) {
+        let _ = self.channel.close(200, "done".into()).await;
+    }
+}
 
 impl AmqpSource {
     /// Gets up to `limit` messages of a queue without acking them, on a
@@ -22,27 +72,15 @@ impl AmqpSource {
         &self,
         queue: &str,
         limit: usize,
-        mut stop_at: impl FnMut(&AmqpDelivery) -> bool,
     ) -> Result<(Channel, Vec<AmqpDelivery>), SourceError> {
-        let session = self.session().await?;
-        let channel = session
-            .connection
-            .create_channel()
-            .await
-            .map_err(|e| session.fail(e))?;
+        let channel = self.open_channel().await?;
         let mut out = Vec::new();
         while out.len() < limit {
             let got = channel
                 .basic_get(short(queue)?, BasicGetOptions { no_ack: false })
                 .await;
             match got {
-                Ok(Some(message)) => {
-                    let stop = stop_at(&message.delivery);
-                    out.push(message.delivery);
-                    if stop {
-                        break;
-                    }
-                }
+                Ok(Some(message)) => out.push(message.delivery),
                 Ok(None) => break,
                 Err(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => break,
                 Err(e) => return Err(broker_error(e)),
@@ -51,8 +89,23 @@ impl AmqpSource {
         Ok((channel, out))
     }
 
-    /// Finds a dead letter by id, lets `then` act on it, acks it, and puts
-    /// the others back.
+    async fn open_channel(&self) -> Result<Channel, SourceError> {
+        let session = self.session().await?;
+        session
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| session.fail(e))
+    }
+
+    /// Closes the cursor, which puts back what it held.
+    pub(super) async fn close_cursor(&self) {
+        if let Some(cursor) = self.cursor.lock().await.take() {
+            cursor.close().await;
+        }
+    }
+
+    /// Finds a dead letter by id, lets `then` act on it, and acks it.
     pub(super) async fn take_dead_letter<F, Fut>(
         &self,
         dead_letter_queue: &str,
@@ -63,17 +116,22 @@ impl AmqpSource {
         F: FnOnce(AmqpDelivery) -> Fut,
         Fut: Future<Output = Result<AmqpDelivery, SourceError>>,
     {
-        let (channel, mut got) = self
-            .browse(dead_letter_queue, usize::MAX, |d| {
-                dead_letter_of(d).id == id
-            })
-            .await?;
-        let found = match got.last() {
-            Some(d) if dead_letter_of(d).id == id => got.pop(),
-            _ => None,
+        let mut slot = self.cursor.lock().await;
+        if let Some(cursor) =
+            slot.take_if(|c| c.queue != dead_letter_queue || !c.channel.status().connected())
+        {
+            cursor.close().await;
+        }
+        let cursor = match slot.as_mut() {
+            Some(cursor) => cursor,
+            None => slot.insert(Cursor {
+                queue: dead_letter_queue.to_string(),
+                channel: self.open_channel().await?,
+                held: Vec::new(),
+            }),
         };
-        let result = match found {
-            Some(letter) => match then(letter).await {
+        let result = match cursor.find(id).await {
+            Ok(Some(letter)) => match then(letter).await {
                 Ok(letter) => letter
                     .acker
                     .ack(BasicAckOptions { multiple: false })
@@ -82,14 +140,22 @@ impl AmqpSource {
                     .map_err(broker_error),
                 Err(e) => Err(e),
             },
-            None => Err(SourceError::Invalid(format!(
-                "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
-            ))),
+            Ok(None) => Err(not_there(dead_letter_queue, id)),
+            Err(e) => Err(e),
         };
-        let _ = channel.close(200, "done".into()).await;
+        // After a failure the letter (and what was read past) goes back
+        // where it was; after a success the cursor stays open only while it
+        // holds letters a later call may ask for.
+        if (result.is_err() || slot.as_ref().is_some_and(|c| c.held.is_empty()))
+            && let Some(cursor) = slot.take()
+        {
+            cursor.close().await;
+        }
         result
     }
 
+    /// Publishes the dead letter with confirm, then acks the delivery; when
+    /// either cannot be done the delivery is handed back, never acked away.
     pub(super) async fn write_dead_letter(
         &self,
         delivery: &Delivery,
@@ -97,18 +163,28 @@ impl AmqpSource {
     ) -> Result<(), SourceError> {
         let original = self.take_properties(&delivery.receipt);
         let (session, tag) = self.session_for(&delivery.receipt)?;
-        let dlq = &failure.dead_letter_queue;
-        session.ensure_dead_letter_queue(dlq).await?;
-        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
-        let (body, mut properties) = message_for(&fields, original.as_ref(), &new_id());
-        properties = properties.with_timestamp(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs(),
-        );
-        session.publish(dlq, &body, properties).await?;
-        session.ack(tag).await
+        let written = async {
+            let dlq = &failure.dead_letter_queue;
+            let kind = self.work_queue_kind(&session, original.as_ref()).await?;
+            session.ensure_dead_letter_queue(dlq, kind).await?;
+            let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+            let (body, mut properties) = message_for(&fields, original.as_ref(), &new_id());
+            properties = properties.with_timestamp(
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs(),
+            );
+            session.publish(dlq, &body, properties).await
+        }
+        .await;
+        match written {
+            Ok(()) => session.ack(tag).await,
+            Err(e) => {
+                session.give_back(tag);
+                Err(handed_back(e))
+            }
+        }
     }
 
     pub(super) async fn list_dead_letters(
@@ -116,7 +192,8 @@ impl AmqpSource {
         dead_letter_queue: &str,
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError> {
-        let (channel, got) = self.browse(dead_letter_queue, limit, |_| false).await?;
+        self.close_cursor().await;
+        let (channel, got) = self.browse(dead_letter_queue, limit).await?;
         let letters = got.iter().map(dead_letter_of).collect();
         let _ = channel.close(200, "listed".into()).await;
         Ok(letters)
@@ -154,5 +231,15 @@ impl AmqpSource {
     ) -> Result<(), SourceError> {
         self.take_dead_letter(dead_letter_queue, &letter.id, |found| async { Ok(found) })
             .await
+    }
+}
+
+/// A settlement that could not be written, saying the message is safe.
+pub(super) fn handed_back(e: SourceError) -> SourceError {
+    let kept = "; the delivery was not acked and RabbitMQ hands the message out again";
+    match e {
+        SourceError::Unavailable(m) => SourceError::Unavailable(format!("{m}{kept}")),
+        SourceError::Broker(m) => SourceError::Broker(format!("{m}{kept}")),
+        SourceError::Invalid(m) => SourceError::Invalid(format!("{m}{kept}")),
     }
 }

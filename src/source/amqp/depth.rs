@@ -1,73 +1,27 @@
-//! How much sits where.
+//! How much sits where, from passive declares only.
+//!
+//! RabbitMQ reports a queue's ready messages and nothing about their age
+//! without handing them out, and a dead letter handed out and put back is
+//! no longer where it was (it is flagged redelivered and, on a quorum
+//! queue, counts against the delivery limit). So the age of the oldest
+//! dead letter is not read here: [`Depth::oldest_dead_letter_age`] stays
+//! `None` on RabbitMQ, and `courier dlq list` shows each letter's age.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use lapin::options::{BasicGetOptions, BasicNackOptions};
-use lapin::protocol::AMQPSoftError;
+use std::time::Duration;
 
 use super::AmqpSource;
-use super::convert::header_text;
-use super::errors::{Timed, broker_error, is_soft, short, timed};
-use super::session::Session;
 use super::tiers::tier_queue;
-use crate::model::{F_LAST_ATTEMPT_AT, parse_time};
 use crate::source::{Depth, SourceError};
 
 impl AmqpSource {
-    pub(super) async fn oldest_dead_letter_age(
-        &self,
-        session: &Session,
-    ) -> Result<Option<Duration>, SourceError> {
-        let channel = session.admin().await?;
-        let got = timed(channel.basic_get(
-            short(&self.options.dead_letter_queue)?,
-            BasicGetOptions { no_ack: false },
-        ))
-        .await;
-        let message = match got {
-            Ok(Some(m)) => m,
-            Ok(None) => return Ok(None),
-            Err(e) => {
-                session.drop_admin().await;
-                return match e {
-                    Timed::Broker(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => Ok(None),
-                    e => Err(e.into()),
-                };
-            }
-        };
-        let props = &message.delivery.properties;
-        let at = header_text(props, F_LAST_ATTEMPT_AT)
-            .and_then(|t| parse_time(t.as_bytes()))
-            .or_else(|| {
-                props
-                    .timestamp()
-                    .map(|s| UNIX_EPOCH + Duration::from_secs(s))
-            });
-        let requeued = channel
-            .basic_nack(
-                message.delivery.delivery_tag,
-                BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                },
-            )
-            .await;
-        if let Err(e) = requeued {
-            session.drop_admin().await;
-            return Err(broker_error(e));
-        }
-        Ok(at.map(|t| SystemTime::now().duration_since(t).unwrap_or_default()))
-    }
-
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let session = self.session().await?;
         let ready = session.passive_count(&self.options.queue).await?;
-        session
-            .ensure_dead_letter_queue(&self.options.dead_letter_queue)
-            .await?;
+        // A dead-letter queue that does not exist yet holds nothing; it is
+        // declared with the first dead letter, of the work queue's type.
         let dead_letters = session
-            .passive_count(&self.options.dead_letter_queue)
+            .passive_count(&self.dead_letter_queue())
             .await?
             .unwrap_or(0);
         let tiers: Vec<u64> = self
@@ -92,17 +46,12 @@ impl AmqpSource {
                 }
             }
         }
-        let oldest_dead_letter_age = if dead_letters > 0 {
-            self.oldest_dead_letter_age(&session).await?
-        } else {
-            None
-        };
         Ok(Depth {
             ready: u64::from(ready.unwrap_or(0)),
             pending: self.state.unacked.load(Ordering::SeqCst).max(0) as u64,
             retry_backlog,
             dead_letters: u64::from(dead_letters),
-            oldest_dead_letter_age,
+            oldest_dead_letter_age: None,
         })
     }
 }

@@ -45,12 +45,13 @@ mod convert;
 mod dead_letters;
 mod depth;
 mod errors;
+mod queues;
 mod session;
 mod tiers;
 
 use std::collections::{BTreeSet, HashMap};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -60,8 +61,9 @@ use lapin::BasicProperties;
 use lapin::uri::AMQPUri;
 
 use self::convert::message_for;
+use self::queues::QueueKind;
 use self::session::Session;
-use super::{Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
+use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
 
 /// How long opening a connection may take.
@@ -137,6 +139,43 @@ pub struct AmqpSource {
     consuming: AtomicBool,
     /// Original properties of deliveries in flight, for re-publishing them.
     properties: Mutex<HashMap<String, BasicProperties>>,
+    /// Where depth reads dead letters; follows live policy changes.
+    dead_letter_queue: Mutex<String>,
+    /// Unsettled hand-outs after which a message is a poison pill; follows
+    /// live policy changes.
+    max_deliveries: AtomicU32,
+    /// The work queue's type, once known.
+    kind: Mutex<Option<QueueKind>>,
+    /// Replay and purge read the dead-letter queue through this.
+    cursor: tokio::sync::Mutex<Option<dead_letters::Cursor>>,
+}
+
+impl AmqpSource {
+    /// The work queue's type, which the queues courier declares for it
+    /// take: from a delivery that shows it, else asked of the broker once.
+    async fn work_queue_kind(
+        &self,
+        session: &Session,
+        seen: Option<&BasicProperties>,
+    ) -> Result<QueueKind, SourceError> {
+        if let Some(kind) = *self.kind.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Ok(kind);
+        }
+        let kind = match seen.and_then(QueueKind::seen_in) {
+            Some(kind) => kind,
+            None => QueueKind::of_queue(session, &self.options.queue).await?,
+        };
+        tracing::debug!(queue = %self.options.queue, ?kind, "the work queue's type");
+        *self.kind.lock().unwrap_or_else(|e| e.into_inner()) = Some(kind);
+        Ok(kind)
+    }
+
+    fn dead_letter_queue(&self) -> String {
+        self.dead_letter_queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
 }
 
 #[async_trait]
@@ -171,15 +210,22 @@ impl Source for AmqpSource {
         let original = self.take_properties(&delivery.receipt);
         let (session, tag) = self.session_for(&delivery.receipt)?;
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        self.schedule(
-            &session,
-            tag,
-            fields,
-            original.as_ref(),
-            &delivery.message.id,
-            at,
-        )
-        .await
+        let scheduled = self
+            .schedule(
+                &session,
+                tag,
+                fields,
+                original.as_ref(),
+                &delivery.message.id,
+                at,
+            )
+            .await;
+        // The ack follows only a confirmed publish: a retry that could not
+        // be stored leaves the message with the broker.
+        scheduled.map_err(|e| {
+            session.give_back(tag);
+            dead_letters::handed_back(e)
+        })
     }
 
     async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
@@ -239,6 +285,19 @@ impl Source for AmqpSource {
     /// was prefetched and never offered to the app; then closes.
     async fn close(&self) {
         self.shut_down().await
+    }
+
+    /// A live policy change: depth reads the new dead-letter queue, and the
+    /// poison-pill limit follows `maxAttempts`. The visibility timeout has
+    /// no meaning here: a delivery stays with this consumer as long as its
+    /// channel is open.
+    fn apply(&self, settings: &LiveSettings) {
+        *self
+            .dead_letter_queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = settings.dead_letter_queue.clone();
+        self.max_deliveries
+            .store(settings.max_deliveries, Ordering::SeqCst);
     }
 
     fn connected(&self) -> bool {

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lapin::message::Delivery as AmqpDelivery;
-use lapin::options::{BasicAckOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::protocol::AMQPSoftError;
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
@@ -13,7 +13,12 @@ use tokio::sync::mpsc;
 
 use super::QueueState;
 use super::errors::{Timed, broker_error, is_soft, short, timed};
+use super::queues::QueueKind;
 use crate::source::SourceError;
+
+/// How long a delivery whose retry or dead letter could not be written is
+/// held before it is requeued.
+const GIVE_BACK_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One connection and its channels; replaced as a whole when anything on it
 /// fails, because the broker then requeues what it held anyway.
@@ -135,6 +140,8 @@ impl Session {
     }
 
     /// Declares a queue courier owns (a tier, a dead-letter queue), durable.
+    /// One that exists with other arguments (an earlier version of courier
+    /// declared it classic, or an operator declared it) is used as it is.
     pub(super) async fn declare(
         &self,
         queue: &str,
@@ -149,6 +156,13 @@ impl Session {
                 .await;
         if let Err(e) = declared {
             self.drop_admin().await;
+            if let Timed::Broker(e) = &e
+                && is_soft(e, AMQPSoftError::PRECONDITIONFAILED)
+                && self.passive_count(queue).await?.is_some()
+            {
+                tracing::warn!(%queue, error = %e, "the queue exists with other arguments than courier declares; it is used as it is");
+                return Ok(());
+            }
             return Err(SourceError::Broker(format!(
                 "cannot declare queue {queue:?}: {}",
                 SourceError::from(e)
@@ -159,13 +173,16 @@ impl Session {
     }
 
     /// A dead-letter queue: used as it is when it exists (classic or quorum),
-    /// else declared durable. Checked once per connection, so depth polls do
-    /// not probe a missing queue (which closes a channel) again and again.
-    pub(super) async fn ensure_dead_letter_queue(&self, queue: &str) -> Result<(), SourceError> {
+    /// else declared durable, of the work queue's `kind`.
+    pub(super) async fn ensure_dead_letter_queue(
+        &self,
+        queue: &str,
+        kind: QueueKind,
+    ) -> Result<(), SourceError> {
         if self.is_known(queue) || self.passive_count(queue).await?.is_some() {
             return Ok(());
         }
-        self.declare(queue, FieldTable::default()).await
+        self.declare(queue, kind.dead_letter_arguments()).await
     }
 
     /// A queue that must exist; one that is missing is declared durable with
@@ -224,7 +241,7 @@ impl Session {
                 )))
             }
             Confirmation::Nack(_) => Err(SourceError::Broker(format!(
-                "RabbitMQ refused to store the message for queue {queue:?} (publisher nack)"
+                "RabbitMQ refused to store the message in queue {queue:?} (publisher nack: the queue is full with x-overflow reject-publish, or the broker is short of disk or memory)"
             ))),
         }
     }
@@ -236,5 +253,29 @@ impl Session {
             .map_err(|e| self.fail(e))?;
         self.settled(tag);
         Ok(())
+    }
+
+    /// Hands a delivery back to the broker because what was to settle it
+    /// (a retry or a dead letter) could not be written: it is requeued and
+    /// handed out again, never acked away. The requeue waits a moment, so a
+    /// store that stays unwritable does not turn into a hot loop of
+    /// deliveries to the app; meanwhile the delivery still takes a place of
+    /// the prefetch, which slows the consumer down as well.
+    pub(super) fn give_back(self: &Arc<Self>, tag: u64) {
+        let session = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(GIVE_BACK_AFTER).await;
+            // On a lost connection the broker has requeued it already.
+            if session.healthy() {
+                let requeue = BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                };
+                if let Err(e) = session.consume.basic_nack(tag, requeue).await {
+                    session.fail(e);
+                }
+            }
+            session.settled(tag);
+        });
     }
 }

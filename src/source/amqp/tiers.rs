@@ -1,18 +1,20 @@
 //! Delay tiers: retries wait in `<queue>.retry.<d>` queues, and what the
 //! broker hands out is admitted (or sent round again) here.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use lapin::BasicProperties;
 use lapin::message::Delivery as AmqpDelivery;
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 
 use super::convert::{fields_of, header, header_text, header_u32, message_for, value_bytes};
+use super::queues::DELIVERY_COUNT;
 use super::session::Session;
 use super::{AmqpSource, new_id};
 use crate::duration;
-use crate::model::{Delivery, F_ATTEMPT, F_MESSAGE_ID, parse_time, rfc3339};
+use crate::model::{Delivery, F_ATTEMPT, F_DELIVERIES, F_MESSAGE_ID, parse_time, rfc3339};
 use crate::source::SourceError;
 use crate::source::shared::{F_RETRY_AT, replace, without};
 
@@ -55,19 +57,8 @@ impl AmqpSource {
             Some(tier) => {
                 let name = tier_queue(&self.options.queue, tier);
                 if !session.is_known(&name) {
-                    let mut args = FieldTable::default();
-                    args.insert(
-                        "x-message-ttl".into(),
-                        AMQPValue::LongLongInt(tier.as_millis() as i64),
-                    );
-                    args.insert(
-                        "x-dead-letter-exchange".into(),
-                        AMQPValue::LongString("".into()),
-                    );
-                    args.insert(
-                        "x-dead-letter-routing-key".into(),
-                        AMQPValue::LongString(self.options.queue.clone().into()),
-                    );
+                    let kind = self.work_queue_kind(session, original).await?;
+                    let args = kind.tier_arguments(tier, &self.options.queue);
                     session.declare(&name, args).await?;
                     self.state
                         .tiers
@@ -106,8 +97,14 @@ impl AmqpSource {
 
     /// Turns what the broker delivered into a delivery for the app, or deals
     /// with it here: a long retry that came back early goes round a tier
-    /// again, and a classic-queue redelivery is re-published with the
-    /// attempt advanced first.
+    /// again, and a redelivery (a crash or a lost connection mid-delivery, a
+    /// settlement that could not be written) is re-published with the
+    /// attempt and the unsettled hand-outs advanced first. Re-publishing
+    /// resets a quorum queue's own delivery counter, so its delivery limit
+    /// never drops a message courier still means to retry; courier counts
+    /// the hand-outs in `courier-deliveries` instead, and one handed out
+    /// `max_deliveries` times without being settled is a poison pill: it is
+    /// handed over as undeliverable, never offered to the app again.
     pub(super) async fn admit(
         &self,
         session: &Session,
@@ -128,23 +125,38 @@ impl AmqpSource {
             return Ok(None);
         }
         self.learn_tiers(props);
-        let quorum_count = header_u32(props, "x-delivery-count");
-        if delivery.redelivered && quorum_count.is_none() {
+        // A quorum queue counts every return; a classic one only flags that
+        // there was at least one.
+        let returns = match header_u32(props, DELIVERY_COUNT) {
+            Some(count) => count,
+            None => u32::from(delivery.redelivered),
+        };
+        let handed_out = header_u32(props, F_DELIVERIES)
+            .unwrap_or(0)
+            .saturating_add(returns);
+        let receipt = format!("{}:{tag}", session.generation);
+        let out = if handed_out >= self.max_deliveries.load(Ordering::SeqCst) {
+            let mut out = Delivery::from_fields(&message_id, fields, returns, receipt.clone());
+            out.problem = Some(format!(
+                "handed out {handed_out} times without being settled"
+            ));
+            out
+        } else if returns > 0 {
             let attempt = header_u32(props, F_ATTEMPT).unwrap_or(1).max(1);
-            let fields = replace(fields, F_ATTEMPT, (attempt + 1).to_string());
+            let fields = replace(
+                fields,
+                F_ATTEMPT,
+                attempt.saturating_add(returns).to_string(),
+            );
+            let fields = replace(fields, F_DELIVERIES, handed_out.to_string());
             let fields = replace(fields, F_MESSAGE_ID, message_id.clone());
-            tracing::info!(id = %message_id, attempt, queue = %self.options.queue, "a delivery was never settled (crash or lost connection); it counts as an attempt");
+            tracing::info!(id = %message_id, attempt, handed_out, queue = %self.options.queue, "a delivery was never settled (crash, lost connection or a settlement that could not be written); it counts as an attempt");
             self.move_to(session, tag, None, &fields, Some(props), &message_id)
                 .await?;
             return Ok(None);
-        }
-        let receipt = format!("{}:{tag}", session.generation);
-        let out = Delivery::from_fields(
-            &message_id,
-            fields,
-            quorum_count.unwrap_or(0),
-            receipt.clone(),
-        );
+        } else {
+            Delivery::from_fields(&message_id, fields, 0, receipt.clone())
+        };
         self.properties
             .lock()
             .unwrap_or_else(|e| e.into_inner())

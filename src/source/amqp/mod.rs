@@ -21,25 +21,40 @@
 //!   shortest one not shorter than the delay, so a retry is never early and
 //!   at most one tier step late. A delay longer than the longest tier (24h)
 //!   carries `courier-retry-at` and is sent round the longest tier again when
-//!   it comes back early. Tiers are declared on first use.
-//! - The attempt number and the original id travel as headers
-//!   (`courier-attempt`, `courier-message-id`). A redelivery the broker made
-//!   (a crash or a lost connection mid-delivery) counts as an attempt: from
-//!   `x-delivery-count` on quorum queues; on classic queues, which only flag
-//!   `redelivered`, the message is first re-published with the attempt
-//!   advanced, so a message that kills the sidecar still reaches its dead
-//!   letter.
+//!   it comes back early. Tiers are declared on first use (`tiers.rs`).
 //! - A dead letter is published (with confirm) to `<queue>.dlq` (declared on
 //!   first use when missing), then the delivery is acked.
+//! - Settled atomically or not at all: the ack follows only a publish the
+//!   broker confirmed. A retry or dead letter that is refused (a publisher
+//!   nack, a queue that cannot be declared, a lost connection) leaves the
+//!   delivery unacked; it is requeued after a second and handed out again,
+//!   and the error says so (`Session::give_back`).
+//! - Tiers and the dead-letter queue take the work queue's type: quorum
+//!   tiers dead-letter `at-least-once` with `reject-publish` overflow
+//!   (`queues.rs`). Queues that already exist are used as they are.
+//! - The attempt number and the original id travel as headers
+//!   (`courier-attempt`, `courier-message-id`). A redelivery the broker made
+//!   (a crash or a lost connection mid-delivery, a settlement handed back)
+//!   counts as an attempt, and the message is first re-published with the
+//!   attempt and `courier-deliveries` (hand-outs without a settlement)
+//!   advanced: that resets a quorum queue's own counter, so its
+//!   `x-delivery-limit` never drops a message courier still means to retry.
+//!   A message handed out `max_deliveries` times without a settlement
+//!   (quorum: `x-delivery-count` as well) goes to the app's dispatcher as
+//!   undeliverable and is dead-lettered without being offered.
 //! - Listing dead letters gets them without ack on a channel of its own and
-//!   closes it, which puts them back where they were; replay and purge find
-//!   the letter the same way and ack only that one. A dead letter's id is
-//!   the `message_id` courier gave it.
-//! - Depth: passive declares (ready messages of the work queue, the
+//!   closes it, which puts them back where they were; replay and purge read
+//!   through a cursor, so each letter is read once per run
+//!   (`dead_letters.rs`). A dead letter's id is the `message_id` courier
+//!   gave it.
+//! - Depth: passive declares only (ready messages of the work queue, the
 //!   dead-letter queue, each tier). AMQP does not report unacknowledged
-//!   messages, so `pending` counts what the sources of this process hold.
+//!   messages, so `pending` counts what the sources of this process hold;
+//!   nor the age of a message, so the oldest dead letter's age is not
+//!   reported (`depth.rs`).
 //! - A lost connection is re-opened on the next call; deliveries from the
 //!   old one can no longer be settled and the broker hands them out again.
+
 mod connection;
 mod convert;
 mod dead_letters;

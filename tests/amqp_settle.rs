@@ -343,3 +343,26 @@ async fn amqp_depth_and_replay_leave_the_other_dead_letters_alone() {
     let depth = source.depth().await.unwrap();
     assert_eq!((depth.dead_letters, depth.ready), (0, 2));
 }
+
+/// A live policy change of the dead-letter queue moves where depth reads
+/// dead letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_depth_follows_a_live_dead_letter_queue_change() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:400").await;
+    let running = Running::start(config(&fixture, &app)).await;
+    wait_for("the dead letter", SETTLE, async || {
+        source.depth().await.unwrap().dead_letters == 1
+    })
+    .await;
+    running.stop().await;
+    let mut settings = config(&fixture, &app).options.live();
+    settings.dead_letter_queue = format!("{}.elsewhere", fixture.queue);
+    source.apply(&settings);
+    assert_eq!(source.depth().await.unwrap().dead_letters, 0);
+    settings.dead_letter_queue = fixture.dlq();
+    source.apply(&settings);
+    assert_eq!(source.depth().await.unwrap().dead_letters, 1);
+}

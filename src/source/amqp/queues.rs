@@ -56,6 +56,11 @@ impl QueueKind {
     pub(super) async fn of_queue(session: &Session, queue: &str) -> Result<Self, SourceError> {
         let mut args = Self::Quorum.arguments();
         for _ in 0..MOST_ARGUMENTS {
+            // A declaration creates a queue that is missing: ask only about
+            // one that exists.
+            if session.passive_count(queue).await?.is_none() {
+                return Ok(Self::Classic);
+            }
             let channel = session.admin().await?;
             let declared = timed(channel.queue_declare(
                 short(queue)?,

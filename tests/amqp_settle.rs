@@ -366,3 +366,27 @@ async fn amqp_depth_follows_a_live_dead_letter_queue_change() {
     source.apply(&settings);
     assert_eq!(source.depth().await.unwrap().dead_letters, 1);
 }
+
+/// A `courier-deliveries` header a producer wrote on a new message is not
+/// courier's count: the message is delivered, not taken for a poison pill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_forged_delivery_count_is_not_a_poison_pill() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    source
+        .send(
+            "forged".into(),
+            &[("courier-deliveries".into(), "1000".into())],
+        )
+        .await
+        .unwrap();
+    let running = Running::start(config(&fixture, &app)).await;
+    wait_for("the delivery", SETTLE, async || {
+        !app.received_body(b"forged").is_empty()
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(source.depth().await.unwrap().dead_letters, 0);
+}

@@ -135,7 +135,10 @@ impl AmqpSource {
             .unwrap_or(0)
             .saturating_add(returns);
         let receipt = format!("{}:{tag}", session.generation);
-        let out = if handed_out >= self.max_deliveries.load(Ordering::SeqCst) {
+        // Only a redelivery is judged: a copy courier stored was judged when
+        // it was stored, and a count on a message nobody handed out yet was
+        // written by its producer, not by courier.
+        let out = if returns > 0 && handed_out >= self.max_deliveries.load(Ordering::SeqCst) {
             let mut out = Delivery::from_fields(&message_id, fields, returns, receipt.clone());
             out.problem = Some(format!(
                 "handed out {handed_out} times without being settled"

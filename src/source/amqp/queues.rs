@@ -21,7 +21,7 @@ use lapin::protocol::AMQPSoftError;
 use lapin::types::{AMQPValue, FieldTable};
 
 use super::convert::header;
-use super::errors::{Timed, is_soft, short, timed};
+use super::errors::{broker_error, is_soft};
 use super::session::Session;
 use crate::source::SourceError;
 
@@ -61,22 +61,14 @@ impl QueueKind {
             if session.passive_count(queue).await?.is_none() {
                 return Ok(Self::Classic);
             }
-            let channel = session.admin().await?;
-            let declared = timed(channel.queue_declare(
-                short(queue)?,
-                QueueDeclareOptions::durable(),
-                args.clone(),
-            ))
-            .await;
+            let declared = session
+                .admin_declare(queue, QueueDeclareOptions::durable(), args.clone())
+                .await?;
             let e = match declared {
                 Ok(_) => return Ok(Self::Quorum),
-                Err(Timed::Broker(e)) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => e,
-                Err(e) => {
-                    session.drop_admin().await;
-                    return Err(e.into());
-                }
+                Err(e) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => e,
+                Err(e) => return Err(broker_error(e)),
             };
-            session.drop_admin().await;
             match Difference::read(&e.to_string()) {
                 Some(Difference::Type) | None => return Ok(Self::Classic),
                 Some(Difference::Missing(name, value)) => {

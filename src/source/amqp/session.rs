@@ -8,7 +8,7 @@ use lapin::message::Delivery as AmqpDelivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::protocol::AMQPSoftError;
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, Queue};
 use tokio::sync::mpsc;
 
 use super::QueueState;
@@ -84,44 +84,59 @@ impl Session {
         });
     }
 
-    pub(super) async fn admin(&self) -> Result<Channel, SourceError> {
+    /// Declares `queue` on the admin channel, one declaration at a time:
+    /// a declaration the broker refuses (a passive one of a missing queue,
+    /// the type probe) closes the channel, and must not take another one in
+    /// flight on it down with it. The outer error is a channel or time-out
+    /// failure; the inner one the broker's refusal.
+    pub(super) async fn admin_declare(
+        &self,
+        queue: &str,
+        options: QueueDeclareOptions,
+        arguments: FieldTable,
+    ) -> Result<Result<Queue, lapin::Error>, SourceError> {
         let mut admin = self.admin.lock().await;
-        if let Some(channel) = admin.as_ref().filter(|c| c.status().connected()) {
-            return Ok(channel.clone());
+        let channel = match admin.as_ref().filter(|c| c.status().connected()) {
+            Some(channel) => channel.clone(),
+            None => {
+                let channel = self
+                    .connection
+                    .create_channel()
+                    .await
+                    .map_err(|e| self.fail(e))?;
+                *admin = Some(channel.clone());
+                channel
+            }
+        };
+        match timed(channel.queue_declare(short(queue)?, options, arguments)).await {
+            Ok(declared) => Ok(Ok(declared)),
+            Err(Timed::Broker(e)) => {
+                *admin = None;
+                Ok(Err(e))
+            }
+            Err(e) => {
+                *admin = None;
+                Err(e.into())
+            }
         }
-        let channel = self
-            .connection
-            .create_channel()
-            .await
-            .map_err(|e| self.fail(e))?;
-        *admin = Some(channel.clone());
-        Ok(channel)
-    }
-
-    /// Forgets the admin channel after an error: the broker closed it.
-    pub(super) async fn drop_admin(&self) {
-        *self.admin.lock().await = None;
     }
 
     /// Message count of a queue, or `None` when it does not exist.
     pub(super) async fn passive_count(&self, queue: &str) -> Result<Option<u32>, SourceError> {
-        let channel = self.admin().await?;
         let options = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
         };
-        match timed(channel.queue_declare(short(queue)?, options, FieldTable::default())).await {
+        match self
+            .admin_declare(queue, options, FieldTable::default())
+            .await?
+        {
             Ok(q) => {
                 self.known(queue);
                 Ok(Some(q.message_count()))
             }
-            Err(e) => {
-                self.drop_admin().await;
-                match e {
-                    Timed::Broker(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => Ok(None),
-                    e => Err(e.into()),
-                }
-            }
+            Err(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => Ok(None),
+            Err(e) => Err(broker_error(e)),
         }
     }
 
@@ -150,14 +165,12 @@ impl Session {
         if self.is_known(queue) {
             return Ok(());
         }
-        let channel = self.admin().await?;
-        let declared =
-            timed(channel.queue_declare(short(queue)?, QueueDeclareOptions::durable(), arguments))
-                .await;
+        let declared = self
+            .admin_declare(queue, QueueDeclareOptions::durable(), arguments)
+            .await
+            .map_err(|e| SourceError::Broker(format!("cannot declare queue {queue:?}: {e}")))?;
         if let Err(e) = declared {
-            self.drop_admin().await;
-            if let Timed::Broker(e) = &e
-                && is_soft(e, AMQPSoftError::PRECONDITIONFAILED)
+            if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED)
                 && self.passive_count(queue).await?.is_some()
             {
                 tracing::warn!(%queue, error = %e, "the queue exists with other arguments than courier declares; it is used as it is");
@@ -165,7 +178,7 @@ impl Session {
             }
             return Err(SourceError::Broker(format!(
                 "cannot declare queue {queue:?}: {}",
-                SourceError::from(e)
+                broker_error(e)
             )));
         }
         self.known(queue);

@@ -390,3 +390,45 @@ async fn amqp_a_forged_delivery_count_is_not_a_poison_pill() {
     running.stop().await;
     assert_eq!(source.depth().await.unwrap().dead_letters, 0);
 }
+
+/// On a classic queue the broker only flags a redelivery, so each one
+/// courier sees counts one hand-out: with a limit of 1, a message another
+/// client took and returned is dead-lettered without reaching the app.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_classic_redelivery_counts_one_hand_out() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "returned").await;
+    let connection = connect().await;
+    let channel = connection.create_channel().await.unwrap();
+    let got = channel
+        .basic_get(fixture.queue.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("the message");
+    got.delivery
+        .acker
+        .nack(BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        })
+        .await
+        .unwrap();
+    let _ = connection.close(200, "returned".into()).await;
+    let mut config = config(&fixture, &app);
+    config.options.max_deliveries = 1;
+    let running = Running::start(config).await;
+    wait_for("the dead letter", SETTLE, async || {
+        source.depth().await.unwrap().dead_letters == 1
+    })
+    .await;
+    running.stop().await;
+    assert!(app.received_body(b"returned").is_empty(), "never offered");
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters[0].field("courier-reason"), Some("undeliverable"));
+    assert_eq!(
+        letters[0].field("courier-error"),
+        Some("handed out 1 times without being settled")
+    );
+}

@@ -1,0 +1,156 @@
+//! Handing out entries: this consumer's own pending entries after a
+//! restart, entries another replica left pending too long, then new ones.
+
+use std::time::{Duration, Instant};
+
+use redis::Value;
+use redis::aio::ConnectionManager;
+
+use super::entries::{as_u64, parse_entries, parse_read_reply};
+use super::{RedisSource, broker_error};
+use crate::model::Delivery;
+use crate::source::SourceError;
+use crate::source::shared::RECEIVE_WAIT;
+
+pub(super) struct Reader {
+    pub(super) connection: ConnectionManager,
+    /// After a restart, this consumer's own pending entries come first.
+    history_done: bool,
+    /// The last history entry handed out: the next history read starts
+    /// after it, so entries already in flight are not handed out twice.
+    history_from: String,
+    last_reclaim: Instant,
+}
+
+impl Reader {
+    pub(super) fn new(connection: ConnectionManager) -> Self {
+        Self {
+            connection,
+            history_done: false,
+            history_from: "0".into(),
+            last_reclaim: Instant::now(),
+        }
+    }
+}
+
+impl RedisSource {
+    pub(super) async fn read(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        let mut reader = self.reader.lock().await;
+        let redelivered = self.redeliveries(&mut reader, max).await?;
+        if !redelivered.is_empty() {
+            return Ok(redelivered);
+        }
+        let reply: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(&self.options.group)
+            .arg(&self.options.consumer)
+            .arg("COUNT")
+            .arg(max)
+            .arg("RECEIVE_WAIT")
+            .arg(RECEIVE_WAIT.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(&self.options.queue)
+            .arg(">")
+            .query_async(&mut reader.connection)
+            .await
+            .map_err(broker_error)?;
+        Ok(parse_read_reply(reply)
+            .into_iter()
+            .map(|(id, fields)| Delivery::from_fields(&id, fields, 0, id.clone()))
+            .collect())
+    }
+
+    /// Delivery counts of entries that were handed out before (history or
+    /// reclaimed), so a crash mid-delivery still counts as an attempt.
+    async fn delivery_counts(&self, ids: &[String]) -> Result<Vec<u32>, SourceError> {
+        let mut pipe = redis::pipe();
+        for id in ids {
+            pipe.cmd("XPENDING")
+                .arg(&self.options.queue)
+                .arg(&self.options.group)
+                .arg(id)
+                .arg(id)
+                .arg(1);
+        }
+        let mut con = self.commands.clone();
+        let replies: Vec<Value> = pipe.query_async(&mut con).await.map_err(broker_error)?;
+        Ok(replies
+            .iter()
+            .map(|reply| match reply {
+                Value::Array(rows) => match rows.first() {
+                    Some(Value::Array(row)) => row.get(3).and_then(as_u64).unwrap_or(1) as u32,
+                    _ => 1,
+                },
+                _ => 1,
+            })
+            .collect())
+    }
+
+    /// Entries this consumer was given before and never settled (a restart
+    /// of the same pod), or that another replica left pending too long.
+    async fn redeliveries(
+        &self,
+        reader: &mut Reader,
+        max: usize,
+    ) -> Result<Vec<Delivery>, SourceError> {
+        let entries = if !reader.history_done {
+            let reply: Value = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(&self.options.group)
+                .arg(&self.options.consumer)
+                .arg("COUNT")
+                .arg(max)
+                .arg("STREAMS")
+                .arg(&self.options.queue)
+                .arg(&reader.history_from)
+                .query_async(&mut reader.connection)
+                .await
+                .map_err(broker_error)?;
+            let entries = parse_read_reply(reply);
+            if entries.len() < max {
+                reader.history_done = true;
+            }
+            if let Some((id, _)) = entries.last() {
+                reader.history_from = id.clone();
+            }
+            entries
+        } else if reader.last_reclaim.elapsed()
+            >= self.options.visibility_timeout.min(Duration::from_secs(5))
+        {
+            reader.last_reclaim = Instant::now();
+            let reply: Value = redis::cmd("XAUTOCLAIM")
+                .arg(&self.options.queue)
+                .arg(&self.options.group)
+                .arg(&self.options.consumer)
+                .arg(self.options.visibility_timeout.as_millis() as u64)
+                .arg("0-0")
+                .arg("COUNT")
+                .arg(max)
+                .query_async(&mut reader.connection)
+                .await
+                .map_err(broker_error)?;
+            match reply {
+                Value::Array(parts) => parts
+                    .into_iter()
+                    .nth(1)
+                    .map(parse_entries)
+                    .unwrap_or_default(),
+                _ => Vec::new(),
+            }
+        } else {
+            return Ok(Vec::new());
+        };
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = entries.iter().map(|(id, _)| id.clone()).collect();
+        let counts = self.delivery_counts(&ids).await?;
+        Ok(entries
+            .into_iter()
+            .zip(counts)
+            .map(|((id, fields), count)| {
+                Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone())
+            })
+            .collect())
+    }
+}

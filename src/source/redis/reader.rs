@@ -46,7 +46,7 @@ impl RedisSource {
             .arg(&self.options.consumer)
             .arg("COUNT")
             .arg(max)
-            .arg("RECEIVE_WAIT")
+            .arg("BLOCK")
             .arg(RECEIVE_WAIT.as_millis() as u64)
             .arg("STREAMS")
             .arg(&self.options.queue)

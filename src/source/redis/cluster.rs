@@ -3,7 +3,7 @@
 use redis::aio::ConnectionManager;
 
 use super::broker_error;
-use crate::source::{SourceError, SourceOptions};
+use crate::source::SourceError;
 
 /// The part of a key Redis Cluster hashes: the text between the first `{`
 /// and the next `}`, when that is not empty.
@@ -14,39 +14,34 @@ pub(super) fn hash_tag(key: &str) -> Option<&str> {
     (close > 0).then(|| &rest[..close])
 }
 
-/// On a Redis Cluster node, the stream, `<queue>.retry` and the dead-letter
-/// stream must hash to one slot: a retry and a dead letter are each one
-/// MULTI (or Lua script) over two of them, which a cluster refuses across
-/// slots. A queue name without a hash tag would fail on the first retry, so
-/// it is refused at start instead.
-pub(super) async fn check_cluster_slots(
-    con: &mut ConnectionManager,
-    url: &str,
-    options: &SourceOptions,
-) -> Result<(), SourceError> {
+/// Whether the server is a Redis Cluster node.
+pub(super) async fn is_cluster(con: &mut ConnectionManager) -> Result<bool, SourceError> {
     let info: String = redis::cmd("INFO")
         .arg("cluster")
         .query_async(con)
         .await
         .map_err(broker_error)?;
-    if !info.lines().any(|line| line.trim() == "cluster_enabled:1") {
-        return Ok(());
-    }
-    let queue = &options.queue;
+    Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1"))
+}
+
+/// On a Redis Cluster node, the stream, `<queue>.retry` and the dead-letter
+/// stream must hash to one slot: a retry and a dead letter are each one
+/// transaction over two of them, which a cluster refuses across slots. A
+/// queue name without a hash tag would fail on the first retry, so it is
+/// refused at start instead; a dead-letter queue outside the slot is refused
+/// at start and in a live policy change.
+pub(super) fn slot_problem(queue: &str, dead_letter_queue: &str) -> Option<String> {
     let Some(tag) = hash_tag(queue) else {
-        return Err(SourceError::Invalid(format!(
-            "{} is a Redis Cluster node and --queue {queue:?} has no hash tag: the stream, {queue}.retry and the dead-letter stream must share a hash slot; name the queue with one, e.g. --queue \"{{{queue}}}\"",
-            crate::source::redact(url)
-        )));
+        return Some(format!(
+            "on a Redis Cluster node --queue {queue:?} has no hash tag: the stream, {queue}.retry and the dead-letter stream must share a hash slot; name the queue with one, e.g. --queue \"{{{queue}}}\""
+        ));
     };
-    let dlq = &options.dead_letter_queue;
-    if hash_tag(dlq) != Some(tag) {
-        return Err(SourceError::Invalid(format!(
-            "{} is a Redis Cluster node and the dead-letter queue {dlq:?} does not carry the queue's hash tag {{{tag}}}: give it the same tag, e.g. \"{{{tag}}}.dlq\"",
-            crate::source::redact(url)
-        )));
-    }
-    Ok(())
+    let dlq = dead_letter_queue;
+    (hash_tag(dlq) != Some(tag)).then(|| {
+        format!(
+            "on a Redis Cluster node the dead-letter queue {dlq:?} must carry the queue's hash tag {{{tag}}} to share its hash slot: give it the same tag, e.g. \"{{{tag}}}.dlq\""
+        )
+    })
 }
 
 #[cfg(test)]
@@ -63,5 +58,15 @@ mod tests {
         assert_eq!(hash_tag("{}orders"), None);
         assert_eq!(hash_tag("{orders"), None);
         assert_eq!(hash_tag("{a}{b}"), Some("a"));
+    }
+
+    #[test]
+    fn the_dead_letter_queue_must_share_the_queue_slot() {
+        use super::slot_problem;
+        assert_eq!(slot_problem("{orders}", "{orders}.dlq"), None);
+        let err = slot_problem("{orders}", "orders.dlq").unwrap();
+        assert!(err.contains("{orders}.dlq"), "{err}");
+        let err = slot_problem("orders", "orders.dlq").unwrap();
+        assert!(err.contains("\"{orders}\""), "{err}");
     }
 }

@@ -7,12 +7,13 @@ use redis::Value;
 
 use super::entries::{as_bytes, as_u64, id_time, parse_entries};
 use super::{RedisSource, broker_error};
+use crate::model::{DeadLetter, dead_letter_age};
 use crate::source::{Depth, SourceError};
 
 impl RedisSource {
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let mut con = self.commands.clone();
-        let dlq = &self.options.dead_letter_queue;
+        let dlq = &self.live().dead_letter_queue;
         let (dlq_len, backlog, oldest, groups): (u64, u64, Value, Value) = redis::pipe()
             .cmd("XLEN")
             .arg(dlq)
@@ -30,10 +31,18 @@ impl RedisSource {
             .query_async(&mut con)
             .await
             .map_err(broker_error)?;
+        // The age is the time since it was dead-lettered (its
+        // courier-last-attempt-at), as on every broker; the stream id's
+        // time stands in for a letter that does not say.
         let oldest_age = parse_entries(oldest)
-            .first()
-            .and_then(|(id, _)| id_time(id))
-            .map(|t| SystemTime::now().duration_since(t).unwrap_or_default());
+            .into_iter()
+            .next()
+            .and_then(|(id, fields)| {
+                let written = id_time(&id);
+                let letter = DeadLetter::from_fields(id, fields);
+                let at = letter.dead_lettered_at().or(written)?;
+                Some(dead_letter_age(at, SystemTime::now()))
+            });
         let (ready, pending) = self.group_counts(groups);
         Ok(Depth {
             ready,

@@ -1,21 +1,31 @@
 //! Browsing the dead-letter stream: list, replay, purge.
 
-use redis::{Script, Value};
+use redis::Value;
 
 use super::entries::parse_entries;
+use super::settle::xadd;
 use super::{RedisSource, broker_error};
 use crate::model::DeadLetter;
+use crate::source::SourceError;
 use crate::source::shared::not_there;
-use crate::source::{SourceError, encode_fields};
 
-/// Moves one dead letter back to the work stream, in one step so that two
-/// replays of the same letter cannot both write it. KEYS[1] the stream,
-/// KEYS[2] the dead-letter stream; ARGV[1] the dead letter's id, ARGV[2] the
-/// replayed message's fields.
-const REPLAY: &str = r"
-if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[1], '*', unpack(cmsgpack.unpack(ARGV[2])))
-return 1
+/// Runs right after the `XADD` that writes a replayed letter back to the
+/// work stream, in the same MULTI, and removes the letter. The `XADD` is a
+/// plain command so a letter of any width replays (a script cannot pass
+/// more than about 8,000 values to one command). If the letter is no longer
+/// there (a second replay of it raced this one), the copy just written,
+/// the newest entry of the stream, is taken back, so two replays cannot
+/// both deliver it. If the `XADD` failed, the letter stays. KEYS[1] the
+/// stream, KEYS[2] the dead-letter stream; ARGV[1] the letter's id.
+const REMOVE_LETTER: &str = r"
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'stream' then
+  return redis.error_reply('WRONGTYPE ' .. KEYS[1] .. ' holds a ' .. t .. ', not the work stream: nothing was replayed')
+end
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 1 then return 1 end
+local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if newest[1] then redis.call('XDEL', KEYS[1], newest[1][1]) end
+return 0
 ";
 
 impl RedisSource {
@@ -46,12 +56,17 @@ impl RedisSource {
         letter: &DeadLetter,
     ) -> Result<(), SourceError> {
         let mut con = self.commands.clone();
-        let moved: i64 = Script::new(REPLAY)
-            .key(&self.options.queue)
-            .key(dead_letter_queue)
+        let (moved,): (i64,) = redis::pipe()
+            .atomic()
+            .add_command(xadd(&self.options.queue, &letter.fields_for_replay()))
+            .ignore()
+            .cmd("EVAL")
+            .arg(REMOVE_LETTER)
+            .arg(2)
+            .arg(&self.options.queue)
+            .arg(dead_letter_queue)
             .arg(&letter.id)
-            .arg(encode_fields(&letter.fields_for_replay()))
-            .invoke_async(&mut con)
+            .query_async(&mut con)
             .await
             .map_err(broker_error)?;
         if moved == 0 {

@@ -21,6 +21,7 @@ mod depth;
 mod entries;
 mod letters;
 mod mover;
+mod poison;
 mod reader;
 mod settle;
 
@@ -35,7 +36,9 @@ use redis::{Client, Value};
 use tokio::sync::Mutex;
 
 use super::shared::RECEIVE_WAIT;
-use super::{Batcher, Broker, Capabilities, Depth, Source, SourceError, SourceOptions};
+use super::{
+    Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
+};
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
 use reader::Reader;
 
@@ -53,7 +56,14 @@ pub const BROKER: Broker = Broker {
 };
 
 pub struct RedisSource {
+    /// Queue, group and consumer; what can change live is in `live`.
     options: SourceOptions,
+    /// The visibility timeout, dead-letter queue and delivery limit in
+    /// force: the start values until a live policy change replaces them.
+    live: Arc<std::sync::Mutex<LiveSettings>>,
+    /// The server is a Redis Cluster node: a dead-letter queue must share
+    /// the queue's hash slot.
+    cluster: bool,
     commands: ConnectionManager,
     reader: Mutex<Reader>,
     acks: Batcher<String>,
@@ -97,7 +107,15 @@ impl RedisSource {
             .await
             .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
         let mut con = commands.clone();
-        cluster::check_cluster_slots(&mut con, url, &options).await?;
+        let cluster = cluster::is_cluster(&mut con).await?;
+        if cluster
+            && let Some(problem) = cluster::slot_problem(&options.queue, &options.dead_letter_queue)
+        {
+            return Err(SourceError::Invalid(format!(
+                "{}: {problem}",
+                super::redact(url)
+            )));
+        }
         // Start at 0, not $: what producers wrote before courier's first
         // start is work too.
         let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
@@ -119,10 +137,17 @@ impl RedisSource {
             commands,
             reader: Mutex::new(Reader::new(reader)),
             mover_stop: Arc::new(AtomicBool::new(false)),
+            live: Arc::new(std::sync::Mutex::new(options.live())),
+            cluster,
             options,
         };
         source.spawn_mover();
         Ok(source)
+    }
+
+    /// The live settings in force now.
+    fn live(&self) -> LiveSettings {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// `<queue>.acked:<idempotency key>`: derived from the queue name, so a
@@ -226,6 +251,22 @@ impl Source for RedisSource {
             .await
             .map(|n| n > 0)
             .map_err(broker_error)
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        match self.cluster {
+            true => cluster::slot_problem(&self.options.queue, &settings.dead_letter_queue)
+                .map_or(Ok(()), Err),
+            false => Ok(()),
+        }
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
+    }
+
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        self.keep_claimed(in_flight).await
     }
 
     async fn close(&self) {

@@ -1,52 +1,194 @@
 //! Moving due retries from `<queue>.retry` back to the work stream.
+//!
+//! A due retry is first claimed (its score pushed a lease ahead, so no other
+//! replica's mover takes it meanwhile), then written back with `XADD` and
+//! removed from the set in one MULTI. The `XADD` is a plain command, not a
+//! Lua call, so a message of any width moves (a script cannot pass more
+//! than about 8,000 values to one command). A retry that cannot be decoded
+//! becomes an `undeliverable` dead letter with its raw bytes as the body;
+//! one that cannot be written stays claimed until the lease runs out and is
+//! tried again, while the rest of the queue moves on.
 
-use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
-use redis::Script;
+use bytes::Bytes;
+use redis::aio::ConnectionManager;
+use redis::{Script, Value};
 
 use super::RedisSource;
 use super::entries::now_ms;
+use super::settle::xadd;
+use crate::model::{DeadLetterReason, Delivery, Failure, PAYLOAD};
+use crate::source::{LiveSettings, decode_fields};
 
-/// How often due retries are moved back, and reclaiming is checked.
+/// How often due retries are moved back.
 const MOVE_INTERVAL: Duration = Duration::from_millis(50);
 const MOVE_BATCH: usize = 500;
+/// A claimed retry that was not moved (the process stopped, a key has the
+/// wrong type) is due again after this.
+const CLAIM_LEASE: Duration = Duration::from_secs(30);
+/// The same trouble is logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(30);
 
-/// Moves due retries back to the work stream. KEYS[1] the retry set,
-/// KEYS[2] the stream; ARGV[1] now in ms, ARGV[2] the most to move.
-const MOVE_DUE: &str = r"
+/// Claims due retries: pushes their score a lease ahead and returns them.
+/// KEYS[1] the retry set; ARGV[1] now in ms, ARGV[2] the most to claim,
+/// ARGV[3] the end of the lease in ms.
+const CLAIM_DUE: &str = r"
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 for _, member in ipairs(due) do
-  redis.call('XADD', KEYS[2], '*', unpack(cmsgpack.unpack(member)))
-  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZADD', KEYS[1], 'XX', ARGV[3], member)
 end
-return #due
+return due
 ";
+
+/// Runs right after the `XADD` of a moved retry, in the same MULTI, and
+/// removes the retry only if that `XADD` wrote (a failed command inside
+/// MULTI does not stop the next). KEYS[1] the stream written to, KEYS[2]
+/// the retry set; ARGV[1] the retry.
+const REMOVE_IF_WRITTEN: &str = r"
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'stream' then
+  return redis.error_reply('WRONGTYPE ' .. KEYS[1] .. ' holds a ' .. t .. ', not a stream: the retry stays stored; delete or rename that key')
+end
+return redis.call('ZREM', KEYS[2], ARGV[1])
+";
+
+/// Logs one kind of trouble at most once per [`LOG_EVERY`], with how many
+/// times it happened since.
+pub(super) struct Throttle {
+    last: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    pub(super) fn new() -> Self {
+        Self {
+            last: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(times since the last log)` when this one should be logged.
+    pub(super) fn due(&self) -> Option<u64> {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        last.1 += 1;
+        if last.0.is_some_and(|at| at.elapsed() < LOG_EVERY) {
+            return None;
+        }
+        let times = last.1;
+        *last = (Some(Instant::now()), 0);
+        Some(times)
+    }
+}
+
+struct Mover {
+    con: ConnectionManager,
+    retry_key: String,
+    queue: String,
+    live: Arc<Mutex<LiveSettings>>,
+    trouble: Throttle,
+}
 
 impl RedisSource {
     pub(super) fn spawn_mover(&self) {
-        let mut con = self.commands.clone();
-        let keys = [self.retry_key.clone(), self.options.queue.clone()];
-        let stop = self.mover_stop.clone();
+        let mut mover = Mover {
+            con: self.commands.clone(),
+            retry_key: self.retry_key.clone(),
+            queue: self.options.queue.clone(),
+            live: self.live.clone(),
+            trouble: Throttle::new(),
+        };
+        let stop: Arc<AtomicBool> = self.mover_stop.clone();
         tokio::spawn(async move {
-            let script = Script::new(MOVE_DUE);
             while !stop.load(Ordering::Relaxed) {
-                let moved: Result<usize, _> = script
-                    .key(&keys[0])
-                    .key(&keys[1])
-                    .arg(now_ms())
-                    .arg(MOVE_BATCH)
-                    .invoke_async(&mut con)
-                    .await;
-                match moved {
+                match mover.move_due().await {
                     Ok(n) if n >= MOVE_BATCH => continue,
                     Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, queue = %keys[1], "moving due retries back failed; will try again")
-                    }
+                    Err(e) => mover.warn(&e),
                 }
                 tokio::time::sleep(MOVE_INTERVAL).await;
             }
         });
+    }
+}
+
+impl Mover {
+    fn warn(&self, error: &dyn std::fmt::Display) {
+        if let Some(times) = self.trouble.due() {
+            tracing::warn!(%error, queue = %self.queue, times, "moving due retries back failed; will try again");
+        }
+    }
+
+    /// Moves up to a batch of due retries; returns how many were due.
+    async fn move_due(&mut self) -> Result<usize, redis::RedisError> {
+        let now = now_ms();
+        let due: Vec<Vec<u8>> = Script::new(CLAIM_DUE)
+            .key(&self.retry_key)
+            .arg(now)
+            .arg(MOVE_BATCH)
+            .arg(now + CLAIM_LEASE.as_millis() as u64)
+            .invoke_async(&mut self.con)
+            .await?;
+        if due.is_empty() {
+            return Ok(0);
+        }
+        let dead_letter_queue = self
+            .live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .dead_letter_queue
+            .clone();
+        let mut pipe = redis::pipe();
+        pipe.atomic().ignore_errors();
+        for member in &due {
+            let raw = Bytes::from(member.clone());
+            let (target, fields) = match decode_fields(&raw) {
+                Some(fields) if !fields.is_empty() => (&self.queue, fields),
+                _ => {
+                    tracing::warn!(queue = %self.queue, retry_set = %self.retry_key, dead_letter_queue, "a stored retry could not be decoded; it is dead-lettered as undeliverable with its raw bytes as the body");
+                    (
+                        &dead_letter_queue,
+                        self.undecodable(raw, &dead_letter_queue),
+                    )
+                }
+            };
+            pipe.add_command(xadd(target, &fields)).ignore();
+            pipe.cmd("EVAL")
+                .arg(REMOVE_IF_WRITTEN)
+                .arg(2)
+                .arg(target)
+                .arg(&self.retry_key)
+                .arg(member.as_slice());
+        }
+        let results: Vec<Value> = pipe.query_async(&mut self.con).await?;
+        if let Some(Value::ServerError(e)) =
+            results.iter().find(|v| matches!(v, Value::ServerError(_)))
+        {
+            self.warn(&format!("{e:?}"));
+        }
+        Ok(due.len())
+    }
+
+    /// The dead letter of a stored retry that cannot be read.
+    fn undecodable(&self, raw: Bytes, dead_letter_queue: &str) -> Vec<(Bytes, Bytes)> {
+        let now = SystemTime::now();
+        let id = format!("{}:{}", self.retry_key, now_ms());
+        let delivery = Delivery::from_fields(&id, vec![(PAYLOAD.into(), raw)], 0, String::new());
+        delivery.fields_for_dead_letter(&Failure {
+            reason: DeadLetterReason::Undeliverable,
+            status: None,
+            error: Some(format!(
+                "a retry stored in {} could not be decoded; the body is its raw bytes",
+                self.retry_key
+            )),
+            attempts: 0,
+            first_attempt_at: now,
+            last_attempt_at: now,
+            queue: self.queue.clone(),
+            message_id: id,
+            excerpt: Bytes::new(),
+            policy: String::new(),
+            dead_letter_queue: dead_letter_queue.to_string(),
+        })
     }
 }

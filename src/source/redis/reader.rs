@@ -7,6 +7,8 @@ use redis::Value;
 use redis::aio::ConnectionManager;
 
 use super::entries::{as_u64, parse_entries, parse_read_reply};
+use super::mover::Throttle;
+use super::poison::Pending;
 use super::{RedisSource, broker_error};
 use crate::model::Delivery;
 use crate::source::SourceError;
@@ -20,6 +22,8 @@ pub(super) struct Reader {
     /// after it, so entries already in flight are not handed out twice.
     history_from: String,
     last_reclaim: Instant,
+    /// Failures of the poison-pill check, logged at most once an interval.
+    trouble: Throttle,
 }
 
 impl Reader {
@@ -29,6 +33,7 @@ impl Reader {
             history_done: false,
             history_from: "0".into(),
             last_reclaim: Instant::now(),
+            trouble: Throttle::new(),
         }
     }
 }
@@ -93,7 +98,15 @@ impl RedisSource {
         reader: &mut Reader,
         max: usize,
     ) -> Result<Vec<Delivery>, SourceError> {
+        let live = self.live();
         let entries = if !reader.history_done {
+            let start = match reader.history_from.as_str() {
+                "0" => "-".to_string(),
+                from => format!("({from}"),
+            };
+            let consumer = self.options.consumer.as_str();
+            self.check_poison(reader, 0, start, Some(consumer), max)
+                .await;
             let reply: Value = redis::cmd("XREADGROUP")
                 .arg("GROUP")
                 .arg(&self.options.group)
@@ -115,14 +128,17 @@ impl RedisSource {
             }
             entries
         } else if reader.last_reclaim.elapsed()
-            >= self.options.visibility_timeout.min(Duration::from_secs(5))
+            >= live.visibility_timeout.min(Duration::from_secs(5))
         {
             reader.last_reclaim = Instant::now();
+            let idle_ms = live.visibility_timeout.as_millis() as u64;
+            self.check_poison(reader, idle_ms, "-".into(), None, max)
+                .await;
             let reply: Value = redis::cmd("XAUTOCLAIM")
                 .arg(&self.options.queue)
                 .arg(&self.options.group)
                 .arg(&self.options.consumer)
-                .arg(self.options.visibility_timeout.as_millis() as u64)
+                .arg(live.visibility_timeout.as_millis() as u64)
                 .arg("0-0")
                 .arg("COUNT")
                 .arg(max)
@@ -149,8 +165,52 @@ impl RedisSource {
             .into_iter()
             .zip(counts)
             .map(|((id, fields), count)| {
-                Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone())
+                let mut delivery =
+                    Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone());
+                // A pill the script could not dead-letter itself (too wide,
+                // or the dead-letter key of another type): the dispatcher
+                // dead-letters it without offering it to the app.
+                if count > live.max_deliveries.max(1) {
+                    delivery.problem = Some(format!(
+                        "handed out {} times without being settled",
+                        count - 1
+                    ));
+                }
+                delivery
             })
             .collect())
+    }
+
+    /// Dead-letters the poison pills among the entries about to be handed
+    /// out again. A failure is logged and the entries are read anyway: the
+    /// delivery counts catch a pill on the way out.
+    async fn check_poison(
+        &self,
+        reader: &mut Reader,
+        idle_ms: u64,
+        start: String,
+        consumer: Option<&str>,
+        count: usize,
+    ) {
+        let pending = Pending {
+            idle_ms,
+            start,
+            consumer,
+            count,
+        };
+        let mut con = self.commands.clone();
+        match self.dead_letter_poison(&mut con, pending).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                queue = %self.options.queue,
+                dead_letters = n,
+                "dead-lettered messages that were handed out too many times without being settled (undeliverable)"
+            ),
+            Err(error) => {
+                if let Some(times) = reader.trouble.due() {
+                    tracing::warn!(%error, queue = %self.options.queue, times, "checking pending entries for poison pills failed; will try again");
+                }
+            }
+        }
     }
 }

@@ -1,0 +1,498 @@
+//! Redis under hostile state: keys of the wrong type where courier writes
+//! retries and dead letters, messages wider than a Lua script can write,
+//! unreadable stored retries, deliveries kept in flight, live settings, and
+//! poison pills counted by Redis itself. Real Redis on loopback, a real app.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use courier::source::{self, LiveSettings, Source, SourceOptions, encode_fields};
+use redis::aio::MultiplexedConnection;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+const SETTLE: Duration = Duration::from_secs(30);
+/// More fields than a Lua script can pass to one command (about 8,000
+/// values, i.e. 4,000 fields).
+const WIDE: usize = 5_000;
+
+async fn redis() -> MultiplexedConnection {
+    redis::Client::open(REDIS_URL)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// How many entries of `queue` the group `courier` holds pending.
+async fn pending(con: &mut MultiplexedConnection, queue: &str) -> u64 {
+    let reply: redis::Value = redis::cmd("XPENDING")
+        .arg(queue)
+        .arg("courier")
+        .query_async(con)
+        .await
+        .unwrap();
+    match reply {
+        redis::Value::Array(parts) => match parts.first() {
+            Some(redis::Value::Int(n)) => *n as u64,
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+async fn xlen(con: &mut MultiplexedConnection, key: &str) -> u64 {
+    redis::cmd("XLEN").arg(key).query_async(con).await.unwrap()
+}
+
+async fn get(con: &mut MultiplexedConnection, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query_async(con).await.unwrap()
+}
+
+/// A source on `fixture`'s queue as consumer `consumer`.
+async fn open_as(fixture: &Fixture, consumer: &str, visibility: Duration) -> Arc<dyn Source> {
+    let mut options = SourceOptions::new(&fixture.queue);
+    options.consumer = consumer.into();
+    options.visibility_timeout = visibility;
+    source::open(&fixture.url, options).await.unwrap()
+}
+
+// === Settle atomically or not at all ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_dead_letter_queue_acks_nothing_away() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let _: () = redis::cmd("SET")
+        .arg(fixture.dlq())
+        .arg("x")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let body = "script:400";
+    fixture.send(&source, body).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+
+    // The dead letter cannot be written, so the message is not acked: it
+    // stays pending and is handed out again after the visibility timeout.
+    wait_for("the 400 to be delivered twice", SETTLE, async || {
+        app.received_body(body.as_bytes()).len() >= 2
+    })
+    .await;
+    assert_eq!(pending(&mut con, &fixture.queue).await, 1, "still pending");
+    assert_eq!(get(&mut con, &fixture.dlq()).await.as_deref(), Some("x"));
+
+    // Once the key is fixed, the next delivery is dead-lettered.
+    let _: () = redis::cmd("DEL")
+        .arg(fixture.dlq())
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    wait_for("the dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1 && pending(&mut con, &fixture.queue).await == 0
+    })
+    .await;
+    running.stop().await;
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters[0].field("courier-reason"), Some("permanent-status"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_retry_set_acks_nothing_away() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let retry_key = format!("{}.retry", fixture.queue);
+    let _: () = redis::cmd("SET")
+        .arg(&retry_key)
+        .arg("x")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let body = "script:503";
+    fixture.send(&source, body).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+
+    wait_for("the 503 to be delivered twice", SETTLE, async || {
+        app.received_body(body.as_bytes()).len() >= 2
+    })
+    .await;
+    assert_eq!(pending(&mut con, &fixture.queue).await, 1, "still pending");
+    assert_eq!(get(&mut con, &retry_key).await.as_deref(), Some("x"));
+    assert_eq!(xlen(&mut con, &fixture.dlq()).await, 0);
+
+    // Fixed, the message goes on: retried, then out of attempts.
+    let _: () = redis::cmd("DEL")
+        .arg(&retry_key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    wait_for("the dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(
+        letters[0].field("courier-reason"),
+        Some("attempts-exhausted")
+    );
+}
+
+// === Whatever courier stored, it can move and read back ===
+
+/// An app that takes any number of headers (hyper's server stops at 100):
+/// it answers the n-th request for a body with the n-th of `statuses` (the
+/// last repeats) and records each request's body and `x-f*` header count.
+#[derive(Clone)]
+struct WideApp {
+    url: String,
+    seen: Arc<Mutex<Vec<(Bytes, usize)>>>,
+}
+
+impl WideApp {
+    async fn start(statuses: &'static [u16]) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let app = Self {
+            url: format!("http://{}/", listener.local_addr().unwrap()),
+            seen: Arc::default(),
+        };
+        let seen = app.seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 65536];
+                    let head_end = loop {
+                        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    let wide = head.lines().filter(|l| l.starts_with("x-f")).count();
+                    while buf.len() < head_end + length {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body = Bytes::copy_from_slice(&buf[head_end..head_end + length]);
+                    let status = {
+                        let mut seen = seen.lock().unwrap();
+                        let n = seen.iter().filter(|(b, _)| *b == body).count();
+                        seen.push((body, wide));
+                        statuses[n.min(statuses.len() - 1)]
+                    };
+                    let answer = format!(
+                        "HTTP/1.1 {status} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    );
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+        });
+        app
+    }
+
+    fn seen(&self) -> Vec<(Bytes, usize)> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+/// XADDs a message with a body and `WIDE` header fields.
+async fn send_wide(con: &mut MultiplexedConnection, queue: &str, body: &str) -> String {
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(queue).arg("*").arg("payload").arg(body);
+    for i in 0..WIDE {
+        xadd.arg(format!("x-f{i}")).arg(format!("v{i}"));
+    }
+    xadd.query_async(con).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_of_5000_fields_goes_through_a_retry() {
+    let fixture = Fixture::redis();
+    let app = WideApp::start(&[503, 200]).await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    send_wide(&mut con, &fixture.queue, "wide").await;
+    let running = Running::start(run_config_for(&fixture, &app.url, fast_policy())).await;
+    wait_for("the retry to be delivered", SETTLE, async || {
+        app.seen().len() >= 2
+    })
+    .await;
+    let depth = wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(depth.dead_letters, 0);
+    let seen = app.seen();
+    assert_eq!(seen.len(), 2, "one 503, one 200");
+    assert!(
+        seen.iter().all(|(_, wide)| *wide == WIDE),
+        "every field arrived both times: {:?}",
+        seen.iter().map(|(_, w)| w).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_of_5000_fields_is_dead_lettered_and_replayed() {
+    let fixture = Fixture::redis();
+    let app = WideApp::start(&[400, 200]).await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    send_wide(&mut con, &fixture.queue, "wide").await;
+    let running = Running::start(run_config_for(&fixture, &app.url, fast_policy())).await;
+    wait_for("the dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters[0].field("courier-reason"), Some("permanent-status"));
+    assert_eq!(letters[0].field(&format!("x-f{}", WIDE - 1)), Some("v4999"));
+    source.replay(&fixture.dlq(), &letters[0]).await.unwrap();
+    wait_for("the replay to be delivered", SETTLE, async || {
+        app.seen().len() >= 2
+    })
+    .await;
+    let depth = wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(depth.dead_letters, 0, "the letter left the dead-letter queue");
+    assert_eq!(app.seen()[1].1, WIDE, "every field was replayed");
+    // A second replay of the same letter finds it gone and writes nothing.
+    let again = source.replay(&fixture.dlq(), &letters[0]).await;
+    assert!(again.is_err());
+    assert_eq!(xlen(&mut con, &fixture.queue).await, 2, "sent once, replayed once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_stored_retry_is_dead_lettered_and_the_rest_move_on() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let retry_key = format!("{}.retry", fixture.queue);
+    let good = encode_fields(&[(Bytes::from("payload"), Bytes::from("good retry"))]);
+    let _: () = redis::cmd("ZADD")
+        .arg(&retry_key)
+        .arg(0)
+        .arg("not a stored message")
+        .arg(1)
+        .arg(good)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the good retry to be delivered", SETTLE, async || {
+        !app.received_body(b"good retry").is_empty()
+    })
+    .await;
+    wait_for("the unreadable one to be dead-lettered", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    let depth = wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(depth.retry_backlog, 0);
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters[0].field("courier-reason"), Some("undeliverable"));
+    assert_eq!(letters[0].body, Bytes::from("not a stored message"));
+}
+
+// === Keep in-flight claimed; live settings ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_kept_alive_is_not_reclaimed() {
+    let fixture = Fixture::redis();
+    let visibility = Duration::from_secs(60);
+    let a = open_as(&fixture, "a", visibility).await;
+    let mut con = redis().await;
+    fixture.send(&a, "in flight").await;
+    let mut held = Vec::new();
+    wait_for("the delivery", SETTLE, async || {
+        held = a.receive(10).await.unwrap();
+        !held.is_empty()
+    })
+    .await;
+    let id = held[0].receipt.clone();
+    // As if the app had worked on it for ten minutes.
+    let make_idle = async |con: &mut MultiplexedConnection| {
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(&fixture.queue)
+            .arg("courier")
+            .arg("a")
+            .arg(0)
+            .arg(&id)
+            .arg("IDLE")
+            .arg(600_000)
+            .arg("JUSTID")
+            .query_async(con)
+            .await
+            .unwrap();
+    };
+    let autoclaim = async |con: &mut MultiplexedConnection| -> Vec<String> {
+        let reply: (String, Vec<String>, Vec<String>) = redis::cmd("XAUTOCLAIM")
+            .arg(&fixture.queue)
+            .arg("courier")
+            .arg("b")
+            .arg(visibility.as_millis() as u64)
+            .arg("0-0")
+            .arg("JUSTID")
+            .query_async(con)
+            .await
+            .unwrap();
+        reply.1
+    };
+    make_idle(&mut con).await;
+    a.keep_alive(&held).await.unwrap();
+    assert!(autoclaim(&mut con).await.is_empty(), "kept alive");
+
+    // Without keep-alive another consumer takes it; keep-alive then leaves
+    // it with that consumer rather than stealing it back.
+    make_idle(&mut con).await;
+    assert_eq!(autoclaim(&mut con).await, vec![id.clone()]);
+    a.keep_alive(&held).await.unwrap();
+    let owner: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(&fixture.queue)
+        .arg("courier")
+        .arg(&id)
+        .arg(&id)
+        .arg(1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(owner[0].1, "b");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_visibility_timeout_takes_effect() {
+    let fixture = Fixture::redis();
+    let a = open_as(&fixture, "a", Duration::from_secs(60)).await;
+    fixture.send(&a, "left pending by a").await;
+    wait_for("a to take it", SETTLE, async || {
+        !a.receive(10).await.unwrap().is_empty()
+    })
+    .await;
+    let b = open_as(&fixture, "b", Duration::from_secs(60)).await;
+    b.apply(&LiveSettings {
+        visibility_timeout: Duration::from_millis(300),
+        dead_letter_queue: fixture.dlq(),
+        max_deliveries: 7,
+    });
+    // At 60 s this would take a minute; at 300 ms it is reclaimed at once.
+    wait_for("b to reclaim it", Duration::from_secs(10), async || {
+        b.receive(10)
+            .await
+            .unwrap()
+            .iter()
+            .any(|d| d.message.body == Bytes::from("left pending by a"))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn depth_follows_a_live_dead_letter_queue() {
+    let fixture = Fixture::redis();
+    let source = open_as(&fixture, "a", Duration::from_secs(60)).await;
+    let mut con = redis().await;
+    let other = format!("{}.elsewhere", fixture.queue);
+    let _: String = redis::cmd("XADD")
+        .arg(&other)
+        .arg("*")
+        .arg("payload")
+        .arg("x")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(source.depth().await.unwrap().dead_letters, 0);
+    let live = LiveSettings {
+        visibility_timeout: Duration::from_secs(60),
+        dead_letter_queue: other.clone(),
+        max_deliveries: 7,
+    };
+    assert_eq!(source.check(&live), Ok(()), "not a cluster: any name");
+    source.apply(&live);
+    assert_eq!(source.depth().await.unwrap().dead_letters, 1);
+    let _: () = redis::cmd("DEL")
+        .arg(&other)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+}
+
+// === Poison pills ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_handed_out_too_often_is_dead_lettered_by_the_counter() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let pill = fixture.send(&source, "poison pill").await;
+    fixture.send(&source, "good message").await;
+    // A consumer that crashes on it every time: handed out 7 times, never
+    // settled, and idle long past the visibility timeout.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("courier")
+        .arg("crashy")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&fixture.queue)
+        .arg(">")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(&fixture.queue)
+            .arg("courier")
+            .arg("crashy")
+            .arg(0)
+            .arg(&pill)
+            .arg("IDLE")
+            .arg(600_000)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+    }
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.max_deliveries = 7;
+    let running = Running::start(config).await;
+    wait_for("the pill's dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert!(app.received_body(b"poison pill").is_empty(), "never offered");
+    assert_eq!(app.received_body(b"good message").len(), 1);
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let letter = &letters[0];
+    assert_eq!(letter.body, Bytes::from("poison pill"));
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(
+        letter.field("courier-error"),
+        Some("handed out 7 times without being settled")
+    );
+    assert_eq!(letter.field("courier-message-id"), Some(pill.as_str()));
+    // It replays like any other dead letter.
+    source.replay(&fixture.dlq(), letter).await.unwrap();
+}

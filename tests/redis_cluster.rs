@@ -131,3 +131,19 @@ async fn a_tagged_queue_delivers_retries_and_dead_letters_on_a_cluster() {
     let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
     assert_eq!(letters.len(), 1);
 }
+
+/// A live policy change that moves the dead-letter queue out of the queue's
+/// hash slot is refused, saying why; one that keeps the tag is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_dead_letter_queue_outside_the_slot_is_refused_on_a_cluster() {
+    let node = ClusterNode::start().await;
+    let fixture = Fixture::redis_at(&node.url(), "{orders}");
+    let source = fixture.open().await;
+    let mut live = courier::source::SourceOptions::new("{orders}").live();
+    live.dead_letter_queue = "orders-failed".into();
+    let refused = source.check(&live).unwrap_err();
+    assert!(refused.contains("hash tag {orders}"), "{refused}");
+    assert!(refused.contains("\"{orders}.dlq\""), "{refused}");
+    live.dead_letter_queue = "{orders}.failed".into();
+    assert_eq!(source.check(&live), Ok(()));
+}

@@ -273,12 +273,19 @@ async fn a_message_of_5000_fields_is_dead_lettered_and_replayed() {
     .await;
     let depth = wait_settled(&source, SETTLE).await;
     running.stop().await;
-    assert_eq!(depth.dead_letters, 0, "the letter left the dead-letter queue");
+    assert_eq!(
+        depth.dead_letters, 0,
+        "the letter left the dead-letter queue"
+    );
     assert_eq!(app.seen()[1].1, WIDE, "every field was replayed");
     // A second replay of the same letter finds it gone and writes nothing.
     let again = source.replay(&fixture.dlq(), &letters[0]).await;
     assert!(again.is_err());
-    assert_eq!(xlen(&mut con, &fixture.queue).await, 2, "sent once, replayed once");
+    assert_eq!(
+        xlen(&mut con, &fixture.queue).await,
+        2,
+        "sent once, replayed once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,9 +310,11 @@ async fn an_unreadable_stored_retry_is_dead_lettered_and_the_rest_move_on() {
         !app.received_body(b"good retry").is_empty()
     })
     .await;
-    wait_for("the unreadable one to be dead-lettered", SETTLE, async || {
-        xlen(&mut con, &fixture.dlq()).await == 1
-    })
+    wait_for(
+        "the unreadable one to be dead-lettered",
+        SETTLE,
+        async || xlen(&mut con, &fixture.dlq()).await == 1,
+    )
     .await;
     let depth = wait_settled(&source, SETTLE).await;
     running.stop().await;
@@ -401,7 +410,7 @@ async fn a_live_visibility_timeout_takes_effect() {
             .await
             .unwrap()
             .iter()
-            .any(|d| d.message.body == Bytes::from("left pending by a"))
+            .any(|d| d.message.body == "left pending by a")
     })
     .await;
 }
@@ -482,7 +491,10 @@ async fn a_message_handed_out_too_often_is_dead_lettered_by_the_counter() {
     .await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
-    assert!(app.received_body(b"poison pill").is_empty(), "never offered");
+    assert!(
+        app.received_body(b"poison pill").is_empty(),
+        "never offered"
+    );
     assert_eq!(app.received_body(b"good message").len(), 1);
     let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
     let letter = &letters[0];

@@ -21,11 +21,15 @@ const SETTLE: Duration = Duration::from_secs(30);
 const WIDE: usize = 5_000;
 
 async fn redis() -> MultiplexedConnection {
-    redis::Client::open(REDIS_URL)
+    let mut con = redis::Client::open(REDIS_URL)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
-        .unwrap()
+        .unwrap();
+    // Writing 40 MiB on a busy 2-core machine takes longer than the
+    // client's default 500 ms.
+    con.set_response_timeout(Duration::from_secs(30));
+    con
 }
 
 /// How many entries of `queue` the group `courier` holds pending.
@@ -507,4 +511,73 @@ async fn a_message_handed_out_too_often_is_dead_lettered_by_the_counter() {
     assert_eq!(letter.field("courier-message-id"), Some(pill.as_str()));
     // It replays like any other dead letter.
     source.replay(&fixture.dlq(), letter).await.unwrap();
+}
+
+// === Reads bounded in bytes ===
+
+/// The peak resident memory of process `pid` (`VmHWM`), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM in /proc/<pid>/status")
+        * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_40_mib_entry_is_dead_lettered_without_being_loaded() {
+    const BIG: usize = 40 << 20;
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let id: String = redis::cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg("payload")
+        .arg(vec![b'x'; BIG])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    fixture.send(&source, "small, after it").await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    // The built binary with the default --max-body (4 MiB), so its memory
+    // is its own.
+    let mut courier = courier_command()
+        .args(["run"])
+        .args(run_args(&fixture, &app, &policy, "bounded"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start courier run");
+    wait_for("the small message", SETTLE, async || {
+        !app.received_body(b"small, after it").is_empty()
+    })
+    .await;
+    wait_for("the dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    let peak = peak_rss(courier.id());
+    courier.kill().unwrap();
+    courier.wait().unwrap();
+    assert!(
+        peak < BIG as u64,
+        "courier's peak RSS was {} MiB",
+        peak >> 20
+    );
+    assert!(app.received().iter().all(|r| r.body.len() < BIG));
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let letter = &letters[0];
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(letter.field("courier-message-id"), Some(id.as_str()));
+    assert_eq!(
+        letter.field("courier-error"),
+        Some(format!("the body is {BIG} bytes, over --max-body {}", 4 << 20).as_str())
+    );
+    assert_eq!(letter.body.len(), BIG, "the body is kept");
 }

@@ -115,6 +115,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         create: args.create,
         max_in_flight: args.concurrency,
         max_deliveries: policy.max_deliveries(),
+        max_body: args.max_body,
     };
     Ok(RunConfig {
         source,

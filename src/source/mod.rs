@@ -99,6 +99,10 @@ pub struct SourceOptions {
     /// broker's own delivery counter, before it is loaded where the broker
     /// allows (the policy's `maxAttempts + 2`).
     pub max_deliveries: u32,
+    /// `--max-body`: a source whose reads are bounded in bytes
+    /// ([`Capabilities::byte_bounded_reads`]) dead-letters a larger entry as
+    /// `undeliverable` without loading it.
+    pub max_body: usize,
 }
 
 /// What a live policy change means to an open source: the values it
@@ -137,6 +141,7 @@ impl SourceOptions {
             create: false,
             max_in_flight: 16,
             max_deliveries: 7,
+            max_body: 4 << 20,
         }
     }
 }

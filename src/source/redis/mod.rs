@@ -165,7 +165,7 @@ impl Source for RedisSource {
             out_of_order_acks: true,
             dead_letter_browsing: true,
             dedup: true,
-            byte_bounded_reads: false,
+            byte_bounded_reads: true,
         }
     }
 

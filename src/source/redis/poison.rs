@@ -1,87 +1,155 @@
-//! Poison pills: an entry handed out `max_deliveries` times without ever
-//! being settled (it crashes or hangs whoever takes it) is dead-lettered as
-//! `undeliverable` by Redis's own delivery counter, inside Redis, before
-//! courier loads it again.
+//! Dead letters written inside Redis, before courier loads the entry:
+//!
+//! - a poison pill, an entry handed out `max_deliveries` times without ever
+//!   being settled (it crashes or hangs whoever takes it), found by Redis's
+//!   own delivery counter;
+//! - an entry larger than `--max-body`, so a 300 MB entry, or many large
+//!   ones in one read, never reach courier's memory.
+//!
+//! Both are dead-lettered as `undeliverable`, with the entry's fields and
+//! the `courier-*` failure fields every dead letter has.
 
-use redis::Script;
+use std::sync::LazyLock;
+
 use redis::aio::ConnectionManager;
+use redis::{Script, Value};
 
+use super::entries::{Entry, parse_entries};
 use super::{RedisSource, broker_error};
 use crate::model::rfc3339;
 use crate::source::SourceError;
 
-/// The widest entry (field names plus values) the script below writes
-/// itself: a Lua script cannot pass more than about 8,000 values to one
-/// command. A wider pill is handed out once more, marked undeliverable, and
-/// dead-lettered by the dispatcher instead.
+/// The widest entry (field names plus values) a script writes with its
+/// fields: a Lua script cannot pass more than about 8,000 values to one
+/// command. A wider one is dead-lettered with its body only, and says so.
 const WIDEST: usize = 7_800;
 
-/// Dead-letters the pending entries (idle at least ARGV[2] ms, from ARGV[3],
-/// of consumer ARGV[5] or of anyone) that were delivered ARGV[6] times or
-/// more. The dead letter carries the entry's fields and the same `courier-*`
-/// failure fields every dead letter has. KEYS[1] the stream, KEYS[2] the
-/// dead-letter stream; ARGV[1] the group, ARGV[4] the most to look at,
-/// ARGV[7] now (RFC 3339), ARGV[8] the widest entry to write here.
-const DEAD_LETTER_POISON: &str = r"
-local range = {KEYS[1], ARGV[1], 'IDLE', ARGV[2], ARGV[3], '+', ARGV[4]}
-if ARGV[5] ~= '' then range[#range + 1] = ARGV[5] end
-local pending = redis.call('XPENDING', unpack(range))
-local max = tonumber(ARGV[6])
-local dlq = redis.call('TYPE', KEYS[2]).ok
+/// What the scripts below share. `dead_letter` writes entry `id` of
+/// KEYS[1] (its `fields`) to the dead-letter stream KEYS[2] and acks it;
+/// `too_large` says why an entry is over the byte budget, or nil;
+/// `writable` whether the dead-letter key can take an `XADD`.
+const SHARED: &str = r"
 local skip = {
   ['courier-message-id'] = 1, ['courier-attempt'] = 1, ['courier-first-attempt-at'] = 1,
   ['courier-deliveries'] = 1, ['courier-reason'] = 1, ['courier-status'] = 1,
   ['courier-error'] = 1, ['courier-attempts'] = 1, ['courier-last-attempt-at'] = 1,
   ['courier-queue'] = 1, ['courier-response-excerpt'] = 1, ['courier-policy'] = 1,
 }
+local function writable(key)
+  local t = redis.call('TYPE', key).ok
+  return t == 'stream' or t == 'none'
+end
+local function too_large(fields, max)
+  local body, rest = 0, 0
+  for i = 1, #fields, 2 do
+    if fields[i] == 'payload' then body = body + #fields[i + 1]
+    else rest = rest + #fields[i] + #fields[i + 1] end
+  end
+  if body > max then return 'the body is ' .. body .. ' bytes, over --max-body ' .. max end
+  if rest > max then return 'its fields besides the body are ' .. rest .. ' bytes, over --max-body ' .. max end
+  return nil
+end
+local function dead_letter(group, id, fields, err, extra, now, widest)
+  local out, has_payload = {}, false
+  local message_id, attempt, first = id, 1, now
+  local keep = #fields <= widest
+  if not keep then
+    err = err .. ' (its ' .. (#fields / 2) .. ' fields were too many to keep; the body is kept)'
+  end
+  for i = 1, #fields, 2 do
+    local name, value = fields[i], fields[i + 1]
+    if name == 'courier-message-id' then message_id = value
+    elseif name == 'courier-attempt' then attempt = math.max(tonumber(value) or 1, 1)
+    elseif name == 'courier-first-attempt-at' then first = value end
+    if not skip[name] and (keep or name == 'payload') then
+      if name == 'payload' then has_payload = true end
+      out[#out + 1] = name
+      out[#out + 1] = value
+    end
+  end
+  if not has_payload then
+    table.insert(out, 1, '')
+    table.insert(out, 1, 'payload')
+  end
+  local failure = {
+    'courier-reason', 'undeliverable',
+    'courier-status', '',
+    'courier-error', err,
+    'courier-attempts', tostring(attempt + extra),
+    'courier-first-attempt-at', first,
+    'courier-last-attempt-at', now,
+    'courier-queue', KEYS[1],
+    'courier-message-id', message_id,
+    'courier-response-excerpt', '',
+    'courier-policy', '',
+  }
+  for _, v in ipairs(failure) do out[#out + 1] = v end
+  redis.call('XADD', KEYS[2], '*', unpack(out))
+  redis.call('XACK', KEYS[1], group, id)
+end
+";
+
+/// Looks at pending entries about to be handed out again (idle at least
+/// ARGV[2] ms, from ARGV[3], of consumer ARGV[5] or of anyone, at most
+/// ARGV[4]) and dead-letters those delivered ARGV[6] times or more, and
+/// those over ARGV[9] bytes. KEYS[1] the stream, KEYS[2] the dead-letter
+/// stream; ARGV[1] the group, ARGV[7] now (RFC 3339), ARGV[8] the widest
+/// entry to keep whole. Returns how many it dead-lettered.
+const PENDING: &str = r"
+local range = {KEYS[1], ARGV[1], 'IDLE', ARGV[2], ARGV[3], '+', ARGV[4]}
+if ARGV[5] ~= '' then range[#range + 1] = ARGV[5] end
+local pending = redis.call('XPENDING', unpack(range))
+if #pending == 0 or not writable(KEYS[2]) then return 0 end
+local max, budget, widest = tonumber(ARGV[6]), tonumber(ARGV[9]), tonumber(ARGV[8])
 local moved = 0
 for _, p in ipairs(pending) do
   local id, times = p[1], tonumber(p[4])
-  if times >= max then
-    local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
-    if not entry then
-      redis.call('XACK', KEYS[1], ARGV[1], id)
-    elseif (dlq == 'stream' or dlq == 'none') and #entry[2] <= tonumber(ARGV[8]) then
-      local fields = entry[2]
-      local out, has_payload = {}, false
-      local message_id, attempt, first = id, 1, ARGV[7]
-      for i = 1, #fields, 2 do
-        local name, value = fields[i], fields[i + 1]
-        if name == 'courier-message-id' then message_id = value
-        elseif name == 'courier-attempt' then attempt = math.max(tonumber(value) or 1, 1)
-        elseif name == 'courier-first-attempt-at' then first = value end
-        if not skip[name] then
-          if name == 'payload' then has_payload = true end
-          out[#out + 1] = name
-          out[#out + 1] = value
-        end
-      end
-      if not has_payload then
-        table.insert(out, 1, '')
-        table.insert(out, 1, 'payload')
-      end
-      local failure = {
-        'courier-reason', 'undeliverable',
-        'courier-status', '',
-        'courier-error', 'handed out ' .. times .. ' times without being settled',
-        'courier-attempts', tostring(attempt + times - 1),
-        'courier-first-attempt-at', first,
-        'courier-last-attempt-at', ARGV[7],
-        'courier-queue', KEYS[1],
-        'courier-message-id', message_id,
-        'courier-response-excerpt', '',
-        'courier-policy', '',
-      }
-      for _, v in ipairs(failure) do out[#out + 1] = v end
-      redis.call('XADD', KEYS[2], '*', unpack(out))
-      redis.call('XACK', KEYS[1], ARGV[1], id)
-      dlq = 'stream'
+  local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
+  if not entry then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+  else
+    local err = nil
+    if times >= max then
+      err = 'handed out ' .. times .. ' times without being settled'
+    else
+      err = too_large(entry[2], budget)
+    end
+    if err then
+      dead_letter(ARGV[1], id, entry[2], err, times - 1, ARGV[7], widest)
       moved = moved + 1
     end
   end
 end
 return moved
 ";
+
+/// Reads up to ARGV[3] new entries for consumer ARGV[2] of group ARGV[1]
+/// (`XREADGROUP` without waiting: a script cannot block) and dead-letters
+/// the ones over ARGV[4] bytes instead of returning them. KEYS[1] the
+/// stream, KEYS[2] the dead-letter stream; ARGV[5] now (RFC 3339), ARGV[6]
+/// the widest entry to keep whole. A dead-letter key of another type
+/// leaves large entries to be returned, and refused by the dispatcher.
+const READ: &str = r"
+local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+if not reply then return {} end
+local budget, widest = tonumber(ARGV[4]), tonumber(ARGV[6])
+local can = nil
+local out = {}
+for _, entry in ipairs(reply[1][2]) do
+  local err = too_large(entry[2], budget)
+  if err and can == nil then can = writable(KEYS[2]) end
+  if err and can then
+    dead_letter(ARGV[1], entry[1], entry[2], err, 0, ARGV[5], widest)
+  else
+    out[#out + 1] = entry
+  end
+end
+return out
+";
+
+static PENDING_SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{SHARED}\n{PENDING}")));
+static READ_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&format!("{SHARED}\n{READ}")));
 
 /// Which pending entries to look at.
 pub(super) struct Pending<'a> {
@@ -95,14 +163,15 @@ pub(super) struct Pending<'a> {
 }
 
 impl RedisSource {
-    /// Dead-letters the poison pills among `pending`; returns how many.
-    pub(super) async fn dead_letter_poison(
+    /// Dead-letters the poison pills and oversized entries among `pending`;
+    /// returns how many.
+    pub(super) async fn dead_letter_pending(
         &self,
         con: &mut ConnectionManager,
         pending: Pending<'_>,
     ) -> Result<u64, SourceError> {
         let live = self.live();
-        Script::new(DEAD_LETTER_POISON)
+        PENDING_SCRIPT
             .key(&self.options.queue)
             .key(&live.dead_letter_queue)
             .arg(&self.options.group)
@@ -113,8 +182,32 @@ impl RedisSource {
             .arg(live.max_deliveries.max(1))
             .arg(rfc3339(std::time::SystemTime::now()))
             .arg(WIDEST)
+            .arg(self.options.max_body)
             .invoke_async(con)
             .await
             .map_err(broker_error)
+    }
+
+    /// Up to `max` new entries, none over `--max-body`: larger ones are
+    /// dead-lettered inside Redis.
+    pub(super) async fn read_bounded(
+        &self,
+        con: &mut ConnectionManager,
+        max: usize,
+    ) -> Result<Vec<Entry>, SourceError> {
+        let live = self.live();
+        let reply: Value = READ_SCRIPT
+            .key(&self.options.queue)
+            .key(&live.dead_letter_queue)
+            .arg(&self.options.group)
+            .arg(&self.options.consumer)
+            .arg(max)
+            .arg(self.options.max_body)
+            .arg(rfc3339(std::time::SystemTime::now()))
+            .arg(WIDEST)
+            .invoke_async(con)
+            .await
+            .map_err(broker_error)?;
+        Ok(parse_entries(reply))
     }
 }

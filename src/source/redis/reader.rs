@@ -14,6 +14,10 @@ use crate::model::Delivery;
 use crate::source::SourceError;
 use crate::source::shared::RECEIVE_WAIT;
 
+/// The longest pause between two reads of an empty queue: the most a new
+/// message waits to be picked up by an idle reader.
+const POLL_MAX: Duration = Duration::from_millis(20);
+
 pub(super) struct Reader {
     pub(super) connection: ConnectionManager,
     /// After a restart, this consumer's own pending entries come first.
@@ -45,24 +49,24 @@ impl RedisSource {
         if !redelivered.is_empty() {
             return Ok(redelivered);
         }
-        let reply: Value = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg(&self.options.group)
-            .arg(&self.options.consumer)
-            .arg("COUNT")
-            .arg(max)
-            .arg("BLOCK")
-            .arg(RECEIVE_WAIT.as_millis() as u64)
-            .arg("STREAMS")
-            .arg(&self.options.queue)
-            .arg(">")
-            .query_async(&mut reader.connection)
-            .await
-            .map_err(broker_error)?;
-        Ok(parse_read_reply(reply)
-            .into_iter()
-            .map(|(id, fields)| Delivery::from_fields(&id, fields, 0, id.clone()))
-            .collect())
+        // A script reads, so that an entry over --max-body is dead-lettered
+        // inside Redis instead of loaded; a script cannot block, so an
+        // empty queue is asked again after a pause that grows to POLL_MAX.
+        let deadline = Instant::now() + RECEIVE_WAIT;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let mut con = reader.connection.clone();
+            let entries = self.read_bounded(&mut con, max).await?;
+            let now = Instant::now();
+            if !entries.is_empty() || now >= deadline {
+                return Ok(entries
+                    .into_iter()
+                    .map(|(id, fields)| Delivery::from_fields(&id, fields, 0, id.clone()))
+                    .collect());
+            }
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(POLL_MAX);
+        }
     }
 
     /// Delivery counts of entries that were handed out before (history or
@@ -199,12 +203,12 @@ impl RedisSource {
             count,
         };
         let mut con = self.commands.clone();
-        match self.dead_letter_poison(&mut con, pending).await {
+        match self.dead_letter_pending(&mut con, pending).await {
             Ok(0) => {}
             Ok(n) => tracing::warn!(
                 queue = %self.options.queue,
                 dead_letters = n,
-                "dead-lettered messages that were handed out too many times without being settled (undeliverable)"
+                "dead-lettered pending messages handed out too many times without being settled, or over --max-body (undeliverable)"
             ),
             Err(error) => {
                 if let Some(times) = reader.trouble.due() {

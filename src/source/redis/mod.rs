@@ -1,17 +1,22 @@
 //! Redis Streams.
 //!
-//! - The work stream is `--queue`, read by the consumer group `--group` with
-//!   blocking `XREADGROUP` in batches on a connection of its own (a shared
-//!   multiplexed connection would time out a long `RECEIVE_WAIT`).
+//! - The work stream is `--queue`, read by the consumer group `--group` in
+//!   batches on a connection of its own, by a script that dead-letters an
+//!   entry over `--max-body` inside Redis instead of returning it
+//!   (`poison.rs`, `reader.rs`).
 //! - Acks are pipelined: concurrent acks become one `XACK` with many ids.
 //! - A retry is the message's fields stored in the sorted set
-//!   `<queue>.retry` (score = due time in ms) and the `XACK`, in one MULTI. A
-//!   Lua script moves due entries back to the stream with `XADD`; the
+//!   `<queue>.retry` (score = due time in ms) and the `XACK`, in one script
+//!   that checks every key before it writes; a dead letter is `XADD <dlq>`
+//!   and an `XACK` that runs only if that `XADD` wrote, in one MULTI
+//!   (`settle.rs`). Either settles completely or not at all.
+//! - Due retries are claimed, then moved back with `XADD` (`mover.rs`); the
 //!   original id and the attempt count travel as `courier-*` fields.
-//! - A dead letter is `XADD <dlq>` and `XACK` in one MULTI.
 //! - Deliveries left pending longer than the visibility timeout (a crashed
 //!   replica) are reclaimed with `XAUTOCLAIM`; this replica's own pending
-//!   entries are read back first thing after a restart.
+//!   entries are read back first thing after a restart. Before either, an
+//!   entry handed out `max_deliveries` times is dead-lettered inside Redis.
+//! - Deliveries in flight are kept claimed (`XCLAIM ... JUSTID`).
 //!
 //! Derived keys append to the queue name, so a hash-tagged name like
 //! `{orders}` keeps `{orders}.retry` and `{orders}.dlq` in its slot.

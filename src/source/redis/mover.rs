@@ -192,3 +192,19 @@ impl Mover {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trouble_is_logged_once_an_interval_with_how_often_it_happened() {
+        let trouble = Throttle::new();
+        assert_eq!(trouble.due(), Some(1));
+        assert_eq!(trouble.due(), None);
+        assert_eq!(trouble.due(), None);
+        trouble.last.lock().unwrap().0 = Some(Instant::now() - LOG_EVERY);
+        assert_eq!(trouble.due(), Some(3));
+        assert_eq!(trouble.due(), None);
+    }
+}

@@ -461,31 +461,7 @@ async fn a_message_handed_out_too_often_is_dead_lettered_by_the_counter() {
     fixture.send(&source, "good message").await;
     // A consumer that crashes on it every time: handed out 7 times, never
     // settled, and idle long past the visibility timeout.
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg("courier")
-        .arg("crashy")
-        .arg("COUNT")
-        .arg(1)
-        .arg("STREAMS")
-        .arg(&fixture.queue)
-        .arg(">")
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    for _ in 0..6 {
-        let _: redis::Value = redis::cmd("XCLAIM")
-            .arg(&fixture.queue)
-            .arg("courier")
-            .arg("crashy")
-            .arg(0)
-            .arg(&pill)
-            .arg("IDLE")
-            .arg(600_000)
-            .query_async(&mut con)
-            .await
-            .unwrap();
-    }
+    hand_out_unsettled(&mut con, &fixture.queue, &pill, 7).await;
     let mut config = run_config(&fixture, &app, fast_policy());
     config.options.max_deliveries = 7;
     let running = Running::start(config).await;
@@ -580,4 +556,64 @@ async fn a_40_mib_entry_is_dead_lettered_without_being_loaded() {
         Some(format!("the body is {BIG} bytes, over --max-body {}", 4 << 20).as_str())
     );
     assert_eq!(letter.body.len(), BIG, "the body is kept");
+}
+
+/// Hands entry `id` (the first new one) out `times` times to a consumer that
+/// never settles it, leaving it idle long past any visibility timeout.
+async fn hand_out_unsettled(con: &mut MultiplexedConnection, queue: &str, id: &str, times: u32) {
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("courier")
+        .arg("crashy")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(queue)
+        .arg(">")
+        .query_async(con)
+        .await
+        .unwrap();
+    for _ in 1..times {
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(queue)
+            .arg("courier")
+            .arg("crashy")
+            .arg(0)
+            .arg(id)
+            .arg("IDLE")
+            .arg(600_000)
+            .query_async(con)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_pill_too_wide_for_a_script_keeps_its_body() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let pill = send_wide(&mut con, &fixture.queue, "wide pill").await;
+    hand_out_unsettled(&mut con, &fixture.queue, &pill, 7).await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.max_deliveries = 7;
+    let running = Running::start(config).await;
+    wait_for("the pill's dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert!(app.received().is_empty(), "never offered");
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let letter = &letters[0];
+    assert_eq!(letter.body, Bytes::from("wide pill"));
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    let error = letter.field("courier-error").unwrap();
+    assert!(
+        error.starts_with("handed out 7 times without being settled")
+            && error.contains("its 5001 fields were too many to keep"),
+        "{error}"
+    );
 }

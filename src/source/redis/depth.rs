@@ -5,10 +5,23 @@ use std::time::SystemTime;
 
 use redis::Value;
 
-use super::entries::{as_bytes, as_u64, id_time, parse_entries};
+use super::entries::{as_bytes, as_u64, id_time};
 use super::{RedisSource, broker_error};
-use crate::model::{DeadLetter, dead_letter_age};
+use crate::model::{F_LAST_ATTEMPT_AT, dead_letter_age, parse_time};
 use crate::source::{Depth, SourceError};
+
+/// The id and field ARGV[1] (`courier-last-attempt-at`) of the oldest dead
+/// letter in KEYS[1], read inside Redis: the letter itself (its body may be as large
+/// as a message can be) never travels for a gauge.
+const OLDEST: &str = r"
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if not first then return {} end
+local fields = first[2]
+for i = 1, #fields, 2 do
+  if fields[i] == ARGV[1] then return {first[1], fields[i + 1]} end
+end
+return {first[1]}
+";
 
 impl RedisSource {
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
@@ -19,12 +32,11 @@ impl RedisSource {
             .arg(dlq)
             .cmd("ZCARD")
             .arg(&self.retry_key)
-            .cmd("XRANGE")
-            .arg(dlq)
-            .arg("-")
-            .arg("+")
-            .arg("COUNT")
+            .cmd("EVAL")
+            .arg(OLDEST)
             .arg(1)
+            .arg(dlq)
+            .arg(F_LAST_ATTEMPT_AT)
             .cmd("XINFO")
             .arg("GROUPS")
             .arg(&self.options.queue)
@@ -34,15 +46,20 @@ impl RedisSource {
         // The age is the time since it was dead-lettered (its
         // courier-last-attempt-at), as on every broker; the stream id's
         // time stands in for a letter that does not say.
-        let oldest_age = parse_entries(oldest)
-            .into_iter()
-            .next()
-            .and_then(|(id, fields)| {
-                let written = id_time(&id);
-                let letter = DeadLetter::from_fields(id, fields);
-                let at = letter.dead_lettered_at().or(written)?;
-                Some(dead_letter_age(at, SystemTime::now()))
-            });
+        let oldest_age = match oldest {
+            Value::Array(parts) => {
+                let text = |v: Option<&Value>| {
+                    v.and_then(as_bytes)
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                };
+                let written = text(parts.first()).and_then(|id| id_time(&id));
+                text(parts.get(1))
+                    .and_then(|at| parse_time(at.as_bytes()))
+                    .or(written)
+                    .map(|at| dead_letter_age(at, SystemTime::now()))
+            }
+            _ => None,
+        };
         let (ready, pending) = self.group_counts(groups);
         Ok(Depth {
             ready,

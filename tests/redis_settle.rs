@@ -556,6 +556,13 @@ async fn a_40_mib_entry_is_dead_lettered_without_being_loaded() {
         Some(format!("the body is {BIG} bytes, over --max-body {}", 4 << 20).as_str())
     );
     assert_eq!(letter.body.len(), BIG, "the body is kept");
+    // 80 MiB of a shared Redis's memory, not left behind.
+    let _: () = redis::cmd("DEL")
+        .arg(&fixture.queue)
+        .arg(fixture.dlq())
+        .query_async(&mut con)
+        .await
+        .unwrap();
 }
 
 /// Hands entry `id` (the first new one) out `times` times to a consumer that

@@ -171,8 +171,8 @@ impl RedisSource {
             .map(|((id, fields), count)| {
                 let mut delivery =
                     Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone());
-                // A pill the script could not dead-letter itself (too wide,
-                // or the dead-letter key of another type): the dispatcher
+                // A pill the script could not dead-letter itself (the
+                // dead-letter key holds another type): the dispatcher
                 // dead-letters it without offering it to the app.
                 if count > live.max_deliveries.max(1) {
                     delivery.problem = Some(format!(

@@ -460,7 +460,7 @@ impl Source for RedisSource {
             .arg(&self.options.consumer)
             .arg("COUNT")
             .arg(max)
-            .arg("RECEIVE_WAIT")
+            .arg("BLOCK")
             .arg(RECEIVE_WAIT.as_millis() as u64)
             .arg("STREAMS")
             .arg(&self.options.queue)

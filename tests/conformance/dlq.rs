@@ -2,7 +2,9 @@
 //! sidecar and a real app, then listed, shown, replayed and purged with the
 //! built binary, as an operator would.
 
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::common::*;
@@ -309,16 +311,34 @@ pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
             &fixture.queue,
         ])
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Each replayed letter is one line; kill once a few are done.
+    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+    let reader = {
+        let stdout = child.stdout.take().unwrap();
+        let lines = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                lines.lock().unwrap().push(line);
+            }
+        })
+    };
+    let replayed = || {
+        lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with("replayed "))
+            .count()
+    };
+    wait_for("a few replays", SETTLE, async || replayed() >= 5).await;
     child.kill().unwrap();
-    let out = child.wait_with_output().unwrap();
-    let replayed = stdout(&out)
-        .lines()
-        .filter(|l| l.starts_with("replayed "))
-        .count();
+    child.wait().unwrap();
+    reader.join().unwrap();
+    let replayed = replayed();
     assert!(
         replayed > 0 && replayed < n,
         "killed halfway: {replayed} of {n} replayed"

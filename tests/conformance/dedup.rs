@@ -63,7 +63,11 @@ pub async fn the_window_expires(fixture: Fixture) {
     let running = Running::start(config).await;
     producer.send("charge 8", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The broker forgets the key when the window is over.
+    wait_for("the window to pass", Duration::from_secs(10), async || {
+        !source.was_acked("charge-8").await.expect("was_acked")
+    })
+    .await;
     producer.send("charge 8", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;
     running.stop().await;

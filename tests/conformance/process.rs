@@ -2,7 +2,13 @@
 //! HTTP app on loopback: what only a whole process can show. A `kill -9`
 //! mid-flight loses nothing, a scheduled retry survives a restart and does
 //! not fire early, and SIGTERM drains in-flight deliveries (or cuts them off
-//! at `--drain-timeout` and leaves them for redelivery).
+//! at `--drain-timeout` and leaves them for redelivery). A graceful stop
+//! uses no attempts; a crash mid-delivery counts one.
+//!
+//! Brokers differ in what they show of another process's deliveries: Redis
+//! and NATS keep a killed consumer's deliveries pending until the visibility
+//! timeout (NATS counts them with the retry backlog), RabbitMQ makes them
+//! ready again as the connection drops. The checks here hold for all.
 //!
 //! The embedded queue is a redb file that one process holds at a time, so
 //! these tests enqueue and inspect it only while no `courier` runs.

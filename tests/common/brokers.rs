@@ -1,7 +1,8 @@
 //! The brokers the tests know, one fixture each: how to get a fresh queue
 //! (connect to the broker on loopback, or make a directory), how a producer
 //! that knows nothing of courier publishes to it (the broker's own client),
-//! and how to delete what a test left.
+//! how that client reads the dead letters, and how to delete what a test
+//! left.
 //!
 //! [`BrokerKind`] is matched exhaustively everywhere, so a broker added here
 //! without a fixture, a producer or a clean-up does not compile; and the
@@ -73,6 +74,16 @@ impl BrokerKind {
         }
     }
 
+    /// `fixture`'s dead letters read with this broker's own client.
+    pub async fn read_dead_letters(self, fixture: &Fixture) -> Vec<PlainLetter> {
+        match self {
+            Self::Redis => Redis::read_dead_letters(fixture).await,
+            Self::Amqp => Amqp::read_dead_letters(fixture).await,
+            Self::Nats => Nats::read_dead_letters(fixture).await,
+            Self::Embedded => Embedded::read_dead_letters(fixture).await,
+        }
+    }
+
     /// Deletes what a test left of `queue` on the broker at `url`.
     pub async fn clean_up(self, url: &str, queue: &str) {
         match self {
@@ -93,6 +104,9 @@ pub trait BrokerFixture {
     /// A producer that publishes with the broker's own client, as an
     /// application that knows nothing of courier would.
     async fn producer(fixture: &Fixture) -> Producer;
+    /// The dead letters of `fixture`'s queue as the broker's own client
+    /// reads them, oldest first, leaving them in place.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter>;
     /// Deletes the queue and everything courier made for it.
     async fn clean_up(url: &str, queue: &str);
 }
@@ -125,6 +139,39 @@ impl BrokerFixture for Redis {
             connection,
             queue: fixture.queue.clone(),
         }
+    }
+
+    /// `XRANGE <queue>.dlq - +`.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let client = ::redis::Client::open(fixture.url.as_str()).expect("a Redis URL");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to Redis");
+        let entries: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = ::redis::cmd("XRANGE")
+            .arg(fixture.dlq())
+            .arg("-")
+            .arg("+")
+            .query_async(&mut con)
+            .await
+            .expect("XRANGE the dead-letter stream");
+        entries
+            .into_iter()
+            .map(|(_, fields)| {
+                let mut letter = PlainLetter::default();
+                for (name, value) in fields {
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    if name == courier::model::PAYLOAD {
+                        letter.body = value.into();
+                    } else {
+                        letter
+                            .fields
+                            .push((name, String::from_utf8_lossy(&value).into_owned()));
+                    }
+                }
+                letter
+            })
+            .collect()
     }
 
     /// The stream, its dead-letter stream, the retry schedule and dedup keys
@@ -172,6 +219,51 @@ impl BrokerFixture for Amqp {
         }
     }
 
+    /// `basic.get` without acking until the queue is empty; closing the
+    /// channel puts every one back.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        use lapin::options::BasicGetOptions;
+        use lapin::types::AMQPValue;
+        let connection = lapin::Connection::connect(fixture.url.as_str(), Default::default())
+            .await
+            .expect("connect to RabbitMQ");
+        let channel = connection.create_channel().await.expect("open a channel");
+        let mut letters = Vec::new();
+        while let Some(got) = channel
+            .basic_get(
+                fixture.dlq().as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get from the dead-letter queue")
+        {
+            let delivery = got.delivery;
+            let mut letter = PlainLetter {
+                body: delivery.data.clone().into(),
+                fields: Vec::new(),
+            };
+            if let Some(ct) = delivery.properties.content_type() {
+                letter.fields.push(("content-type".into(), ct.to_string()));
+            }
+            if let Some(headers) = delivery.properties.headers() {
+                for (name, value) in headers.inner() {
+                    let value = match value {
+                        AMQPValue::LongString(v) => {
+                            String::from_utf8_lossy(v.as_bytes()).into_owned()
+                        }
+                        AMQPValue::ShortString(v) => v.to_string(),
+                        other => format!("{other:?}"),
+                    };
+                    letter.fields.push((name.to_string(), value));
+                }
+            }
+            letters.push(letter);
+        }
+        let _ = channel.close(200, "read, put back".into()).await;
+        let _ = connection.close(200, "done".into()).await;
+        letters
+    }
+
     async fn clean_up(url: &str, queue: &str) {
         use lapin::options::QueueDeleteOptions;
         let Ok(connection) = lapin::Connection::connect(url, Default::default()).await else {
@@ -214,6 +306,36 @@ impl BrokerFixture for Nats {
         }
     }
 
+    /// Every message of the `<queue>_dlq` stream, by sequence.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let client = async_nats::connect(fixture.url.as_str())
+            .await
+            .expect("connect to NATS");
+        let js = async_nats::jetstream::new(client);
+        let Ok(mut stream) = js.get_stream(format!("{}_dlq", fixture.queue)).await else {
+            return Vec::new();
+        };
+        let info = stream.info().await.expect("the dead-letter stream's info");
+        let (first, last) = (info.state.first_sequence, info.state.last_sequence);
+        let mut letters = Vec::new();
+        for sequence in first..=last {
+            let Ok(message) = stream.get_raw_message(sequence).await else {
+                continue;
+            };
+            let mut letter = PlainLetter {
+                body: message.payload.clone(),
+                fields: Vec::new(),
+            };
+            for (name, values) in message.headers.iter() {
+                for value in values {
+                    letter.fields.push((name.to_string(), value.to_string()));
+                }
+            }
+            letters.push(letter);
+        }
+        letters
+    }
+
     async fn clean_up(url: &str, queue: &str) {
         let Ok(client) = async_nats::connect(url).await else {
             return;
@@ -237,9 +359,41 @@ impl BrokerFixture for Embedded {
         Producer::Embedded(fixture.open().await)
     }
 
+    /// No client but courier's: `Source::dead_letters`.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let source = fixture.open().await;
+        fixture
+            .dead_letters(&source)
+            .await
+            .into_iter()
+            .map(|letter| PlainLetter {
+                body: letter.body.clone(),
+                fields: letter.fields.clone(),
+            })
+            .collect()
+    }
+
     /// The queue lives in the fixture's temporary directory, deleted with
     /// it; there is nothing on a server.
     async fn clean_up(_url: &str, _queue: &str) {}
+}
+
+/// A dead letter as the broker's own client shows it: the body, and every
+/// other field or header by name.
+#[derive(Debug, Clone, Default)]
+pub struct PlainLetter {
+    pub body: Bytes,
+    pub fields: Vec<(String, String)>,
+}
+
+impl PlainLetter {
+    /// The value of the field `name` (any case).
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// Publishes to one queue the way an application would, with the broker's

@@ -172,7 +172,7 @@ mod brokers;
 // Not every test crate uses every name.
 #[allow(unused_imports)]
 pub use brokers::{
-    Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Nats, Producer, Redis,
+    Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Nats, PlainLetter, Producer, Redis,
     declare_amqp_quorum,
 };
 
@@ -299,6 +299,11 @@ impl Fixture {
     /// A producer with the broker's own client (the queue is created first).
     pub async fn producer(&self) -> Producer {
         self.broker.producer(self).await
+    }
+
+    /// The dead letters as the broker's own client reads them.
+    pub async fn read_dead_letters(&self) -> Vec<PlainLetter> {
+        self.broker.read_dead_letters(self).await
     }
 
     /// Every dead letter of this fixture's queue, oldest first.

@@ -425,3 +425,38 @@ pub async fn policy_file_reload(fixture: Fixture) {
         assert_eq!(letter.field("courier-policy"), Some(policy));
     }
 }
+
+/// A dead letter is there for the broker's own tools too: read with the
+/// broker's client, it has the body byte for byte, the producer's headers
+/// and courier's failure fields, and reading it leaves it in place.
+pub async fn dead_letters_are_readable_with_the_brokers_own_client(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let body = Bytes::from("script:400\nnon-ASCII: é ✓");
+    let id = producer
+        .send(body.clone(), &[("x-tenant".into(), "acme".into())])
+        .await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let letters = fixture.read_dead_letters().await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let letter = &letters[0];
+    assert_eq!(letter.body, body);
+    for (name, value) in [
+        ("x-tenant", "acme"),
+        ("courier-reason", "permanent-status"),
+        ("courier-status", "400"),
+        ("courier-attempts", "1"),
+        ("courier-message-id", id.as_str()),
+        ("courier-queue", fixture.queue.as_str()),
+    ] {
+        assert_eq!(letter.field(name), Some(value), "{name} in {letter:?}");
+    }
+    assert_eq!(
+        fixture.dead_letters(&source).await.len(),
+        1,
+        "reading with the broker's client left the dead letter in place"
+    );
+}

@@ -10,7 +10,8 @@
 //! [`Capabilities`], never by the broker's name.
 //!
 //! - `delivery`: the classification table, Retry-After, headers, attempts,
-//!   bodies, an unreachable app, a policy file reload (in-process sidecar);
+//!   bodies, an unreachable app, a policy file reload, dead letters read
+//!   with the broker's own client (in-process sidecar);
 //! - `process`: the built binary: `kill -9` mid-flight, a scheduled retry
 //!   across a restart, SIGTERM drains, `--drain-timeout`, attempts across
 //!   stops and crashes;
@@ -114,6 +115,7 @@ suite!(
         delivery::bodies_are_bytes if DeadLetterBrowsing,
         delivery::unreachable_app_uses_no_attempts if DeadLetterBrowsing,
         delivery::policy_file_reload if DeadLetterBrowsing,
+        delivery::dead_letters_are_readable_with_the_brokers_own_client if Nothing,
         process::crash_mid_flight_loses_nothing if DeadLetterBrowsing,
         process::scheduled_retry_survives_restart if DeadLetterBrowsing,
         process::sigterm_drains_in_flight if DeadLetterBrowsing,

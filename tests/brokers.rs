@@ -495,7 +495,7 @@ async fn courier_send_publishes_to_nats() {
 async fn survives_a_restart(
     fixture: &Fixture,
     source: Arc<dyn Source>,
-    restart: impl AsyncFnOnce(),
+    restart: impl AsyncFnOnce(SocketAddr),
 ) {
     let app = TestApp::start().await;
     let n = 30;
@@ -533,7 +533,7 @@ async fn survives_a_restart(
         }
         false
     });
-    restart().await;
+    restart(addr).await;
     assert!(
         watcher.await.unwrap(),
         "readiness went false while the broker was down and true again after"
@@ -559,9 +559,15 @@ async fn nats_restart_mid_flow_loses_nothing() {
     let mut nats = PrivateNats::start(dir.path(), None).await;
     let fixture = Fixture::broker(&nats.url());
     let source = fixture.open().await;
-    survives_a_restart(&fixture, source.clone(), async || {
+    survives_a_restart(&fixture, source.clone(), async |addr| {
         nats.kill();
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Down until the sidecar has noticed, not for a fixed time.
+        wait_for(
+            "the sidecar to notice the broker is gone",
+            Duration::from_secs(60),
+            async || !ready(addr).await,
+        )
+        .await;
         nats.restart().await;
     })
     .await;
@@ -573,7 +579,7 @@ async fn amqp_restart_mid_flow_loses_nothing() {
     let mut rabbit = PrivateRabbit::start(dir.path()).await;
     let fixture = Fixture::broker(&rabbit.url());
     let source = fixture.open().await;
-    survives_a_restart(&fixture, source.clone(), async || {
+    survives_a_restart(&fixture, source.clone(), async |_| {
         rabbit.stop().await;
         rabbit.restart().await;
     })

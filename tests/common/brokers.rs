@@ -111,6 +111,9 @@ pub trait BrokerFixture {
     async fn clean_up(url: &str, queue: &str);
 }
 
+/// A stream entry's field as Redis returns it: name and value, as bytes.
+type RawField = (Vec<u8>, Vec<u8>);
+
 pub struct Redis;
 pub struct Amqp;
 pub struct Nats;
@@ -148,7 +151,7 @@ impl BrokerFixture for Redis {
             .get_multiplexed_async_connection()
             .await
             .expect("connect to Redis");
-        let entries: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = ::redis::cmd("XRANGE")
+        let entries: Vec<(String, Vec<RawField>)> = ::redis::cmd("XRANGE")
             .arg(fixture.dlq())
             .arg("-")
             .arg("+")

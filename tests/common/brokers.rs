@@ -84,6 +84,32 @@ impl BrokerKind {
         }
     }
 
+    /// Whether moving a message to the dead-letter queue and settling the
+    /// original is one atomic step on this broker (a Redis MULTI, an
+    /// embedded transaction). Where it is two (publish, then ack: RabbitMQ,
+    /// NATS), a crash between them leaves a copy behind: at least once.
+    pub fn moves_atomically(self) -> bool {
+        match self {
+            Self::Redis | Self::Embedded => true,
+            Self::Amqp | Self::Nats => false,
+        }
+    }
+
+    /// Waits until a hand-out made by `handed_out_by` is durable, so a
+    /// `kill -9` now does not undo it. Redis, RabbitMQ and NATS record a
+    /// hand-out before they return it. The embedded queue keeps hand-outs in
+    /// memory and commits them within 20 ms (group commit), and nothing
+    /// outside the process can see the commit while courier holds the file:
+    /// its guarantee is a time, so this waits out five such windows.
+    pub async fn handed_out_durably(self, handed_out_by: std::time::Instant) {
+        match self {
+            Self::Redis | Self::Amqp | Self::Nats => {}
+            Self::Embedded => {
+                tokio::time::sleep_until((handed_out_by + Duration::from_millis(100)).into()).await;
+            }
+        }
+    }
+
     /// Deletes what a test left of `queue` on the broker at `url`.
     pub async fn clean_up(self, url: &str, queue: &str) {
         match self {

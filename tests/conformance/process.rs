@@ -239,9 +239,23 @@ pub async fn crash_mid_flight_with(fixture: Fixture, restart: Restart) {
                 seen.len()
             ),
             Kind::Permanent => {
-                assert_eq!(letters.len(), 1, "{}: dead letters", message.body);
-                assert_eq!(letters[0].field("courier-reason"), Some("permanent-status"));
-                assert_eq!(letters[0].body.as_ref(), message.body.as_bytes());
+                // A kill between publishing a dead letter and acking the
+                // original leaves a second copy where those are two steps.
+                let most = if fixture.broker.moves_atomically() {
+                    1
+                } else {
+                    2
+                };
+                assert!(
+                    (1..=most).contains(&letters.len()),
+                    "{}: {} dead letters",
+                    message.body,
+                    letters.len()
+                );
+                for letter in &letters {
+                    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+                    assert_eq!(letter.body.as_ref(), message.body.as_bytes());
+                }
             }
         }
         if message.kind != Kind::Permanent {
@@ -256,11 +270,17 @@ pub async fn crash_mid_flight_with(fixture: Fixture, restart: Restart) {
             );
         }
     }
-    assert_eq!(
-        letters.len(),
-        sent.iter().filter(|s| s.kind == Kind::Permanent).count(),
-        "dead letters"
-    );
+    let permanent = sent.iter().filter(|s| s.kind == Kind::Permanent).count();
+    if fixture.broker.moves_atomically() {
+        assert_eq!(letters.len(), permanent, "dead letters");
+    } else {
+        // At most one extra copy per delivery in flight at the kill.
+        assert!(
+            (permanent..=permanent + 8).contains(&letters.len()),
+            "{} dead letters for {permanent} permanent failures",
+            letters.len()
+        );
+    }
 }
 
 // === A scheduled retry across a restart ===
@@ -601,6 +621,8 @@ pub async fn a_crash_mid_delivery_counts_an_attempt(fixture: Fixture) {
         !app.received_body(body.as_bytes()).is_empty()
     })
     .await;
+    let received = app.received_body(body.as_bytes())[0].at;
+    fixture.broker.handed_out_durably(received).await;
     courier.kill9();
 
     let source = fixture.open().await;

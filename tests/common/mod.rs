@@ -669,7 +669,10 @@ impl Drop for CourierProcess {
 
 /// One `#[tokio::test]` per source and scenario, in a module per source:
 /// a new source is one more `name => fixture` pair, a new scenario one more
-/// name. Each scenario is an `async fn(Fixture)` of the calling file.
+/// name. Each scenario is an `async fn(Fixture)` of the calling file. For a
+/// scenario every broker should pass, add it to the conformance suite
+/// (`tests/conformance/main.rs`), which runs it on every broker whose
+/// capabilities allow it.
 ///
 /// `crate::per_source!([redis => Fixture::redis(), embedded => Fixture::embedded()], [scenario_a, scenario_b]);`
 #[macro_export]

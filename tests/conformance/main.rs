@@ -151,4 +151,8 @@ fn every_broker_has_a_fixture() {
             broker.name
         );
     }
+    for kind in BrokerKind::ALL {
+        assert_eq!(BrokerKind::of(kind.name()), Some(kind), "{kind:?}");
+        assert!(SUITE.contains(&kind), "the suite does not run on {kind:?}");
+    }
 }

@@ -495,7 +495,7 @@ async fn courier_send_publishes_to_nats() {
 async fn survives_a_restart(
     fixture: &Fixture,
     source: Arc<dyn Source>,
-    restart: impl AsyncFnOnce(),
+    restart: impl AsyncFnOnce(SocketAddr),
 ) {
     let app = TestApp::start().await;
     let n = 30;
@@ -533,7 +533,7 @@ async fn survives_a_restart(
         }
         false
     });
-    restart().await;
+    restart(addr).await;
     assert!(
         watcher.await.unwrap(),
         "readiness went false while the broker was down and true again after"
@@ -559,9 +559,15 @@ async fn nats_restart_mid_flow_loses_nothing() {
     let mut nats = PrivateNats::start(dir.path(), None).await;
     let fixture = Fixture::broker(&nats.url());
     let source = fixture.open().await;
-    survives_a_restart(&fixture, source.clone(), async || {
+    survives_a_restart(&fixture, source.clone(), async |addr| {
         nats.kill();
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Down until the sidecar has noticed, not for a fixed time.
+        wait_for(
+            "the sidecar to notice the broker is gone",
+            Duration::from_secs(60),
+            async || !ready(addr).await,
+        )
+        .await;
         nats.restart().await;
     })
     .await;
@@ -573,7 +579,7 @@ async fn amqp_restart_mid_flow_loses_nothing() {
     let mut rabbit = PrivateRabbit::start(dir.path()).await;
     let fixture = Fixture::broker(&rabbit.url());
     let source = fixture.open().await;
-    survives_a_restart(&fixture, source.clone(), async || {
+    survives_a_restart(&fixture, source.clone(), async |_| {
         rabbit.stop().await;
         rabbit.restart().await;
     })
@@ -736,133 +742,14 @@ async fn missing_queues_and_bad_stream_names_are_clear_errors() {
     assert!(err.to_string().contains("cannot contain '.'"), "{err}");
 }
 
-// === Attempts across stops and crashes ===
-
-/// A graceful stop lets in-flight deliveries finish and gives back what was
-/// fetched and never offered (AMQP prefetch), so the next run offers every
-/// remaining message as attempt 1.
-async fn a_graceful_stop_uses_no_attempts(fixture: Fixture) {
-    let app = TestApp::start().await;
-    let source = fixture.open().await;
-    let n = 24;
-    for i in 0..n {
-        fixture
-            .send(&source, format!("script:sleep150\nstop {i}"))
-            .await;
-    }
-    for round in 0..2 {
-        let mut config = run_config(&fixture, &app, fast_policy());
-        config.concurrency = 4;
-        let running = Running::start(config).await;
-        if round == 0 {
-            wait_for("some deliveries", Duration::from_secs(20), async || {
-                app.received().len() >= 6
-            })
-            .await;
-        } else {
-            wait_settled(&source, SETTLE).await;
-        }
-        running.stop().await;
-    }
-    for i in 0..n {
-        let seen = app.received_body(format!("script:sleep150\nstop {i}").as_bytes());
-        assert_eq!(seen.len(), 1, "message {i} offered once");
-        assert_eq!(seen[0].attempt(), 1, "message {i}");
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn amqp_graceful_stop_uses_no_attempts() {
-    a_graceful_stop_uses_no_attempts(Fixture::amqp()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_graceful_stop_uses_no_attempts() {
-    a_graceful_stop_uses_no_attempts(Fixture::nats()).await;
-}
-
-/// A sidecar killed mid-delivery: the broker hands the message out again
-/// and that counts as an attempt (so a message that kills the sidecar every
-/// time still reaches its dead letter).
-async fn a_crash_mid_delivery_counts_an_attempt(fixture: Fixture) {
-    let app = TestApp::start().await;
-    let source = fixture.open().await;
-    let body = "script:sleep1500,200\ncrash";
-    fixture.send(&source, body).await;
-    let dir = tempfile::tempdir().unwrap();
-    let policy = write_policy(
-        dir.path(),
-        "maxAttempts: 3\ntimeout: 2s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
-    );
-    let mut args = run_args(&fixture, &app, &policy, "crashing");
-    args.extend(["--visibility-timeout", "3s"].map(str::to_string));
-    let mut courier = CourierProcess::run(&args);
-    wait_for("the first delivery", Duration::from_secs(20), async || {
-        !app.received_body(body.as_bytes()).is_empty()
-    })
-    .await;
-    courier.kill9();
-
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
-    wait_for("the redelivery", Duration::from_secs(20), async || {
-        app.received_body(body.as_bytes()).len() >= 2
-    })
-    .await;
-    wait_settled(&source, SETTLE).await;
-    running.stop().await;
-    let attempts: Vec<u32> = app
-        .received_body(body.as_bytes())
-        .iter()
-        .map(Received::attempt)
-        .collect();
-    assert_eq!(attempts, vec![1, 2]);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn amqp_classic_crash_mid_delivery_counts_an_attempt() {
-    a_crash_mid_delivery_counts_an_attempt(Fixture::amqp()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn amqp_quorum_crash_mid_delivery_counts_an_attempt() {
-    let fixture = Fixture::amqp();
-    declare_quorum(&fixture.queue).await;
-    a_crash_mid_delivery_counts_an_attempt(fixture).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_crash_mid_delivery_counts_an_attempt() {
-    a_crash_mid_delivery_counts_an_attempt(Fixture::nats()).await;
-}
-
 // === RabbitMQ: a queue that exists with its own arguments ===
-
-async fn declare_quorum(queue: &str) {
-    use lapin::options::QueueDeclareOptions;
-    use lapin::types::{AMQPValue, FieldTable};
-    let connection = lapin::Connection::connect(AMQP_URL, Default::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    args.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
-    channel
-        .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
-        .await
-        .unwrap();
-    let _ = connection.close(200, "declared".into()).await;
-}
 
 /// A quorum queue declared with arguments courier does not know: used as it
 /// is (never redeclared), with retries, dead letters and replay working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_quorum_queue_with_its_own_arguments_works_the_same() {
     let fixture = Fixture::amqp();
-    declare_quorum(&fixture.queue).await;
+    declare_amqp_quorum(&fixture.queue).await;
     let app = TestApp::start().await;
     let source = fixture.open().await;
     let retried = fixture.send(&source, "script:503,500,200").await;

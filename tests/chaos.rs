@@ -669,9 +669,11 @@ async fn embedded_a_503_storm_closes_the_gate() {
 /// 10,000 good messages with 1,000 poison ones (answered 400) among them,
 /// and 5,000 more good ones with no poison near them, sent at a steady rate
 /// in alternating blocks so both see the same machine. Every poison message
-/// is dead-lettered exactly once (one delivery, one dead letter), and the
-/// good messages' latency (sent to received) next to poison is close to
-/// their latency without it.
+/// is dead-lettered exactly once (one delivery, one dead letter), and
+/// nothing holds the good ones behind it: no delivery is retried, every good
+/// message reaches the app once, and the app-health gate never closes. Their
+/// latency next to poison and without it is printed for the record; a ratio
+/// of two loopback latencies on a shared machine is not asserted.
 async fn poison_is_dead_lettered_once_and_does_not_hold_the_rest(fixture: Fixture) {
     const BLOCKS: usize = 10;
     const GOOD_PER_POISON_BLOCK: usize = 1000;
@@ -689,6 +691,7 @@ async fn poison_is_dead_lettered_once_and_does_not_hold_the_rest(fixture: Fixtur
     config.concurrency = 16;
     config.app_failure_run = 5;
     let running = Running::start(config).await;
+    let gate = watch_app_up(running.metrics_addr);
 
     // body -> (sent at, next to poison)
     let mut sent: HashMap<String, (Instant, usize)> = HashMap::new();
@@ -743,9 +746,19 @@ async fn poison_is_dead_lettered_once_and_does_not_hold_the_rest(fixture: Fixtur
         ) >= poison_count as f64
     })
     .await;
-    // Let anything stray (a second dead letter) show up before counting.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Settled and stopped: no stray second dead letter can come later.
+    wait_settled(&source, SETTLE).await;
+    let metrics = scrape(running.metrics_addr).await;
     running.stop().await;
+    assert!(
+        !gate.closed(),
+        "the app-health gate closed: poison answers are not app failures"
+    );
+    assert_eq!(
+        metric(&metrics, "courier_retries_total", &fixture.queue),
+        0.0,
+        "nothing was retried: poison is dead-lettered at once, good messages acked"
+    );
 
     let letters = dead_letters(&source, &fixture).await;
     let mut per_id: HashMap<&str, usize> = HashMap::new();
@@ -812,28 +825,55 @@ async fn poison_is_dead_lettered_once_and_does_not_hold_the_rest(fixture: Fixtur
         quantile(&p99s, 0.5)
     };
     let (near_p99, clean_p99) = (block_p99(1), block_p99(0));
-    // Loopback latencies of a few milliseconds are scheduler noise on a
-    // shared two-core machine; a ratio between two such numbers says
-    // nothing, so both are floored. Held behind poison (retried in place,
-    // or holding slots while it backs off) would mean a ratio of tens.
-    let floor = Duration::from_millis(10);
-    let ratio = |near: Duration, clean: Duration| {
-        near.max(floor).as_secs_f64() / clean.max(floor).as_secs_f64()
-    };
-    let p50 = ratio(quantile(&near, 0.5), quantile(&clean, 0.5));
-    let p99 = ratio(near_p99, clean_p99);
     eprintln!(
-        "poison ({:?}): good next to poison p50 {:?} p99 {:?} (typical block {near_p99:?}); without p50 {:?} p99 {:?} (typical block {clean_p99:?}); ratios p50 {p50:.2} p99 {p99:.2}",
+        "poison ({:?}): good next to poison p50 {:?} p99 {:?} (typical block {near_p99:?}); without p50 {:?} p99 {:?} (typical block {clean_p99:?})",
         fixture.url,
         quantile(&near, 0.5),
         quantile(&near, 0.99),
         quantile(&clean, 0.5),
         quantile(&clean, 0.99),
     );
-    assert!(
-        p50 < 3.0 && p99 < 4.0,
-        "good messages next to poison wait longer: p50 x{p50:.2}, p99 x{p99:.2}"
-    );
+    for body in &good {
+        let hits = hits.iter().filter(|h| &h.body == body).count();
+        assert_eq!(hits, 1, "{body} reached the app {hits} times");
+    }
+}
+
+/// Samples `courier_app_up` every 20 ms until dropped, remembering whether
+/// it was ever seen 0 after it was first 1 (it is 0 until the first probe).
+struct AppUpWatch {
+    closed: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AppUpWatch {
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for AppUpWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn watch_app_up(addr: SocketAddr) -> AppUpWatch {
+    let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = closed.clone();
+    let task = tokio::spawn(async move {
+        let mut up_once = false;
+        loop {
+            let text = scrape(addr).await;
+            if text.contains("courier_app_up 1") {
+                up_once = true;
+            } else if up_once && text.contains("courier_app_up 0") {
+                seen.store(true, Ordering::SeqCst);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    AppUpWatch { closed, task }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1034,13 +1074,22 @@ async fn sigterm_under_load_drains_and_loses_nothing(fixture: Fixture) {
         depth.pending, 0,
         "every delivery in flight at SIGTERM was settled: {depth:?}"
     );
+    let left = depth.ready + depth.retry_backlog;
     release(&fixture, source).await;
 
     let mut second = CourierProcess::run(&args);
     second.wait_running().await;
+    let addr = second.metrics_addr().await;
     wait_delivered(&app, &all, "every message delivered after the restart").await;
-    // Leave room for a stray redelivery before counting.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Stop once the restart has acked exactly what was left and holds
+    // nothing: a redelivery of something the drain settled would have to
+    // come from an unsettled message, and the depth below shows none.
+    wait_for("the restart to ack what was left", SETTLE, async || {
+        let text = scrape(addr).await;
+        metric(&text, "courier_acks_total", &fixture.queue) >= left as f64
+            && metric(&text, "courier_in_flight", &fixture.queue) == 0.0
+    })
+    .await;
     second.terminate();
     assert!(second.exit_within(SETTLE).await.success());
     let source = fixture.open().await;

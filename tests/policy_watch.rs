@@ -184,20 +184,45 @@ impl Following {
         }
     }
 
-    /// Waits until the scripted server has answered `lists` lists, then a
-    /// moment more for anything that would follow.
-    async fn quiet_after_lists(&mut self, lists: usize) {
+    /// Waits until the scripted server has answered `lists` lists and been
+    /// asked for `watches` watches, then checks nothing was reported. The
+    /// source asks for the watch that follows a relist only after it has
+    /// handled what the relist returned, so a report would be there by then.
+    async fn quiet_after(&mut self, lists: usize, watches: usize) {
         tokio::time::timeout(Duration::from_secs(10), async {
-            while self.seen.lock().unwrap().lists < lists {
+            loop {
+                {
+                    let seen = self.seen.lock().unwrap();
+                    if seen.lists >= lists && seen.watches >= watches {
+                        break;
+                    }
+                }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
         .await
-        .expect("the relist happened");
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        .expect("the relist and the watch after it happened");
         if let Ok(reload) = self.reloads.try_recv() {
             panic!("nothing changed, yet the source reported {reload:?}");
         }
+    }
+
+    /// Waits until the scripted server has recorded `events` Events and
+    /// `statuses` status writes.
+    async fn recorded(&self, events: usize, statuses: usize) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                {
+                    let seen = self.seen.lock().unwrap();
+                    if seen.events.len() >= events && seen.statuses.len() >= statuses {
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the Events and status writes arrived");
     }
 }
 
@@ -237,7 +262,8 @@ async fn a_dropped_watch_relists_and_applies_what_changed_meanwhile() {
     );
     let third = source.applied().await;
     assert_eq!((third.max_attempts, third.label()), (1, "orders@3".into()));
-    source.quiet_after_lists(3).await;
+    // The third watch was dropped too; the fourth follows the last relist.
+    source.quiet_after(3, 4).await;
     assert_eq!(source.live.current().label(), "orders@3");
     assert!(source.seen.lock().unwrap().watches >= 3);
 }
@@ -272,7 +298,7 @@ async fn a_malformed_object_is_refused_and_the_stream_goes_on() {
     assert_eq!((fixed.max_attempts, fixed.label()), (2, "orders@4".into()));
 
     // Each refusal is an Event on the pod; each generation gets a status.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    source.recorded(2, 4).await;
     let seen = source.seen.lock().unwrap();
     assert_eq!(seen.events.len(), 2, "{:?}", seen.events);
     for event in &seen.events {

@@ -167,11 +167,22 @@ impl TestApp {
 
 // === Sources ===
 
+mod brokers;
+
+// Not every test crate uses every name.
+#[allow(unused_imports)]
+pub use brokers::{
+    Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Nats, PlainLetter, Producer, Redis,
+    declare_amqp_quorum,
+};
+
 /// A source under test, with a fresh queue of its own.
 #[derive(Clone, Debug)]
 pub struct Fixture {
     pub url: SourceUrl,
     pub queue: String,
+    /// Which broker: decides the producer and the clean-up.
+    pub broker: BrokerKind,
     /// Keeps the embedded queue's directory alive.
     _dir: Option<Arc<tempfile::TempDir>>,
     /// Deletes the broker's queues or streams when the last clone goes.
@@ -183,19 +194,18 @@ pub fn unique(prefix: &str) -> String {
 }
 
 impl Fixture {
+    /// A fresh queue on the shared Redis on loopback.
     pub fn redis() -> Self {
-        Self {
-            url: SourceUrl::parse(REDIS_URL).unwrap(),
-            queue: unique("test"),
-            _dir: None,
-            _cleanup: None,
-        }
+        Redis::fixture()
     }
 
-    /// Redis at `url` (a private server), with the queue named `queue`.
+    /// Redis at `url` (a private server), with the queue named `queue`;
+    /// nothing is deleted afterwards (the private server goes with it).
     pub fn redis_at(url: &str, queue: &str) -> Self {
+        let url = SourceUrl::parse(url).unwrap();
         Self {
-            url: SourceUrl::parse(url).unwrap(),
+            broker: BrokerKind::of_url(&url),
+            url,
             queue: queue.into(),
             _dir: None,
             _cleanup: None,
@@ -204,33 +214,53 @@ impl Fixture {
 
     /// RabbitMQ; `open` declares the queue (as `--create` would).
     pub fn amqp() -> Self {
-        Self::broker(AMQP_URL)
+        Amqp::fixture()
     }
 
     /// NATS JetStream; `open` creates the stream (as `--create` would).
     pub fn nats() -> Self {
-        Self::broker(NATS_URL)
+        Nats::fixture()
     }
 
-    /// A fixture on a broker at `url` (amqp:// or nats://), with a fresh
-    /// queue that is deleted when the test is done.
+    /// A fresh queue on the broker at `url`, deleted when the test is done.
     pub fn broker(url: &str) -> Self {
-        let queue = unique("test");
+        let kind = BrokerKind::of_url(&SourceUrl::parse(url).unwrap());
+        Self::with_cleanup(kind.name(), url, unique("test"))
+    }
+
+    pub fn embedded() -> Self {
+        Embedded::fixture()
+    }
+
+    /// A fresh queue on the broker `kind`.
+    pub fn of(kind: BrokerKind) -> Self {
+        kind.fixture()
+    }
+
+    /// `queue` on the broker at `url` (named `name` by courier), deleted
+    /// when the last clone goes.
+    fn with_cleanup(name: &str, url: &str, queue: String) -> Self {
+        let url = SourceUrl::parse(url).unwrap();
+        let broker = BrokerKind::of_url(&url);
+        assert_eq!(broker.name(), name, "{} is not a {name} URL", url.as_str());
         Self {
-            url: SourceUrl::parse(url).unwrap(),
             _cleanup: Some(Arc::new(BrokerCleanup {
-                url: url.to_string(),
+                kind: broker,
+                url: url.as_str().to_string(),
                 queue: queue.clone(),
             })),
+            url,
+            broker,
             queue,
             _dir: None,
         }
     }
 
-    pub fn embedded() -> Self {
-        let dir = tempfile::tempdir().unwrap();
+    /// The embedded queue in `dir`, which lives as long as the fixture.
+    fn in_dir(dir: tempfile::TempDir) -> Self {
         Self {
             url: courier::source::embedded::url(dir.path()),
+            broker: BrokerKind::Embedded,
             queue: unique("test"),
             _dir: Some(Arc::new(dir)),
             _cleanup: None,
@@ -261,73 +291,28 @@ impl Fixture {
             .expect("open the source")
     }
 
+    /// Sends through courier's own `Source::send`.
     pub async fn send(&self, source: &Arc<dyn Source>, body: impl Into<Bytes>) -> String {
         source.send(body.into(), &[]).await.expect("send")
     }
-}
 
-/// Deletes what a broker fixture left: the AMQP work queue, its dead-letter
-/// queue and delay tiers, or the NATS stream and its dead-letter stream.
-#[derive(Debug)]
-pub struct BrokerCleanup {
-    url: String,
-    queue: String,
-}
-
-impl Drop for BrokerCleanup {
-    fn drop(&mut self) {
-        let (url, queue) = (self.url.clone(), self.queue.clone());
-        // A runtime of its own: drops also happen outside any runtime.
-        let done = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async {
-                let work = async {
-                    if url.starts_with("amqp") {
-                        delete_amqp_queues(&url, &queue).await;
-                    } else {
-                        delete_nats_streams(&url, &queue).await;
-                    }
-                };
-                let _ = tokio::time::timeout(Duration::from_secs(10), work).await;
-            });
-        });
-        let _ = done.join();
+    /// A producer with the broker's own client (the queue is created first).
+    pub async fn producer(&self) -> Producer {
+        self.broker.producer(self).await
     }
-}
 
-async fn delete_amqp_queues(url: &str, queue: &str) {
-    use lapin::options::QueueDeleteOptions;
-    let Ok(connection) = lapin::Connection::connect(url, Default::default()).await else {
-        return;
-    };
-    let Ok(channel) = connection.create_channel().await else {
-        return;
-    };
-    let mut names = vec![queue.to_string(), format!("{queue}.dlq")];
-    for tier in [
-        "10ms", "20ms", "50ms", "100ms", "200ms", "500ms", "1s", "2s", "4s", "8s", "15s", "30s",
-        "1m", "2m", "4m", "8m", "15m", "30m", "1h", "2h", "4h", "8h", "12h", "24h",
-    ] {
-        names.push(format!("{queue}.retry.{tier}"));
+    /// The dead letters as the broker's own client reads them.
+    pub async fn read_dead_letters(&self) -> Vec<PlainLetter> {
+        self.broker.read_dead_letters(self).await
     }
-    for name in names {
-        let _ = channel
-            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
-            .await;
-    }
-    let _ = connection.close(200, "test done".into()).await;
-}
 
-async fn delete_nats_streams(url: &str, queue: &str) {
-    let Ok(client) = async_nats::connect(url).await else {
-        return;
-    };
-    let js = async_nats::jetstream::new(client);
-    let _ = js.delete_stream(queue).await;
-    let _ = js.delete_stream(format!("{queue}_dlq")).await;
+    /// Every dead letter of this fixture's queue, oldest first.
+    pub async fn dead_letters(&self, source: &Arc<dyn Source>) -> Vec<courier::source::DeadLetter> {
+        source
+            .dead_letters(&self.dlq(), 100_000)
+            .await
+            .expect("list the dead letters")
+    }
 }
 
 /// A policy with short, exact timings so tests stay fast.
@@ -684,7 +669,10 @@ impl Drop for CourierProcess {
 
 /// One `#[tokio::test]` per source and scenario, in a module per source:
 /// a new source is one more `name => fixture` pair, a new scenario one more
-/// name. Each scenario is an `async fn(Fixture)` of the calling file.
+/// name. Each scenario is an `async fn(Fixture)` of the calling file. For a
+/// scenario every broker should pass, add it to the conformance suite
+/// (`tests/conformance/main.rs`), which runs it on every broker whose
+/// capabilities allow it.
 ///
 /// `crate::per_source!([redis => Fixture::redis(), embedded => Fixture::embedded()], [scenario_a, scenario_b]);`
 #[macro_export]

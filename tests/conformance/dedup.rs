@@ -2,12 +2,9 @@
 //! acked without reaching the app; outside the window, or with the window
 //! off, it is delivered again.
 
-mod common;
-
 use std::time::Duration;
 
-use bytes::Bytes;
-use common::*;
+use crate::common::*;
 
 /// Sends one message, then the same message again (a retried publish), and
 /// returns how often the app saw it and the final scrape.
@@ -17,18 +14,19 @@ async fn duplicates_reaching_the_app(
 ) -> (usize, String) {
     let app = TestApp::start().await;
     let source = fixture.open().await;
+    let producer = fixture.producer().await;
     let key = [("idempotency-key".to_string(), "charge-7".to_string())];
     let mut config = run_config(&fixture, &app, fast_policy());
     config.dedup_window = window;
     let running = Running::start(config).await;
-    source.send(Bytes::from("charge 7"), &key).await.unwrap();
+    producer.send("charge 7", &key).await;
     wait_for("the first delivery", Duration::from_secs(10), async || {
         app.received_body(b"charge 7").len() == 1
     })
     .await;
     wait_settled(&source, Duration::from_secs(10)).await;
     // The producer sends the same message again (a retried publish).
-    source.send(Bytes::from("charge 7"), &key).await.unwrap();
+    producer.send("charge 7", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;
     // Counters move just after the broker confirms the ack.
     let acks = format!("courier_acks_total{{queue=\"{}\"}} 2", fixture.queue);
@@ -42,7 +40,7 @@ async fn duplicates_reaching_the_app(
     (app.received_body(b"charge 7").len(), metrics)
 }
 
-async fn a_duplicate_within_the_window_does_not_reach_the_app(fixture: Fixture) {
+pub async fn a_duplicate_within_the_window_does_not_reach_the_app(fixture: Fixture) {
     let queue = fixture.queue.clone();
     let (seen, metrics) = duplicates_reaching_the_app(fixture, Some(Duration::from_secs(30))).await;
     assert_eq!(seen, 1);
@@ -50,22 +48,27 @@ async fn a_duplicate_within_the_window_does_not_reach_the_app(fixture: Fixture) 
     assert!(metrics.contains(&hits), "{hits} in\n{metrics}");
 }
 
-async fn without_a_window_duplicates_are_delivered(fixture: Fixture) {
+pub async fn without_a_window_duplicates_are_delivered(fixture: Fixture) {
     let (seen, _) = duplicates_reaching_the_app(fixture, None).await;
     assert_eq!(seen, 2);
 }
 
-async fn the_window_expires(fixture: Fixture) {
+pub async fn the_window_expires(fixture: Fixture) {
     let app = TestApp::start().await;
     let source = fixture.open().await;
+    let producer = fixture.producer().await;
     let key = [("idempotency-key".to_string(), "charge-8".to_string())];
     let mut config = run_config(&fixture, &app, fast_policy());
     config.dedup_window = Some(Duration::from_millis(300));
     let running = Running::start(config).await;
-    source.send(Bytes::from("charge 8"), &key).await.unwrap();
+    producer.send("charge 8", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    source.send(Bytes::from("charge 8"), &key).await.unwrap();
+    // The broker forgets the key when the window is over.
+    wait_for("the window to pass", Duration::from_secs(10), async || {
+        !source.was_acked("charge-8").await.expect("was_acked")
+    })
+    .await;
+    producer.send("charge 8", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;
     running.stop().await;
     assert_eq!(
@@ -74,12 +77,3 @@ async fn the_window_expires(fixture: Fixture) {
         "after the window a duplicate is delivered again"
     );
 }
-
-crate::per_source!(
-    [redis => Fixture::redis(), embedded => Fixture::embedded()],
-    [
-        a_duplicate_within_the_window_does_not_reach_the_app,
-        without_a_window_duplicates_are_delivered,
-        the_window_expires,
-    ]
-);

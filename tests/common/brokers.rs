@@ -1,0 +1,594 @@
+//! The brokers the tests know, one fixture each: how to get a fresh queue
+//! (connect to the broker on loopback, or make a directory), how a producer
+//! that knows nothing of courier publishes to it (the broker's own client),
+//! how that client reads the dead letters, and how to delete what a test
+//! left.
+//!
+//! [`BrokerKind`] is matched exhaustively everywhere, so a broker added here
+//! without a fixture, a producer or a clean-up does not compile; and the
+//! conformance suite checks that every broker of `courier::source::BROKERS`
+//! has a kind here.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use courier::source::{Source, SourceUrl};
+
+use super::{AMQP_URL, Fixture, NATS_URL, REDIS_URL, unique};
+
+/// A broker the tests have a fixture for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BrokerKind {
+    Redis,
+    Amqp,
+    Nats,
+    Embedded,
+}
+
+impl BrokerKind {
+    pub const ALL: [BrokerKind; 4] = [Self::Redis, Self::Amqp, Self::Nats, Self::Embedded];
+
+    /// The name `courier::source::Broker::name` gives this broker.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Redis => Redis::NAME,
+            Self::Amqp => Amqp::NAME,
+            Self::Nats => Nats::NAME,
+            Self::Embedded => Embedded::NAME,
+        }
+    }
+
+    /// The kind of the broker courier names `name`; `None` when the tests
+    /// have no fixture for it.
+    pub fn of(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|kind| kind.name() == name)
+    }
+
+    /// The kind of the broker behind `url`; panics, naming it, when the
+    /// tests have no fixture for it.
+    pub fn of_url(url: &SourceUrl) -> Self {
+        let name = url.broker().name;
+        Self::of(name).unwrap_or_else(|| {
+            panic!("no test fixture for broker {name:?}: add one to tests/common/brokers.rs")
+        })
+    }
+
+    /// A fresh queue on this broker.
+    pub fn fixture(self) -> Fixture {
+        match self {
+            Self::Redis => Redis::fixture(),
+            Self::Amqp => Amqp::fixture(),
+            Self::Nats => Nats::fixture(),
+            Self::Embedded => Embedded::fixture(),
+        }
+    }
+
+    /// A producer on `fixture`'s queue with this broker's own client.
+    pub async fn producer(self, fixture: &Fixture) -> Producer {
+        match self {
+            Self::Redis => Redis::producer(fixture).await,
+            Self::Amqp => Amqp::producer(fixture).await,
+            Self::Nats => Nats::producer(fixture).await,
+            Self::Embedded => Embedded::producer(fixture).await,
+        }
+    }
+
+    /// `fixture`'s dead letters read with this broker's own client.
+    pub async fn read_dead_letters(self, fixture: &Fixture) -> Vec<PlainLetter> {
+        match self {
+            Self::Redis => Redis::read_dead_letters(fixture).await,
+            Self::Amqp => Amqp::read_dead_letters(fixture).await,
+            Self::Nats => Nats::read_dead_letters(fixture).await,
+            Self::Embedded => Embedded::read_dead_letters(fixture).await,
+        }
+    }
+
+    /// Whether moving a message to the dead-letter queue and settling the
+    /// original is one atomic step on this broker (a Redis MULTI, an
+    /// embedded transaction). Where it is two (publish, then ack: RabbitMQ,
+    /// NATS), a crash between them leaves a copy behind: at least once.
+    pub fn moves_atomically(self) -> bool {
+        match self {
+            Self::Redis | Self::Embedded => true,
+            Self::Amqp | Self::Nats => false,
+        }
+    }
+
+    /// Waits until a hand-out made by `handed_out_by` is durable, so a
+    /// `kill -9` now does not undo it. Redis, RabbitMQ and NATS record a
+    /// hand-out before they return it. The embedded queue keeps hand-outs in
+    /// memory and commits them within 20 ms (group commit), and nothing
+    /// outside the process can see the commit while courier holds the file:
+    /// its guarantee is a time, so this waits out five such windows.
+    pub async fn handed_out_durably(self, handed_out_by: std::time::Instant) {
+        match self {
+            Self::Redis | Self::Amqp | Self::Nats => {}
+            Self::Embedded => {
+                tokio::time::sleep_until((handed_out_by + Duration::from_millis(100)).into()).await;
+            }
+        }
+    }
+
+    /// Deletes what a test left of `queue` on the broker at `url`.
+    pub async fn clean_up(self, url: &str, queue: &str) {
+        match self {
+            Self::Redis => Redis::clean_up(url, queue).await,
+            Self::Amqp => Amqp::clean_up(url, queue).await,
+            Self::Nats => Nats::clean_up(url, queue).await,
+            Self::Embedded => Embedded::clean_up(url, queue).await,
+        }
+    }
+}
+
+/// What the tests need of one broker.
+pub trait BrokerFixture {
+    /// `courier::source::Broker::name` of this broker.
+    const NAME: &'static str;
+    /// Connects (or makes a directory) and names a fresh queue.
+    fn fixture() -> Fixture;
+    /// A producer that publishes with the broker's own client, as an
+    /// application that knows nothing of courier would.
+    async fn producer(fixture: &Fixture) -> Producer;
+    /// The dead letters of `fixture`'s queue as the broker's own client
+    /// reads them, oldest first, leaving them in place.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter>;
+    /// Deletes the queue and everything courier made for it.
+    async fn clean_up(url: &str, queue: &str);
+}
+
+/// A stream entry's field as Redis returns it: name and value, as bytes.
+type RawField = (Vec<u8>, Vec<u8>);
+
+pub struct Redis;
+pub struct Amqp;
+pub struct Nats;
+pub struct Embedded;
+
+/// Opens `fixture`'s queue with `--create`, so a plain client can publish
+/// to it, and lets go again.
+async fn create_queue(fixture: &Fixture) {
+    drop(fixture.open().await);
+}
+
+impl BrokerFixture for Redis {
+    const NAME: &'static str = "redis";
+
+    fn fixture() -> Fixture {
+        Fixture::with_cleanup(Self::NAME, REDIS_URL, unique("test"))
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        let client = ::redis::Client::open(fixture.url.as_str()).expect("a Redis URL");
+        let connection = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to Redis");
+        Producer::Redis {
+            connection,
+            queue: fixture.queue.clone(),
+        }
+    }
+
+    /// `XRANGE <queue>.dlq - +`.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let client = ::redis::Client::open(fixture.url.as_str()).expect("a Redis URL");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to Redis");
+        let entries: Vec<(String, Vec<RawField>)> = ::redis::cmd("XRANGE")
+            .arg(fixture.dlq())
+            .arg("-")
+            .arg("+")
+            .query_async(&mut con)
+            .await
+            .expect("XRANGE the dead-letter stream");
+        entries
+            .into_iter()
+            .map(|(_, fields)| {
+                let mut letter = PlainLetter::default();
+                for (name, value) in fields {
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    if name == courier::model::PAYLOAD {
+                        letter.body = value.into();
+                    } else {
+                        letter
+                            .fields
+                            .push((name, String::from_utf8_lossy(&value).into_owned()));
+                    }
+                }
+                letter
+            })
+            .collect()
+    }
+
+    /// The stream, its dead-letter stream, the retry schedule and dedup keys
+    /// all start with the queue's name, which is unique to the test.
+    async fn clean_up(url: &str, queue: &str) {
+        let Ok(client) = ::redis::Client::open(url) else {
+            return;
+        };
+        let Ok(mut con) = client.get_multiplexed_async_connection().await else {
+            return;
+        };
+        let keys: Vec<String> = ::redis::cmd("KEYS")
+            .arg(format!("{queue}*"))
+            .query_async(&mut con)
+            .await
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: Result<i64, _> = ::redis::cmd("DEL").arg(keys).query_async(&mut con).await;
+        }
+    }
+}
+
+impl BrokerFixture for Amqp {
+    const NAME: &'static str = "amqp";
+
+    fn fixture() -> Fixture {
+        Fixture::with_cleanup(Self::NAME, AMQP_URL, unique("test"))
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        use lapin::options::ConfirmSelectOptions;
+        create_queue(fixture).await;
+        let connection = lapin::Connection::connect(fixture.url.as_str(), Default::default())
+            .await
+            .expect("connect to RabbitMQ");
+        let channel = connection.create_channel().await.expect("open a channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("publisher confirms");
+        Producer::Amqp {
+            connection,
+            channel,
+            queue: fixture.queue.clone(),
+        }
+    }
+
+    /// `basic.get` without acking until the queue is empty; closing the
+    /// channel puts every one back.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        use lapin::options::BasicGetOptions;
+        use lapin::types::AMQPValue;
+        let connection = lapin::Connection::connect(fixture.url.as_str(), Default::default())
+            .await
+            .expect("connect to RabbitMQ");
+        let channel = connection.create_channel().await.expect("open a channel");
+        let mut letters = Vec::new();
+        while let Some(got) = channel
+            .basic_get(
+                fixture.dlq().as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get from the dead-letter queue")
+        {
+            let delivery = got.delivery;
+            let mut letter = PlainLetter {
+                body: delivery.data.clone().into(),
+                fields: Vec::new(),
+            };
+            if let Some(ct) = delivery.properties.content_type() {
+                letter.fields.push(("content-type".into(), ct.to_string()));
+            }
+            if let Some(headers) = delivery.properties.headers() {
+                for (name, value) in headers.inner() {
+                    let value = match value {
+                        AMQPValue::LongString(v) => {
+                            String::from_utf8_lossy(v.as_bytes()).into_owned()
+                        }
+                        AMQPValue::ShortString(v) => v.to_string(),
+                        other => format!("{other:?}"),
+                    };
+                    letter.fields.push((name.to_string(), value));
+                }
+            }
+            letters.push(letter);
+        }
+        let _ = channel.close(200, "read, put back".into()).await;
+        let _ = connection.close(200, "done".into()).await;
+        letters
+    }
+
+    async fn clean_up(url: &str, queue: &str) {
+        use lapin::options::QueueDeleteOptions;
+        let Ok(connection) = lapin::Connection::connect(url, Default::default()).await else {
+            return;
+        };
+        let Ok(channel) = connection.create_channel().await else {
+            return;
+        };
+        let mut names = vec![queue.to_string(), format!("{queue}.dlq")];
+        for tier in [
+            "10ms", "20ms", "50ms", "100ms", "200ms", "500ms", "1s", "2s", "4s", "8s", "15s",
+            "30s", "1m", "2m", "4m", "8m", "15m", "30m", "1h", "2h", "4h", "8h", "12h", "24h",
+        ] {
+            names.push(format!("{queue}.retry.{tier}"));
+        }
+        for name in names {
+            let _ = channel
+                .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = connection.close(200, "test done".into()).await;
+    }
+}
+
+impl BrokerFixture for Nats {
+    const NAME: &'static str = "nats";
+
+    fn fixture() -> Fixture {
+        Fixture::with_cleanup(Self::NAME, NATS_URL, unique("test"))
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        create_queue(fixture).await;
+        let client = async_nats::connect(fixture.url.as_str())
+            .await
+            .expect("connect to NATS");
+        Producer::Nats {
+            js: async_nats::jetstream::new(client),
+            subject: fixture.queue.clone(),
+        }
+    }
+
+    /// Every message of the `<queue>_dlq` stream, by sequence.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let client = async_nats::connect(fixture.url.as_str())
+            .await
+            .expect("connect to NATS");
+        let js = async_nats::jetstream::new(client);
+        let Ok(mut stream) = js.get_stream(format!("{}_dlq", fixture.queue)).await else {
+            return Vec::new();
+        };
+        let info = stream.info().await.expect("the dead-letter stream's info");
+        let (first, last) = (info.state.first_sequence, info.state.last_sequence);
+        let mut letters = Vec::new();
+        for sequence in first..=last {
+            let Ok(message) = stream.get_raw_message(sequence).await else {
+                continue;
+            };
+            let mut letter = PlainLetter {
+                body: message.payload.clone(),
+                fields: Vec::new(),
+            };
+            for (name, values) in message.headers.iter() {
+                for value in values {
+                    letter.fields.push((name.to_string(), value.to_string()));
+                }
+            }
+            letters.push(letter);
+        }
+        letters
+    }
+
+    async fn clean_up(url: &str, queue: &str) {
+        let Ok(client) = async_nats::connect(url).await else {
+            return;
+        };
+        let js = async_nats::jetstream::new(client);
+        let _ = js.delete_stream(queue).await;
+        let _ = js.delete_stream(format!("{queue}_dlq")).await;
+    }
+}
+
+impl BrokerFixture for Embedded {
+    const NAME: &'static str = "embedded";
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        Fixture::in_dir(dir)
+    }
+
+    /// The embedded queue has no client but courier: `Source::send`.
+    async fn producer(fixture: &Fixture) -> Producer {
+        Producer::Embedded(fixture.open().await)
+    }
+
+    /// No client but courier's: `Source::dead_letters`.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let source = fixture.open().await;
+        fixture
+            .dead_letters(&source)
+            .await
+            .into_iter()
+            .map(|letter| PlainLetter {
+                body: letter.body.clone(),
+                fields: letter.fields.clone(),
+            })
+            .collect()
+    }
+
+    /// The queue lives in the fixture's temporary directory, deleted with
+    /// it; there is nothing on a server.
+    async fn clean_up(_url: &str, _queue: &str) {}
+}
+
+/// A dead letter as the broker's own client shows it: the body, and every
+/// other field or header by name.
+#[derive(Debug, Clone, Default)]
+pub struct PlainLetter {
+    pub body: Bytes,
+    pub fields: Vec<(String, String)>,
+}
+
+impl PlainLetter {
+    /// The value of the field `name` (any case).
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Publishes to one queue the way an application would, with the broker's
+/// own client; `send` returns the id courier reports as
+/// `courier-message-id`.
+pub enum Producer {
+    Redis {
+        connection: ::redis::aio::MultiplexedConnection,
+        queue: String,
+    },
+    Amqp {
+        connection: lapin::Connection,
+        channel: lapin::Channel,
+        queue: String,
+    },
+    Nats {
+        js: async_nats::jetstream::Context,
+        subject: String,
+    },
+    Embedded(Arc<dyn Source>),
+}
+
+impl Producer {
+    /// Whether this broker's client can publish a header `name: value` at
+    /// all (NATS headers cannot hold CR or LF, nor spaces in names).
+    pub fn carries(&self, name: &str, value: &str) -> bool {
+        match self {
+            Self::Redis { .. } | Self::Embedded(_) => true,
+            Self::Amqp { .. } => name.len() <= 255,
+            Self::Nats { .. } => {
+                name.parse::<async_nats::HeaderName>().is_ok()
+                    && value.parse::<async_nats::HeaderValue>().is_ok()
+            }
+        }
+    }
+
+    /// Publishes `body` with `headers` and waits until the broker has it;
+    /// panics if a header cannot be carried (ask [`Producer::carries`]).
+    pub async fn send(&self, body: impl Into<Bytes>, headers: &[(String, String)]) -> String {
+        let body = body.into();
+        for (name, value) in headers {
+            assert!(
+                self.carries(name, value),
+                "this broker's client cannot publish the header {name:?}: {value:?}"
+            );
+        }
+        match self {
+            Self::Redis { connection, queue } => {
+                let mut xadd = ::redis::cmd("XADD");
+                xadd.arg(queue)
+                    .arg("*")
+                    .arg(courier::model::PAYLOAD)
+                    .arg(body.as_ref());
+                for (name, value) in headers {
+                    xadd.arg(name).arg(value);
+                }
+                xadd.query_async(&mut connection.clone())
+                    .await
+                    .expect("XADD")
+            }
+            Self::Amqp { channel, queue, .. } => {
+                use lapin::options::BasicPublishOptions;
+                use lapin::types::{AMQPValue, FieldTable};
+                let id = format!("{:032x}", rand::random::<u128>());
+                let mut properties = lapin::BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(id.as_str().into());
+                let mut table = FieldTable::default();
+                for (name, value) in headers {
+                    if name.eq_ignore_ascii_case("content-type") {
+                        properties = properties.with_content_type(value.as_str().into());
+                    } else {
+                        table.insert(
+                            name.as_str().into(),
+                            AMQPValue::LongString(value.as_str().into()),
+                        );
+                    }
+                }
+                channel
+                    .basic_publish(
+                        "".into(),
+                        queue.as_str().into(),
+                        BasicPublishOptions::default(),
+                        &body,
+                        properties.with_headers(table),
+                    )
+                    .await
+                    .expect("publish")
+                    .await
+                    .expect("the broker confirms the publish");
+                id
+            }
+            Self::Nats { js, subject } => {
+                let mut map = async_nats::HeaderMap::new();
+                for (name, value) in headers {
+                    map.append(name.as_str(), value.as_str());
+                }
+                js.publish_with_headers(subject.clone(), map, body)
+                    .await
+                    .expect("publish")
+                    .await
+                    .expect("JetStream stores the message")
+                    .sequence
+                    .to_string()
+            }
+            Self::Embedded(source) => source.send(body, headers).await.expect("send"),
+        }
+    }
+
+    /// Lets go of the queue; for the embedded queue, waits until another
+    /// process may open it.
+    pub async fn release(self, fixture: &Fixture) {
+        match self {
+            Self::Embedded(source) => super::release(fixture, source).await,
+            Self::Amqp { connection, .. } => {
+                let _ = connection.close(200, "producer done".into()).await;
+            }
+            Self::Redis { .. } | Self::Nats { .. } => {}
+        }
+    }
+}
+
+/// Deletes what a broker fixture left when the last clone of it goes.
+#[derive(Debug)]
+pub struct BrokerCleanup {
+    pub(super) kind: BrokerKind,
+    pub(super) url: String,
+    pub(super) queue: String,
+}
+
+impl Drop for BrokerCleanup {
+    fn drop(&mut self) {
+        let (kind, url, queue) = (self.kind, self.url.clone(), self.queue.clone());
+        // A runtime of its own: drops also happen outside any runtime.
+        let done = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(10), kind.clean_up(&url, &queue))
+                    .await;
+            });
+        });
+        let _ = done.join();
+    }
+}
+
+/// Declares `queue` on the shared RabbitMQ as a quorum queue with an
+/// argument courier does not set itself, as an operator might.
+pub async fn declare_amqp_quorum(queue: &str) {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::{AMQPValue, FieldTable};
+    let connection = lapin::Connection::connect(AMQP_URL, Default::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
+    channel
+        .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
+        .await
+        .unwrap();
+    let _ = connection.close(200, "declared".into()).await;
+}

@@ -1,0 +1,158 @@
+//! The conformance suite: every scenario runs on every broker whose
+//! capabilities allow it, against a real broker and a real HTTP app on
+//! loopback, with messages published by the broker's own client.
+//!
+//! A test is `<broker>::<scenario>`, so `cargo test --test conformance --
+//! redis::` runs one broker. A new broker is one fixture in
+//! `tests/common/brokers.rs` and one line in the `suite!` list below; a new
+//! scenario is one line in the scenario list, with what it needs of the
+//! source. A scenario a broker cannot support is skipped by its
+//! [`Capabilities`], never by the broker's name.
+//!
+//! - `delivery`: the classification table, Retry-After, headers, attempts,
+//!   bodies, an unreachable app, a policy file reload, dead letters read
+//!   with the broker's own client (in-process sidecar);
+//! - `process`: the built binary: `kill -9` mid-flight, a scheduled retry
+//!   across a restart, SIGTERM drains, `--drain-timeout`, attempts across
+//!   stops and crashes;
+//! - `dedup`: `--dedup-window`;
+//! - `bad_inputs`: hostile producer headers and app answers;
+//! - `dlq`: `courier dlq list/show/replay/purge`;
+//! - `only`: what holds for one broker alone.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod bad_inputs;
+mod dedup;
+mod delivery;
+mod dlq;
+mod only;
+mod process;
+
+use std::future::Future;
+
+use common::*;
+use courier::source::Capabilities;
+
+/// What a scenario needs of a source beyond receiving and settling.
+#[derive(Debug, Clone, Copy)]
+enum Needs {
+    /// Every source can run it.
+    Nothing,
+    /// Dead letters listed, replayed and purged one by one.
+    DeadLetterBrowsing,
+    /// A deduplication window.
+    Dedup,
+}
+
+impl Needs {
+    fn met_by(self, capabilities: &Capabilities) -> bool {
+        match self {
+            Self::Nothing => true,
+            Self::DeadLetterBrowsing => capabilities.dead_letter_browsing,
+            Self::Dedup => capabilities.dedup,
+        }
+    }
+}
+
+/// Runs `scenario` on a fresh queue of `broker`, or says why it cannot.
+async fn run<F, Fut>(broker: BrokerKind, needs: Needs, scenario: F)
+where
+    F: FnOnce(Fixture) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let fixture = broker.fixture();
+    let source = fixture.open().await;
+    let capabilities = source.capabilities();
+    release(&fixture, source).await;
+    if !needs.met_by(&capabilities) {
+        eprintln!(
+            "skipped: the {} source does not offer {needs:?} ({capabilities:?})",
+            broker.name()
+        );
+        return;
+    }
+    scenario(fixture).await;
+}
+
+/// One module per broker, one `#[tokio::test]` per scenario in it.
+macro_rules! suite {
+    ([$($broker:ident => $kind:ident),+ $(,)?], $scenarios:tt) => {
+        /// The brokers the suite runs on.
+        const SUITE: &[BrokerKind] = &[$(BrokerKind::$kind),+];
+        $( suite!(@broker $broker, $kind, $scenarios); )+
+    };
+    (@broker $broker:ident, $kind:ident,
+        [$($module:ident :: $scenario:ident if $needs:ident),+ $(,)?]) => {
+        mod $broker {
+            use super::*;
+
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    run(BrokerKind::$kind, Needs::$needs, $module::$scenario).await;
+                }
+            )+
+        }
+    };
+}
+
+suite!(
+    [
+        redis => Redis,
+        amqp => Amqp,
+        nats => Nats,
+        embedded => Embedded,
+    ],
+    [
+        delivery::classification_table if DeadLetterBrowsing,
+        delivery::retry_after_is_honored if Nothing,
+        delivery::headers_and_idempotency if Nothing,
+        delivery::attempts_exhausted if DeadLetterBrowsing,
+        delivery::permanent_status if DeadLetterBrowsing,
+        delivery::acked_exactly_once if Nothing,
+        delivery::bodies_are_bytes if DeadLetterBrowsing,
+        delivery::unreachable_app_uses_no_attempts if DeadLetterBrowsing,
+        delivery::policy_file_reload if DeadLetterBrowsing,
+        delivery::dead_letters_are_readable_with_the_brokers_own_client if Nothing,
+        process::crash_mid_flight_loses_nothing if DeadLetterBrowsing,
+        process::scheduled_retry_survives_restart if DeadLetterBrowsing,
+        process::sigterm_drains_in_flight if DeadLetterBrowsing,
+        process::drain_timeout_cuts_off_and_redelivers if DeadLetterBrowsing,
+        process::a_graceful_stop_uses_no_attempts if Nothing,
+        process::a_crash_mid_delivery_counts_an_attempt if Nothing,
+        dedup::a_duplicate_within_the_window_does_not_reach_the_app if Dedup,
+        dedup::without_a_window_duplicates_are_delivered if Nothing,
+        dedup::the_window_expires if Dedup,
+        bad_inputs::an_idempotency_key_http_cannot_carry_is_undeliverable if DeadLetterBrowsing,
+        bad_inputs::an_unreadable_retry_after_is_ignored_and_counted if Nothing,
+        bad_inputs::a_huge_answer_is_cut_to_the_excerpt if DeadLetterBrowsing,
+        dlq::list_show_replay_purge if DeadLetterBrowsing,
+        dlq::replay_killed_halfway_loses_nothing if DeadLetterBrowsing,
+    ]
+);
+
+/// Every broker this build of courier knows has a fixture here, so no
+/// broker can be added without running the suite on it.
+#[test]
+fn every_broker_has_a_fixture() {
+    for broker in courier::source::BROKERS {
+        let kind = BrokerKind::of(broker.name).unwrap_or_else(|| {
+            panic!(
+                "courier knows the broker {:?} but the tests have no fixture for it: add one to tests/common/brokers.rs and a line to the suite! list in tests/conformance/main.rs",
+                broker.name
+            )
+        });
+        assert_eq!(kind.name(), broker.name);
+        assert!(
+            SUITE.contains(&kind),
+            "the suite! list in tests/conformance/main.rs does not run on {:?}",
+            broker.name
+        );
+    }
+    for kind in BrokerKind::ALL {
+        assert_eq!(BrokerKind::of(kind.name()), Some(kind), "{kind:?}");
+        assert!(SUITE.contains(&kind), "the suite does not run on {kind:?}");
+    }
+}

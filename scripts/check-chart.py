@@ -27,6 +27,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE_NAMESPACE = "courier-system"
 SIDECAR_NAMESPACES = ["shop", "billing"]
+# sidecar.serviceAccounts in the variants that set namespaces.
+SIDECAR_ACCOUNTS = ["default", "orders"]
+# generatedCertificate.existingSecret and .caBundle in "provided-cert".
+PROVIDED_SECRET = "orders-injector-tls"
+PROVIDED_CA = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg=="
 
 
 class Failed(Exception):
@@ -103,6 +108,13 @@ def check_common(docs):
     secret_volume = pod["volumes"][0]["secret"]["secretName"]
     check(secret_volume.endswith("-injector-tls"), "the certificate comes from the TLS Secret")
 
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    spread = pod.get("topologySpreadConstraints", [])
+    check(
+        spread and spread[0]["labelSelector"]["matchLabels"] == selector,
+        "the injector's replicas are spread across zones",
+    )
+
     role = one(docs, "ClusterRole")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
     check(
@@ -155,9 +167,32 @@ def check_generated_certificate(docs):
         check(cert_key == key_key, "the key belongs to the certificate")
 
 
+def check_anti_affinity(docs, kind):
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    anti = pod.get("affinity", {}).get("podAntiAffinity", {})
+    if kind == "soft":
+        terms = [t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    else:
+        terms = anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+    check(
+        len(terms) == 1
+        and terms[0]["topologyKey"] == "kubernetes.io/hostname"
+        and terms[0]["labelSelector"]["matchLabels"] == selector,
+        f"{kind} anti-affinity keeps the injector's replicas on different nodes: {anti}",
+    )
+
+
+def serving_certificate(docs):
+    name = one(docs, "Service")["metadata"]["name"]
+    found = [c for c in by_kind(docs, "Certificate") if c["metadata"]["name"] == name]
+    check(len(found) == 1, f"one serving Certificate named {name}")
+    return found[0]
+
+
 def check_cert_manager(docs, own_issuer=True):
     check(not by_kind(docs, "Secret"), "no chart-made Secret with cert-manager")
-    certificate = one(docs, "Certificate")
+    certificate = serving_certificate(docs)
     webhook = one(docs, "MutatingWebhookConfiguration")
     annotation = webhook["metadata"].get("annotations", {}).get("cert-manager.io/inject-ca-from")
     check(
@@ -170,13 +205,36 @@ def check_cert_manager(docs, own_issuer=True):
         == one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
         "the injector mounts the Certificate's Secret",
     )
-    issuers = by_kind(docs, "Issuer")
+    issuers = {i["metadata"]["name"]: i for i in by_kind(docs, "Issuer")}
     if own_issuer:
-        check(len(issuers) == 1 and issuers[0]["spec"] == {"selfSigned": {}}, "a self-signed Issuer")
-        check(certificate["spec"]["issuerRef"]["name"] == issuers[0]["metadata"]["name"], "issued by it")
+        # self-signed Issuer -> root CA Certificate -> CA Issuer -> serving
+        # Certificate: renewing the serving certificate keeps the trusted CA.
+        check(len(issuers) == 2, f"a self-signed and a CA Issuer: {sorted(issuers)}")
+        ca_issuer = issuers.get(certificate["spec"]["issuerRef"]["name"])
+        check(ca_issuer is not None and "ca" in ca_issuer["spec"], "the serving certificate comes from a CA Issuer")
+        roots = [c for c in by_kind(docs, "Certificate") if c["spec"].get("isCA")]
+        check(len(roots) == 1, "one root CA Certificate")
+        root = roots[0]
+        check(ca_issuer["spec"]["ca"]["secretName"] == root["spec"]["secretName"], "the CA Issuer signs with the root")
+        check(root["spec"]["privateKey"]["rotationPolicy"] == "Never", "the root keeps its key across renewals")
+        self_signed = issuers.get(root["spec"]["issuerRef"]["name"])
+        check(self_signed is not None and self_signed["spec"] == {"selfSigned": {}}, "the root is self-signed")
+        check(
+            root["spec"]["secretName"] != certificate["spec"]["secretName"],
+            "the root and the serving certificate live in different Secrets",
+        )
     else:
         check(not issuers, "no Issuer of the chart's own with issuerRef set")
         check(certificate["spec"]["issuerRef"]["kind"] == "ClusterIssuer", "the given issuer")
+
+
+def check_provided_certificate(docs):
+    check(not by_kind(docs, "Secret"), "no chart-made Secret with existingSecret")
+    check(not by_kind(docs, "Certificate"), "no Certificate with existingSecret")
+    webhook = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
+    check(webhook["clientConfig"]["caBundle"] == PROVIDED_CA, "caBundle is generatedCertificate.caBundle")
+    volume = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
+    check(volume == PROVIDED_SECRET, f"the injector mounts existingSecret, not {volume}")
 
 
 def check_native(docs, native):
@@ -222,11 +280,10 @@ def check_policy_and_rbac(docs):
     )
     for b in bindings:
         ns = b["metadata"]["namespace"]
-        check(b["subjects"] == [{
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Group",
-            "name": f"system:serviceaccounts:{ns}",
-        }], f"bound to the service accounts of {ns}")
+        check(b["subjects"] == [
+            {"kind": "ServiceAccount", "name": account, "namespace": ns}
+            for account in SIDECAR_ACCOUNTS
+        ], f"bound to the service accounts {SIDECAR_ACCOUNTS} of {ns}, not to all of them: {b['subjects']}")
         check(b["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"], "the sidecar role")
 
     policies = by_kind(docs, "RetryPolicy")
@@ -265,9 +322,17 @@ def validate_structural(document, schema):
 
 
 VARIANTS = {
-    "default": [check_generated_certificate, lambda d: check_native(d, True), check_no_monitoring],
+    "default": [
+        check_generated_certificate,
+        lambda d: check_native(d, True),
+        check_no_monitoring,
+        lambda d: check_anti_affinity(d, "soft"),
+    ],
+    "anti-affinity-hard": [lambda d: check_anti_affinity(d, "hard")],
+    "provided-cert": [check_provided_certificate],
     "cert-manager": [check_cert_manager],
     "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
+    "apis-present": [check_generated_certificate, check_no_monitoring],
     "native-off": [lambda d: check_native(d, False), check_generated_certificate],
     "monitoring": [check_monitoring, check_policy_and_rbac],
     "everything": [check_cert_manager, check_monitoring, check_policy_and_rbac, lambda d: check_native(d, False)],

@@ -43,9 +43,23 @@ def check(condition, message):
         raise Failed(message)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """Refuses a mapping with the same key twice: PyYAML keeps the last one
+    silently, the API server refuses some and not others."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise Failed(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path):
     with open(path) as f:
-        return [d for d in yaml.safe_load_all(f) if d]
+        return [d for d in yaml.load_all(f, Loader=UniqueKeyLoader) if d]
 
 
 def by_kind(docs, kind):
@@ -122,6 +136,16 @@ def check_common(docs):
         "sidecars get, list and watch RetryPolicies",
     )
     check("create" in rules[(("",), ("events",))], "sidecars create Events")
+    check(role["rules"] == documented_sidecar_rules(), "docs/policy.md shows the sidecar ClusterRole's rules as rendered")
+
+
+def documented_sidecar_rules():
+    """The YAML block under "RBAC the sidecar's service account needs" in
+    docs/policy.md."""
+    text = (ROOT / "docs/policy.md").read_text()
+    section = text.split("### RBAC the sidecar's service account needs", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)["rules"]
 
 
 # === Variants ===
@@ -341,8 +365,8 @@ VARIANTS = {
 
 def main():
     variant, path = sys.argv[1], sys.argv[2]
-    docs = load(path)
     try:
+        docs = load(path)
         check_common(docs)
         for step in VARIANTS[variant]:
             step(docs)

@@ -62,7 +62,7 @@ pub struct SidecarArgs {
           value_parser = ["Always", "IfNotPresent", "Never"])]
     pub sidecar_image_pull_policy: String,
     /// Inject a native sidecar (an init container with restartPolicy
-    /// Always; Kubernetes 1.29+), which starts before and stops after the
+    /// Always), which starts before and stops after the
     /// app. A pod can override this with courier.dev/native-sidecar.
     #[arg(long, env = "COURIER_NATIVE_SIDECARS")]
     pub native_sidecars: bool,

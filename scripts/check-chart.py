@@ -151,6 +151,28 @@ def documented_sidecar_rules():
 # === Variants ===
 
 
+def check_scope(docs, namespaces):
+    """A pod is injected only where its sidecar may read its policy: in the
+    namespaces of sidecar.namespaces (each with a RoleBinding), or with none
+    listed, in the namespaces labelled courier.dev/injection=enabled."""
+    selector = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]["namespaceSelector"]
+    expressions = selector["matchExpressions"]
+    if namespaces:
+        check("matchLabels" not in selector, "no opt-in label with sidecar.namespaces")
+        check(
+            len(expressions) == 2
+            and expressions[1] == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": namespaces},
+            f"only the namespaces of sidecar.namespaces are injected: {selector}",
+        )
+        bound = sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding"))
+        check(bound == sorted(namespaces), f"every injected namespace has the sidecar's RoleBinding: {bound}")
+    else:
+        check(
+            selector.get("matchLabels") == {"courier.dev/injection": "enabled"} and len(expressions) == 1,
+            f"without sidecar.namespaces only opted-in namespaces are injected: {selector}",
+        )
+
+
 def check_generated_certificate(docs):
     secret = one(docs, "Secret")
     check(secret["type"] == "kubernetes.io/tls", "a TLS Secret")
@@ -348,6 +370,7 @@ def validate_structural(document, schema):
 VARIANTS = {
     "default": [
         check_generated_certificate,
+        lambda d: check_scope(d, []),
         lambda d: check_native(d, True),
         check_no_monitoring,
         lambda d: check_anti_affinity(d, "soft"),
@@ -358,8 +381,14 @@ VARIANTS = {
     "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
     "apis-present": [check_generated_certificate, check_no_monitoring],
     "native-off": [lambda d: check_native(d, False), check_generated_certificate],
-    "monitoring": [check_monitoring, check_policy_and_rbac],
-    "everything": [check_cert_manager, check_monitoring, check_policy_and_rbac, lambda d: check_native(d, False)],
+    "monitoring": [check_monitoring, check_policy_and_rbac, lambda d: check_scope(d, SIDECAR_NAMESPACES)],
+    "everything": [
+        check_cert_manager,
+        check_monitoring,
+        check_policy_and_rbac,
+        lambda d: check_native(d, False),
+        lambda d: check_scope(d, SIDECAR_NAMESPACES),
+    ],
 }
 
 

@@ -16,6 +16,7 @@
 //! - [`review`]: the AdmissionReview exchange with the API server.
 //! - [`tls`]: the certificate, reloaded when its files change.
 //! - [`server`]: the HTTPS accept loop and the answers.
+//! - [`values`]: the chart's values as sidecar defaults, for the preview.
 //!
 //! The command line (`courier inject`, and `--pod FILE` to preview what the
 //! webhook would do) is in `cmd::inject`; nothing here reads flags.
@@ -25,6 +26,7 @@ pub mod review;
 pub mod server;
 pub mod settings;
 pub mod tls;
+pub mod values;
 
 pub use decision::{Decision, Skip, decide, inject_document};
 pub use review::review;
@@ -35,3 +37,4 @@ pub use settings::{
     SidecarDefaults, annotations, is_quantity,
 };
 pub use tls::{ReloadingCert, TlsError, server_config};
+pub use values::apply_chart_values;

@@ -108,6 +108,19 @@ impl Default for SidecarDefaults {
     }
 }
 
+impl SidecarDefaults {
+    /// The defaults of the chart (charts/courier/values.yaml) and of
+    /// `courier inject`'s flags: the same, so that a preview without
+    /// `--values` shows what a default install injects. Differs from
+    /// [`Default`] only in `native_sidecars`, which the webhook tests pin off.
+    pub fn chart() -> Self {
+        Self {
+            native_sidecars: true,
+            ..Self::default()
+        }
+    }
+}
+
 // === One pod's settings ===
 
 /// The sidecar's settings, read from the pod's annotations and checked.

@@ -13,6 +13,7 @@
 //!   the checked settings of one pod (its own scheme check of the broker
 //!   URL: the injector loads no broker code).
 //! - [`decision`]: which pods, and what is added to them.
+//! - [`flags`]: which annotation sets which `courier run` flag.
 //! - [`review`]: the AdmissionReview exchange with the API server.
 //! - [`tls`]: the certificate, reloaded when its files change.
 //! - [`server`]: the HTTPS accept loop and the answers.
@@ -22,6 +23,7 @@
 //! webhook would do) is in `cmd::inject`; nothing here reads flags.
 
 pub mod decision;
+pub mod flags;
 pub mod review;
 pub mod server;
 pub mod settings;

@@ -137,6 +137,9 @@ pub(super) struct Settings {
     pub(super) log_level: Option<String>,
     pub(super) native: bool,
     pub(super) resources: Resources,
+    /// Annotations of [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH):
+    /// (variable, value), checked.
+    pub(super) passthrough: Vec<(&'static str, String)>,
 }
 
 #[derive(Debug, Clone)]
@@ -272,6 +275,16 @@ pub(super) fn read_settings(
         memory_limit: quantity(a::MEMORY_LIMIT, &d.memory_limit),
     };
 
+    let mut passthrough = Vec::new();
+    for p in super::flags::PASSTHROUGH {
+        if let Some(v) = get(p.annotation) {
+            match super::flags::check(p.kind, v) {
+                Ok(()) => passthrough.push((p.env, v.to_string())),
+                Err(e) => problems.push(format!("{} {e}", p.annotation)),
+            }
+        }
+    }
+
     match (queue, source) {
         (Some(queue), Some(source)) if problems.is_empty() => Ok(Settings {
             source,
@@ -285,6 +298,7 @@ pub(super) fn read_settings(
             log_level: get(a::LOG_LEVEL).map(str::to_string),
             native,
             resources,
+            passthrough,
         }),
         _ => Err(problems),
     }

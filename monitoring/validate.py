@@ -10,7 +10,8 @@
   - every metric a query names is in metric-names.txt
   - every runbook_url anchor is a heading of docs/runbook.md
   - every alert has promtool tests that fire, stay quiet, and raise one alert
-    from several pods
+    from several pods; every alert on a counter has a case with a pod scraped
+    twice
 
 Run by scripts/test-monitoring with a Python that has PyYAML. Prints one line
 per failed check and exits 1 if there was any.
@@ -200,7 +201,7 @@ def check_runbook():
 def check_test_coverage():
     """Each alert needs a case that fires, one that stays quiet, and one where
     several pods' series give exactly one alert."""
-    fires, quiet, replicas = set(), set(), set()
+    fires, quiet, replicas, doubled = set(), set(), set(), set()
     for path in sorted((HERE / "tests").glob("*.yaml")):
         document = yaml.safe_load(path.read_text())
         if "../prometheus/courier-rules.yaml" not in document.get("rule_files", []):
@@ -212,17 +213,29 @@ def check_test_coverage():
                 for m in [re.search(r'pod="([^"]+)"', series["series"])]
                 if m
             }
+            # The same series from two scrape jobs: labels equal but for job
+            # and instance.
+            scraped = [
+                re.sub(r',?(job|instance)="[^"]*"', "", series["series"])
+                for series in group.get("input_series", [])
+            ]
+            twice = len(scraped) != len(set(scraped))
             for case in group.get("alert_rule_test", []):
                 expected = case.get("exp_alerts") or []
                 name = case["alertname"]
                 (fires if expected else quiet).add(name)
                 if len(pods) > 1 and len(expected) == 1:
                     replicas.add(name)
+                if twice:
+                    doubled.add(name)
     for alert in alerts.ALERTS:
         name = alert["name"]
         for kind, seen in (("firing", fires), ("quiet", quiet), ("replica", replicas)):
             if name not in seen:
                 fail(f"monitoring/tests: no {kind} case for {name}")
+        # A counter's rate summed over a pod scraped twice would double.
+        if re.search(r"\b(rate|increase)\(", alert["query"]) and name not in doubled:
+            fail(f"monitoring/tests: no double-scrape case for {name} (same series from two jobs)")
 
 
 def main():

@@ -5,8 +5,9 @@
     writer in generate.py) to exactly what generate.py meant to write
   - the Grafana alert rules are wired: query, reduce and threshold steps, the
     datasource placeholder, one rule per alert
-  - the dashboard is valid JSON with the datasource and queue variables, and
-    every panel and query uses ${datasource}
+  - the dashboard is valid JSON with the datasource, namespace and queue
+    variables, every panel and query uses ${datasource}, every query is
+    narrowed by $namespace and never groups queues without their namespace
   - every metric a query names is in metric-names.txt
   - every runbook_url anchor is a heading of docs/runbook.md
   - every alert has promtool tests that fire, stay quiet, and raise one alert
@@ -125,9 +126,17 @@ def check_dashboard():
     queue_query = queue.get("query", {})
     if isinstance(queue_query, dict):
         queue_query = queue_query.get("query")
-    if (queue_query != "label_values(courier_deliveries_total, queue)"
+    if (queue_query != 'label_values(courier_deliveries_total{namespace=~"$namespace"}, queue)'
             or not queue.get("multi") or not queue.get("includeAll")):
-        fail("dashboard: needs a multi, include-all queue variable from courier_deliveries_total")
+        fail("dashboard: needs a multi, include-all queue variable from courier_deliveries_total "
+             "in the chosen namespaces")
+    namespace = variables.get("namespace", {})
+    namespace_query = namespace.get("query", {})
+    if isinstance(namespace_query, dict):
+        namespace_query = namespace_query.get("query")
+    if (namespace_query != "label_values(courier_build_info, namespace)"
+            or not namespace.get("multi") or not namespace.get("includeAll")):
+        fail("dashboard: needs a multi, include-all namespace variable from courier_build_info")
     if queue.get("datasource", {}).get("uid") != "${datasource}":
         fail("dashboard: the queue variable's datasource is not ${datasource}")
     ids = [panel.get("id") for panel in panels_of(dashboard)]
@@ -146,7 +155,15 @@ def check_dashboard():
             if target.get("datasource", {}).get("uid") != "${datasource}":
                 fail(f"dashboard panel {title!r}: query {target.get('refId')} "
                      "datasource is not ${datasource}")
-            exprs.append(target.get("expr", ""))
+            expr = target.get("expr", "")
+            exprs.append(expr)
+            # Same-named queues of two namespaces must not merge, and the
+            # namespace variable must narrow every panel.
+            if 'namespace=~"$namespace"' not in expr:
+                fail(f"dashboard panel {title!r}: query {target.get('refId')} ignores $namespace")
+            if "queue" in expr and re.search(r"\bby \((?![^)]*namespace)[^)]*queue", expr):
+                fail(f"dashboard panel {title!r}: query {target.get('refId')} groups queues "
+                     "without namespace")
     shown = {name for expr in exprs for name in metric_names(expr)}
     for name in DASHBOARD_MUST_SHOW:
         if name not in shown:

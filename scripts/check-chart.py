@@ -318,6 +318,30 @@ def check_monitoring(docs):
     )
 
 
+def check_monitoring_tuned(docs):
+    """Thresholds by name, extra labels and the runbook base URL reach the
+    rules; everything else is the shipped rules'."""
+    rule = one(docs, "PrometheusRule")
+    with open(ROOT / "monitoring/prometheus/courier-prometheusrule.yaml") as f:
+        shipped = {r["alert"]: r for g in yaml.safe_load(f)["spec"]["groups"] for r in g["rules"]}
+    rendered = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    check(set(rendered) == set(shipped), "the same alerts")
+    tuned = {"CourierRetryRateHigh": "0.5", "CourierAppDown": "2"}
+    for name, r in rendered.items():
+        original = shipped[name]
+        if name in tuned:
+            head, _, _ = original["expr"].rpartition(" ")
+            check(r["expr"] == f"{head} {tuned[name]}", f"{name}: threshold {tuned[name]}: {r['expr']}")
+        else:
+            check(r["expr"] == original["expr"], f"{name}: expr unchanged")
+        check(r["labels"] == {**original["labels"], "team": "payments"}, f"{name}: extra labels: {r['labels']}")
+        anchor = original["annotations"]["runbook_url"].split("#")[1]
+        check(
+            r["annotations"]["runbook_url"] == f"https://runbooks.example/courier.md#{anchor}",
+            f"{name}: runbook_url on the base URL",
+        )
+
+
 def check_policy_and_rbac(docs):
     bindings = by_kind(docs, "RoleBinding")
     check(
@@ -381,6 +405,7 @@ VARIANTS = {
     "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
     "apis-present": [check_generated_certificate, check_no_monitoring],
     "native-off": [lambda d: check_native(d, False), check_generated_certificate],
+    "monitoring-tuned": [check_monitoring_tuned],
     "monitoring": [check_monitoring, check_policy_and_rbac, lambda d: check_scope(d, SIDECAR_NAMESPACES)],
     "everything": [
         check_cert_manager,

@@ -300,7 +300,10 @@ def check_monitoring(docs):
     monitor = one(docs, "PodMonitor")
     endpoint = monitor["spec"]["podMetricsEndpoints"][0]
     check(endpoint["port"] == "courier-metrics", "scrapes the sidecar's named port")
-    check(monitor["spec"]["namespaceSelector"] == {"any": True}, "in every namespace")
+    check(
+        monitor["spec"]["namespaceSelector"] == {"matchNames": SIDECAR_NAMESPACES},
+        f"in the injected namespaces: {monitor['spec']['namespaceSelector']}",
+    )
     check(monitor["metadata"]["labels"].get("release") == "prom", "extra labels are added")
 
     rule = one(docs, "PrometheusRule")
@@ -405,7 +408,13 @@ VARIANTS = {
     "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
     "apis-present": [check_generated_certificate, check_no_monitoring],
     "native-off": [lambda d: check_native(d, False), check_generated_certificate],
-    "monitoring-tuned": [check_monitoring_tuned],
+    "monitoring-tuned": [
+        check_monitoring_tuned,
+        lambda d: check(
+            one(d, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True},
+            "without sidecar.namespaces the PodMonitor scrapes every namespace",
+        ),
+    ],
     "monitoring": [check_monitoring, check_policy_and_rbac, lambda d: check_scope(d, SIDECAR_NAMESPACES)],
     "everything": [
         check_cert_manager,

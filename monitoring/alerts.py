@@ -21,6 +21,12 @@ Aggregation: depth, age and backlog gauges describe a queue, and every replica
 reports the same number, so they are taken with `max by (namespace, queue)`;
 counters count per pod, so their rates are summed by (namespace, queue). Either
 way five replicas raise one alert per queue.
+
+Double scrape: a pod scraped twice (a PodMonitor by port name and a
+`prometheus.io/scrape` job) has each series twice, differing only in job and
+instance. Per-pod values are therefore first taken with `max by (..., pod)`,
+which folds the copies into one, and only then summed, so a rate is never
+counted twice.
 """
 
 # Where runbook_url points. Relative to the repository root; set it to the
@@ -33,6 +39,17 @@ GROUP = "courier"
 # Grafana expands ${...} in provisioning files from its environment, so the
 # operator sets this variable to the UID of their Prometheus data source.
 GRAFANA_DATASOURCE_UID = "${PROMETHEUS_DATASOURCE_UID}"
+
+# Strips a pod name to its workload: a Deployment's pod NAME-HASH-XXXXX and a
+# StatefulSet's NAME-N both become NAME; any other name stays as it is.
+def with_workload(series):
+    return (
+        'label_replace(label_replace(label_replace('
+        f'{series}, "workload", "$1", "pod", "(.*)"), '
+        '"workload", "$1", "pod", "(.+)-[0-9]+"), '
+        '"workload", "$1", "pod", "(.+)-[a-z0-9]{6,10}-[a-z0-9]{5}")'
+    )
+
 
 ALERTS = [
     {
@@ -56,7 +73,10 @@ ALERTS = [
         "severity": "critical",
         # One dead letter a second for five minutes is 300 messages the app
         # refused: far past the odd poison message, something is broken.
-        "query": "sum by (namespace, queue) (rate(courier_dead_letters_total[5m]))",
+        "query": (
+            "sum by (namespace, queue) "
+            "(max by (namespace, queue, pod, reason) (rate(courier_dead_letters_total[5m])))"
+        ),
         "op": ">",
         "threshold": 1,
         "for": "5m",
@@ -86,17 +106,21 @@ ALERTS = [
     {
         "name": "CourierAppDown",
         "severity": "critical",
-        # courier_app_up belongs to one pod's app container and has no queue
-        # label, so this alert is per pod: each replica's app fails on its own.
-        "query": "min by (namespace, pod) (courier_app_up)",
-        "op": "<",
-        "threshold": 1,
+        # courier_app_up belongs to one pod's app container; the alert counts
+        # the pods of one workload whose app is down, so a Deployment of ten
+        # pages once, not ten times.
+        "query": (
+            "sum by (namespace, workload) (1 - max by (namespace, workload, pod) "
+            f"({with_workload('courier_app_up')}))"
+        ),
+        "op": ">",
+        "threshold": 0,
         "for": "5m",
-        "summary": "The app beside courier in pod {{ $labels.pod }} is down",
+        "summary": "The app of {{ $labels.workload }} is down in {{ $value }} pod(s)",
         "description": (
-            "courier in pod {{ $labels.namespace }}/{{ $labels.pod }} has not reached its app "
-            "for 5 minutes (courier_app_up is {{ $value }}). This pod has stopped pulling "
-            "messages; they wait in the broker for the other replicas."
+            "courier has not reached the app of {{ $labels.namespace }}/{{ $labels.workload }} "
+            "for 5 minutes in {{ $value }} pod(s). Those pods have stopped pulling messages; "
+            "they wait in the broker for the other replicas."
         ),
         "runbook": "courierappdown",
     },
@@ -107,7 +131,9 @@ ALERTS = [
         # replica's restart does not look like growth; in messages a minute.
         "query": "deriv(max by (namespace, queue) (courier_retry_backlog)[15m:1m]) * 60",
         "op": ">",
-        "threshold": 0,
+        # Messages a minute: a backlog that creeps up by a few messages an
+        # hour is noise, not an incident.
+        "threshold": 1,
         "for": "15m",
         "summary": "The retry backlog of queue {{ $labels.queue }} keeps growing",
         "description": (
@@ -124,8 +150,8 @@ ALERTS = [
         # The reload counter has no queue or policy label; the namespace is the
         # finest grouping that every replica of one deployment shares.
         "query": (
-            "sum by (namespace) "
-            '(increase(courier_policy_reloads_total{result="rejected"}[15m]))'
+            "sum by (namespace) (max by (namespace, pod) "
+            '(increase(courier_policy_reloads_total{result="rejected"}[15m])))'
         ),
         "op": ">",
         "threshold": 0,
@@ -137,5 +163,52 @@ ALERTS = [
             "The last good policy stays in force until the change is fixed."
         ),
         "runbook": "courierpolicyrejected",
+    },
+    {
+        "name": "CourierRetryRateHigh",
+        "severity": "warning",
+        # Retries per delivery attempt: above a quarter for 15 minutes, the
+        # app fails transiently far more than a healthy one does.
+        "query": (
+            "sum by (namespace, queue) "
+            "(max by (namespace, queue, pod) (rate(courier_retries_total[10m]))) "
+            "/ sum by (namespace, queue) "
+            "(max by (namespace, queue, pod, result) (rate(courier_deliveries_total[10m])))"
+        ),
+        "op": ">",
+        "threshold": 0.25,
+        "for": "15m",
+        "summary": "Many deliveries on queue {{ $labels.queue }} are retried",
+        "description": (
+            '{{ $value | humanizePercentage }} of the deliveries of {{ $labels.queue }} '
+            "(namespace {{ $labels.namespace }}) have been scheduled for a retry over the "
+            "last 15 minutes: the app is failing transiently (5xx, 429, timeouts)."
+        ),
+        "runbook": "courierretryratehigh",
+    },
+    {
+        "name": "CourierNotConsuming",
+        "severity": "critical",
+        # Work courier holds (in flight, or waiting for a retry) with no ack
+        # for 10 minutes: the consumer is stuck. Messages still in the broker
+        # that were never pulled need a queue-depth metric, which courier
+        # does not export yet.
+        "query": (
+            "(sum by (namespace, queue) (max by (namespace, queue, pod) (courier_in_flight)) "
+            "+ max by (namespace, queue) (courier_retry_backlog) "
+            "unless on (namespace, queue) "
+            "(sum by (namespace, queue) "
+            "(max by (namespace, queue, pod) (increase(courier_acks_total[10m]))) > 0))"
+        ),
+        "op": ">",
+        "threshold": 0,
+        "for": "10m",
+        "summary": "courier has acked nothing on queue {{ $labels.queue }} for 10 minutes",
+        "description": (
+            "courier holds {{ $value }} messages of {{ $labels.queue }} (namespace "
+            "{{ $labels.namespace }}), in flight or waiting for a retry, and has acked none "
+            "for at least 10 minutes: the app is not answering or answers only with failures."
+        ),
+        "runbook": "couriernotconsuming",
     },
 ]

@@ -5,12 +5,14 @@
     writer in generate.py) to exactly what generate.py meant to write
   - the Grafana alert rules are wired: query, reduce and threshold steps, the
     datasource placeholder, one rule per alert
-  - the dashboard is valid JSON with the datasource and queue variables, and
-    every panel and query uses ${datasource}
+  - the dashboard is valid JSON with the datasource, namespace and queue
+    variables, every panel and query uses ${datasource}, every query is
+    narrowed by $namespace and never groups queues without their namespace
   - every metric a query names is in metric-names.txt
   - every runbook_url anchor is a heading of docs/runbook.md
   - every alert has promtool tests that fire, stay quiet, and raise one alert
-    from several pods
+    from several pods; every alert on a counter has a case with a pod scraped
+    twice
 
 Run by scripts/test-monitoring with a Python that has PyYAML. Prints one line
 per failed check and exits 1 if there was any.
@@ -124,9 +126,17 @@ def check_dashboard():
     queue_query = queue.get("query", {})
     if isinstance(queue_query, dict):
         queue_query = queue_query.get("query")
-    if (queue_query != "label_values(courier_deliveries_total, queue)"
+    if (queue_query != 'label_values(courier_deliveries_total{namespace=~"$namespace"}, queue)'
             or not queue.get("multi") or not queue.get("includeAll")):
-        fail("dashboard: needs a multi, include-all queue variable from courier_deliveries_total")
+        fail("dashboard: needs a multi, include-all queue variable from courier_deliveries_total "
+             "in the chosen namespaces")
+    namespace = variables.get("namespace", {})
+    namespace_query = namespace.get("query", {})
+    if isinstance(namespace_query, dict):
+        namespace_query = namespace_query.get("query")
+    if (namespace_query != "label_values(courier_build_info, namespace)"
+            or not namespace.get("multi") or not namespace.get("includeAll")):
+        fail("dashboard: needs a multi, include-all namespace variable from courier_build_info")
     if queue.get("datasource", {}).get("uid") != "${datasource}":
         fail("dashboard: the queue variable's datasource is not ${datasource}")
     ids = [panel.get("id") for panel in panels_of(dashboard)]
@@ -145,7 +155,15 @@ def check_dashboard():
             if target.get("datasource", {}).get("uid") != "${datasource}":
                 fail(f"dashboard panel {title!r}: query {target.get('refId')} "
                      "datasource is not ${datasource}")
-            exprs.append(target.get("expr", ""))
+            expr = target.get("expr", "")
+            exprs.append(expr)
+            # Same-named queues of two namespaces must not merge, and the
+            # namespace variable must narrow every panel.
+            if 'namespace=~"$namespace"' not in expr:
+                fail(f"dashboard panel {title!r}: query {target.get('refId')} ignores $namespace")
+            if "queue" in expr and re.search(r"\bby \((?![^)]*namespace)[^)]*queue", expr):
+                fail(f"dashboard panel {title!r}: query {target.get('refId')} groups queues "
+                     "without namespace")
     shown = {name for expr in exprs for name in metric_names(expr)}
     for name in DASHBOARD_MUST_SHOW:
         if name not in shown:
@@ -200,7 +218,7 @@ def check_runbook():
 def check_test_coverage():
     """Each alert needs a case that fires, one that stays quiet, and one where
     several pods' series give exactly one alert."""
-    fires, quiet, replicas = set(), set(), set()
+    fires, quiet, replicas, doubled = set(), set(), set(), set()
     for path in sorted((HERE / "tests").glob("*.yaml")):
         document = yaml.safe_load(path.read_text())
         if "../prometheus/courier-rules.yaml" not in document.get("rule_files", []):
@@ -212,17 +230,29 @@ def check_test_coverage():
                 for m in [re.search(r'pod="([^"]+)"', series["series"])]
                 if m
             }
+            # The same series from two scrape jobs: labels equal but for job
+            # and instance.
+            scraped = [
+                re.sub(r',?(job|instance)="[^"]*"', "", series["series"])
+                for series in group.get("input_series", [])
+            ]
+            twice = len(scraped) != len(set(scraped))
             for case in group.get("alert_rule_test", []):
                 expected = case.get("exp_alerts") or []
                 name = case["alertname"]
                 (fires if expected else quiet).add(name)
                 if len(pods) > 1 and len(expected) == 1:
                     replicas.add(name)
+                if twice:
+                    doubled.add(name)
     for alert in alerts.ALERTS:
         name = alert["name"]
         for kind, seen in (("firing", fires), ("quiet", quiet), ("replica", replicas)):
             if name not in seen:
                 fail(f"monitoring/tests: no {kind} case for {name}")
+        # A counter's rate summed over a pod scraped twice would double.
+        if re.search(r"\b(rate|increase)\(", alert["query"]) and name not in doubled:
+            fail(f"monitoring/tests: no double-scrape case for {name} (same series from two jobs)")
 
 
 def main():

@@ -27,6 +27,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE_NAMESPACE = "courier-system"
 SIDECAR_NAMESPACES = ["shop", "billing"]
+# sidecar.serviceAccounts in the variants that set namespaces.
+SIDECAR_ACCOUNTS = ["default", "orders"]
+# generatedCertificate.existingSecret and .caBundle in "provided-cert".
+PROVIDED_SECRET = "orders-injector-tls"
+PROVIDED_CA = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg=="
 
 
 class Failed(Exception):
@@ -38,9 +43,23 @@ def check(condition, message):
         raise Failed(message)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """Refuses a mapping with the same key twice: PyYAML keeps the last one
+    silently, the API server refuses some and not others."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise Failed(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path):
     with open(path) as f:
-        return [d for d in yaml.safe_load_all(f) if d]
+        return [d for d in yaml.load_all(f, Loader=UniqueKeyLoader) if d]
 
 
 def by_kind(docs, kind):
@@ -103,6 +122,13 @@ def check_common(docs):
     secret_volume = pod["volumes"][0]["secret"]["secretName"]
     check(secret_volume.endswith("-injector-tls"), "the certificate comes from the TLS Secret")
 
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    spread = pod.get("topologySpreadConstraints", [])
+    check(
+        spread and spread[0]["labelSelector"]["matchLabels"] == selector,
+        "the injector's replicas are spread across zones",
+    )
+
     role = one(docs, "ClusterRole")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
     check(
@@ -110,9 +136,41 @@ def check_common(docs):
         "sidecars get, list and watch RetryPolicies",
     )
     check("create" in rules[(("",), ("events",))], "sidecars create Events")
+    check(role["rules"] == documented_sidecar_rules(), "docs/policy.md shows the sidecar ClusterRole's rules as rendered")
+
+
+def documented_sidecar_rules():
+    """The YAML block under "RBAC the sidecar's service account needs" in
+    docs/policy.md."""
+    text = (ROOT / "docs/policy.md").read_text()
+    section = text.split("### RBAC the sidecar's service account needs", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)["rules"]
 
 
 # === Variants ===
+
+
+def check_scope(docs, namespaces):
+    """A pod is injected only where its sidecar may read its policy: in the
+    namespaces of sidecar.namespaces (each with a RoleBinding), or with none
+    listed, in the namespaces labelled courier.dev/injection=enabled."""
+    selector = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]["namespaceSelector"]
+    expressions = selector["matchExpressions"]
+    if namespaces:
+        check("matchLabels" not in selector, "no opt-in label with sidecar.namespaces")
+        check(
+            len(expressions) == 2
+            and expressions[1] == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": namespaces},
+            f"only the namespaces of sidecar.namespaces are injected: {selector}",
+        )
+        bound = sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding"))
+        check(bound == sorted(namespaces), f"every injected namespace has the sidecar's RoleBinding: {bound}")
+    else:
+        check(
+            selector.get("matchLabels") == {"courier.dev/injection": "enabled"} and len(expressions) == 1,
+            f"without sidecar.namespaces only opted-in namespaces are injected: {selector}",
+        )
 
 
 def check_generated_certificate(docs):
@@ -155,9 +213,32 @@ def check_generated_certificate(docs):
         check(cert_key == key_key, "the key belongs to the certificate")
 
 
+def check_anti_affinity(docs, kind):
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    anti = pod.get("affinity", {}).get("podAntiAffinity", {})
+    if kind == "soft":
+        terms = [t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    else:
+        terms = anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+    check(
+        len(terms) == 1
+        and terms[0]["topologyKey"] == "kubernetes.io/hostname"
+        and terms[0]["labelSelector"]["matchLabels"] == selector,
+        f"{kind} anti-affinity keeps the injector's replicas on different nodes: {anti}",
+    )
+
+
+def serving_certificate(docs):
+    name = one(docs, "Service")["metadata"]["name"]
+    found = [c for c in by_kind(docs, "Certificate") if c["metadata"]["name"] == name]
+    check(len(found) == 1, f"one serving Certificate named {name}")
+    return found[0]
+
+
 def check_cert_manager(docs, own_issuer=True):
     check(not by_kind(docs, "Secret"), "no chart-made Secret with cert-manager")
-    certificate = one(docs, "Certificate")
+    certificate = serving_certificate(docs)
     webhook = one(docs, "MutatingWebhookConfiguration")
     annotation = webhook["metadata"].get("annotations", {}).get("cert-manager.io/inject-ca-from")
     check(
@@ -170,13 +251,36 @@ def check_cert_manager(docs, own_issuer=True):
         == one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
         "the injector mounts the Certificate's Secret",
     )
-    issuers = by_kind(docs, "Issuer")
+    issuers = {i["metadata"]["name"]: i for i in by_kind(docs, "Issuer")}
     if own_issuer:
-        check(len(issuers) == 1 and issuers[0]["spec"] == {"selfSigned": {}}, "a self-signed Issuer")
-        check(certificate["spec"]["issuerRef"]["name"] == issuers[0]["metadata"]["name"], "issued by it")
+        # self-signed Issuer -> root CA Certificate -> CA Issuer -> serving
+        # Certificate: renewing the serving certificate keeps the trusted CA.
+        check(len(issuers) == 2, f"a self-signed and a CA Issuer: {sorted(issuers)}")
+        ca_issuer = issuers.get(certificate["spec"]["issuerRef"]["name"])
+        check(ca_issuer is not None and "ca" in ca_issuer["spec"], "the serving certificate comes from a CA Issuer")
+        roots = [c for c in by_kind(docs, "Certificate") if c["spec"].get("isCA")]
+        check(len(roots) == 1, "one root CA Certificate")
+        root = roots[0]
+        check(ca_issuer["spec"]["ca"]["secretName"] == root["spec"]["secretName"], "the CA Issuer signs with the root")
+        check(root["spec"]["privateKey"]["rotationPolicy"] == "Never", "the root keeps its key across renewals")
+        self_signed = issuers.get(root["spec"]["issuerRef"]["name"])
+        check(self_signed is not None and self_signed["spec"] == {"selfSigned": {}}, "the root is self-signed")
+        check(
+            root["spec"]["secretName"] != certificate["spec"]["secretName"],
+            "the root and the serving certificate live in different Secrets",
+        )
     else:
         check(not issuers, "no Issuer of the chart's own with issuerRef set")
         check(certificate["spec"]["issuerRef"]["kind"] == "ClusterIssuer", "the given issuer")
+
+
+def check_provided_certificate(docs):
+    check(not by_kind(docs, "Secret"), "no chart-made Secret with existingSecret")
+    check(not by_kind(docs, "Certificate"), "no Certificate with existingSecret")
+    webhook = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
+    check(webhook["clientConfig"]["caBundle"] == PROVIDED_CA, "caBundle is generatedCertificate.caBundle")
+    volume = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
+    check(volume == PROVIDED_SECRET, f"the injector mounts existingSecret, not {volume}")
 
 
 def check_native(docs, native):
@@ -196,7 +300,10 @@ def check_monitoring(docs):
     monitor = one(docs, "PodMonitor")
     endpoint = monitor["spec"]["podMetricsEndpoints"][0]
     check(endpoint["port"] == "courier-metrics", "scrapes the sidecar's named port")
-    check(monitor["spec"]["namespaceSelector"] == {"any": True}, "in every namespace")
+    check(
+        monitor["spec"]["namespaceSelector"] == {"matchNames": SIDECAR_NAMESPACES},
+        f"in the injected namespaces: {monitor['spec']['namespaceSelector']}",
+    )
     check(monitor["metadata"]["labels"].get("release") == "prom", "extra labels are added")
 
     rule = one(docs, "PrometheusRule")
@@ -214,6 +321,30 @@ def check_monitoring(docs):
     )
 
 
+def check_monitoring_tuned(docs):
+    """Thresholds by name, extra labels and the runbook base URL reach the
+    rules; everything else is the shipped rules'."""
+    rule = one(docs, "PrometheusRule")
+    with open(ROOT / "monitoring/prometheus/courier-prometheusrule.yaml") as f:
+        shipped = {r["alert"]: r for g in yaml.safe_load(f)["spec"]["groups"] for r in g["rules"]}
+    rendered = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    check(set(rendered) == set(shipped), "the same alerts")
+    tuned = {"CourierRetryRateHigh": "0.5", "CourierAppDown": "2"}
+    for name, r in rendered.items():
+        original = shipped[name]
+        if name in tuned:
+            head, _, _ = original["expr"].rpartition(" ")
+            check(r["expr"] == f"{head} {tuned[name]}", f"{name}: threshold {tuned[name]}: {r['expr']}")
+        else:
+            check(r["expr"] == original["expr"], f"{name}: expr unchanged")
+        check(r["labels"] == {**original["labels"], "team": "payments"}, f"{name}: extra labels: {r['labels']}")
+        anchor = original["annotations"]["runbook_url"].split("#")[1]
+        check(
+            r["annotations"]["runbook_url"] == f"https://runbooks.example/courier.md#{anchor}",
+            f"{name}: runbook_url on the base URL",
+        )
+
+
 def check_policy_and_rbac(docs):
     bindings = by_kind(docs, "RoleBinding")
     check(
@@ -222,11 +353,10 @@ def check_policy_and_rbac(docs):
     )
     for b in bindings:
         ns = b["metadata"]["namespace"]
-        check(b["subjects"] == [{
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Group",
-            "name": f"system:serviceaccounts:{ns}",
-        }], f"bound to the service accounts of {ns}")
+        check(b["subjects"] == [
+            {"kind": "ServiceAccount", "name": account, "namespace": ns}
+            for account in SIDECAR_ACCOUNTS
+        ], f"bound to the service accounts {SIDECAR_ACCOUNTS} of {ns}, not to all of them: {b['subjects']}")
         check(b["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"], "the sidecar role")
 
     policies = by_kind(docs, "RetryPolicy")
@@ -265,19 +395,41 @@ def validate_structural(document, schema):
 
 
 VARIANTS = {
-    "default": [check_generated_certificate, lambda d: check_native(d, True), check_no_monitoring],
+    "default": [
+        check_generated_certificate,
+        lambda d: check_scope(d, []),
+        lambda d: check_native(d, True),
+        check_no_monitoring,
+        lambda d: check_anti_affinity(d, "soft"),
+    ],
+    "anti-affinity-hard": [lambda d: check_anti_affinity(d, "hard")],
+    "provided-cert": [check_provided_certificate],
     "cert-manager": [check_cert_manager],
     "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
+    "apis-present": [check_generated_certificate, check_no_monitoring],
     "native-off": [lambda d: check_native(d, False), check_generated_certificate],
-    "monitoring": [check_monitoring, check_policy_and_rbac],
-    "everything": [check_cert_manager, check_monitoring, check_policy_and_rbac, lambda d: check_native(d, False)],
+    "monitoring-tuned": [
+        check_monitoring_tuned,
+        lambda d: check(
+            one(d, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True},
+            "without sidecar.namespaces the PodMonitor scrapes every namespace",
+        ),
+    ],
+    "monitoring": [check_monitoring, check_policy_and_rbac, lambda d: check_scope(d, SIDECAR_NAMESPACES)],
+    "everything": [
+        check_cert_manager,
+        check_monitoring,
+        check_policy_and_rbac,
+        lambda d: check_native(d, False),
+        lambda d: check_scope(d, SIDECAR_NAMESPACES),
+    ],
 }
 
 
 def main():
     variant, path = sys.argv[1], sys.argv[2]
-    docs = load(path)
     try:
+        docs = load(path)
         check_common(docs)
         for step in VARIANTS[variant]:
             step(docs)

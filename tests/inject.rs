@@ -545,7 +545,16 @@ fn render_injects_into_a_deployment_template() {
     let path = dir.path().join("deployment.yaml");
     std::fs::write(&path, serde_json::to_string(&deployment).unwrap()).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_courier"))
-        .args(["inject", "--sidecar-image", IMAGE, "--pod"])
+        // A regular container, as the fixtures' defaults say (the flag's
+        // default is the chart's native sidecar).
+        .args([
+            "inject",
+            "--sidecar-image",
+            IMAGE,
+            "--native-sidecars",
+            "false",
+            "--pod",
+        ])
         .arg(&path)
         .output()
         .unwrap();
@@ -757,6 +766,7 @@ async fn binary_serves_admission_reviews_over_https_and_reloads_its_certificate(
             .arg("--tls-key")
             .arg(&key_path)
             .args(["--tls-reload-interval", "100ms", "--sidecar-image", IMAGE])
+            .args(["--native-sidecars", "false"])
             .args(["--log-format", "json"])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

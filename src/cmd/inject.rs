@@ -16,7 +16,8 @@ use super::args::UsageError;
 use crate::duration;
 use crate::inject::{
     DEFAULT_CPU_REQUEST, DEFAULT_IMAGE, DEFAULT_MEMORY_LIMIT, DEFAULT_MEMORY_REQUEST, Decision,
-    InjectConfig, Resources, SidecarDefaults, inject_document, is_quantity, serve,
+    InjectConfig, Resources, SidecarDefaults, apply_chart_values, inject_document, is_quantity,
+    serve,
 };
 use crate::telemetry::LogFormat;
 
@@ -50,6 +51,17 @@ pub struct InjectArgs {
     /// from FILE (- for stdin) and print it as the webhook would leave it.
     #[arg(long, env = "COURIER_INJECT_POD", value_name = "FILE")]
     pub pod: Option<PathBuf>,
+    /// With --pod: the chart's values file (as given to helm install -f);
+    /// its image and sidecar.* settings replace the --sidecar-* flags, so
+    /// the preview is what that install injects. Without it the defaults
+    /// are the chart's defaults.
+    #[arg(
+        long,
+        env = "COURIER_INJECT_VALUES",
+        value_name = "FILE",
+        requires = "pod"
+    )]
+    pub values: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -62,9 +74,10 @@ pub struct SidecarArgs {
           value_parser = ["Always", "IfNotPresent", "Never"])]
     pub sidecar_image_pull_policy: String,
     /// Inject a native sidecar (an init container with restartPolicy
-    /// Always; Kubernetes 1.29+), which starts before and stops after the
+    /// Always), which starts before and stops after the
     /// app. A pod can override this with courier.dev/native-sidecar.
-    #[arg(long, env = "COURIER_NATIVE_SIDECARS")]
+    #[arg(long, env = "COURIER_NATIVE_SIDECARS", value_name = "BOOL",
+          default_value_t = true, action = clap::ArgAction::Set)]
     pub native_sidecars: bool,
     /// CPU request of the sidecar, unless the pod says courier.dev/cpu-request.
     #[arg(long, env = "COURIER_SIDECAR_CPU_REQUEST", default_value = DEFAULT_CPU_REQUEST)]
@@ -153,7 +166,10 @@ pub fn config(args: &InjectArgs) -> Result<InjectConfig, UsageError> {
 /// with `--pod`.
 pub async fn run(args: InjectArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.pod {
-        let defaults = args.sidecar.defaults()?;
+        let mut defaults = args.sidecar.defaults()?;
+        if let Some(values) = &args.values {
+            read_chart_values(values, &mut defaults)?;
+        }
         return render(path, &defaults);
     }
     let config = config(&args)?;
@@ -171,6 +187,24 @@ pub async fn run(args: InjectArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--values FILE`: the chart's values over the flags' defaults.
+fn read_chart_values(path: &Path, defaults: &mut SidecarDefaults) -> Result<(), UsageError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| UsageError(format!("--values {}: {e}", path.display())))?;
+    let values: Value = if text.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_saphyr::from_str(&text)
+            .map_err(|e| UsageError(format!("--values {}: not YAML: {e}", path.display())))?
+    };
+    apply_chart_values(defaults, &values).map_err(|e| {
+        UsageError(format!(
+            "--values {}: {e}; fix the values (the chart's values.schema.json refuses them too)",
+            path.display()
+        ))
+    })
+}
+
 fn render(path: &Path, defaults: &SidecarDefaults) -> anyhow::Result<ExitCode> {
     let text = if path == Path::new("-") {
         std::io::read_to_string(std::io::stdin()).context("cannot read the pod from stdin")?
@@ -183,6 +217,12 @@ fn render(path: &Path, defaults: &SidecarDefaults) -> anyhow::Result<ExitCode> {
     let (doc, decision) = inject_document(doc, defaults)
         .map_err(|e| UsageError(format!("--pod {}: {e}", path.display())))?;
     eprintln!("{}", decision.message());
+    // The same warnings the API server shows kubectl on admission.
+    if let Decision::Inject { warnings, .. } = &decision {
+        for warning in warnings {
+            eprintln!("warning: {warning}");
+        }
+    }
     if let Decision::Deny(_) = decision {
         return Ok(ExitCode::from(1));
     }

@@ -261,6 +261,9 @@ fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
     if let Some(level) = &settings.log_level {
         var("COURIER_LOG_LEVEL", level.clone());
     }
+    for (name, value) in &settings.passthrough {
+        var(name, value.clone());
+    }
 
     let r = &settings.resources;
     let pick = |pairs: [(&str, &Option<String>); 2]| -> Value {

@@ -13,18 +13,22 @@
 //!   the checked settings of one pod (its own scheme check of the broker
 //!   URL: the injector loads no broker code).
 //! - [`decision`]: which pods, and what is added to them.
+//! - [`flags`]: which annotation sets which `courier run` flag.
 //! - [`review`]: the AdmissionReview exchange with the API server.
 //! - [`tls`]: the certificate, reloaded when its files change.
 //! - [`server`]: the HTTPS accept loop and the answers.
+//! - [`values`]: the chart's values as sidecar defaults, for the preview.
 //!
 //! The command line (`courier inject`, and `--pod FILE` to preview what the
 //! webhook would do) is in `cmd::inject`; nothing here reads flags.
 
 pub mod decision;
+pub mod flags;
 pub mod review;
 pub mod server;
 pub mod settings;
 pub mod tls;
+pub mod values;
 
 pub use decision::{Decision, Skip, decide, inject_document};
 pub use review::review;
@@ -35,3 +39,4 @@ pub use settings::{
     SidecarDefaults, annotations, is_quantity,
 };
 pub use tls::{ReloadingCert, TlsError, server_config};
+pub use values::apply_chart_values;

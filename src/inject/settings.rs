@@ -108,6 +108,19 @@ impl Default for SidecarDefaults {
     }
 }
 
+impl SidecarDefaults {
+    /// The defaults of the chart (charts/courier/values.yaml) and of
+    /// `courier inject`'s flags: the same, so that a preview without
+    /// `--values` shows what a default install injects. Differs from
+    /// [`Default`] only in `native_sidecars`, which the webhook tests pin off.
+    pub fn chart() -> Self {
+        Self {
+            native_sidecars: true,
+            ..Self::default()
+        }
+    }
+}
+
 // === One pod's settings ===
 
 /// The sidecar's settings, read from the pod's annotations and checked.
@@ -124,6 +137,9 @@ pub(super) struct Settings {
     pub(super) log_level: Option<String>,
     pub(super) native: bool,
     pub(super) resources: Resources,
+    /// Annotations of [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH):
+    /// (variable, value), checked.
+    pub(super) passthrough: Vec<(&'static str, String)>,
 }
 
 #[derive(Debug, Clone)]
@@ -259,6 +275,16 @@ pub(super) fn read_settings(
         memory_limit: quantity(a::MEMORY_LIMIT, &d.memory_limit),
     };
 
+    let mut passthrough = Vec::new();
+    for p in super::flags::PASSTHROUGH {
+        if let Some(v) = get(p.annotation) {
+            match super::flags::check(p.kind, v) {
+                Ok(()) => passthrough.push((p.env, v.to_string())),
+                Err(e) => problems.push(format!("{} {e}", p.annotation)),
+            }
+        }
+    }
+
     match (queue, source) {
         (Some(queue), Some(source)) if problems.is_empty() => Ok(Settings {
             source,
@@ -272,6 +298,7 @@ pub(super) fn read_settings(
             log_level: get(a::LOG_LEVEL).map(str::to_string),
             native,
             resources,
+            passthrough,
         }),
         _ => Err(problems),
     }

@@ -24,7 +24,11 @@
 
 {{/* The Secret holding the injector's serving certificate. */}}
 {{- define "courier.tlsSecret" -}}
+{{- if and (not .Values.certManager.enabled) .Values.generatedCertificate.existingSecret }}
+{{- .Values.generatedCertificate.existingSecret }}
+{{- else }}
 {{- printf "%s-injector-tls" (include "courier.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
 {{- end }}
 
 {{/* Labels on every resource. */}}
@@ -53,4 +57,17 @@ app.kubernetes.io/component: injector
 {{- $repository := default .Values.image.repository .Values.sidecar.image.repository }}
 {{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.sidecar.image.tag }}
 {{- printf "%s:%s" $repository $tag }}
+{{- end }}
+
+{{/*
+Fails the render when a value asks for an object whose API the cluster does
+not serve, naming what to install; an object the API server would refuse
+halfway through an install is worse. `helm template` knows only the APIs
+given with --api-versions (Argo CD and Flux pass the cluster's).
+Call with (dict "ctx" $ "api" "group/version/Kind" "value" "the.value" "install" "what").
+*/}}
+{{- define "courier.requireAPI" -}}
+{{- if not (.ctx.Capabilities.APIVersions.Has .api) }}
+{{- fail (printf "%s=true needs the API %s, which this cluster does not serve: install %s first, or leave %s false (with helm template, pass --api-versions %s)" .value .api .install .value .api) }}
+{{- end }}
 {{- end }}

@@ -1,0 +1,161 @@
+//! How a pod sets each `courier run` flag. Most flags have an annotation
+//! (`settings::annotations`); the ones below [`PASSTHROUGH`] are passed to
+//! the sidecar as the flag's own `COURIER_*` variable after a check, so that
+//! a typo refuses the pod instead of crash-looping its sidecar. Every other
+//! flag is listed in [`NOT_ANNOTATIONS`] with the reason, and a test fails
+//! when a new `courier run` flag is in neither list (tests/helm_annotations.rs),
+//! so the table in docs/kubernetes.md cannot fall behind.
+
+use crate::duration;
+
+/// What an annotation's value must look like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `true` or `false`.
+    Bool,
+    /// A duration like `30s` or `10m`.
+    Duration,
+    /// A size like `4MiB`, `512KiB` or `1048576`, as `courier run` reads it.
+    Size,
+    /// An absolute URL path like `/healthz`.
+    Path,
+}
+
+/// An annotation passed to the sidecar as the variable of its flag.
+#[derive(Debug, Clone, Copy)]
+pub struct Passthrough {
+    pub annotation: &'static str,
+    /// The `courier run` flag, without the dashes.
+    pub flag: &'static str,
+    pub env: &'static str,
+    pub kind: Kind,
+}
+
+pub const PASSTHROUGH: &[Passthrough] = &[
+    Passthrough {
+        annotation: "courier.dev/create",
+        flag: "create",
+        env: "COURIER_CREATE",
+        kind: Kind::Bool,
+    },
+    Passthrough {
+        annotation: "courier.dev/app-health-path",
+        flag: "app-health-path",
+        env: "COURIER_APP_HEALTH_PATH",
+        kind: Kind::Path,
+    },
+    Passthrough {
+        annotation: "courier.dev/dedup-window",
+        flag: "dedup-window",
+        env: "COURIER_DEDUP_WINDOW",
+        kind: Kind::Duration,
+    },
+    Passthrough {
+        annotation: "courier.dev/visibility-timeout",
+        flag: "visibility-timeout",
+        env: "COURIER_VISIBILITY_TIMEOUT",
+        kind: Kind::Duration,
+    },
+    Passthrough {
+        annotation: "courier.dev/max-body",
+        flag: "max-body",
+        env: "COURIER_MAX_BODY",
+        kind: Kind::Size,
+    },
+];
+
+/// The `courier run` flags set by the annotations of `settings` (not
+/// passed through), flag → annotation.
+pub const ANNOTATED: &[(&str, &str)] = &[
+    ("source", "courier.dev/source, courier.dev/source-secret"),
+    ("queue", "courier.dev/queue"),
+    ("group", "courier.dev/group"),
+    ("app", "courier.dev/app-port, courier.dev/app-url"),
+    ("policy", "courier.dev/policy"),
+    ("concurrency", "courier.dev/concurrency"),
+    ("drain-timeout", "courier.dev/drain-timeout"),
+    ("listen", "courier.dev/metrics-port"),
+    ("log-level", "courier.dev/log-level"),
+];
+
+/// The `courier run` flags a pod does not set by annotation, and why.
+pub const NOT_ANNOTATIONS: &[(&str, &str)] = &[
+    (
+        "consumer",
+        "the injector sets it to the pod's name (POD_NAME), unique in the group",
+    ),
+    (
+        "policy-file",
+        "a file in the sidecar's image; in a cluster the policy is a RetryPolicy (courier.dev/policy)",
+    ),
+    (
+        "depth-interval",
+        "how often the queue depth is read for metrics; the default suits every pod",
+    ),
+    (
+        "app-failure-run",
+        "an app-protection tuning knob; the default (5) suits every pod",
+    ),
+    (
+        "threads",
+        "one thread (the default) keeps the sidecar on one core beside its app; scale replicas for more",
+    ),
+    (
+        "log-format",
+        "the same for every sidecar of a cluster: the chart's sidecar.logFormat",
+    ),
+];
+
+/// Checks one annotation's value; the message says what to write.
+pub fn check(kind: Kind, value: &str) -> Result<(), String> {
+    match kind {
+        Kind::Bool if value == "true" || value == "false" => Ok(()),
+        Kind::Bool => Err(format!("{value:?} is not true or false")),
+        Kind::Duration => duration::parse(value)
+            .map(|_| ())
+            .map_err(|e| format!("{value:?}: {e}")),
+        Kind::Size => check_size(value),
+        Kind::Path if value.starts_with('/') && !value.contains(char::is_whitespace) => Ok(()),
+        Kind::Path => Err(format!(
+            "{value:?} is not a URL path; write it like /healthz"
+        )),
+    }
+}
+
+/// The sizes `courier run --max-body` reads (`cmd::args::parse_size`, which
+/// the injector does not import).
+fn check_size(value: &str) -> Result<(), String> {
+    let split = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (number, unit) = value.split_at(split);
+    let known = ["", "B", "KiB", "MiB", "GiB", "KB", "kB", "MB", "GB"];
+    if number.parse::<u64>().is_ok_and(|n| n > 0) && known.contains(&unit) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{value:?} is not a size; write it like 4MiB, 512KiB or 1048576"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values() {
+        assert!(check(Kind::Bool, "true").is_ok());
+        assert!(check(Kind::Bool, "yes").is_err());
+        assert!(check(Kind::Duration, "10m").is_ok());
+        assert!(check(Kind::Duration, "ten").is_err());
+        for good in ["4MiB", "512KiB", "1048576", "1MB"] {
+            assert!(check(Kind::Size, good).is_ok(), "{good}");
+        }
+        for bad in ["4 MiB", "lots", "4Mi", "0", ""] {
+            assert!(check(Kind::Size, bad).is_err(), "{bad}");
+        }
+        assert!(check(Kind::Path, "/healthz").is_ok());
+        assert!(check(Kind::Path, "healthz").is_err());
+    }
+}

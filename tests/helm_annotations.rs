@@ -1,0 +1,158 @@
+//! Every `courier run` flag is either set by a pod annotation or listed as
+//! "not an annotation" with its reason (`courier::inject::flags`), and the
+//! table in docs/kubernetes.md has a row for each; a new flag without
+//! either fails here. The pass-through annotations reach the sidecar as
+//! their flag's variable, and a bad value refuses the pod.
+
+use std::collections::BTreeSet;
+
+use clap::CommandFactory;
+use courier::cmd::Cli;
+use courier::inject::flags::{ANNOTATED, NOT_ANNOTATIONS, PASSTHROUGH};
+use courier::inject::{Decision, SidecarDefaults, inject_document};
+use serde_json::{Value, json};
+
+fn run_flags() -> BTreeSet<String> {
+    let mut cli = Cli::command();
+    cli.build();
+    let run = cli
+        .find_subcommand("run")
+        .expect("courier run exists")
+        .clone();
+    run.get_arguments()
+        .filter_map(|a| a.get_long())
+        .filter(|long| !matches!(*long, "help" | "version"))
+        .map(str::to_string)
+        .collect()
+}
+
+fn covered() -> Vec<String> {
+    PASSTHROUGH
+        .iter()
+        .map(|p| p.flag)
+        .chain(ANNOTATED.iter().map(|(flag, _)| *flag))
+        .chain(NOT_ANNOTATIONS.iter().map(|(flag, _)| *flag))
+        .map(str::to_string)
+        .collect()
+}
+
+fn docs() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/kubernetes.md")).unwrap()
+}
+
+#[test]
+fn every_run_flag_is_an_annotation_or_says_why_not() {
+    let flags = run_flags();
+    let covered = covered();
+    let missing: Vec<_> = flags.iter().filter(|f| !covered.contains(f)).collect();
+    assert!(
+        missing.is_empty(),
+        "courier run flags with neither an annotation nor a NOT_ANNOTATIONS entry in src/inject/flags.rs: {missing:?}"
+    );
+    let unknown: Vec<_> = covered.iter().filter(|f| !flags.contains(*f)).collect();
+    assert!(
+        unknown.is_empty(),
+        "src/inject/flags.rs names flags courier run does not have: {unknown:?}"
+    );
+    let mut seen = BTreeSet::new();
+    for flag in &covered {
+        assert!(
+            seen.insert(flag),
+            "--{flag} is listed twice in src/inject/flags.rs"
+        );
+    }
+}
+
+#[test]
+fn the_docs_have_a_row_for_every_annotation_and_every_exception() {
+    let docs = docs();
+    let annotations = PASSTHROUGH
+        .iter()
+        .map(|p| p.annotation)
+        .chain(ANNOTATED.iter().flat_map(|(_, a)| a.split(", ")));
+    for annotation in annotations {
+        assert!(
+            docs.contains(&format!("| `{annotation}`")),
+            "docs/kubernetes.md has no annotation row for {annotation}"
+        );
+    }
+    for (flag, _) in NOT_ANNOTATIONS {
+        assert!(
+            docs.contains(&format!("| `--{flag}` |")),
+            "docs/kubernetes.md does not say why --{flag} is not an annotation"
+        );
+    }
+}
+
+fn deployment(extra: Value) -> Value {
+    let mut annotations = json!({
+        "courier.dev/source-secret": "orders-broker",
+        "courier.dev/queue": "orders",
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        annotations[k] = v.clone();
+    }
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "orders", "namespace": "shop"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "orders"}},
+            "template": {
+                "metadata": {
+                    "labels": {"app": "orders", "courier.dev/inject": "true"},
+                    "annotations": annotations,
+                },
+                "spec": {"containers": [{"name": "orders", "image": "orders:1"}]},
+            },
+        },
+    })
+}
+
+#[test]
+fn passthrough_annotations_become_the_flags_variables() {
+    let given = json!({
+        "courier.dev/create": "true",
+        "courier.dev/app-health-path": "/healthz",
+        "courier.dev/dedup-window": "10m",
+        "courier.dev/visibility-timeout": "2m",
+        "courier.dev/max-body": "8MiB",
+    });
+    let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
+    assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
+    let env = doc["spec"]["template"]["spec"]["initContainers"][0]["env"].clone();
+    for (name, value) in [
+        ("COURIER_CREATE", "true"),
+        ("COURIER_APP_HEALTH_PATH", "/healthz"),
+        ("COURIER_DEDUP_WINDOW", "10m"),
+        ("COURIER_VISIBILITY_TIMEOUT", "2m"),
+        ("COURIER_MAX_BODY", "8MiB"),
+    ] {
+        assert!(
+            env.as_array()
+                .unwrap()
+                .contains(&json!({"name": name, "value": value})),
+            "{name}={value} in {env}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
+    let given = json!({
+        "courier.dev/create": "yes",
+        "courier.dev/max-body": "4 MiB",
+        "courier.dev/app-health-path": "healthz",
+    });
+    let (_, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
+    let Decision::Deny(message) = decision else {
+        panic!("expected a denial, got {decision}");
+    };
+    for expected in [
+        "courier.dev/create \"yes\" is not true or false",
+        "courier.dev/max-body \"4 MiB\" is not a size",
+        "courier.dev/app-health-path \"healthz\" is not a URL path",
+    ] {
+        assert!(message.contains(expected), "{expected:?} in {message}");
+    }
+}

@@ -182,8 +182,13 @@ impl Forwarder {
     async fn exchange(&self, request: Request<Full<Bytes>>) -> Outcome {
         let response = match self.client.request(request).await {
             Ok(response) => response,
-            Err(error) => {
+            Err(error) if never_sent(&error) => {
                 return Outcome::Unreachable {
+                    error: error_chain(&error),
+                };
+            }
+            Err(error) => {
+                return Outcome::ConnectionLost {
                     error: error_chain(&error),
                 };
             }
@@ -220,6 +225,15 @@ impl Forwarder {
             excerpt: excerpt.freeze(),
         }
     }
+}
+
+/// Whether the request never left courier: no connection could be made, or
+/// the client handed the request back unsent (a pooled connection closed
+/// under it). Anything else failed after the request was written, and the
+/// app may have seen the message. hyper-util has no public test for the
+/// hand-back; its kind is the one its `Display` names.
+fn never_sent(error: &hyper_util::client::legacy::Error) -> bool {
+    error.is_connect() || error.to_string() == "client error (Canceled)"
 }
 
 /// The error with its causes, e.g. `client error (Connect): tcp connect
@@ -262,6 +276,72 @@ mod tests {
         assert_eq!(
             parse_retry_after("99999999999999999999999", now),
             Some(Duration::from_secs(u64::MAX))
+        );
+    }
+
+    fn envelope(message: &Message) -> Envelope<'_> {
+        Envelope {
+            message,
+            queue: "orders",
+            attempt: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_unreachable() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
+        let message = Message {
+            id: "1-0".into(),
+            body: Bytes::from_static(b"{}"),
+            headers: Vec::new(),
+        };
+        let outcome = forwarder
+            .deliver(&envelope(&message), Duration::from_secs(5))
+            .await;
+        assert!(
+            matches!(&outcome, Outcome::Unreachable { error } if error.contains("onnect")),
+            "{outcome:?}"
+        );
+    }
+
+    /// What an app that crashes on a message looks like: it reads the
+    /// request, then the connection goes away without an answer.
+    #[tokio::test]
+    async fn a_connection_dropped_after_the_request_is_lost_not_unreachable() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !seen.ends_with(b"{}") {
+                let n = stream.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the request arrives whole");
+                seen.extend_from_slice(&buf[..n]);
+            }
+            // A reset, not a polite close: what a killed process leaves.
+            stream.set_zero_linger().unwrap();
+            drop(stream);
+            String::from_utf8_lossy(&seen).into_owned()
+        });
+        let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
+        let message = Message {
+            id: "1-0".into(),
+            body: Bytes::from_static(b"{}"),
+            headers: Vec::new(),
+        };
+        let outcome = forwarder
+            .deliver(&envelope(&message), Duration::from_secs(5))
+            .await;
+        let seen = app.await.unwrap();
+        assert!(seen.starts_with("POST / HTTP/1.1"), "{seen}");
+        assert!(
+            matches!(outcome, Outcome::ConnectionLost { .. }),
+            "{outcome:?}"
         );
     }
 

@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::Uri;
@@ -11,7 +11,7 @@ use http::Uri;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{Dispatcher, DrainReport};
+use crate::dispatch::{self, Dispatcher, DrainReport};
 use crate::forward::Forwarder;
 use crate::model::{Class, DeadLetterReason};
 use crate::policy::file::Reload;
@@ -150,10 +150,15 @@ async fn run_sidecar(
     health: &Arc<Health>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<DrainReport> {
+    let opened: Arc<OnceLock<Arc<dyn Source>>> = Arc::default();
     let (live, update) = LivePolicy::new(config.policy.clone());
+    let update = update.admit_with({
+        let (opened, options) = (opened.clone(), config.options.clone());
+        let url = config.source.to_string();
+        move |policy| follow_policy(opened.get(), &options, &url, policy)
+    });
     show_policy(metrics, None, &config.policy);
     let on_reload = report_reloads(metrics.clone(), config.policy.clone());
-    let mut options = config.options.clone();
     let watcher = if let Some(path) = config.policy_file.clone() {
         Some(policy::file::watch(
             path,
@@ -173,11 +178,13 @@ async fn run_sidecar(
                 return Ok(DrainReport { finished: 0, abandoned: 0 });
             }
         }
-        adjust_options(&mut options, &live.current());
         Some(watcher)
     } else {
         None
     };
+    // Opened with the settings of the policy in force now; every later
+    // change reaches the source through `follow_policy`.
+    let options = options_for(&config.options, &live.current());
     let Some(source) = open_source(config, options, &shutdown).await? else {
         if let Some(watcher) = watcher {
             watcher.abort();
@@ -187,6 +194,12 @@ async fn run_sidecar(
             abandoned: 0,
         });
     };
+    let _ = opened.set(source.clone());
+    // A change applied while the source was opening has not reached it.
+    source.apply(&dispatch::live::settings_for(
+        &config.options,
+        &live.current(),
+    ));
     tracing::info!(
         source = %config.source,
         queue = %config.options.queue,
@@ -227,6 +240,7 @@ async fn run_sidecar(
         concurrency: config.concurrency,
         max_body: config.max_body,
         drain_timeout: config.drain_timeout,
+        visibility_timeout: config.options.visibility_timeout,
         health: health.clone(),
         app_health_path: config.app_health_path.clone(),
         app_failure_run: config.app_failure_run,
@@ -244,6 +258,40 @@ async fn run_sidecar(
     let _ = poller.await;
     let _ = not_ready.await;
     Ok(report)
+}
+
+/// A policy change, before it is put in force: the open source must be
+/// able to follow it (a Redis Cluster dead-letter queue in another hash
+/// slot cannot), and then takes the settings it implies (visibility
+/// timeout, dead-letter queue for depth, delivery limit). A change the
+/// source refuses is refused as a whole, loudly, like an invalid document.
+fn follow_policy(
+    source: Option<&Arc<dyn Source>>,
+    options: &SourceOptions,
+    url: &str,
+    policy: &Policy,
+) -> Result<(), String> {
+    // Not open yet: it opens with the policy in force then.
+    let Some(source) = source else {
+        return Ok(());
+    };
+    let settings = dispatch::live::settings_for(options, policy);
+    source.check(&settings).map_err(|problem| {
+        format!(
+            "policy {} cannot be followed by --source {url} (queue {}): {problem}",
+            policy.label(),
+            options.queue
+        )
+    })?;
+    source.apply(&settings);
+    tracing::info!(
+        policy = %policy.label(),
+        visibility_timeout = %crate::duration::format(settings.visibility_timeout),
+        dead_letter_queue = %settings.dead_letter_queue,
+        max_deliveries = settings.max_deliveries,
+        "the source follows the new policy"
+    );
+    Ok(())
 }
 
 /// Reads depths from the broker on an interval. Never blocks deliveries; a
@@ -337,18 +385,23 @@ async fn follow_connection(source: &dyn Source, health: &Health, shutdown: &Canc
     }
 }
 
-/// What the source needs from the first policy read: its dead-letter queue,
-/// and a visibility timeout longer than its per-attempt timeout.
-pub fn adjust_options(options: &mut SourceOptions, policy: &Policy) {
-    options.dead_letter_queue = policy.dead_letter_queue_for(&options.queue);
-    if options.visibility_timeout <= policy.timeout {
-        let longer = policy.timeout + Duration::from_secs(30);
-        tracing::warn!(
+/// The options a source is opened with under `policy`: its dead-letter
+/// queue, delivery limit, and a visibility timeout longer than the policy's
+/// timeout.
+pub fn options_for(options: &SourceOptions, policy: &Policy) -> SourceOptions {
+    let settings = dispatch::live::settings_for(options, policy);
+    if settings.visibility_timeout > options.visibility_timeout {
+        tracing::info!(
             policy = %policy.label(),
-            visibility_timeout = %crate::duration::format(longer),
-            "the policy timeout is not shorter than --visibility-timeout; using the policy timeout + 30s"
+            visibility_timeout = %crate::duration::format(settings.visibility_timeout),
+            "the policy timeout is not much shorter than --visibility-timeout; using the policy timeout + 30s"
         );
-        options.visibility_timeout = longer;
+    }
+    SourceOptions {
+        visibility_timeout: settings.visibility_timeout,
+        dead_letter_queue: settings.dead_letter_queue,
+        max_deliveries: settings.max_deliveries,
+        ..options.clone()
     }
 }
 
@@ -357,18 +410,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_first_read_sets_the_dead_letter_queue_and_a_long_enough_visibility() {
+    fn the_source_opens_with_the_dead_letter_queue_and_a_long_enough_visibility() {
         let mut options = SourceOptions::new("orders");
         options.visibility_timeout = Duration::from_secs(60);
         let mut policy = Policy {
             dead_letter_queue: Some("orders.parked".into()),
             ..Policy::default()
         };
-        adjust_options(&mut options, &policy);
-        assert_eq!(options.dead_letter_queue, "orders.parked");
-        assert_eq!(options.visibility_timeout, Duration::from_secs(60));
+        let opened = options_for(&options, &policy);
+        assert_eq!(opened.dead_letter_queue, "orders.parked");
+        assert_eq!(opened.visibility_timeout, Duration::from_secs(60));
         policy.timeout = Duration::from_secs(90);
-        adjust_options(&mut options, &policy);
-        assert_eq!(options.visibility_timeout, Duration::from_secs(120));
+        let opened = options_for(&options, &policy);
+        assert_eq!(opened.visibility_timeout, Duration::from_secs(120));
+        assert_eq!(opened.max_deliveries, policy.max_deliveries());
     }
 }

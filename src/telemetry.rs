@@ -4,13 +4,15 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -19,6 +21,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -78,6 +81,7 @@ pub struct Metrics {
     pub retry_after_invalid: Family<QueueLabels, Counter>,
     pub settle_errors: Family<QueueLabels, Counter>,
     pub depth_poll_errors: Family<QueueLabels, Counter>,
+    pub broker_read_errors: Family<QueueLabels, Counter>,
     pub concurrency_limit: Family<QueueLabels, Gauge>,
     pub dedup_hits: Family<QueueLabels, Counter>,
 }
@@ -108,6 +112,7 @@ impl Metrics {
             retry_after_invalid: Family::default(),
             settle_errors: Family::default(),
             depth_poll_errors: Family::default(),
+            broker_read_errors: Family::default(),
             concurrency_limit: Family::default(),
             dedup_hits: Family::default(),
             registry: Registry::default(),
@@ -188,6 +193,11 @@ impl Metrics {
             "depth_poll_errors",
             "Failed polls of queue depths",
             m.depth_poll_errors.clone(),
+        );
+        registry.register(
+            "broker_read_errors",
+            "Failed reads from the broker; a run of them makes /readyz fail until a read works",
+            m.broker_read_errors.clone(),
         );
         registry.register(
             "concurrency_limit",
@@ -350,48 +360,105 @@ impl QueueMetrics {
 
 // === Health ===
 
-/// What `/healthz` and `/readyz` report.
+/// What `/healthz` and `/readyz` report. Ready means started, and none of
+/// the reasons not to be: the broker connection lost, reads from the broker
+/// failing in a row, the app down (the gate closed).
 #[derive(Default)]
 pub struct Health {
     ready: AtomicBool,
-    /// The broker connection is lost; ready again once it is back.
     broker_lost: AtomicBool,
+    reads_failing: AtomicBool,
+    app_down: AtomicBool,
 }
 
 impl Health {
+    /// Started (the source is open) or stopped.
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
     }
 
-    /// Follows the source's connection, apart from `set_ready`.
+    /// Follows the source's connection.
     pub fn set_broker_connected(&self, connected: bool) {
         self.broker_lost.store(!connected, Ordering::SeqCst);
     }
 
+    /// A run of failed reads from the broker, until one works.
+    pub fn set_broker_reads_failing(&self, failing: bool) {
+        self.reads_failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Follows the app-health gate.
+    pub fn set_app_up(&self, up: bool) {
+        self.app_down.store(!up, Ordering::SeqCst);
+    }
+
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst) && !self.broker_lost.load(Ordering::SeqCst)
+        self.ready.load(Ordering::SeqCst)
+            && !self.broker_lost.load(Ordering::SeqCst)
+            && !self.reads_failing.load(Ordering::SeqCst)
+            && !self.app_down.load(Ordering::SeqCst)
     }
 }
 
 // === The HTTP endpoint ===
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`.
+/// A scraper gets this long to send its request head; a connection that
+/// sends nothing (or a byte a minute) is closed.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections the endpoint serves at once; more are closed at accept.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`. HTTP/1
+/// only (what scrapers and the kubelet speak), with a header-read timeout
+/// and a connection cap: the port is often reachable from the whole
+/// cluster, and idle or slow connections must not pile up in the sidecar.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     shutdown: CancellationToken,
 ) {
-    serve_http(listener, shutdown, move |req| {
-        let response = respond(&req, &metrics, &health);
-        async move { response }
-    })
-    .await;
+    let open = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a connection to the metrics endpoint failed");
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            tracing::debug!(
+                "the metrics endpoint has {MAX_CONNECTIONS} connections open; closing a new one"
+            );
+            continue;
+        };
+        let (metrics, health, stop) = (metrics.clone(), health.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<Incoming>| {
+                let response = respond(&req, &metrics, &health);
+                async move { Ok::<_, std::convert::Infallible>(response) }
+            });
+            let mut builder = http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                _ = connection => {}
+                _ = stop.cancelled() => {}
+            }
+            drop(permit);
+        });
+    }
 }
 
 /// A plain HTTP/1 and HTTP/2 server: every request on `listener` goes to
 /// `handler` until `stop`, which also cuts the connections still open. The
-/// metrics endpoint, the demo's sample app and the tests' apps all use it.
+/// demo's sample app and the tests' apps use it.
 pub async fn serve_http<H, F>(listener: TcpListener, stop: CancellationToken, handler: H)
 where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
@@ -472,12 +539,16 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber; `RUST_LOG` overrides `level`.
+/// Installs the global subscriber; `RUST_LOG` overrides `level`. Human
+/// logs are coloured only on a terminal: escape codes in a log file or a
+/// collector's pipe are noise.
 pub fn init_logging(format: LogFormat, level: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     // A second init (tests start several sidecars in one process) is fine.
     let _ = match format {

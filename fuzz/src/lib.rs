@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use courier::forward::parse_retry_after;
 use courier::model::{DeadLetterReason, Delivery, Failure, Outcome};
-use courier::policy::{CodeMatch, Verdict, decide};
+use courier::policy::{CodeMatch, GateState, Verdict, decide};
 use courier::source::{decode_fields, encode_fields};
 
 /// A target's body: checks one input, panics on a finding.
@@ -123,6 +123,9 @@ pub fn policy_document(data: &[u8]) {
         Outcome::Unreachable {
             error: "refused".into(),
         },
+        Outcome::ConnectionLost {
+            error: "reset".into(),
+        },
         Outcome::Undeliverable {
             error: "too large".into(),
         },
@@ -132,8 +135,11 @@ pub fn policy_document(data: &[u8]) {
     for outcome in &outcomes {
         for attempt in attempts {
             // The dispatcher's samples are uniform in [0, 1).
-            for sample in [0.0, 0.5, 0.999_999] {
-                let decision = decide(&policy, outcome, attempt, sample);
+            for (sample, gate) in [0.0, 0.5, 0.999_999]
+                .into_iter()
+                .flat_map(|s| [(s, GateState::Open), (s, GateState::Closed)])
+            {
+                let decision = decide(&policy, outcome, attempt, gate, sample);
                 match decision.verdict {
                     Verdict::Ack => assert!(
                         matches!(

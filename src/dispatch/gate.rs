@@ -1,40 +1,61 @@
-//! The app-health gate (a circuit breaker). When the app is unreachable, or
-//! a run of deliveries fails with 503s or timeouts, the gate closes: courier
-//! stops pulling, probes the app with backoff, and opens again when it
-//! answers. Failures while the gate is closed use up no attempts, so an app
-//! outage of any length dead-letters nothing.
+//! The app-health gate. It protects an app that is down and must never
+//! stall a queue because of a few messages, so only two things close it: no
+//! connection to the app, and the app's own `--app-health-path` failing.
+//! Answers never close it, not even 503s (a run of those lowers the
+//! concurrency limit instead, see [`super::limit`]). While it is closed
+//! courier pulls nothing and probes the app with backoff; its state is an
+//! input of [`crate::policy::decide`], which uses up no attempts on a
+//! transient failure while it is closed.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::model::Class;
+use crate::model::{Class, Outcome};
+use crate::policy::GateState;
 
-/// Consecutive 503s or timeouts that close the gate, by default.
+/// Consecutive 503s or timeouts after which the health path is asked at
+/// once, by default (`--app-failure-run`).
 pub const FAILURE_RUN: u32 = 5;
 /// Probe backoff bounds while closed.
 pub const PROBE_MIN: Duration = Duration::from_millis(200);
 pub const PROBE_MAX: Duration = Duration::from_secs(5);
 
-/// What a delivery's outcome says about the app's health.
+/// What courier learned about the app.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Health {
-    /// It answered, and not with "I am down".
-    Answering,
-    /// 503 or a timeout: down, or drowning.
-    Failing,
-    /// Connection refused or reset: not there at all.
+pub enum Evidence {
+    /// No connection: refused, no route, reset before the request left.
     Unreachable,
+    /// It answered, or accepted a connection.
+    Reachable,
+    /// It answered 503, or did not answer in time: maybe down, maybe
+    /// drowning. Only the health path can tell, when there is one.
+    Failing,
+    /// What `--app-health-path` said: 2xx or not.
+    HealthPath(bool),
 }
 
-impl Health {
-    pub fn from_class(class: Class, status: Option<u16>) -> Option<Self> {
-        match (class, status) {
+impl Evidence {
+    /// What a delivery's outcome says about the app, if anything.
+    pub fn from_outcome(class: Class, outcome: &Outcome) -> Option<Self> {
+        match (class, outcome.status()) {
             (Class::Unreachable, _) => Some(Self::Unreachable),
             (Class::Timeout, _) | (_, Some(503)) => Some(Self::Failing),
-            (Class::Undeliverable, _) => None,
-            _ => Some(Self::Answering),
+            // The app took the connection and lost it: it was there. If it
+            // crashed, the next connection is refused and says so.
+            (Class::ConnectionLost | Class::Undeliverable, _) => None,
+            _ => Some(Self::Reachable),
         }
     }
+}
+
+/// What a report did to the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Opened,
+    Closed,
+    /// A run of failures: ask the health path now, and report its answer.
+    CheckHealth,
+    Unchanged,
 }
 
 #[derive(Default)]
@@ -45,29 +66,18 @@ struct State {
 
 pub struct Gate {
     state: Mutex<State>,
-    /// 0: only an unreachable app closes the gate.
+    /// With a health path, only it opens the gate, and a run of this many
+    /// failures asks it at once (0: only the periodic check asks).
     failure_run: u32,
-}
-
-impl Default for Gate {
-    fn default() -> Self {
-        Self::new(FAILURE_RUN)
-    }
-}
-
-/// What a report did to the gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Change {
-    Opened,
-    Closed,
-    Unchanged,
+    health_path: bool,
 }
 
 impl Gate {
-    pub fn new(failure_run: u32) -> Self {
+    pub fn new(failure_run: u32, health_path: bool) -> Self {
         Self {
             state: Mutex::default(),
             failure_run,
+            health_path,
         }
     }
 
@@ -79,22 +89,35 @@ impl Gate {
         self.lock().closed
     }
 
-    pub fn report(&self, health: Health) -> Change {
+    /// The state as [`crate::policy::decide`] takes it.
+    pub fn state(&self) -> GateState {
+        if self.is_closed() {
+            GateState::Closed
+        } else {
+            GateState::Open
+        }
+    }
+
+    pub fn report(&self, evidence: Evidence) -> Change {
         let mut s = self.lock();
         let was_closed = s.closed;
-        match health {
-            Health::Answering => {
-                s.failures = 0;
-                s.closed = false;
-            }
-            Health::Failing => {
-                s.failures += 1;
-                if self.failure_run > 0 && s.failures >= self.failure_run {
-                    s.closed = true;
-                }
-            }
-            Health::Unreachable => {
+        match evidence {
+            Evidence::Unreachable | Evidence::HealthPath(false) => {
                 s.closed = true;
+                s.failures = 0;
+            }
+            Evidence::HealthPath(true) => {
+                s.closed = false;
+                s.failures = 0;
+            }
+            Evidence::Reachable | Evidence::Failing if !self.health_path => s.closed = false,
+            Evidence::Reachable => s.failures = 0,
+            Evidence::Failing => {
+                s.failures += 1;
+                if !s.closed && self.failure_run > 0 && s.failures >= self.failure_run {
+                    s.failures = 0;
+                    return Change::CheckHealth;
+                }
             }
         }
         match (was_closed, s.closed) {
@@ -112,71 +135,112 @@ pub fn probe_delay(probes: u32) -> Duration {
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
 
-    #[test]
-    fn a_run_of_failures_closes_and_an_answer_opens() {
-        let gate = Gate::default();
-        for _ in 1..FAILURE_RUN {
-            assert_eq!(gate.report(Health::Failing), Change::Unchanged);
+    fn answered(status: u16) -> Outcome {
+        Outcome::Answered {
+            status,
+            retry_after: None,
+            retry_after_invalid: false,
+            excerpt: Bytes::new(),
         }
-        assert_eq!(gate.report(Health::Failing), Change::Closed);
-        assert!(gate.is_closed());
-        assert_eq!(gate.report(Health::Failing), Change::Unchanged);
-        assert_eq!(gate.report(Health::Answering), Change::Opened);
-        assert!(!gate.is_closed());
+    }
+
+    #[test]
+    fn answers_never_close_it_without_a_health_path() {
+        let gate = Gate::new(FAILURE_RUN, false);
+        for _ in 0..100 {
+            assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
+        }
+        assert_eq!(gate.state(), GateState::Open);
+    }
+
+    #[test]
+    fn no_connection_closes_it_and_an_answer_opens_it() {
+        let gate = Gate::new(FAILURE_RUN, false);
+        assert_eq!(gate.report(Evidence::Unreachable), Change::Closed);
+        assert_eq!(gate.state(), GateState::Closed);
+        assert_eq!(gate.report(Evidence::Unreachable), Change::Unchanged);
+        // Even a 503 is an answer: the app is there.
+        assert_eq!(gate.report(Evidence::Failing), Change::Opened);
+        assert_eq!(gate.report(Evidence::Unreachable), Change::Closed);
+        assert_eq!(gate.report(Evidence::Reachable), Change::Opened);
+    }
+
+    #[test]
+    fn a_run_of_failures_asks_the_health_path_which_decides() {
+        let gate = Gate::new(3, true);
+        assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
+        assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
+        assert_eq!(gate.report(Evidence::Failing), Change::CheckHealth);
+        assert_eq!(gate.report(Evidence::HealthPath(true)), Change::Unchanged);
+        assert_eq!(gate.state(), GateState::Open);
+        for _ in 0..2 {
+            gate.report(Evidence::Failing);
+        }
+        assert_eq!(gate.report(Evidence::Failing), Change::CheckHealth);
+        assert_eq!(gate.report(Evidence::HealthPath(false)), Change::Closed);
+        // Closed, only the health path opens it: answers in flight do not.
+        assert_eq!(gate.report(Evidence::Reachable), Change::Unchanged);
+        assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
+        assert_eq!(gate.report(Evidence::HealthPath(true)), Change::Opened);
     }
 
     #[test]
     fn an_answer_breaks_the_run() {
-        let gate = Gate::default();
+        let gate = Gate::new(3, true);
         for _ in 0..10 {
-            gate.report(Health::Failing);
-            gate.report(Health::Failing);
-            gate.report(Health::Answering);
+            assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
+            assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
+            assert_eq!(gate.report(Evidence::Reachable), Change::Unchanged);
         }
-        assert!(!gate.is_closed());
     }
 
     #[test]
-    fn a_zero_run_leaves_only_unreachable() {
-        let gate = Gate::new(0);
+    fn a_zero_run_never_asks() {
+        let gate = Gate::new(0, true);
         for _ in 0..100 {
-            gate.report(Health::Failing);
+            assert_eq!(gate.report(Evidence::Failing), Change::Unchanged);
         }
-        assert!(!gate.is_closed());
-        assert_eq!(gate.report(Health::Unreachable), Change::Closed);
+        assert_eq!(gate.report(Evidence::Unreachable), Change::Closed);
     }
 
     #[test]
-    fn unreachable_closes_at_once() {
-        let gate = Gate::default();
-        assert_eq!(gate.report(Health::Unreachable), Change::Closed);
-    }
-
-    #[test]
-    fn classes() {
-        assert_eq!(
-            Health::from_class(Class::Transient, Some(503)),
-            Some(Health::Failing)
-        );
-        assert_eq!(
-            Health::from_class(Class::Timeout, None),
-            Some(Health::Failing)
-        );
-        assert_eq!(
-            Health::from_class(Class::Transient, Some(500)),
-            Some(Health::Answering)
-        );
-        assert_eq!(
-            Health::from_class(Class::Permanent, Some(400)),
-            Some(Health::Answering)
-        );
-        assert_eq!(
-            Health::from_class(Class::Unreachable, None),
-            Some(Health::Unreachable)
-        );
-        assert_eq!(Health::from_class(Class::Undeliverable, None), None);
+    fn evidence_from_outcomes() {
+        let rows = [
+            (Class::Transient, answered(503), Some(Evidence::Failing)),
+            (Class::Timeout, Outcome::Timeout, Some(Evidence::Failing)),
+            (Class::Transient, answered(500), Some(Evidence::Reachable)),
+            (Class::Transient, answered(429), Some(Evidence::Reachable)),
+            (Class::Permanent, answered(400), Some(Evidence::Reachable)),
+            (Class::Success, answered(200), Some(Evidence::Reachable)),
+            (
+                Class::Unreachable,
+                Outcome::Unreachable {
+                    error: "refused".into(),
+                },
+                Some(Evidence::Unreachable),
+            ),
+            (
+                Class::ConnectionLost,
+                Outcome::ConnectionLost {
+                    error: "reset".into(),
+                },
+                None,
+            ),
+            (
+                Class::Undeliverable,
+                Outcome::Undeliverable {
+                    error: "too big".into(),
+                },
+                None,
+            ),
+        ];
+        for (class, outcome, want) in rows {
+            assert_eq!(Evidence::from_outcome(class, &outcome), want, "{outcome:?}");
+        }
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Adaptive concurrency: how many deliveries may be in flight, between 1 and
 //! `--concurrency`, moved by what the app says (AIMD). Up by about one per
-//! round of healthy answers; halved on a 429 or a timeout; trimmed when
-//! latency climbs well above the best the app has recently shown.
+//! round of healthy answers; halved on a 429, a timeout or a run of 503s;
+//! trimmed when latency climbs well above the best the app has recently
+//! shown. A run of 503s is the app saying it is drowning: the answer to it
+//! is backpressure, not a pause of the whole queue (see [`super::gate`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -17,6 +19,9 @@ const LATENCY_RISE: f64 = 2.0;
 const LATENCY_FLOOR: Duration = Duration::from_millis(20);
 /// The "recent best" is forgotten this often, so a slower app can settle.
 const BASELINE_WINDOW: Duration = Duration::from_secs(30);
+/// Consecutive 503s that count as one overload signal: a few messages the
+/// app always refuses must not hold the limit down.
+pub const UNAVAILABLE_RUN: u32 = 3;
 
 /// Signals that move the limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +30,8 @@ pub enum Signal {
     Healthy(Duration),
     /// 429 or a timeout: the app says it has too much.
     Overloaded,
+    /// 503: a run of [`UNAVAILABLE_RUN`] of these is an overload.
+    Unavailable,
     /// Anything else: no information about load.
     Neutral,
 }
@@ -34,6 +41,7 @@ impl Signal {
         match (class, status) {
             (Class::Success, _) => Self::Healthy(latency),
             (Class::Timeout, _) | (_, Some(429)) => Self::Overloaded,
+            (_, Some(503)) => Self::Unavailable,
             _ => Self::Neutral,
         }
     }
@@ -45,6 +53,8 @@ struct State {
     last_decrease: Option<Instant>,
     baseline: Option<Duration>,
     baseline_since: Instant,
+    /// 503s since the last healthy answer.
+    unavailable: u32,
 }
 
 pub struct Limiter {
@@ -75,6 +85,7 @@ impl Limiter {
                 last_decrease: None,
                 baseline: None,
                 baseline_since: Instant::now(),
+                unavailable: 0,
             }),
             released: Notify::new(),
             max,
@@ -125,6 +136,22 @@ impl Limiter {
             s.last_decrease
                 .is_none_or(|t| now.duration_since(t) >= rtt.max(Duration::from_millis(100)))
         };
+        let signal = match signal {
+            Signal::Unavailable => {
+                s.unavailable += 1;
+                if s.unavailable >= UNAVAILABLE_RUN {
+                    s.unavailable = 0;
+                    Signal::Overloaded
+                } else {
+                    Signal::Neutral
+                }
+            }
+            Signal::Healthy(_) => {
+                s.unavailable = 0;
+                signal
+            }
+            other => other,
+        };
         match signal {
             Signal::Overloaded => {
                 let rtt = s.baseline.unwrap_or_default();
@@ -153,7 +180,7 @@ impl Limiter {
                     s.limit = (s.limit + 1.0 / s.limit).min(max);
                 }
             }
-            Signal::Neutral => {}
+            Signal::Neutral | Signal::Unavailable => {}
         }
         drop(s);
         self.released.notify_waiters();
@@ -183,6 +210,26 @@ mod tests {
             limiter.limit(),
             16,
             "healthy answers restore the limit, never past the maximum"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_run_of_503s_halves_the_limit_and_a_few_do_not() {
+        let limiter = Limiter::new(16);
+        for _ in 0..10 {
+            for _ in 1..UNAVAILABLE_RUN {
+                limiter.observe(Signal::Unavailable);
+            }
+            limiter.observe(Signal::Healthy(Duration::from_millis(2)));
+        }
+        assert_eq!(limiter.limit(), 16, "503s among successes are no run");
+        for _ in 0..UNAVAILABLE_RUN {
+            limiter.observe(Signal::Unavailable);
+        }
+        assert_eq!(limiter.limit(), 8);
+        assert_eq!(
+            Signal::from_class(Class::Transient, Some(503), Duration::ZERO),
+            Signal::Unavailable
         );
     }
 

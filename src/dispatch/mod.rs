@@ -1,32 +1,41 @@
-//! The delivery loop: read up to one round of the concurrency limit, offer
-//! each to the app, settle it from the policy's verdict; on shutdown stop
-//! pulling and let what is in flight finish, up to the drain timeout.
+//! The delivery loop, in steps: wait while the app is held or down, read
+//! up to one round of the concurrency limit, launch a delivery task per
+//! message (offer, judge, settle: [`deliver`]), and on shutdown stop pulling
+//! and let what is in flight finish, up to the drain timeout.
 //!
-//! Two guards protect the app: the [`limit`] (how many deliveries may be in
-//! flight, adapted to the app's answers) and the [`gate`] (stop pulling
-//! while the app is down).
+//! Guards around the app: the [`limit`] (how many deliveries may be in
+//! flight, adapted to the app's answers), the [`gate`] (stop pulling while
+//! the app is down) and the Retry-After [`hold`]. Beside the loop, deliveries
+//! in flight are kept claimed ([`in_flight`]) and the app is watched.
 
+mod deliver;
 pub mod gate;
+pub mod hold;
+pub mod in_flight;
 pub mod limit;
+pub mod live;
+#[cfg(test)]
+mod tests;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
+use prometheus_client::metrics::counter::Counter;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::forward::{Envelope, Forwarder};
-use crate::model::{Class, DeadLetterReason, Outcome};
-use crate::model::{Delivery, Failure};
-use crate::policy::{LivePolicy, Verdict, decide};
+use crate::forward::Forwarder;
+use crate::model::{Class, DeadLetterReason, Delivery};
+use crate::policy::LivePolicy;
 use crate::source::Source;
-use crate::telemetry::{self, Metrics, QueueMetrics};
+use crate::telemetry::{self, Metrics, QueueLabels, QueueMetrics};
 
-use gate::{Change, Gate};
-use limit::{Limiter, Signal};
+use gate::{Change, Evidence, Gate};
+use hold::Hold;
+use in_flight::InFlight;
+use limit::{Limiter, Slot};
 
 /// At most this many messages are asked for in one read.
 const MAX_BATCH: usize = 256;
@@ -34,8 +43,10 @@ const MAX_BATCH: usize = 256;
 /// goes back to the broker: a read-ahead helps a fast app, and must not hold
 /// messages the broker could hand to another replica while a slow one works.
 const READ_AHEAD_WAIT: Duration = Duration::from_secs(2);
-/// How often the app is probed for `courier_app_up`.
+/// How often the app (or its health path) is checked while deliveries flow.
 const APP_PROBE_INTERVAL: Duration = Duration::from_secs(5);
+/// Failed reads in a row after which `/readyz` says not ready.
+pub const READ_FAILURE_RUN: u32 = 3;
 
 pub struct Dispatcher {
     pub source: Arc<dyn Source>,
@@ -46,11 +57,15 @@ pub struct Dispatcher {
     pub concurrency: usize,
     pub max_body: usize,
     pub drain_timeout: Duration,
-    /// Readiness follows the app-health gate.
+    /// The configured visibility timeout; the one in force follows the
+    /// policy's timeout ([`live::visibility_for`]).
+    pub visibility_timeout: Duration,
+    /// Readiness follows the gate and the broker reads.
     pub health: Arc<telemetry::Health>,
-    /// Probed with GET while the gate is closed; else one delivery probes.
+    /// GET on this path says whether the app is up (2xx) or down.
     pub app_health_path: Option<String>,
-    /// Consecutive 503s or timeouts that close the gate; 0: never.
+    /// Consecutive 503s or timeouts after which the health path is asked at
+    /// once; 0: only the periodic check asks. No effect without a path.
     pub app_failure_run: u32,
     /// Acked idempotency keys are remembered this long, and a redelivery of
     /// one is acked without reaching the app.
@@ -67,159 +82,236 @@ pub struct DrainReport {
     pub abandoned: usize,
 }
 
-/// Messages read and not yet handed to a delivery task.
-struct ReadAhead {
-    deliveries: VecDeque<Delivery>,
+/// The reading side of the loop: messages read and not yet handed to a
+/// delivery task, failed reads in a row, probes while the gate is closed.
+struct Reader {
+    ahead: VecDeque<Delivery>,
     read_at: Instant,
+    failures: u32,
+    probes: u32,
 }
 
-impl Default for ReadAhead {
+impl Default for Reader {
     fn default() -> Self {
         Self {
-            deliveries: VecDeque::new(),
+            ahead: VecDeque::new(),
             read_at: Instant::now(),
+            failures: 0,
+            probes: 0,
         }
     }
 }
 
-impl ReadAhead {
-    fn fill(&mut self, deliveries: Vec<Delivery>) {
-        self.deliveries.extend(deliveries);
-        self.read_at = Instant::now();
+impl Reader {
+    /// After a failed read: 200 ms doubling up to 5 s.
+    fn retry_wait(&self) -> Duration {
+        Duration::from_millis(100 * 2u64.pow(self.failures.min(6))).min(Duration::from_secs(5))
     }
 }
 
-/// Shared by the loop and its delivery tasks.
+/// What the loop does next.
+enum Flow {
+    Stop,
+    Again,
+    /// Launch what was read; the first message has this slot.
+    Launch(Slot),
+}
+
+/// Shared by the loop, its delivery tasks and its helpers.
 struct Shared {
-    dispatcher: Dispatcher,
-    /// A 429 with Retry-After holds new deliveries until then: the limit is
-    /// the app's, not the message's.
-    hold_until: Mutex<Option<Instant>>,
+    d: Dispatcher,
+    hold: Hold,
     limiter: Arc<Limiter>,
     gate: Gate,
+    in_flight: Arc<InFlight>,
     m: QueueMetrics,
+    read_errors: Counter,
 }
 
 impl Dispatcher {
     /// Runs until `shutdown`, then drains.
     pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
-        let limiter = Limiter::new(self.concurrency);
-        let gate = Gate::new(self.app_failure_run);
-        let m = self.metrics.for_queue(
-            &self.queue,
+        let shared = Arc::new(Shared::new(self));
+        let helpers = [
+            tokio::spawn(shared.clone().watch_app()),
+            tokio::spawn(shared.clone().keep_alive()),
+        ];
+        let mut tasks = JoinSet::new();
+        let mut reader = Reader::default();
+        loop {
+            while tasks.try_join_next().is_some() {}
+            match shared.next(&mut reader, &shutdown).await {
+                Flow::Stop => break,
+                Flow::Again => {}
+                Flow::Launch(slot) => shared.launch(&mut reader.ahead, slot, &mut tasks),
+            }
+        }
+        shared.give_back(&mut reader.ahead, Instant::now()).await;
+        let report = shared.drain(tasks).await;
+        for helper in helpers {
+            helper.abort();
+        }
+        shared.d.source.close().await;
+        report
+    }
+}
+
+impl Shared {
+    fn new(d: Dispatcher) -> Self {
+        let m = d.metrics.for_queue(
+            &d.queue,
             &Class::result_labels(),
             &DeadLetterReason::labels(),
         );
-        let shared = Arc::new(Shared {
+        let read_errors = d
+            .metrics
+            .broker_read_errors
+            .get_or_create(&QueueLabels {
+                queue: d.queue.clone(),
+            })
+            .clone();
+        let shared = Self {
+            limiter: Limiter::new(d.concurrency),
+            gate: Gate::new(d.app_failure_run, d.app_health_path.is_some()),
+            hold: Hold::default(),
+            in_flight: Arc::default(),
             m,
-            dispatcher: self,
-            hold_until: Mutex::new(None),
-            limiter: limiter.clone(),
-            gate,
-        });
+            read_errors,
+            d,
+        };
         shared.show_limit();
-        let probe = tokio::spawn({
-            let shared = shared.clone();
-            async move {
-                loop {
-                    let d = &shared.dispatcher;
-                    let up =
-                        d.forwarder.app_accepts_connections().await && !shared.gate.is_closed();
-                    shared.m.app_up.set(i64::from(up));
-                    tokio::time::sleep(APP_PROBE_INTERVAL).await;
-                }
-            }
-        });
-        let mut tasks = JoinSet::new();
-        let mut ahead = ReadAhead::default();
-        let mut failures = 0u32;
-        let mut probes = 0u32;
-        while !shutdown.is_cancelled() {
-            while tasks.try_join_next().is_some() {}
-            let hold = *shared.hold_until.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(until) = hold.filter(|t| *t > Instant::now()) {
-                shared.give_back(&mut ahead, until).await;
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep_until(until) => {}
-                }
-            }
-            if shared.gate.is_closed() {
-                shared.give_back(&mut ahead, Instant::now()).await;
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(gate::probe_delay(probes)) => {}
-                }
-                probes += 1;
-                shared.probe().await;
-                continue;
-            }
-            probes = 0;
-            let first = if ahead.deliveries.is_empty() {
-                let first = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    slot = limiter.acquire() => slot,
-                };
-                // One round of the current limit is read at once, not just
-                // the free slots: a read costs a round trip and a wake-up
-                // whatever its size, and slots come free one by one.
-                let want = limiter.limit().clamp(1, MAX_BATCH);
-                // Not raced against shutdown: a read the broker already
-                // answered must reach a delivery task (or go back), and a
-                // read blocks about a second.
-                let source = shared.dispatcher.source.clone();
-                match source.receive(want).await {
-                    Ok(deliveries) => {
-                        failures = 0;
-                        ahead.fill(deliveries);
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)))
-                            .min(Duration::from_secs(5));
-                        tracing::warn!(error = %e, retry_in = ?wait, queue = %shared.dispatcher.queue, "reading from the broker failed");
-                        drop(first);
-                        tokio::select! {
-                            _ = shutdown.cancelled() => break,
-                            _ = tokio::time::sleep(wait) => {}
-                        }
-                        continue;
-                    }
-                }
-                first
-            } else {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    slot = limiter.acquire() => slot,
-                    _ = tokio::time::sleep_until(ahead.read_at + READ_AHEAD_WAIT) => {
-                        shared.give_back(&mut ahead, Instant::now()).await;
-                        continue;
-                    }
-                }
-            };
-            let mut slot = Some(first);
-            while let Some(delivery) = ahead.deliveries.pop_front() {
-                let Some(taken) = slot.take().or_else(|| limiter.try_acquire()) else {
-                    ahead.deliveries.push_front(delivery);
-                    break;
-                };
-                let shared = shared.clone();
-                tasks.spawn(async move {
-                    if !shared.defer_if_held(&delivery).await {
-                        shared.deliver(delivery).await;
-                    }
-                    drop(taken);
-                });
+        shared
+    }
+
+    /// One turn of the loop: wait out a hold, probe a closed gate, or read.
+    async fn next(&self, reader: &mut Reader, shutdown: &CancellationToken) -> Flow {
+        if shutdown.is_cancelled() {
+            return Flow::Stop;
+        }
+        if let Some(until) = self.hold.until() {
+            self.give_back(&mut reader.ahead, until).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return Flow::Stop,
+                _ = tokio::time::sleep_until(until) => {}
             }
         }
-        shared.give_back(&mut ahead, Instant::now()).await;
+        if self.gate.is_closed() {
+            self.give_back(&mut reader.ahead, Instant::now()).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return Flow::Stop,
+                _ = tokio::time::sleep(gate::probe_delay(reader.probes)) => {}
+            }
+            reader.probes += 1;
+            self.probe(reader).await;
+            return Flow::Again;
+        }
+        reader.probes = 0;
+        if reader.ahead.is_empty() {
+            self.read(reader, shutdown).await
+        } else {
+            self.wait_for_slot(reader, shutdown).await
+        }
+    }
+
+    /// Reads one round of the current limit, not just the free slots: a
+    /// read costs a round trip and a wake-up whatever its size, and slots
+    /// come free one by one.
+    async fn read(&self, reader: &mut Reader, shutdown: &CancellationToken) -> Flow {
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => return Flow::Stop,
+            slot = self.limiter.acquire() => slot,
+        };
+        let want = self.limiter.limit().clamp(1, MAX_BATCH);
+        // Not raced against shutdown: a read the broker already answered
+        // must reach a delivery task (or go back), and a read blocks about
+        // a second.
+        match self.receive(want, reader).await {
+            Some(deliveries) => {
+                reader.ahead.extend(deliveries);
+                reader.read_at = Instant::now();
+                Flow::Launch(slot)
+            }
+            None => {
+                drop(slot);
+                tokio::select! {
+                    _ = shutdown.cancelled() => Flow::Stop,
+                    _ = tokio::time::sleep(reader.retry_wait()) => Flow::Again,
+                }
+            }
+        }
+    }
+
+    /// Messages are waiting from the last read: the next free slot, or give
+    /// them back when none comes free soon.
+    async fn wait_for_slot(&self, reader: &mut Reader, shutdown: &CancellationToken) -> Flow {
+        tokio::select! {
+            _ = shutdown.cancelled() => Flow::Stop,
+            slot = self.limiter.acquire() => Flow::Launch(slot),
+            _ = tokio::time::sleep_until(reader.read_at + READ_AHEAD_WAIT) => {
+                self.give_back(&mut reader.ahead, Instant::now()).await;
+                Flow::Again
+            }
+        }
+    }
+
+    /// A read from the broker. A run of [`READ_FAILURE_RUN`] failures makes
+    /// courier not ready until a read works again; each failure is counted.
+    async fn receive(&self, want: usize, reader: &mut Reader) -> Option<Vec<Delivery>> {
+        match self.d.source.receive(want).await {
+            Ok(deliveries) => {
+                if reader.failures >= READ_FAILURE_RUN {
+                    tracing::info!(queue = %self.d.queue, "reading from the broker works again: ready");
+                }
+                reader.failures = 0;
+                self.d.health.set_broker_reads_failing(false);
+                Some(deliveries)
+            }
+            Err(e) => {
+                reader.failures += 1;
+                self.read_errors.inc();
+                if reader.failures == READ_FAILURE_RUN {
+                    tracing::warn!(queue = %self.d.queue, failures = reader.failures, "reads from the broker keep failing: not ready until one works");
+                    self.d.health.set_broker_reads_failing(true);
+                }
+                tracing::warn!(error = %e, retry_in = ?reader.retry_wait(), queue = %self.d.queue, "reading from the broker failed");
+                None
+            }
+        }
+    }
+
+    /// A delivery task per message read, as long as slots are free; the
+    /// rest wait in `ahead`.
+    fn launch(
+        self: &Arc<Self>,
+        ahead: &mut VecDeque<Delivery>,
+        first: Slot,
+        tasks: &mut JoinSet<()>,
+    ) {
+        let mut slot = Some(first);
+        while let Some(delivery) = ahead.pop_front() {
+            let Some(taken) = slot.take().or_else(|| self.limiter.try_acquire()) else {
+                ahead.push_front(delivery);
+                break;
+            };
+            let shared = self.clone();
+            tasks.spawn(async move {
+                if !shared.defer_if_held(&delivery).await {
+                    shared.deliver(delivery).await;
+                }
+                drop(taken);
+            });
+        }
+    }
+
+    /// Lets the deliveries in flight finish, up to the drain timeout.
+    async fn drain(&self, mut tasks: JoinSet<()>) -> DrainReport {
         while tasks.try_join_next().is_some() {}
         let in_flight = tasks.len();
-        let dispatcher = &shared.dispatcher;
+        let timeout = self.d.drain_timeout;
         if in_flight > 0 {
-            tracing::info!(in_flight, timeout = ?dispatcher.drain_timeout, "draining in-flight deliveries");
+            tracing::info!(in_flight, timeout = ?timeout, "draining in-flight deliveries");
         }
-        let drained = tokio::time::timeout(dispatcher.drain_timeout, async {
+        let drained = tokio::time::timeout(timeout, async {
             while tasks.join_next().await.is_some() {}
         })
         .await;
@@ -235,23 +327,18 @@ impl Dispatcher {
         } else {
             0
         };
-        probe.abort();
-        dispatcher.source.close().await;
         DrainReport {
             finished: in_flight - abandoned,
             abandoned,
         }
     }
-}
 
-impl Shared {
     /// A read that was already waiting on the broker when a 429 set the
     /// hold can return messages during it: they go back to the broker, due
     /// when the hold ends, with no attempt used. Stored rather than kept
     /// waiting here, so a long hold cannot outlast the visibility timeout.
     async fn defer_if_held(&self, delivery: &Delivery) -> bool {
-        let hold = *self.hold_until.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(until) = hold.filter(|t| *t > Instant::now()) else {
+        let Some(until) = self.hold.until() else {
             return false;
         };
         self.defer(delivery, until).await;
@@ -261,26 +348,25 @@ impl Shared {
     /// Messages read ahead go back to the broker, due at `until`, with no
     /// attempt used: the app is held, down or slow, or courier is stopping,
     /// and another replica (or this one later) should have them.
-    async fn give_back(&self, ahead: &mut ReadAhead, until: Instant) {
-        if ahead.deliveries.is_empty() {
+    async fn give_back(&self, ahead: &mut VecDeque<Delivery>, until: Instant) {
+        if ahead.is_empty() {
             return;
         }
         tracing::debug!(
-            count = ahead.deliveries.len(),
+            count = ahead.len(),
             "returning messages read ahead to the broker"
         );
-        for delivery in ahead.deliveries.drain(..) {
+        for delivery in ahead.drain(..) {
             self.defer(&delivery, until).await;
         }
     }
 
     async fn defer(&self, delivery: &Delivery, until: Instant) {
-        let d = &self.dispatcher;
         let due = SystemTime::now() + until.saturating_duration_since(Instant::now());
         let first_attempt_at = delivery.first_attempt_at.unwrap_or_else(SystemTime::now);
         let id = delivery.message.id.as_str();
-        match d
-            .source
+        let source = &self.d.source;
+        match source
             .retry(delivery, delivery.attempt, first_attempt_at, due)
             .await
         {
@@ -297,250 +383,79 @@ impl Shared {
     }
 
     /// While the gate is closed: ask the app's health path, or let one
-    /// delivery through as the probe. Either opens the gate when the app
-    /// answers.
-    async fn probe(&self) {
-        let d = &self.dispatcher;
-        if let Some(path) = &d.app_health_path {
-            if d.forwarder.probe(path).await {
-                self.gate_changed(self.gate.report(gate::Health::Answering));
-            }
+    /// delivery through as the probe.
+    async fn probe(&self, reader: &mut Reader) {
+        if let Some(path) = &self.d.app_health_path {
+            let up = self.d.forwarder.probe(path).await;
+            self.report(Evidence::HealthPath(up)).await;
             return;
         }
         let slot = self.limiter.acquire().await;
-        match d.source.receive(1).await {
-            Ok(deliveries) => {
-                for delivery in deliveries {
-                    self.deliver(delivery).await;
-                }
+        if let Some(deliveries) = self.receive(1, reader).await {
+            for delivery in deliveries {
+                self.deliver(delivery).await;
             }
-            Err(e) => tracing::warn!(error = %e, "reading from the broker failed"),
         }
         drop(slot);
     }
 
-    fn gate_changed(&self, change: Change) {
-        let d = &self.dispatcher;
+    /// Checks the app on an interval, idle or not: its health path when it
+    /// has one, else whether it takes connections. `courier_app_up` shows
+    /// the gate.
+    async fn watch_app(self: Arc<Self>) {
+        loop {
+            let evidence = match &self.d.app_health_path {
+                Some(path) => Evidence::HealthPath(self.d.forwarder.probe(path).await),
+                None if self.d.forwarder.app_accepts_connections().await => Evidence::Reachable,
+                None => Evidence::Unreachable,
+            };
+            self.report(evidence).await;
+            self.m.app_up.set(i64::from(!self.gate.is_closed()));
+            tokio::time::sleep(APP_PROBE_INTERVAL).await;
+        }
+    }
+
+    /// Keeps the deliveries in flight claimed, three times per visibility
+    /// timeout in force.
+    async fn keep_alive(self: Arc<Self>) {
+        loop {
+            let visibility =
+                live::visibility_for(self.d.visibility_timeout, &self.d.policy.current());
+            tokio::time::sleep(in_flight::keep_alive_interval(visibility)).await;
+            let in_flight = self.in_flight.snapshot();
+            if in_flight.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.d.source.keep_alive(&in_flight).await {
+                tracing::warn!(error = %e, count = in_flight.len(), "keeping deliveries in flight claimed failed; trying again");
+            }
+        }
+    }
+
+    /// Tells the gate what was learned about the app; a run of failures
+    /// asks the health path first.
+    async fn report(&self, evidence: Evidence) {
+        let mut change = self.gate.report(evidence);
+        if change == Change::CheckHealth {
+            let up = match &self.d.app_health_path {
+                Some(path) => self.d.forwarder.probe(path).await,
+                None => true,
+            };
+            change = self.gate.report(Evidence::HealthPath(up));
+        }
+        let app = self.d.forwarder.app();
         match change {
             Change::Closed => {
-                tracing::warn!(app = %d.forwarder.app(), "the app is down or failing: pausing deliveries and probing it");
+                tracing::warn!(%app, health_path = ?self.d.app_health_path, "the app is down: pausing deliveries and probing it; failures use no attempts meanwhile");
                 self.m.app_up.set(0);
-                d.health.set_ready(false);
+                self.d.health.set_app_up(false);
             }
             Change::Opened => {
-                tracing::info!(app = %d.forwarder.app(), "the app answers again: resuming deliveries");
+                tracing::info!(%app, "the app is up again: resuming deliveries");
                 self.m.app_up.set(1);
-                d.health.set_ready(true);
+                self.d.health.set_app_up(true);
             }
-            Change::Unchanged => {}
-        }
-    }
-
-    /// A redelivery of a message acked within the window: ack it again
-    /// without offering it to the app.
-    async fn already_acked(&self, delivery: &Delivery) -> bool {
-        let d = &self.dispatcher;
-        let key = Envelope {
-            message: &delivery.message,
-            queue: &d.queue,
-            attempt: delivery.attempt,
-        }
-        .idempotency_key();
-        match d.source.was_acked(&key).await {
-            Ok(true) => {}
-            Ok(false) => return false,
-            Err(e) => {
-                tracing::warn!(error = %e, "deduplication check failed; delivering");
-                return false;
-            }
-        }
-        match d.source.ack(delivery).await {
-            Ok(()) => {
-                self.m.dedup_hits.inc();
-                self.m.acks.inc();
-                tracing::debug!(id = %delivery.message.id, %key, "already acked within the dedup window; acked again without delivery");
-            }
-            Err(e) => {
-                self.m.settle_errors.inc();
-                tracing::error!(id = %delivery.message.id, error = %e, "settling failed; the broker will hand the message out again");
-            }
-        }
-        true
-    }
-
-    async fn deliver(&self, delivery: Delivery) {
-        let d = &self.dispatcher;
-        self.m.received.inc();
-        if d.dedup_window.is_some()
-            && delivery.problem.is_none()
-            && self.already_acked(&delivery).await
-        {
-            return;
-        }
-        let policy = d.policy.current();
-        let started_at = SystemTime::now();
-        let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
-        let outcome = if let Some(problem) = &delivery.problem {
-            Outcome::Undeliverable {
-                error: problem.clone(),
-            }
-        } else if delivery.message.body.len() > d.max_body {
-            Outcome::Undeliverable {
-                error: format!(
-                    "the body is {} bytes, over --max-body {}",
-                    delivery.message.body.len(),
-                    d.max_body
-                ),
-            }
-        } else {
-            let envelope = Envelope {
-                message: &delivery.message,
-                queue: &d.queue,
-                attempt: delivery.attempt,
-            };
-            self.m.in_flight.inc();
-            let clock = Instant::now();
-            let outcome = d.forwarder.deliver(&envelope, policy.timeout).await;
-            self.m.in_flight.dec();
-            self.m.duration.observe(clock.elapsed().as_secs_f64());
-            outcome
-        };
-        let latency = started_at.elapsed().unwrap_or_default();
-        let jitter = rand::random::<f64>();
-        let mut decision = decide(&policy, &outcome, delivery.attempt, jitter);
-        self.limiter.observe(Signal::from_class(
-            decision.class,
-            outcome.status(),
-            latency,
-        ));
-        self.show_limit();
-        let app_health = gate::Health::from_class(decision.class, outcome.status());
-        if let Some(health) = app_health {
-            self.gate_changed(self.gate.report(health));
-        }
-        // The app is down, not this message: while the gate is closed a
-        // failure uses up no attempt, so an outage dead-letters nothing.
-        if self.gate.is_closed()
-            && matches!(
-                app_health,
-                Some(gate::Health::Failing | gate::Health::Unreachable)
-            )
-        {
-            decision.verdict = Verdict::Retry {
-                delay: policy.jittered_backoff(delivery.attempt, jitter),
-                attempt_used: false,
-            };
-        }
-        if let Some(counter) = self.m.delivery(decision.class.as_str()) {
-            counter.inc();
-        }
-        if let Outcome::Answered {
-            status,
-            retry_after,
-            retry_after_invalid,
-            ..
-        } = &outcome
-        {
-            if !self.gate.is_closed() {
-                self.m.app_up.set(1);
-            }
-            if *retry_after_invalid {
-                self.m.retry_after_invalid.inc();
-            }
-            if *status == 429
-                && policy.retry_after.honor
-                && let Some(wait) = retry_after
-            {
-                let until = Instant::now() + (*wait).min(policy.retry_after.max);
-                let mut hold = self.hold_until.lock().unwrap_or_else(|e| e.into_inner());
-                if hold.is_none_or(|t| t < until) {
-                    *hold = Some(until);
-                }
-            }
-        }
-        let id = delivery.message.id.as_str();
-        let settled = match decision.verdict {
-            Verdict::Ack => {
-                if let Some(window) = d.dedup_window {
-                    let key = Envelope {
-                        message: &delivery.message,
-                        queue: &d.queue,
-                        attempt: delivery.attempt,
-                    }
-                    .idempotency_key();
-                    if let Err(e) = d.source.remember_ack(&key, window).await {
-                        tracing::warn!(id, error = %e, "could not remember the ack for deduplication");
-                    }
-                }
-                let r = d.source.ack(&delivery).await;
-                if r.is_ok() {
-                    self.m.acks.inc();
-                    tracing::debug!(id, attempt = delivery.attempt, "acked");
-                }
-                r
-            }
-            Verdict::Retry {
-                delay,
-                attempt_used,
-            } => {
-                let next = if attempt_used {
-                    delivery.attempt + 1
-                } else {
-                    delivery.attempt
-                };
-                let r = d
-                    .source
-                    .retry(&delivery, next, first_attempt_at, SystemTime::now() + delay)
-                    .await;
-                if r.is_ok() {
-                    self.m.retries.inc();
-                    tracing::info!(
-                        id,
-                        attempt = delivery.attempt,
-                        result = decision.class.as_str(),
-                        status = outcome.status(),
-                        error = outcome.error(),
-                        delay = ?delay,
-                        "retry scheduled"
-                    );
-                }
-                r
-            }
-            Verdict::DeadLetter { reason } => {
-                let failure = Failure {
-                    reason,
-                    status: outcome.status(),
-                    error: outcome.error(),
-                    attempts: delivery.attempt,
-                    first_attempt_at,
-                    last_attempt_at: started_at,
-                    queue: d.queue.clone(),
-                    message_id: delivery.message.id.clone(),
-                    excerpt: outcome.excerpt(),
-                    policy: policy.label(),
-                    dead_letter_queue: policy.dead_letter_queue_for(&d.queue),
-                };
-                let r = d.source.dead_letter(&delivery, &failure).await;
-                if r.is_ok() {
-                    if let Some(counter) = self.m.dead_letter(reason.as_str()) {
-                        counter.inc();
-                    }
-                    tracing::warn!(
-                        id,
-                        attempt = delivery.attempt,
-                        reason = reason.as_str(),
-                        status = outcome.status(),
-                        error = outcome.error(),
-                        dead_letter_queue = %failure.dead_letter_queue,
-                        "dead-lettered"
-                    );
-                }
-                r
-            }
-        };
-        if let Err(e) = settled {
-            self.m.settle_errors.inc();
-            tracing::error!(id, error = %e, "settling failed; the broker will hand the message out again");
+            Change::CheckHealth | Change::Unchanged => {}
         }
     }
 }

@@ -25,8 +25,12 @@ pub enum Outcome {
     },
     /// No answer within the policy's timeout.
     Timeout,
-    /// Connection refused or reset before any answer.
+    /// No connection: refused, no route, or reset before the request was
+    /// written. The app never saw the message.
     Unreachable { error: String },
+    /// The connection was lost after the request was written and before an
+    /// answer: the app may have seen the message, and may have crashed on it.
+    ConnectionLost { error: String },
     /// The message could not be offered at all (too large, malformed).
     Undeliverable { error: String },
 }
@@ -43,7 +47,9 @@ impl Outcome {
         match self {
             Self::Answered { .. } => None,
             Self::Timeout => Some("timeout".into()),
-            Self::Unreachable { error } | Self::Undeliverable { error } => Some(error.clone()),
+            Self::Unreachable { error }
+            | Self::ConnectionLost { error }
+            | Self::Undeliverable { error } => Some(error.clone()),
         }
     }
 
@@ -63,18 +69,22 @@ pub enum Class {
     Permanent,
     Timeout,
     Unreachable,
+    /// The app may have seen the message and dropped the connection
+    /// (crashed, was killed): transient, and it uses an attempt.
+    ConnectionLost,
     /// The message could not be sent at all (too large, malformed).
     Undeliverable,
 }
 
 impl Class {
     /// Every class that is the `result` of a delivery the app was offered.
-    pub const RESULTS: [Class; 5] = [
+    pub const RESULTS: [Class; 6] = [
         Self::Success,
         Self::Transient,
         Self::Permanent,
         Self::Timeout,
         Self::Unreachable,
+        Self::ConnectionLost,
     ];
 
     /// The `result` labels of [`Class::RESULTS`].
@@ -89,6 +99,7 @@ impl Class {
             Self::Permanent => "permanent",
             Self::Timeout => "timeout",
             Self::Unreachable => "unreachable",
+            Self::ConnectionLost => "connection-lost",
             Self::Undeliverable => "undeliverable",
         }
     }

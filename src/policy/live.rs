@@ -16,12 +16,18 @@ pub struct LivePolicy {
 /// Write side, held by whatever watches the policy's source.
 pub struct PolicyUpdate {
     tx: watch::Sender<Arc<Policy>>,
+    admit: Option<Admit>,
 }
+
+/// Runs before a parsed policy is put in force (the sidecar asks the source
+/// whether it can follow it, and hands it the new settings); an error
+/// refuses the change with that text, and the last good policy stays.
+pub type Admit = Box<dyn Fn(&Policy) -> Result<(), String> + Send + Sync>;
 
 impl LivePolicy {
     pub fn new(initial: Policy) -> (Self, PolicyUpdate) {
         let (tx, rx) = watch::channel(Arc::new(initial));
-        (Self { rx }, PolicyUpdate { tx })
+        (Self { rx }, PolicyUpdate { tx, admit: None })
     }
 
     /// A policy that never changes.
@@ -40,6 +46,15 @@ impl LivePolicy {
 }
 
 impl PolicyUpdate {
+    /// Every offered policy passes `admit` before it is put in force.
+    pub fn admit_with(
+        mut self,
+        admit: impl Fn(&Policy) -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.admit = Some(Box::new(admit));
+        self
+    }
+
     /// Puts `policy` in force and returns it as applied.
     pub fn apply(&self, policy: Policy) -> Arc<Policy> {
         let policy = Arc::new(policy);
@@ -59,6 +74,9 @@ impl PolicyUpdate {
         match parsed {
             Ok(mut policy) => {
                 policy.generation = generation.unwrap_or_else(|| self.current().generation + 1);
+                if let Some(Err(problem)) = self.admit.as_ref().map(|admit| admit(&policy)) {
+                    return Reload::Rejected(problem);
+                }
                 Reload::Applied(self.apply(policy))
             }
             Err(problem) => Reload::Rejected(problem),

@@ -471,6 +471,7 @@ impl Policy {
             Outcome::Answered { status, .. } => self.classify_status(*status),
             Outcome::Timeout => Class::Timeout,
             Outcome::Unreachable { .. } => Class::Unreachable,
+            Outcome::ConnectionLost { .. } => Class::ConnectionLost,
             Outcome::Undeliverable { .. } => Class::Undeliverable,
         }
     }
@@ -546,40 +547,72 @@ pub struct Decision {
     pub verdict: Verdict,
 }
 
+/// The app-health gate as the decision sees it: closed while the app is
+/// down (no connection, or its `--app-health-path` failing). A failure while
+/// it is closed is the app's, not the message's, and uses no attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateState {
+    Open,
+    Closed,
+}
+
 /// The decision, a pure function: no I/O, no clock; `jitter_sample` is a
 /// uniform random number in [0, 1) supplied by the caller.
-pub fn decide(policy: &Policy, outcome: &Outcome, attempt: u32, jitter_sample: f64) -> Decision {
+///
+/// | class | gate open | gate closed |
+/// |---|---|---|
+/// | success | ack | ack |
+/// | transient, timeout | retry using an attempt; dead-letter when used up | retry, no attempt used |
+/// | connection-lost | retry using an attempt; dead-letter when used up | the same: a message that crashes the app must not loop |
+/// | unreachable | retry, no attempt used | retry, no attempt used |
+/// | permanent | dead-letter | dead-letter |
+/// | undeliverable | dead-letter | dead-letter |
+pub fn decide(
+    policy: &Policy,
+    outcome: &Outcome,
+    attempt: u32,
+    gate: GateState,
+    jitter_sample: f64,
+) -> Decision {
     let class = policy.classify(outcome);
     let attempt = attempt.max(1);
-    let retry_or_exhausted = |retry_after: Option<Duration>| {
-        if attempt >= policy.max_attempts {
-            return Verdict::DeadLetter {
-                reason: DeadLetterReason::AttemptsExhausted,
-            };
-        }
-        let mut delay = policy.jittered_backoff(attempt, jitter_sample);
-        if policy.retry_after.honor
-            && let Some(asked) = retry_after
-        {
-            delay = delay.max(asked.min(policy.retry_after.max));
-        }
-        Verdict::Retry {
-            delay,
-            attempt_used: true,
+    let retry_after = match outcome {
+        Outcome::Answered { retry_after, .. } => *retry_after,
+        _ => None,
+    };
+    let delay = || {
+        let backoff = policy.jittered_backoff(attempt, jitter_sample);
+        match retry_after {
+            Some(asked) if policy.retry_after.honor => {
+                backoff.max(asked.min(policy.retry_after.max))
+            }
+            _ => backoff,
         }
     };
-    let verdict = match (class, outcome) {
-        (Class::Success, _) => Verdict::Ack,
-        (Class::Transient, Outcome::Answered { retry_after, .. }) => {
-            retry_or_exhausted(*retry_after)
+    let free_retry = || Verdict::Retry {
+        delay: delay(),
+        attempt_used: false,
+    };
+    let use_an_attempt = || {
+        if attempt >= policy.max_attempts {
+            Verdict::DeadLetter {
+                reason: DeadLetterReason::AttemptsExhausted,
+            }
+        } else {
+            Verdict::Retry {
+                delay: delay(),
+                attempt_used: true,
+            }
         }
-        (Class::Transient | Class::Timeout, _) => retry_or_exhausted(None),
+    };
+    let verdict = match (class, gate) {
+        (Class::Success, _) => Verdict::Ack,
+        (Class::Transient | Class::Timeout, GateState::Open) => use_an_attempt(),
+        (Class::Transient | Class::Timeout, GateState::Closed) => free_retry(),
+        (Class::ConnectionLost, _) => use_an_attempt(),
+        (Class::Unreachable, _) => free_retry(),
         (Class::Permanent, _) => Verdict::DeadLetter {
             reason: DeadLetterReason::PermanentStatus,
-        },
-        (Class::Unreachable, _) => Verdict::Retry {
-            delay: policy.jittered_backoff(attempt, jitter_sample),
-            attempt_used: false,
         },
         (Class::Undeliverable, _) => Verdict::DeadLetter {
             reason: DeadLetterReason::Undeliverable,

@@ -67,6 +67,12 @@ fn classification_table() {
             Class::Unreachable,
         ),
         (
+            Outcome::ConnectionLost {
+                error: "reset".into(),
+            },
+            Class::ConnectionLost,
+        ),
+        (
             Outcome::Undeliverable {
                 error: "too big".into(),
             },
@@ -78,60 +84,129 @@ fn classification_table() {
     }
 }
 
+fn unreachable() -> Outcome {
+    Outcome::Unreachable {
+        error: "connection refused".into(),
+    }
+}
+
+fn connection_lost() -> Outcome {
+    Outcome::ConnectionLost {
+        error: "connection reset by peer".into(),
+    }
+}
+
+fn undeliverable() -> Outcome {
+    Outcome::Undeliverable {
+        error: "too big".into(),
+    }
+}
+
+/// The design's verdict table, every class under both gate states.
 #[test]
 fn verdict_table() {
+    use GateState::{Closed, Open};
     let policy = no_jitter_policy().max_attempts(3);
     let retry = |secs: u64| Verdict::Retry {
         delay: Duration::from_secs(secs),
         attempt_used: true,
     };
+    let free = |secs: u64| Verdict::Retry {
+        delay: Duration::from_secs(secs),
+        attempt_used: false,
+    };
     let dead = |reason| Verdict::DeadLetter { reason };
-    let rows: Vec<(Outcome, u32, Verdict)> = vec![
-        (answered(200), 1, Verdict::Ack),
-        (answered(200), 3, Verdict::Ack),
-        (answered(503), 1, retry(1)),
-        (answered(503), 2, retry(2)),
-        (answered(503), 3, dead(DeadLetterReason::AttemptsExhausted)),
-        (answered(429), 1, retry(1)),
-        (answered(408), 2, retry(2)),
-        (Outcome::Timeout, 1, retry(1)),
+    let exhausted = dead(DeadLetterReason::AttemptsExhausted);
+    let permanent = dead(DeadLetterReason::PermanentStatus);
+    let rows: Vec<(Outcome, u32, GateState, Verdict)> = vec![
+        // 2xx acks whatever the gate says.
+        (answered(200), 1, Open, Verdict::Ack),
+        (answered(200), 3, Open, Verdict::Ack),
+        (answered(204), 1, Closed, Verdict::Ack),
+        // Transient answers use an attempt while the app is up...
+        (answered(503), 1, Open, retry(1)),
+        (answered(503), 2, Open, retry(2)),
+        (answered(503), 3, Open, exhausted.clone()),
+        (answered(429), 1, Open, retry(1)),
+        (answered(408), 2, Open, retry(2)),
+        (answered(500), 2, Open, retry(2)),
+        (Outcome::Timeout, 1, Open, retry(1)),
+        (Outcome::Timeout, 3, Open, exhausted.clone()),
+        // ...and none while the gate says it is down: an outage of any
+        // length dead-letters nothing.
+        (answered(503), 3, Closed, free(4)),
+        (answered(500), 1, Closed, free(1)),
+        (Outcome::Timeout, 3, Closed, free(4)),
+        // A lost connection may be the message crashing the app: it uses
+        // an attempt under either gate state.
+        (connection_lost(), 1, Open, retry(1)),
+        (connection_lost(), 2, Closed, retry(2)),
+        (connection_lost(), 3, Open, exhausted.clone()),
+        (connection_lost(), 3, Closed, exhausted.clone()),
+        // No connection: the app never saw the message.
+        (unreachable(), 3, Open, free(4)),
+        (unreachable(), 3, Closed, free(4)),
+        (unreachable(), 100, Open, free(300)),
+        // An answer is an answer: permanent under either state.
+        (answered(400), 1, Open, permanent.clone()),
+        (answered(501), 1, Open, permanent.clone()),
+        (answered(302), 1, Open, permanent.clone()),
+        (answered(404), 2, Closed, permanent.clone()),
         (
-            Outcome::Timeout,
-            3,
-            dead(DeadLetterReason::AttemptsExhausted),
-        ),
-        (answered(400), 1, dead(DeadLetterReason::PermanentStatus)),
-        (answered(501), 1, dead(DeadLetterReason::PermanentStatus)),
-        (answered(302), 1, dead(DeadLetterReason::PermanentStatus)),
-        (
-            Outcome::Unreachable {
-                error: "refused".into(),
-            },
-            3,
-            Verdict::Retry {
-                delay: Duration::from_secs(4),
-                attempt_used: false,
-            },
-        ),
-        (
-            Outcome::Undeliverable {
-                error: "too big".into(),
-            },
+            undeliverable(),
             1,
+            Open,
+            dead(DeadLetterReason::Undeliverable),
+        ),
+        (
+            undeliverable(),
+            1,
+            Closed,
             dead(DeadLetterReason::Undeliverable),
         ),
     ];
-    for (outcome, attempt, want) in rows {
-        let got = decide(&policy, &outcome, attempt, NO_JITTER).verdict;
-        assert_eq!(got, want, "{outcome:?} at attempt {attempt}");
+    for (outcome, attempt, gate, want) in rows {
+        let got = decide(&policy, &outcome, attempt, gate, NO_JITTER).verdict;
+        assert_eq!(got, want, "{outcome:?} at attempt {attempt}, gate {gate:?}");
     }
+}
+
+#[test]
+fn the_class_travels_with_the_verdict() {
+    let policy = Policy::test();
+    let class = |outcome: Outcome| decide(&policy, &outcome, 1, GateState::Open, NO_JITTER).class;
+    assert_eq!(class(connection_lost()), Class::ConnectionLost);
+    assert_eq!(Class::ConnectionLost.as_str(), "connection-lost");
+    assert!(Class::result_labels().contains(&"connection-lost"));
+    assert_eq!(class(unreachable()), Class::Unreachable);
+    assert_eq!(class(answered(503)), Class::Transient);
+}
+
+/// A free retry still honours Retry-After: the app asked for the wait.
+#[test]
+fn a_closed_gate_keeps_retry_after() {
+    let policy = no_jitter_policy();
+    assert_eq!(
+        decide(
+            &policy,
+            &answered_with_retry_after(503, 30),
+            1,
+            GateState::Closed,
+            NO_JITTER
+        )
+        .verdict,
+        Verdict::Retry {
+            delay: Duration::from_secs(30),
+            attempt_used: false
+        }
+    );
 }
 
 #[test]
 fn one_attempt_means_no_retry() {
     let policy = no_jitter_policy().max_attempts(1);
     assert_eq!(
-        decide(&policy, &answered(503), 1, NO_JITTER).verdict,
+        decide(&policy, &answered(503), 1, GateState::Open, NO_JITTER).verdict,
         Verdict::DeadLetter {
             reason: DeadLetterReason::AttemptsExhausted
         }
@@ -220,7 +295,11 @@ fn retry_after_rows() {
     let honored = no_jitter_policy().retry_after_honored(true, Duration::from_secs(60));
     let ignored = no_jitter_policy().retry_after_honored(false, Duration::from_secs(60));
     let delay = |policy: &Policy, outcome: Outcome, attempt| match decide(
-        policy, &outcome, attempt, NO_JITTER,
+        policy,
+        &outcome,
+        attempt,
+        GateState::Open,
+        NO_JITTER,
     )
     .verdict
     {
@@ -262,7 +341,14 @@ fn retry_after_rows() {
     assert_eq!(delay(&honored, invalid, 1), Duration::from_secs(1));
     // A Retry-After on a permanent answer changes nothing.
     assert_eq!(
-        decide(&honored, &answered_with_retry_after(400, 30), 1, NO_JITTER).verdict,
+        decide(
+            &honored,
+            &answered_with_retry_after(400, 30),
+            1,
+            GateState::Open,
+            NO_JITTER
+        )
+        .verdict,
         Verdict::DeadLetter {
             reason: DeadLetterReason::PermanentStatus
         }

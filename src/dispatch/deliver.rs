@@ -1,0 +1,226 @@
+//! One delivery, start to end: offer the message to the app, judge the
+//! outcome (the gate, the limit and the hold learn from it, then the policy
+//! decides with the gate's state as an input), settle it with the broker.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+
+use super::Shared;
+use super::gate::Evidence;
+use super::limit::Signal;
+use crate::forward::Envelope;
+use crate::model::{DeadLetterReason, Delivery, Failure, Outcome};
+use crate::policy::{Decision, Policy, Verdict, decide};
+use crate::source::SourceError;
+
+impl Shared {
+    pub(super) async fn deliver(&self, delivery: Delivery) {
+        self.m.received.inc();
+        if self.d.dedup_window.is_some()
+            && delivery.problem.is_none()
+            && self.already_acked(&delivery).await
+        {
+            return;
+        }
+        let _in_flight = self.in_flight.register(&delivery);
+        let policy = self.d.policy.current();
+        let started_at = SystemTime::now();
+        let clock = Instant::now();
+        let outcome = self.offer(&delivery, &policy).await;
+        let decision = self
+            .judge(&outcome, &policy, delivery.attempt, clock.elapsed())
+            .await;
+        self.settle(&delivery, &outcome, &decision, &policy, started_at)
+            .await;
+    }
+
+    fn idempotency_key(&self, delivery: &Delivery) -> String {
+        Envelope {
+            message: &delivery.message,
+            queue: &self.d.queue,
+            attempt: delivery.attempt,
+        }
+        .idempotency_key()
+    }
+
+    /// Offers the message to the app, unless it cannot be offered at all.
+    pub(super) async fn offer(&self, delivery: &Delivery, policy: &Policy) -> Outcome {
+        if let Some(problem) = &delivery.problem {
+            return Outcome::Undeliverable {
+                error: problem.clone(),
+            };
+        }
+        let size = delivery.message.body.len();
+        if size > self.d.max_body {
+            return Outcome::Undeliverable {
+                error: format!(
+                    "the body is {size} bytes, over --max-body {}",
+                    self.d.max_body
+                ),
+            };
+        }
+        let envelope = Envelope {
+            message: &delivery.message,
+            queue: &self.d.queue,
+            attempt: delivery.attempt,
+        };
+        self.m.in_flight.inc();
+        let clock = Instant::now();
+        let outcome = self.d.forwarder.deliver(&envelope, policy.timeout).await;
+        self.m.in_flight.dec();
+        self.m.duration.observe(clock.elapsed().as_secs_f64());
+        outcome
+    }
+
+    /// What the outcome means. The gate, the limit and the Retry-After hold
+    /// learn from it first, so the decision sees the gate as it is now.
+    pub(super) async fn judge(
+        &self,
+        outcome: &Outcome,
+        policy: &Policy,
+        attempt: u32,
+        latency: Duration,
+    ) -> Decision {
+        let class = policy.classify(outcome);
+        if let Some(evidence) = Evidence::from_outcome(class, outcome) {
+            self.report(evidence).await;
+        }
+        self.limiter
+            .observe(Signal::from_class(class, outcome.status(), latency));
+        self.show_limit();
+        self.hold.observe(policy, outcome);
+        if let Outcome::Answered {
+            retry_after_invalid,
+            ..
+        } = outcome
+        {
+            if *retry_after_invalid {
+                self.m.retry_after_invalid.inc();
+            }
+            if !self.gate.is_closed() {
+                self.m.app_up.set(1);
+            }
+        }
+        let decision = decide(policy, outcome, attempt, self.gate.state(), rand::random());
+        if let Some(counter) = self.m.delivery(decision.class.as_str()) {
+            counter.inc();
+        }
+        decision
+    }
+
+    /// Settles the delivery as decided. A settlement the broker refuses
+    /// leaves the message with the broker, which hands it out again.
+    pub(super) async fn settle(
+        &self,
+        delivery: &Delivery,
+        outcome: &Outcome,
+        decision: &Decision,
+        policy: &Policy,
+        started_at: SystemTime,
+    ) {
+        let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
+        let settled = match decision.verdict {
+            Verdict::Ack => self.ack(delivery).await,
+            Verdict::Retry {
+                delay,
+                attempt_used,
+            } => {
+                let next = delivery.attempt + u32::from(attempt_used);
+                let at = SystemTime::now() + delay;
+                let r = self
+                    .d
+                    .source
+                    .retry(delivery, next, first_attempt_at, at)
+                    .await;
+                if r.is_ok() {
+                    self.m.retries.inc();
+                    tracing::info!(id = %delivery.message.id, attempt = delivery.attempt, result = decision.class.as_str(),
+                        status = outcome.status(), error = outcome.error(), delay = ?delay, attempt_used, "retry scheduled");
+                }
+                r
+            }
+            Verdict::DeadLetter { reason } => {
+                let failure = Failure {
+                    reason,
+                    status: outcome.status(),
+                    error: outcome.error(),
+                    attempts: delivery.attempt,
+                    first_attempt_at,
+                    last_attempt_at: started_at,
+                    queue: self.d.queue.clone(),
+                    message_id: delivery.message.id.clone(),
+                    excerpt: outcome.excerpt(),
+                    policy: policy.label(),
+                    dead_letter_queue: policy.dead_letter_queue_for(&self.d.queue),
+                };
+                self.dead_letter(delivery, &failure, reason).await
+            }
+        };
+        if let Err(e) = settled {
+            self.m.settle_errors.inc();
+            tracing::error!(id = %delivery.message.id, error = %e, "settling failed; the broker will hand the message out again");
+        }
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        if let Some(window) = self.d.dedup_window {
+            let key = self.idempotency_key(delivery);
+            if let Err(e) = self.d.source.remember_ack(&key, window).await {
+                tracing::warn!(id = %delivery.message.id, error = %e, "could not remember the ack for deduplication");
+            }
+        }
+        self.d.source.ack(delivery).await?;
+        self.m.acks.inc();
+        tracing::debug!(id = %delivery.message.id, attempt = delivery.attempt, "acked");
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+        reason: DeadLetterReason,
+    ) -> Result<(), SourceError> {
+        self.d.source.dead_letter(delivery, failure).await?;
+        if let Some(counter) = self.m.dead_letter(reason.as_str()) {
+            counter.inc();
+        }
+        tracing::warn!(
+            id = %delivery.message.id,
+            attempt = delivery.attempt,
+            reason = reason.as_str(),
+            status = failure.status,
+            error = failure.error,
+            dead_letter_queue = %failure.dead_letter_queue,
+            "dead-lettered"
+        );
+        Ok(())
+    }
+
+    /// A redelivery of a message acked within the window: ack it again
+    /// without offering it to the app.
+    async fn already_acked(&self, delivery: &Delivery) -> bool {
+        let key = self.idempotency_key(delivery);
+        match self.d.source.was_acked(&key).await {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(e) => {
+                tracing::warn!(error = %e, "deduplication check failed; delivering");
+                return false;
+            }
+        }
+        match self.d.source.ack(delivery).await {
+            Ok(()) => {
+                self.m.dedup_hits.inc();
+                self.m.acks.inc();
+                tracing::debug!(id = %delivery.message.id, %key, "already acked within the dedup window; acked again without delivery");
+            }
+            Err(e) => {
+                self.m.settle_errors.inc();
+                tracing::error!(id = %delivery.message.id, error = %e, "settling failed; the broker will hand the message out again");
+            }
+        }
+        true
+    }
+}

@@ -3,7 +3,7 @@
 //! messages, a live progress line and a summary. No broker needed.
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -166,6 +166,9 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
 
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut stdout = std::io::stdout();
+    // A progress line rewritten in place is for a person at a terminal; in
+    // a pipe or a log it would be one long line of carriage returns.
+    let live = stdout.is_terminal();
     loop {
         let (acked, retried, dead, _) = counter_sum(&metrics);
         let in_flight = metrics
@@ -174,17 +177,21 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
                 queue: QUEUE.into(),
             })
             .get();
-        print!(
-            "\r  acked {acked:>5}   retries {retried:>5}   dead-lettered {dead:>4}   in flight {in_flight:>3}   {:>5.1}s",
-            started.elapsed().as_secs_f64()
-        );
-        let _ = stdout.flush();
+        if live {
+            print!(
+                "\r  acked {acked:>5}   retries {retried:>5}   dead-lettered {dead:>4}   in flight {in_flight:>3}   {:>5.1}s",
+                started.elapsed().as_secs_f64()
+            );
+            let _ = stdout.flush();
+        }
         if acked + dead >= messages as u64 || Instant::now() > deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    println!("\n");
+    if live {
+        println!("\n");
+    }
     shutdown.cancel();
     handle.await.context("the sidecar task failed")??;
     app_stop.cancel();

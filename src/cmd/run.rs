@@ -53,12 +53,16 @@ pub struct RunArgs {
     /// How often queue depths are read from the broker.
     #[arg(long, env = "COURIER_DEPTH_INTERVAL", default_value = "15s", value_parser = duration::parse_flag)]
     pub depth_interval: Duration,
-    /// While the app is down, probe it with GET on this path (e.g. /healthz)
-    /// instead of letting one delivery through.
+    /// GET on this path (e.g. /healthz) says whether the app is up (2xx) or
+    /// down: checked every 5 s, after a run of failures, and while the app is
+    /// down instead of letting one delivery through. While it fails,
+    /// deliveries pause and failures use no attempts.
     #[arg(long, env = "COURIER_APP_HEALTH_PATH")]
     pub app_health_path: Option<String>,
-    /// Consecutive 503s or timeouts that pause deliveries until the app
-    /// recovers (0: only a refused connection pauses them).
+    /// With --app-health-path: consecutive 503s or timeouts after which the
+    /// health path is asked at once (0: only its periodic check). Without a
+    /// health path it has no effect: answers never pause deliveries, a run
+    /// of 503s lowers the concurrency limit instead.
     #[arg(long, env = "COURIER_APP_FAILURE_RUN", default_value_t = 5)]
     pub app_failure_run: u32,
     /// Remember acked messages this long (e.g. 10m) and ack a redelivery of

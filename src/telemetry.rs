@@ -402,23 +402,55 @@ impl Health {
 
 // === The HTTP endpoint ===
 
-/// A scraper gets this long to send its request head; a connection that
-/// sends nothing (or a byte a minute) is closed.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections the endpoint serves at once; more are closed at accept.
-pub const MAX_CONNECTIONS: usize = 64;
+/// What the endpoint allows a client. The port is often reachable from the
+/// whole cluster, and idle or slow connections must not pile up in the
+/// sidecar.
+#[derive(Debug, Clone, Copy)]
+pub struct EndpointLimits {
+    /// A client gets this long to send its request head; a connection that
+    /// sends nothing (or a byte a minute) is closed, idle keep-alive included.
+    pub header_read_timeout: Duration,
+    /// Connections served at once; more are closed at accept.
+    pub max_connections: usize,
+}
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`. HTTP/1
-/// only (what scrapers and the kubelet speak), with a header-read timeout
-/// and a connection cap: the port is often reachable from the whole
-/// cluster, and idle or slow connections must not pile up in the sidecar.
+impl Default for EndpointLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 64,
+        }
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`, within the
+/// default [`EndpointLimits`].
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     shutdown: CancellationToken,
 ) {
-    let open = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    serve_within(
+        listener,
+        metrics,
+        health,
+        shutdown,
+        EndpointLimits::default(),
+    )
+    .await;
+}
+
+/// [`serve`] within `limits`. HTTP/1 only: what scrapers and the kubelet
+/// speak, and a protocol whose request head a timeout can bound.
+pub async fn serve_within(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    limits: EndpointLimits,
+) {
+    let open = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         let stream = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -432,7 +464,8 @@ pub async fn serve(
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
             tracing::debug!(
-                "the metrics endpoint has {MAX_CONNECTIONS} connections open; closing a new one"
+                max = limits.max_connections,
+                "the metrics endpoint is at its connection cap; closing a new one"
             );
             continue;
         };
@@ -445,7 +478,7 @@ pub async fn serve(
             let mut builder = http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT);
+                .header_read_timeout(limits.header_read_timeout);
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 _ = connection => {}
@@ -559,7 +592,90 @@ pub fn init_logging(format: LogFormat, level: &str) {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
     use super::*;
+
+    async fn endpoint(limits: EndpointLimits) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let health = Arc::new(Health::default());
+        health.set_ready(true);
+        tokio::spawn(serve_within(
+            listener,
+            Arc::new(Metrics::new()),
+            health,
+            CancellationToken::new(),
+            limits,
+        ));
+        addr
+    }
+
+    /// Reads until the server closes; the bytes it sent.
+    async fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out))
+            .await
+            .expect("the server closes the connection")
+            .ok();
+        out
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        String::from_utf8_lossy(&read_to_close(&mut stream).await).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_client_that_sends_no_request_head_is_cut_off() {
+        let addr = endpoint(EndpointLimits {
+            header_read_timeout: Duration::from_millis(200),
+            ..EndpointLimits::default()
+        })
+        .await;
+        let mut silent = TcpStream::connect(addr).await.unwrap();
+        silent.write_all(b"GET /metr").await.unwrap();
+        let started = std::time::Instant::now();
+        read_to_close(&mut silent).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_cap_are_closed_and_a_freed_slot_serves_again() {
+        let addr = endpoint(EndpointLimits {
+            header_read_timeout: Duration::from_secs(30),
+            max_connections: 2,
+        })
+        .await;
+        let first = TcpStream::connect(addr).await.unwrap();
+        let _second = TcpStream::connect(addr).await.unwrap();
+        let mut third = TcpStream::connect(addr).await.unwrap();
+        assert!(
+            read_to_close(&mut third).await.is_empty(),
+            "the third connection is closed without an answer"
+        );
+        drop(first);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let answer = get(addr, "/readyz").await;
+            if answer.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no slot came free: {answer:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 
     #[test]
     fn classic_text_names_counter_families_after_their_samples() {

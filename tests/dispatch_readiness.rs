@@ -1,0 +1,154 @@
+//! Readiness tells the truth about the broker: a private `redis-server` is
+//! stopped under a running sidecar, reads from it fail, `/readyz` says not
+//! ready and `courier_broker_read_errors_total` counts them; when the broker
+//! is started again courier is ready by itself and delivers what was sent
+//! meanwhile.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use courier::source::SourceUrl;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SETTLE: Duration = Duration::from_secs(30);
+
+/// A `redis-server` of the test's own, on a port of its own, that can be
+/// stopped and started again on the same port.
+struct PrivateRedis {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut redis = Self {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
+        redis.spawn().await;
+        redis
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    async fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ])
+            .args(["--dir", &self.dir.path().display().to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (is it installed?)");
+        self.child = Some(child);
+        let port = self.port;
+        wait_for("the private Redis to answer", SETTLE, async || {
+            ping(port).await
+        })
+        .await;
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("stop redis-server");
+            child.wait().expect("reap redis-server");
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn ping(port: u16) -> bool {
+    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    if stream.write_all(b"PING\r\n").await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 64];
+    matches!(stream.read(&mut buf).await, Ok(n) if buf[..n].starts_with(b"+PONG"))
+}
+
+async fn readyz(addr: std::net::SocketAddr) -> u16 {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
+    let mut redis = PrivateRedis::start().await;
+    let mut fixture = Fixture::redis();
+    fixture.url = SourceUrl::parse(&redis.url()).unwrap();
+    let app = TestApp::start().await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let source = fixture.open().await;
+    fixture.send(&source, "before").await;
+    wait_for(
+        "the first message delivered and courier ready",
+        SETTLE,
+        async || {
+            app.received_body(b"before").len() == 1 && readyz(running.metrics_addr).await == 200
+        },
+    )
+    .await;
+
+    redis.stop();
+    wait_for(
+        "failed reads counted and /readyz failing",
+        SETTLE,
+        async || {
+            let text = scrape(running.metrics_addr).await;
+            metric(&text, "courier_broker_read_errors_total", &fixture.queue) >= 3.0
+                && readyz(running.metrics_addr).await == 503
+        },
+    )
+    .await;
+
+    redis.spawn().await;
+    wait_for("ready again by itself", SETTLE, async || {
+        readyz(running.metrics_addr).await == 200
+    })
+    .await;
+    let source = fixture.open().await;
+    fixture.send(&source, "after").await;
+    wait_for(
+        "the message sent after the restart delivered",
+        SETTLE,
+        async || app.received_body(b"after").len() == 1,
+    )
+    .await;
+    running.stop().await;
+}

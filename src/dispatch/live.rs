@@ -11,10 +11,16 @@ use crate::source::{LiveSettings, SourceOptions};
 /// broker would hand it out again.
 pub const VISIBILITY_MARGIN: Duration = Duration::from_secs(30);
 
-/// The configured visibility timeout, raised to the policy's timeout plus
-/// [`VISIBILITY_MARGIN`] when that is longer.
+/// The configured visibility timeout while it is longer than the policy's
+/// timeout (the user chose it, and `courier run` checked it at start); else
+/// the policy's timeout plus [`VISIBILITY_MARGIN`]. Deliveries in flight are
+/// kept claimed besides ([`super::in_flight`]).
 pub fn visibility_for(configured: Duration, policy: &Policy) -> Duration {
-    configured.max(policy.timeout + VISIBILITY_MARGIN)
+    if configured > policy.timeout {
+        configured
+    } else {
+        policy.timeout + VISIBILITY_MARGIN
+    }
 }
 
 /// The source's live settings under `policy`, from the options it was
@@ -46,5 +52,18 @@ mod tests {
         let settings = settings_for(&options, &policy);
         assert_eq!(settings.visibility_timeout, Duration::from_secs(150));
         assert_eq!(settings.dead_letter_queue, "orders.parked");
+        // A short visibility the user chose stays while it outlasts the
+        // timeout, and is raised once the timeout catches up.
+        options.visibility_timeout = Duration::from_secs(2);
+        policy.timeout = Duration::from_secs(1);
+        assert_eq!(
+            settings_for(&options, &policy).visibility_timeout,
+            Duration::from_secs(2)
+        );
+        policy.timeout = Duration::from_secs(6);
+        assert_eq!(
+            settings_for(&options, &policy).visibility_timeout,
+            Duration::from_secs(36)
+        );
     }
 }

@@ -64,8 +64,10 @@ pub fn watch(
     interval: Duration,
     mut on_reload: impl FnMut(&Reload) + Send + 'static,
 ) -> tokio::task::JoinHandle<()> {
+    // Read now, not when the task first runs: an edit made in between
+    // would otherwise be taken as the starting content and never applied.
+    let mut last = std::fs::read(&path).ok();
     tokio::spawn(async move {
-        let mut last = std::fs::read(&path).ok();
         loop {
             tokio::time::sleep(interval).await;
             let now = match std::fs::read(&path) {

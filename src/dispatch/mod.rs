@@ -401,9 +401,11 @@ impl Shared {
 
     /// Checks the app on an interval, idle or not: its health path when it
     /// has one, else whether it takes connections. `courier_app_up` shows
-    /// the gate.
+    /// the gate. The first check comes after one interval: until then the
+    /// deliveries themselves say how the app is.
     async fn watch_app(self: Arc<Self>) {
         loop {
+            tokio::time::sleep(APP_PROBE_INTERVAL).await;
             let evidence = match &self.d.app_health_path {
                 Some(path) => Evidence::HealthPath(self.d.forwarder.probe(path).await),
                 None if self.d.forwarder.app_accepts_connections().await => Evidence::Reachable,
@@ -411,7 +413,6 @@ impl Shared {
             };
             self.report(evidence).await;
             self.m.app_up.set(i64::from(!self.gate.is_closed()));
-            tokio::time::sleep(APP_PROBE_INTERVAL).await;
         }
     }
 

@@ -180,6 +180,9 @@ impl Shared {
             d,
         };
         shared.show_limit();
+        // The gate starts open: the app is presumed up until a delivery or
+        // a check says otherwise.
+        shared.m.app_up.set(1);
         shared
     }
 

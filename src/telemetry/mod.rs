@@ -1,28 +1,18 @@
 //! Metrics (registered once, here, with the `courier_` prefix), the
 //! `/metrics`, `/healthz` and `/readyz` endpoints, and logging set-up.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+mod endpoint;
 
-use bytes::Bytes;
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+pub use endpoint::{EndpointLimits, bind, serve, serve_http, serve_within};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QueueLabels {
@@ -400,170 +390,6 @@ impl Health {
     }
 }
 
-// === The HTTP endpoint ===
-
-/// What the endpoint allows a client. The port is often reachable from the
-/// whole cluster, and idle or slow connections must not pile up in the
-/// sidecar.
-#[derive(Debug, Clone, Copy)]
-pub struct EndpointLimits {
-    /// A client gets this long to send its request head; a connection that
-    /// sends nothing (or a byte a minute) is closed, idle keep-alive included.
-    pub header_read_timeout: Duration,
-    /// Connections served at once; more are closed at accept.
-    pub max_connections: usize,
-}
-
-impl Default for EndpointLimits {
-    fn default() -> Self {
-        Self {
-            header_read_timeout: Duration::from_secs(10),
-            max_connections: 64,
-        }
-    }
-}
-
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`, within the
-/// default [`EndpointLimits`].
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: CancellationToken,
-) {
-    serve_within(
-        listener,
-        metrics,
-        health,
-        shutdown,
-        EndpointLimits::default(),
-    )
-    .await;
-}
-
-/// [`serve`] within `limits`. HTTP/1 only: what scrapers and the kubelet
-/// speak, and a protocol whose request head a timeout can bound.
-pub async fn serve_within(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: CancellationToken,
-    limits: EndpointLimits,
-) {
-    let open = Arc::new(Semaphore::new(limits.max_connections));
-    loop {
-        let stream = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting a connection to the metrics endpoint failed");
-                    continue;
-                }
-            },
-        };
-        let Ok(permit) = open.clone().try_acquire_owned() else {
-            tracing::debug!(
-                max = limits.max_connections,
-                "the metrics endpoint is at its connection cap; closing a new one"
-            );
-            continue;
-        };
-        let (metrics, health, stop) = (metrics.clone(), health.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            let service = service_fn(move |req: Request<Incoming>| {
-                let response = respond(&req, &metrics, &health);
-                async move { Ok::<_, std::convert::Infallible>(response) }
-            });
-            let mut builder = http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                _ = connection => {}
-                _ = stop.cancelled() => {}
-            }
-            drop(permit);
-        });
-    }
-}
-
-/// A plain HTTP/1 and HTTP/2 server: every request on `listener` goes to
-/// `handler` until `stop`, which also cuts the connections still open. The
-/// demo's sample app and the tests' apps use it.
-pub async fn serve_http<H, F>(listener: TcpListener, stop: CancellationToken, handler: H)
-where
-    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: std::future::Future<Output = Response<Full<Bytes>>> + Send + 'static,
-{
-    loop {
-        let stream = tokio::select! {
-            _ = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
-                    continue;
-                }
-            },
-        };
-        let (handler, stop) = (handler.clone(), stop.clone());
-        tokio::spawn(async move {
-            let service = service_fn(move |req: Request<Incoming>| {
-                let answer = handler(req);
-                async move { Ok::<_, std::convert::Infallible>(answer.await) }
-            });
-            let builder = auto::Builder::new(TokioExecutor::new());
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                _ = connection => {}
-                _ = stop.cancelled() => {}
-            }
-        });
-    }
-}
-
-fn respond(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
-    let text = |status: StatusCode, body: String| {
-        Response::builder()
-            .status(status)
-            .header("content-type", "text/plain; charset=utf-8")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap_or_default()
-    };
-    let wants_openmetrics = req.headers().get_all(http::header::ACCEPT).iter().any(|v| {
-        v.to_str()
-            .unwrap_or_default()
-            .contains("application/openmetrics-text")
-    });
-    match req.uri().path() {
-        "/metrics" if wants_openmetrics => Response::builder()
-            .header(
-                "content-type",
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )
-            .body(Full::new(Bytes::from(metrics.encode())))
-            .unwrap_or_default(),
-        "/metrics" => Response::builder()
-            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-            .body(Full::new(Bytes::from(metrics.encode_prometheus_text())))
-            .unwrap_or_default(),
-        "/healthz" => text(StatusCode::OK, "ok\n".into()),
-        "/readyz" if health.is_ready() => text(StatusCode::OK, "ready\n".into()),
-        "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n".into()),
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found; try /metrics, /healthz or /readyz\n".into(),
-        ),
-    }
-}
-
-/// Binds the endpoint address, with an error that says which flag to change.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
-}
-
 // === Logging ===
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -592,90 +418,7 @@ pub fn init_logging(format: LogFormat, level: &str) {
 
 #[cfg(test)]
 mod tests {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
-
     use super::*;
-
-    async fn endpoint(limits: EndpointLimits) -> SocketAddr {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let health = Arc::new(Health::default());
-        health.set_ready(true);
-        tokio::spawn(serve_within(
-            listener,
-            Arc::new(Metrics::new()),
-            health,
-            CancellationToken::new(),
-            limits,
-        ));
-        addr
-    }
-
-    /// Reads until the server closes; the bytes it sent.
-    async fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
-        let mut out = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out))
-            .await
-            .expect("the server closes the connection")
-            .ok();
-        out
-    }
-
-    async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut stream = TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        String::from_utf8_lossy(&read_to_close(&mut stream).await).into_owned()
-    }
-
-    #[tokio::test]
-    async fn a_client_that_sends_no_request_head_is_cut_off() {
-        let addr = endpoint(EndpointLimits {
-            header_read_timeout: Duration::from_millis(200),
-            ..EndpointLimits::default()
-        })
-        .await;
-        let mut silent = TcpStream::connect(addr).await.unwrap();
-        silent.write_all(b"GET /metr").await.unwrap();
-        let started = std::time::Instant::now();
-        read_to_close(&mut silent).await;
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{:?}",
-            started.elapsed()
-        );
-        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
-    }
-
-    #[tokio::test]
-    async fn connections_over_the_cap_are_closed_and_a_freed_slot_serves_again() {
-        let addr = endpoint(EndpointLimits {
-            header_read_timeout: Duration::from_secs(30),
-            max_connections: 2,
-        })
-        .await;
-        let first = TcpStream::connect(addr).await.unwrap();
-        let _second = TcpStream::connect(addr).await.unwrap();
-        let mut third = TcpStream::connect(addr).await.unwrap();
-        assert!(
-            read_to_close(&mut third).await.is_empty(),
-            "the third connection is closed without an answer"
-        );
-        drop(first);
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let answer = get(addr, "/readyz").await;
-            if answer.starts_with("HTTP/1.1 200") {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no slot came free: {answer:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 
     #[test]
     fn classic_text_names_counter_families_after_their_samples() {

@@ -1,0 +1,178 @@
+//! Whole runs against a real app on loopback, in real time.
+
+use super::*;
+
+// === Delivering, to a real app on loopback ===
+
+/// A raw HTTP/1.1 app: answers 200 to every request on a kept-alive
+/// connection, except a body containing `crash`, after which it resets the
+/// connection without an answer, as an app killed by the message would.
+async fn crashing_app() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Some(head_end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&seen[..head_end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    while seen.len() < head_end + 4 + length {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let body: Vec<u8> = seen
+                        .drain(..head_end + 4 + length)
+                        .skip(head_end + 4)
+                        .collect();
+                    if body.windows(5).any(|w| w == b"crash") {
+                        let _ = stream.set_zero_linger();
+                        return;
+                    }
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                    if stream.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_message_that_crashes_the_app_uses_its_attempts_and_is_dead_lettered() {
+    let app = crashing_app().await;
+    let source = MemorySource::with(&["ok 1", "crash", "ok 2", "ok 3", "ok 4"]);
+    let shared_metrics;
+    let shutdown = CancellationToken::new();
+    let run = {
+        let d = dispatcher(source.clone(), app, fast_policy(3));
+        shared_metrics = d.metrics.clone();
+        tokio::spawn(d.run(shutdown.clone()))
+    };
+    wait_until("four acks and a dead letter", || {
+        let s = source.state();
+        s.acked.len() == 4 && s.dead.len() == 1
+    })
+    .await;
+    shutdown.cancel();
+    run.await.unwrap();
+    let s = source.state();
+    let (id, failure) = &s.dead[0];
+    assert_eq!(id, "1-0");
+    assert_eq!(failure.reason, DeadLetterReason::AttemptsExhausted);
+    assert_eq!(failure.attempts, 3);
+    assert!(failure.error.is_some(), "{failure:?}");
+    assert!(
+        shared_metrics
+            .encode()
+            .contains(r#"courier_deliveries_total{queue="orders",result="connection-lost"} 3"#),
+        "{}",
+        shared_metrics.encode()
+    );
+}
+
+#[tokio::test]
+async fn an_app_that_refuses_connections_costs_no_attempts_and_gets_everything_when_back() {
+    let app = closed_port().await;
+    let source = MemorySource::with(&["a", "b", "c"]);
+    let d = dispatcher(source.clone(), app, fast_policy(2));
+    let health = d.health.clone();
+    health.set_ready(true);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(d.run(shutdown.clone()));
+    wait_until("a few refused deliveries", || {
+        source.state().retried.len() >= 4
+    })
+    .await;
+    assert!(!health.is_ready(), "not ready while the app is down");
+    {
+        let s = source.state();
+        assert!(s.dead.is_empty(), "{:?}", s.dead);
+        assert!(
+            s.retried.iter().all(|(_, next, _)| *next == 1),
+            "{:?}",
+            s.retried
+        );
+    }
+    let listener = TcpListener::bind(app).await.unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(telemetry::serve_http(
+        listener,
+        stop.clone(),
+        |_req: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"ok"))) },
+    ));
+    wait_until("every message acked", || source.state().acked.len() == 3).await;
+    assert!(health.is_ready());
+    shutdown.cancel();
+    run.await.unwrap();
+    stop.cancel();
+    assert!(source.state().dead.is_empty());
+}
+
+#[tokio::test]
+async fn a_few_always_503_messages_dead_letter_while_the_rest_flow() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(telemetry::serve_http(
+        listener,
+        stop.clone(),
+        |req: Request<Incoming>| async {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let status = if body.starts_with(b"bad") { 503 } else { 200 };
+            Response::builder()
+                .status(status)
+                .body(Full::new(Bytes::new()))
+                .unwrap()
+        },
+    ));
+    let mut bodies: Vec<String> = (0..300).map(|i| format!("good {i}")).collect();
+    for i in [10, 150, 290] {
+        bodies.insert(i, format!("bad {i}"));
+    }
+    let bodies: Vec<&str> = bodies.iter().map(String::as_str).collect();
+    let source = MemorySource::with(&bodies);
+    let d = dispatcher(source.clone(), app, fast_policy(3));
+    let health = d.health.clone();
+    health.set_ready(true);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(d.run(shutdown.clone()));
+    wait_until("300 acks and 3 dead letters", || {
+        let s = source.state();
+        assert!(health.is_ready(), "503s never make courier not ready");
+        s.acked.len() == 300 && s.dead.len() == 3
+    })
+    .await;
+    shutdown.cancel();
+    run.await.unwrap();
+    stop.cancel();
+    let s = source.state();
+    for (_, failure) in &s.dead {
+        assert_eq!(failure.reason, DeadLetterReason::AttemptsExhausted);
+        assert_eq!((failure.attempts, failure.status), (3, Some(503)));
+    }
+}

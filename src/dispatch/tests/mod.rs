@@ -1,0 +1,216 @@
+//! The dispatcher's steps, one by one: reading (failures and readiness),
+//! judging and settling (the verdict table with the gate as an input), the
+//! Retry-After hold, the keep-alive of deliveries in flight. Time is paused
+//! where only timers are involved. Deliveries to an app go to a real HTTP
+//! app on loopback, in real time: a paused clock would jump past the app's
+//! answer. The source is a small in-memory one: this tests the dispatcher,
+//! not a broker (the conformance suite does that).
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+mod delivering;
+mod steps;
+
+use super::*;
+use crate::model::{DeadLetter, Failure, Outcome};
+use crate::policy::{GateState, Jitter, Policy};
+use crate::source::{Capabilities, Depth, SourceError};
+
+// === An in-memory source ===
+
+#[derive(Default)]
+struct Memory {
+    ready: VecDeque<Delivery>,
+    scheduled: Vec<(SystemTime, Delivery)>,
+    acked: Vec<String>,
+    /// (message id, next attempt, due)
+    retried: Vec<(String, u32, SystemTime)>,
+    dead: Vec<(String, Failure)>,
+    kept_alive: Vec<Vec<String>>,
+}
+
+#[derive(Default)]
+struct MemorySource {
+    state: Mutex<Memory>,
+    fail_reads: AtomicBool,
+}
+
+fn delivery(id: &str, body: &str) -> Delivery {
+    Delivery::from_fields(
+        id,
+        vec![(
+            Bytes::from_static(b"payload"),
+            Bytes::from(body.to_string()),
+        )],
+        0,
+        id.to_string(),
+    )
+}
+
+impl MemorySource {
+    fn with(bodies: &[&str]) -> Arc<Self> {
+        let source = Self::default();
+        source.state().ready = bodies
+            .iter()
+            .enumerate()
+            .map(|(i, body)| delivery(&format!("{i}-0"), body))
+            .collect();
+        Arc::new(source)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Memory> {
+        self.state.lock().unwrap()
+    }
+}
+
+#[async_trait]
+impl Source for MemorySource {
+    async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        if self.fail_reads.load(Ordering::SeqCst) {
+            return Err(SourceError::Unavailable("connection refused".into()));
+        }
+        let out: Vec<Delivery> = {
+            let mut s = self.state();
+            let now = SystemTime::now();
+            let (due, later) = std::mem::take(&mut s.scheduled)
+                .into_iter()
+                .partition(|(at, _)| *at <= now);
+            s.scheduled = later;
+            s.ready.extend(due.into_iter().map(|(_, d)| d));
+            let n = max.min(s.ready.len());
+            s.ready.drain(..n).collect()
+        };
+        if out.is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(out)
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.state().acked.push(delivery.message.id.clone());
+        Ok(())
+    }
+
+    async fn retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let id = delivery.message.id.clone();
+        let again = Delivery::from_fields(
+            &id,
+            delivery.fields_for_retry(next_attempt, first_attempt_at),
+            0,
+            id.clone(),
+        );
+        let mut s = self.state();
+        s.retried.push((id, next_attempt, at));
+        s.scheduled.push((at, again));
+        Ok(())
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
+        self.state()
+            .dead
+            .push((delivery.message.id.clone(), failure.clone()));
+        Ok(())
+    }
+
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        Ok(Depth::default())
+    }
+
+    async fn dead_letters(&self, _: &str, _: usize) -> Result<Vec<DeadLetter>, SourceError> {
+        Ok(Vec::new())
+    }
+
+    async fn replay(&self, _: &str, _: &DeadLetter) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    async fn purge(&self, _: &str, _: &DeadLetter) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    async fn send(&self, body: Bytes, _: &[(String, String)]) -> Result<String, SourceError> {
+        let mut s = self.state();
+        let id = format!("{}-0", s.ready.len() + 1000);
+        s.ready
+            .push_back(delivery(&id, &String::from_utf8_lossy(&body)));
+        Ok(id)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        let mut ids: Vec<String> = in_flight.iter().map(|d| d.message.id.clone()).collect();
+        ids.sort();
+        self.state().kept_alive.push(ids);
+        Ok(())
+    }
+}
+
+// === Fixtures ===
+
+fn fast_policy(max_attempts: u32) -> Policy {
+    let mut policy = Policy::test().max_attempts(max_attempts).backoff_of(
+        Duration::from_millis(10),
+        Duration::from_millis(50),
+        2.0,
+        Jitter::None,
+    );
+    policy.timeout = Duration::from_secs(5);
+    policy
+}
+
+fn dispatcher(source: Arc<MemorySource>, app: SocketAddr, policy: Policy) -> Dispatcher {
+    Dispatcher {
+        source,
+        forwarder: Forwarder::new(format!("http://{app}/").parse().unwrap(), 4),
+        policy: LivePolicy::fixed(policy),
+        metrics: Arc::new(Metrics::new()),
+        queue: "orders".into(),
+        concurrency: 4,
+        max_body: 1 << 20,
+        drain_timeout: Duration::from_secs(5),
+        visibility_timeout: Duration::from_secs(60),
+        health: Arc::new(telemetry::Health::default()),
+        app_health_path: None,
+        app_failure_run: gate::FAILURE_RUN,
+        dedup_window: None,
+    }
+}
+
+/// An address nothing listens on.
+async fn closed_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+fn answered(status: u16, retry_after: Option<u64>) -> Outcome {
+    Outcome::Answered {
+        status,
+        retry_after: retry_after.map(Duration::from_secs),
+        retry_after_invalid: false,
+        excerpt: Bytes::new(),
+    }
+}
+
+fn deliveries_counted(shared: &Shared, result: &str) -> u64 {
+    shared.m.delivery(result).map_or(0, |c| c.get())
+}

@@ -1,0 +1,292 @@
+//! The steps with paused time: reading, judging and settling, the
+//! Retry-After hold, the keep-alive.
+
+use super::*;
+
+// === Reading ===
+
+#[tokio::test(start_paused = true)]
+async fn reads_that_keep_failing_make_courier_not_ready_until_one_works() {
+    let source = MemorySource::with(&["a"]);
+    let shared = Shared::new(dispatcher(
+        source.clone(),
+        closed_port().await,
+        fast_policy(3),
+    ));
+    shared.d.health.set_ready(true);
+    let shutdown = CancellationToken::new();
+    let mut reader = Reader::default();
+    source.fail_reads.store(true, Ordering::SeqCst);
+    for failures in 1..=READ_FAILURE_RUN {
+        let clock = Instant::now();
+        assert!(matches!(
+            shared.read(&mut reader, &shutdown).await,
+            Flow::Again
+        ));
+        assert_eq!(reader.failures, failures);
+        assert_eq!(
+            clock.elapsed(),
+            Duration::from_millis(100 * 2u64.pow(failures)),
+            "a failed read waits before the next, longer each time"
+        );
+        assert_eq!(
+            shared.d.health.is_ready(),
+            failures < READ_FAILURE_RUN,
+            "after {failures} failed reads"
+        );
+    }
+    assert_eq!(shared.read_errors.get(), u64::from(READ_FAILURE_RUN));
+    source.fail_reads.store(false, Ordering::SeqCst);
+    assert!(matches!(
+        shared.read(&mut reader, &shutdown).await,
+        Flow::Launch(_)
+    ));
+    assert_eq!(reader.ahead.len(), 1);
+    assert!(shared.d.health.is_ready(), "one good read: ready again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_returns_one_round_of_the_limit() {
+    let bodies: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
+    let bodies: Vec<&str> = bodies.iter().map(String::as_str).collect();
+    let source = MemorySource::with(&bodies);
+    let shared = Shared::new(dispatcher(source, closed_port().await, fast_policy(3)));
+    let mut reader = Reader::default();
+    let flow = shared.read(&mut reader, &CancellationToken::new()).await;
+    assert!(matches!(flow, Flow::Launch(_)));
+    assert_eq!(reader.ahead.len(), 4, "the limit is --concurrency 4");
+}
+
+// === Judging and settling ===
+
+/// The verdict table, through the dispatcher: the gate's state goes into
+/// the decision, and the source sees the settlement the verdict asks for.
+#[tokio::test(start_paused = true)]
+async fn judge_and_settle_rows() {
+    struct Row {
+        outcome: Outcome,
+        attempt: u32,
+        gate: GateState,
+        /// "ack", "retry N" (the next attempt) or the dead-letter reason.
+        want: &'static str,
+    }
+    let rows = [
+        Row {
+            outcome: answered(200, None),
+            attempt: 1,
+            gate: GateState::Open,
+            want: "ack",
+        },
+        Row {
+            outcome: answered(503, None),
+            attempt: 1,
+            gate: GateState::Open,
+            want: "retry 2",
+        },
+        Row {
+            outcome: answered(503, None),
+            attempt: 3,
+            gate: GateState::Open,
+            want: "attempts-exhausted",
+        },
+        Row {
+            outcome: answered(503, None),
+            attempt: 3,
+            gate: GateState::Closed,
+            want: "retry 3",
+        },
+        Row {
+            outcome: Outcome::Timeout,
+            attempt: 2,
+            gate: GateState::Closed,
+            want: "retry 2",
+        },
+        Row {
+            outcome: Outcome::ConnectionLost {
+                error: "reset".into(),
+            },
+            attempt: 2,
+            gate: GateState::Closed,
+            want: "retry 3",
+        },
+        Row {
+            outcome: Outcome::ConnectionLost {
+                error: "reset".into(),
+            },
+            attempt: 3,
+            gate: GateState::Open,
+            want: "attempts-exhausted",
+        },
+        Row {
+            outcome: Outcome::Unreachable {
+                error: "refused".into(),
+            },
+            attempt: 3,
+            gate: GateState::Open,
+            want: "retry 3",
+        },
+        Row {
+            outcome: answered(400, None),
+            attempt: 1,
+            gate: GateState::Closed,
+            want: "permanent-status",
+        },
+        Row {
+            outcome: Outcome::Undeliverable {
+                error: "too big".into(),
+            },
+            attempt: 1,
+            gate: GateState::Open,
+            want: "undeliverable",
+        },
+    ];
+    for (i, row) in rows.into_iter().enumerate() {
+        let source = MemorySource::with(&[]);
+        let mut d = dispatcher(source.clone(), closed_port().await, fast_policy(3));
+        // With a health path only the path opens a closed gate, so the row's
+        // state holds while the outcome is judged.
+        d.app_health_path = Some("/healthz".into());
+        let shared = Shared::new(d);
+        if row.gate == GateState::Closed {
+            shared.report(Evidence::HealthPath(false)).await;
+        }
+        assert_eq!(shared.gate.state(), row.gate);
+        let policy = shared.d.policy.current();
+        let decision = shared
+            .judge(&row.outcome, &policy, row.attempt, Duration::from_millis(1))
+            .await;
+        let message = delivery(&format!("{i}-0"), "body");
+        let mut message = message;
+        message.attempt = row.attempt;
+        shared
+            .settle(
+                &message,
+                &row.outcome,
+                &decision,
+                &policy,
+                SystemTime::now(),
+            )
+            .await;
+        let s = source.state();
+        let got = if !s.acked.is_empty() {
+            "ack".to_string()
+        } else if let Some((_, next, _)) = s.retried.first() {
+            format!("retry {next}")
+        } else if let Some((_, failure)) = s.dead.first() {
+            assert_eq!(failure.attempts, row.attempt);
+            assert_eq!(failure.status, row.outcome.status());
+            failure.reason.as_str().to_string()
+        } else {
+            "nothing".to_string()
+        };
+        assert_eq!(
+            got, row.want,
+            "{:?} at attempt {} with the gate {:?}",
+            row.outcome, row.attempt, row.gate
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn answers_do_not_close_the_gate_a_refused_connection_does() {
+    let source = MemorySource::with(&[]);
+    let shared = Shared::new(dispatcher(source, closed_port().await, fast_policy(3)));
+    shared.d.health.set_ready(true);
+    let policy = shared.d.policy.current();
+    for _ in 0..20 {
+        shared
+            .judge(&answered(503, None), &policy, 1, Duration::from_millis(1))
+            .await;
+    }
+    assert_eq!(shared.gate.state(), GateState::Open, "503s never close it");
+    assert!(shared.limiter.limit() < 4, "a run of 503s lowers the limit");
+    assert_eq!(deliveries_counted(&shared, "transient"), 20);
+    let refused = Outcome::Unreachable {
+        error: "refused".into(),
+    };
+    shared.judge(&refused, &policy, 1, Duration::ZERO).await;
+    assert_eq!(shared.gate.state(), GateState::Closed);
+    assert!(
+        !shared.d.health.is_ready(),
+        "not ready while the app is down"
+    );
+    shared
+        .judge(&answered(503, None), &policy, 1, Duration::ZERO)
+        .await;
+    assert_eq!(
+        shared.gate.state(),
+        GateState::Open,
+        "an answer, even 503, opens it"
+    );
+    assert!(shared.d.health.is_ready());
+}
+
+// === The Retry-After hold ===
+
+#[tokio::test(start_paused = true)]
+async fn a_429_holds_new_deliveries_which_go_back_due_when_it_ends() {
+    let source = MemorySource::with(&[]);
+    let shared = Shared::new(dispatcher(
+        source.clone(),
+        closed_port().await,
+        fast_policy(3),
+    ));
+    let policy = shared.d.policy.current();
+    shared
+        .judge(&answered(429, Some(5)), &policy, 1, Duration::ZERO)
+        .await;
+    let held = delivery("7-0", "held");
+    let asked_at = SystemTime::now();
+    assert!(shared.defer_if_held(&held).await, "held for 5 s");
+    {
+        let s = source.state();
+        let (id, next, due) = &s.retried[0];
+        assert_eq!((id.as_str(), *next), ("7-0", 1), "no attempt used");
+        let wait = due.duration_since(asked_at).unwrap();
+        let asked = Duration::from_secs(5);
+        assert!(
+            wait.abs_diff(asked) < Duration::from_millis(100),
+            "{wait:?}"
+        );
+    }
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert!(!shared.defer_if_held(&held).await, "the hold is over");
+    // The loop waits the hold out before reading again.
+    shared
+        .judge(&answered(429, Some(3)), &policy, 1, Duration::ZERO)
+        .await;
+    let clock = Instant::now();
+    let mut reader = Reader::default();
+    let _ = shared.next(&mut reader, &CancellationToken::new()).await;
+    assert!(
+        clock.elapsed() >= Duration::from_secs(3),
+        "{:?}",
+        clock.elapsed()
+    );
+}
+
+// === Keep-alive ===
+
+#[tokio::test(start_paused = true)]
+async fn deliveries_in_flight_are_kept_claimed_a_third_of_the_visibility_apart() {
+    let source = MemorySource::with(&[]);
+    let mut d = dispatcher(source.clone(), closed_port().await, fast_policy(3));
+    d.visibility_timeout = Duration::from_secs(90);
+    let shared = Arc::new(Shared::new(d));
+    let keep_alive = tokio::spawn(shared.clone().keep_alive());
+    let a = shared.in_flight.register(&delivery("1-0", "a"));
+    let b = shared.in_flight.register(&delivery("2-0", "b"));
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    assert_eq!(source.state().kept_alive, [vec!["1-0", "2-0"]]);
+    drop(a);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(source.state().kept_alive[1], ["2-0"]);
+    drop(b);
+    tokio::time::sleep(Duration::from_secs(90)).await;
+    assert_eq!(
+        source.state().kept_alive.len(),
+        2,
+        "nothing in flight, nothing to keep"
+    );
+    keep_alive.abort();
+}

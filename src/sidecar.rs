@@ -409,6 +409,45 @@ pub fn options_for(options: &SourceOptions, policy: &Policy) -> SourceOptions {
 mod tests {
     use super::*;
 
+    /// A change the source cannot follow is refused as a whole: the policy
+    /// in force stays, and the refusal says why.
+    #[test]
+    fn a_change_the_source_refuses_is_refused_and_the_last_policy_stays() {
+        let first = Policy::test();
+        let (live, update) = LivePolicy::new(first.clone());
+        let update = update.admit_with(|policy| {
+            if policy.dead_letter_queue.is_some() {
+                Err("the dead-letter queue is in another hash slot".into())
+            } else {
+                Ok(())
+            }
+        });
+        let refused = Policy {
+            dead_letter_queue: Some("elsewhere".into()),
+            ..Policy::test()
+        };
+        match update.offer(Ok(refused), None) {
+            Reload::Rejected(problem) => assert!(problem.contains("hash slot"), "{problem}"),
+            Reload::Applied(policy) => panic!("applied {policy:?}"),
+        }
+        assert_eq!(*live.current(), first);
+        let accepted = Policy::test().max_attempts(9);
+        assert!(matches!(
+            update.offer(Ok(accepted), None),
+            Reload::Applied(_)
+        ));
+        assert_eq!(live.current().max_attempts, 9);
+    }
+
+    #[test]
+    fn before_the_source_is_open_every_change_is_admitted() {
+        let options = SourceOptions::new("orders");
+        assert_eq!(
+            follow_policy(None, &options, "redis://host", &Policy::test()),
+            Ok(())
+        );
+    }
+
     #[test]
     fn the_source_opens_with_the_dead_letter_queue_and_a_long_enough_visibility() {
         let mut options = SourceOptions::new("orders");

@@ -5,6 +5,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::*;
+use crate::model::DeadLetterReason;
 
 fn answered(status: u16) -> Outcome {
     Outcome::Answered {

@@ -173,7 +173,9 @@ async fn nats_a_message_handed_out_too_often_is_dead_lettered_without_the_app() 
         .unwrap();
     fixture.send(&source, "poison").await;
 
-    let limit = 3;
+    // The limit is the policy's maxAttempts + 2: 3 for one attempt.
+    let policy = fast_policy().max_attempts(1);
+    let limit = i64::from(policy.max_deliveries());
     let mut delivered = 0;
     while delivered < limit {
         let mut batch = consumer
@@ -189,9 +191,7 @@ async fn nats_a_message_handed_out_too_often_is_dead_lettered_without_the_app() 
         }
     }
 
-    let mut config = run_config(&fixture, &app, fast_policy());
-    config.options.max_deliveries = limit as u32;
-    let running = Running::start(config).await;
+    let running = Running::start(run_config(&fixture, &app, policy)).await;
     let mut letters = Vec::new();
     wait_for(
         "the poison pill in the dead-letter stream",

@@ -115,31 +115,32 @@ pub(super) fn require_selection(
     Ok(())
 }
 
+/// A dead letter as the tests of this folder read it.
+#[cfg(test)]
+pub(super) fn test_letter(reason: &str, status: &str, last: SystemTime) -> DeadLetter {
+    DeadLetter {
+        id: "1".into(),
+        body: bytes::Bytes::from_static(&[0xff, 0x00]),
+        fields: vec![
+            ("courier-reason".into(), reason.into()),
+            ("courier-status".into(), status.into()),
+            (
+                "courier-last-attempt-at".into(),
+                crate::model::rfc3339(last),
+            ),
+            ("traceparent".into(), "00-x".into()),
+        ],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
-
-    fn letter(reason: &str, status: &str, last: SystemTime) -> DeadLetter {
-        DeadLetter {
-            id: "1".into(),
-            body: Bytes::from_static(&[0xff, 0x00]),
-            fields: vec![
-                ("courier-reason".into(), reason.into()),
-                ("courier-status".into(), status.into()),
-                (
-                    "courier-last-attempt-at".into(),
-                    crate::model::rfc3339(last),
-                ),
-                ("traceparent".into(), "00-x".into()),
-            ],
-        }
-    }
 
     #[test]
     fn filters() {
         let now = SystemTime::now();
-        let hour_ago = letter("permanent-status", "400", now - Duration::from_secs(3600));
+        let hour_ago = test_letter("permanent-status", "400", now - Duration::from_secs(3600));
         let f = |reason: Option<&str>,
                  status: Option<&str>,
                  older: Option<u64>,

@@ -71,24 +71,8 @@ pub(super) fn line(letter: &DeadLetter, now: SystemTime) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::filter::test_letter as letter;
     use super::*;
-    use bytes::Bytes;
-
-    fn letter(reason: &str, status: &str, last: SystemTime) -> DeadLetter {
-        DeadLetter {
-            id: "1".into(),
-            body: Bytes::from_static(&[0xff, 0x00]),
-            fields: vec![
-                ("courier-reason".into(), reason.into()),
-                ("courier-status".into(), status.into()),
-                (
-                    "courier-last-attempt-at".into(),
-                    crate::model::rfc3339(last),
-                ),
-                ("traceparent".into(), "00-x".into()),
-            ],
-        }
-    }
 
     #[test]
     fn json_keeps_binary_bodies() {

@@ -126,3 +126,45 @@ pub async fn a_huge_answer_is_cut_to_the_excerpt(fixture: Fixture) {
         Some("x".repeat(courier::model::EXCERPT_LIMIT).as_str())
     );
 }
+
+/// Producer header values with a line break or non-ASCII text: the text
+/// survives every trip through the broker (first delivery, a stored retry,
+/// the dead letter) byte for byte; the app gets the non-ASCII value as
+/// sent, and a value HTTP cannot carry (CR/LF) is left out of the request
+/// instead of failing the delivery. Where a broker's own client refuses a
+/// value (NATS headers hold no line breaks) the producer cannot send it.
+pub async fn header_values_with_line_breaks_and_non_ascii_survive(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let wanted = [
+        ("x-name".to_string(), "café ✓ Ünïcödé".to_string()),
+        ("x-note".to_string(), "line one\r\nline two".to_string()),
+        ("x-plain".to_string(), "kept".to_string()),
+    ];
+    let headers: Vec<_> = wanted
+        .iter()
+        .filter(|(name, value)| producer.carries(name, value))
+        .cloned()
+        .collect();
+    let carries_crlf = headers.iter().any(|(name, _)| name == "x-note");
+    producer.send("script:503,200\nretried", &headers).await;
+    producer.send("script:400\nrefused", &headers).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+
+    let seen = app.received_body(b"script:503,200\nretried");
+    assert_eq!(seen.len(), 2, "the first delivery and the retry");
+    for r in &seen {
+        assert_eq!(r.header("x-name"), Some("café ✓ Ünïcödé"), "{r:?}");
+        assert_eq!(r.header("x-plain"), Some("kept"), "{r:?}");
+        assert_eq!(r.header("x-note"), None, "CR/LF cannot be an HTTP value");
+    }
+    let letter = only_dead_letter(&source, &fixture).await;
+    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+    assert_eq!(letter.field("x-name"), Some("café ✓ Ünïcödé"));
+    if carries_crlf {
+        assert_eq!(letter.field("x-note"), Some("line one\r\nline two"));
+    }
+}

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -14,84 +13,6 @@ use courier::source::SourceUrl;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SETTLE: Duration = Duration::from_secs(30);
-
-/// A `redis-server` of the test's own, on a port of its own, that can be
-/// stopped and started again on the same port.
-struct PrivateRedis {
-    port: u16,
-    dir: tempfile::TempDir,
-    child: Option<Child>,
-}
-
-impl PrivateRedis {
-    async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut redis = Self {
-            port,
-            dir: tempfile::tempdir().unwrap(),
-            child: None,
-        };
-        redis.spawn().await;
-        redis
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    async fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-            ])
-            .args(["--dir", &self.dir.path().display().to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server (is it installed?)");
-        self.child = Some(child);
-        let port = self.port;
-        wait_for("the private Redis to answer", SETTLE, async || {
-            ping(port).await
-        })
-        .await;
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().expect("stop redis-server");
-            child.wait().expect("reap redis-server");
-        }
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-async fn ping(port: u16) -> bool {
-    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return false;
-    };
-    if stream.write_all(b"PING\r\n").await.is_err() {
-        return false;
-    }
-    let mut buf = [0u8; 64];
-    matches!(stream.read(&mut buf).await, Ok(n) if buf[..n].starts_with(b"+PONG"))
-}
 
 async fn readyz(addr: std::net::SocketAddr) -> u16 {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -125,7 +46,7 @@ async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
     )
     .await;
 
-    redis.stop();
+    redis.kill9();
     wait_for(
         "failed reads counted and /readyz failing",
         SETTLE,

@@ -3,6 +3,10 @@
 //! run the sidecar in-process or as the built binary.
 #![allow(dead_code)]
 
+mod private_redis;
+#[allow(unused_imports)]
+pub use private_redis::PrivateRedis;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -2,10 +2,12 @@
 //! sizes, headers and URLs, and [`UsageError`]: a message that says what was
 //! wrong and what to do, and exit code 2, before anything has started.
 
+use std::path::PathBuf;
+
 use clap::Args;
 use http::Uri;
 
-use crate::source::SourceUrl;
+use crate::source::{SourceUrl, Tls, TlsFiles};
 
 /// Bad usage: the message is printed as is and the process exits with 2.
 #[derive(Debug, thiserror::Error)]
@@ -15,13 +17,53 @@ pub struct UsageError(pub String);
 #[derive(Debug, Clone, Args)]
 pub struct SourceArgs {
     /// Broker URL: redis://host:port/db, amqp://user:pass@host:port/vhost, nats://host:port or
-    /// embedded:<dir> (the brokers of this build; an unknown scheme's error lists them).
+    /// embedded:<dir> (the brokers of this build; an unknown scheme's error lists them);
+    /// rediss://, amqps:// and tls:// (NATS) over TLS.
     #[arg(long, env = "COURIER_SOURCE")]
     pub source: String,
     /// Queue to consume: the Redis stream key, the RabbitMQ queue, the NATS stream, the embedded
     /// queue name.
     #[arg(long, env = "COURIER_QUEUE")]
     pub queue: String,
+    /// PEM file of the CA that signed the broker's certificate, for rediss://, amqps:// and NATS
+    /// tls:// [default: the system's root certificates].
+    #[arg(long, env = "COURIER_TLS_CA_FILE")]
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate for mutual TLS, with --tls-key-file.
+    #[arg(long, env = "COURIER_TLS_CERT_FILE")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "COURIER_TLS_KEY_FILE")]
+    pub tls_key_file: Option<PathBuf>,
+}
+
+impl SourceArgs {
+    /// The broker URL and the TLS files it connects with, checked: every
+    /// `--tls-*` file read and parsed, and given only with a TLS scheme.
+    pub fn parse(&self) -> Result<(SourceUrl, Tls), UsageError> {
+        let url = parse_source(&self.source)?;
+        check_queue(&self.queue)?;
+        let files = TlsFiles {
+            ca_file: self.tls_ca_file.clone(),
+            cert_file: self.tls_cert_file.clone(),
+            key_file: self.tls_key_file.clone(),
+        };
+        if files == TlsFiles::default() {
+            return Ok((url, Tls::default()));
+        }
+        if !url.uses_tls() {
+            let schemes = url.broker().tls_schemes;
+            let hint = match schemes.first() {
+                Some(scheme) => format!("write {scheme}:// to connect over TLS"),
+                None => format!("{} has no TLS", url.broker().name),
+            };
+            return Err(UsageError(format!(
+                "--tls-* files are given but --source {url} does not connect over TLS; {hint}"
+            )));
+        }
+        let tls = Tls::load(&files).map_err(UsageError)?;
+        Ok((url, tls))
+    }
 }
 
 /// `4MiB`, `512KiB`, `1MB`, `1048576`.

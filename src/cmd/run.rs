@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use tokio_util::sync::CancellationToken;
 
-use super::args::{SourceArgs, UsageError, check_queue, parse_app, parse_size, parse_source};
+use super::args::{SourceArgs, UsageError, parse_app, parse_size};
 use crate::duration;
 use crate::policy::{self, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
@@ -77,8 +77,7 @@ pub struct RunArgs {
 
 /// Checks every flag of `courier run` into the config the sidecar runs with.
 pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
-    let source = parse_source(&args.source.source)?;
-    check_queue(&args.source.queue)?;
+    let (source, tls) = args.source.parse()?;
     let app = parse_app(&args.app)?;
     if args.concurrency == 0 {
         return Err(UsageError("--concurrency must be at least 1".into()));
@@ -120,6 +119,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         max_in_flight: args.concurrency,
         max_deliveries: policy.max_deliveries(),
         max_body: args.max_body,
+        tls,
     };
     Ok(RunConfig {
         source,

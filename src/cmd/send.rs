@@ -7,7 +7,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use clap::Args;
 
-use super::args::{SourceArgs, check_queue, parse_header, parse_source};
+use super::args::{SourceArgs, parse_header};
 use crate::source::{self, SourceOptions};
 
 #[derive(Debug, Clone, Args)]
@@ -22,8 +22,7 @@ pub struct SendArgs {
 }
 
 pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
-    let url = parse_source(&args.source.source)?;
-    check_queue(&args.source.queue)?;
+    let (url, tls) = args.source.parse()?;
     let body = if args.body == "-" {
         let mut buf = Vec::new();
         std::io::stdin()
@@ -33,7 +32,9 @@ pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
     } else {
         Bytes::from(args.body.into_bytes())
     };
-    let source = source::open(&url, SourceOptions::new(&args.source.queue))
+    let mut options = SourceOptions::new(&args.source.queue);
+    options.tls = tls;
+    let source = source::open(&url, options)
         .await
         .with_context(|| format!("cannot open --source {url}"))?;
     let id = source.send(body, &args.headers).await?;

@@ -10,8 +10,8 @@ use serde_json::{Value, json};
 
 use super::settings::{
     CONTAINER_NAME, DEFAULT_DRAIN, DEFAULT_GRACE_SECONDS, GRACE_MARGIN, INJECT_LABEL,
-    METRICS_PORT_NAME, SIDECAR_UID, Settings, SidecarDefaults, SourceSetting, TOKEN_MOUNT_PATH,
-    annotations, read_settings,
+    METRICS_PORT_NAME, SIDECAR_UID, Settings, SidecarDefaults, SourceSetting, TLS_MOUNT_PATH,
+    TLS_VOLUME, TOKEN_MOUNT_PATH, annotations, read_settings,
 };
 use crate::duration;
 use crate::source::redact;
@@ -162,15 +162,31 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
     let mut container = sidecar_container(&settings, defaults);
     // The sidecar reads the RetryPolicy from the API, so it needs the
     // token; only then, because nothing else in it talks to the API.
+    let mut mounts = Vec::new();
     if let (Some(_), Some(mount)) = (&settings.policy, token_mount) {
-        container["volumeMounts"] = json!([{
+        mounts.push(json!({
             "name": mount.name,
             "mountPath": TOKEN_MOUNT_PATH,
             "readOnly": true,
-        }]);
+        }));
+    }
+    let mut ops = Vec::new();
+    if let Some(tls) = &settings.tls {
+        mounts.push(json!({
+            "name": TLS_VOLUME,
+            "mountPath": TLS_MOUNT_PATH,
+            "readOnly": true,
+        }));
+        let volume = json!({"name": TLS_VOLUME, "secret": {"secretName": tls.name}});
+        match &spec.volumes {
+            Some(list) if !list.is_empty() => ops.push(add("/spec/volumes/-", volume)),
+            _ => ops.push(add("/spec/volumes", json!([volume]))),
+        }
+    }
+    if !mounts.is_empty() {
+        container["volumeMounts"] = Value::Array(mounts);
     }
 
-    let mut ops = Vec::new();
     if settings.native {
         container["restartPolicy"] = json!("Always");
         match &spec.init_containers {
@@ -263,6 +279,13 @@ fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
     }
     for (name, value) in &settings.passthrough {
         var(name, value.clone());
+    }
+    if let Some(tls) = &settings.tls {
+        var("COURIER_TLS_CA_FILE", format!("{TLS_MOUNT_PATH}/ca.crt"));
+        if tls.client_cert {
+            var("COURIER_TLS_CERT_FILE", format!("{TLS_MOUNT_PATH}/tls.crt"));
+            var("COURIER_TLS_KEY_FILE", format!("{TLS_MOUNT_PATH}/tls.key"));
+        }
     }
 
     let r = &settings.resources;

@@ -76,6 +76,15 @@ pub const ANNOTATED: &[(&str, &str)] = &[
     ("drain-timeout", "courier.dev/drain-timeout"),
     ("listen", "courier.dev/metrics-port"),
     ("log-level", "courier.dev/log-level"),
+    ("tls-ca-file", "courier.dev/tls-secret"),
+    (
+        "tls-cert-file",
+        "courier.dev/tls-secret, courier.dev/tls-client-cert",
+    ),
+    (
+        "tls-key-file",
+        "courier.dev/tls-secret, courier.dev/tls-client-cert",
+    ),
 ];
 
 /// The `courier run` flags a pod does not set by annotation, and why.

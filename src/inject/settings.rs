@@ -16,6 +16,10 @@ pub const INJECT_LABEL: &str = "courier.dev/inject";
 pub const CONTAINER_NAME: &str = "courier";
 /// The sidecar's metrics port name, for probes and PodMonitors.
 pub const METRICS_PORT_NAME: &str = "courier-metrics";
+/// Where the sidecar finds the Secret of `courier.dev/tls-secret`.
+pub(super) const TLS_MOUNT_PATH: &str = "/etc/courier/tls";
+/// The pod volume of that Secret.
+pub(super) const TLS_VOLUME: &str = "courier-tls";
 /// Where Kubernetes mounts the service account token.
 pub(super) const TOKEN_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// The UID and GID of the image's non-root user (distroless `nonroot`).
@@ -54,6 +58,13 @@ pub mod annotations {
     pub const LOG_LEVEL: &str = "courier.dev/log-level";
     /// `true` or `false`: overrides the injector's `--native-sidecars`.
     pub const NATIVE_SIDECAR: &str = "courier.dev/native-sidecar";
+    /// Name of a Secret in the pod's namespace with `ca.crt` (and, for
+    /// mutual TLS, `tls.crt` and `tls.key`), mounted read-only into the
+    /// sidecar for `rediss://`, `amqps://` and NATS `tls://`.
+    pub const TLS_SECRET: &str = "courier.dev/tls-secret";
+    /// `true`: the sidecar presents `tls.crt` and `tls.key` of that Secret
+    /// (mutual TLS).
+    pub const TLS_CLIENT_CERT: &str = "courier.dev/tls-client-cert";
     pub const CPU_REQUEST: &str = "courier.dev/cpu-request";
     pub const MEMORY_REQUEST: &str = "courier.dev/memory-request";
     pub const CPU_LIMIT: &str = "courier.dev/cpu-limit";
@@ -137,9 +148,18 @@ pub(super) struct Settings {
     pub(super) log_level: Option<String>,
     pub(super) native: bool,
     pub(super) resources: Resources,
+    pub(super) tls: Option<TlsSecret>,
     /// Annotations of [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH):
     /// (variable, value), checked.
     pub(super) passthrough: Vec<(&'static str, String)>,
+}
+
+/// The Secret with the broker's CA (`courier.dev/tls-secret`).
+#[derive(Debug, Clone)]
+pub(super) struct TlsSecret {
+    pub(super) name: String,
+    /// Its `tls.crt` and `tls.key` are the client certificate.
+    pub(super) client_cert: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -275,6 +295,30 @@ pub(super) fn read_settings(
         memory_limit: quantity(a::MEMORY_LIMIT, &d.memory_limit),
     };
 
+    let client_cert = match get(a::TLS_CLIENT_CERT) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(v) => {
+            problems.push(format!("{} {v:?} is not true or false", a::TLS_CLIENT_CERT));
+            false
+        }
+    };
+    let tls = match get(a::TLS_SECRET) {
+        Some(name) => Some(TlsSecret {
+            name: name.to_string(),
+            client_cert,
+        }),
+        None if client_cert => {
+            problems.push(format!(
+                "{} is set without {}; name the Secret that holds tls.crt and tls.key",
+                a::TLS_CLIENT_CERT,
+                a::TLS_SECRET
+            ));
+            None
+        }
+        None => None,
+    };
+
     let mut passthrough = Vec::new();
     for p in super::flags::PASSTHROUGH {
         if let Some(v) = get(p.annotation) {
@@ -298,6 +342,7 @@ pub(super) fn read_settings(
             log_level: get(a::LOG_LEVEL).map(str::to_string),
             native,
             resources,
+            tls,
             passthrough,
         }),
         _ => Err(problems),

@@ -18,6 +18,7 @@ pub mod redis;
 // message (AMQP, NATS); a build without them leaves those unused.
 #[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
 mod shared;
+pub mod tls;
 mod wire;
 
 use std::fmt;
@@ -33,6 +34,7 @@ use futures::future::BoxFuture;
 
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
+pub use tls::{Tls, TlsFiles};
 pub use wire::{decode_fields, encode_fields};
 
 /// How much sits where, read from the broker.
@@ -103,6 +105,9 @@ pub struct SourceOptions {
     /// ([`Capabilities::byte_bounded_reads`]) dead-letters a larger entry as
     /// `undeliverable` without loading it.
     pub max_body: usize,
+    /// `--tls-ca-file`, `--tls-cert-file`, `--tls-key-file`, read and
+    /// checked; empty unless the URL's scheme is a TLS one.
+    pub tls: Tls,
 }
 
 /// What a live policy change means to an open source: the values it
@@ -142,6 +147,7 @@ impl SourceOptions {
             max_in_flight: 16,
             max_deliveries: 7,
             max_body: 4 << 20,
+            tls: Tls::default(),
         }
     }
 }
@@ -255,6 +261,9 @@ pub type Opening = BoxFuture<'static, Result<Arc<dyn Source>, SourceError>>;
 pub struct Broker {
     pub name: &'static str,
     pub schemes: &'static [&'static str],
+    /// The schemes of `schemes` that connect over TLS (`rediss`); only
+    /// these take the `--tls-*` files.
+    pub tls_schemes: &'static [&'static str],
     /// The URL form, for help texts and errors: `redis://host:port/db`.
     pub url_form: &'static str,
     /// Refuses a URL this broker cannot use, saying what to write instead.
@@ -297,9 +306,13 @@ pub fn url_forms() -> String {
         .join(", ")
 }
 
-/// Opens the source a `--source` URL names.
+/// Opens the source a `--source` URL names. A failed certificate check
+/// ends the start with what to fix ([`Tls::explain`]).
 pub async fn open(url: &SourceUrl, options: SourceOptions) -> Result<Arc<dyn Source>, SourceError> {
-    (url.broker.open)(url.clone(), options).await
+    let tls = options.tls.clone();
+    (url.broker.open)(url.clone(), options)
+        .await
+        .map_err(|e| tls.explain(e))
 }
 
 /// A `--source` URL whose scheme names a broker of this build, checked by
@@ -331,6 +344,14 @@ impl SourceUrl {
 
     pub fn broker(&self) -> &'static Broker {
         self.broker
+    }
+
+    /// Whether the URL's scheme connects over TLS (`rediss://`, `amqps://`,
+    /// NATS `tls://`).
+    pub fn uses_tls(&self) -> bool {
+        self.text
+            .split_once(':')
+            .is_some_and(|(scheme, _)| self.broker.tls_schemes.contains(&scheme))
     }
 
     /// The URL as given, credentials included: only for connecting.

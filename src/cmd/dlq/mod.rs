@@ -14,7 +14,7 @@ use anyhow::Context;
 use base64::Engine;
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::args::{SourceArgs, UsageError, check_queue, parse_source};
+use super::args::{SourceArgs, UsageError};
 use crate::duration;
 use crate::model::default_dead_letter_queue;
 use crate::source::{self, Source, SourceOptions};
@@ -129,8 +129,7 @@ pub enum Output {
 }
 
 async fn open(target: &Target) -> anyhow::Result<(Arc<dyn Source>, String)> {
-    let url = parse_source(&target.source.source)?;
-    check_queue(&target.source.queue)?;
+    let (url, tls) = target.source.parse()?;
     let queue = &target.source.queue;
     let dlq = target
         .dlq
@@ -138,6 +137,7 @@ async fn open(target: &Target) -> anyhow::Result<(Arc<dyn Source>, String)> {
         .unwrap_or_else(|| default_dead_letter_queue(queue));
     let mut options = SourceOptions::new(queue);
     options.dead_letter_queue = dlq.clone();
+    options.tls = tls;
     let source = source::open(&url, options)
         .await
         .with_context(|| format!("cannot open --source {url}"))?;

@@ -11,6 +11,7 @@ use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::FieldTable;
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Connection, ConnectionProperties, ErrorKind};
@@ -22,7 +23,21 @@ use super::session::Session;
 use super::{AmqpSource, CONNECT_TIMEOUT, FRAME_MAX, new_id, queue_state};
 use crate::model::Delivery;
 use crate::source::shared::RECEIVE_WAIT;
-use crate::source::{SourceError, SourceOptions};
+use crate::source::{SourceError, SourceOptions, Tls};
+
+/// The `--tls-*` files as lapin takes them: the CA is trusted beside the
+/// system's roots, the client certificate and key go as PEM.
+fn tls_config(tls: &Tls) -> OwnedTLSConfig {
+    OwnedTLSConfig {
+        identity: tls.client_pem().map(|(cert, key)| OwnedIdentity::PKCS8 {
+            pem: cert.to_vec(),
+            key: key.to_vec(),
+        }),
+        cert_chain: tls
+            .ca_pem()
+            .map(|pem| String::from_utf8_lossy(pem).into_owned()),
+    }
+}
 
 impl AmqpSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
@@ -94,9 +109,16 @@ impl AmqpSource {
         let properties = ConnectionProperties::default().with_connection_name(
             format!("courier {} ({})", self.options.consumer, self.options.queue).into(),
         );
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|e| SourceError::Unavailable(format!("{}: {e}", self.redacted)))?;
         let connection = tokio::time::timeout(
             CONNECT_TIMEOUT,
-            Connection::connect_uri(self.uri.clone(), properties),
+            Connection::connect_uri_with_config(
+                self.uri.clone(),
+                properties,
+                tls_config(&self.options.tls),
+                runtime,
+            ),
         )
         .await
         .map_err(|_| {

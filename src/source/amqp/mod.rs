@@ -132,6 +132,7 @@ fn queue_state(key: &str) -> Arc<QueueState> {
 pub const BROKER: Broker = Broker {
     name: "amqp",
     schemes: &["amqp", "amqps"],
+    tls_schemes: &["amqps"],
     url_form: "amqp://user:pass@host:port/vhost",
     check_url,
     open: |url, options| {

@@ -131,6 +131,7 @@ const MAX_BATCH: usize = 1024;
 pub const BROKER: Broker = Broker {
     name: "embedded",
     schemes: &["embedded"],
+    tls_schemes: &[],
     url_form: "embedded:<dir>",
     check_url: |text| dir_of(text).map(drop),
     open: |url, options| {

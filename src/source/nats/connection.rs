@@ -169,7 +169,14 @@ impl NatsSource {
             (Some(token), None) => ConnectOptions::with_token(percent_decode(token)),
             _ => ConnectOptions::new(),
         };
+        // `tls://` verifies against --tls-ca-file and presents the client
+        // certificate of the flags; without flags, against the system's roots.
+        let connect = match options.tls.client_config() {
+            Some(config) => connect.tls_client_config(config),
+            None => connect,
+        };
         let client = connect
+            .require_tls(addr.tls_required())
             .name(format!("courier {} ({})", options.consumer, options.queue))
             .ping_interval(Duration::from_secs(10))
             .connection_timeout(Duration::from_secs(5))

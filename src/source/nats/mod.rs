@@ -90,7 +90,8 @@ pub use dead_letters::dead_letter_stream;
 /// NATS JetStream: `nats://[user:pass@]host:port`.
 pub const BROKER: Broker = Broker {
     name: "nats",
-    schemes: &["nats"],
+    schemes: &["nats", "tls"],
+    tls_schemes: &["tls"],
     url_form: "nats://host:port",
     check_url,
     open: |url, options| {

@@ -29,6 +29,7 @@ mod mover;
 mod poison;
 mod reader;
 mod settle;
+mod tls;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,8 +37,8 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Value};
 use tokio::sync::Mutex;
 
 use super::shared::RECEIVE_WAIT;
@@ -51,6 +52,7 @@ use reader::Reader;
 pub const BROKER: Broker = Broker {
     name: "redis",
     schemes: &["redis", "rediss"],
+    tls_schemes: &["rediss"],
     url_form: "redis://host:port/db",
     check_url: |_| Ok(()),
     open: |url, options| {
@@ -92,7 +94,7 @@ impl RedisSource {
             .map(|info| {
                 info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
             })
-            .and_then(Client::open)
+            .and_then(|info| tls::client(info, &options.tls))
             .map_err(|e| SourceError::Invalid(format!("--source {}: {e}", super::redact(url))))?;
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))

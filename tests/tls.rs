@@ -356,7 +356,7 @@ async fn delivers_over_tls(url: &str, tls: Vec<String>) {
     .await;
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0]["body"], "script:400");
-    assert_eq!(listed[0]["courier-reason"], "rejected");
+    assert_eq!(listed[0]["courier-reason"], "permanent-status");
     let retried = app.received_body(b"script:503,200");
     assert_eq!(retried[1].attempt(), 2, "the retry came back as attempt 2");
 

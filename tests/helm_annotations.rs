@@ -156,3 +156,63 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         assert!(message.contains(expected), "{expected:?} in {message}");
     }
 }
+
+/// `courier.dev/tls-secret` mounts the Secret read-only into the sidecar
+/// only and points the TLS flags' variables at its keys; with
+/// `courier.dev/tls-client-cert: "true"` the client certificate too.
+#[test]
+fn a_tls_secret_is_mounted_into_the_sidecar_and_sets_the_tls_flags() {
+    let given = json!({
+        "courier.dev/tls-secret": "broker-tls",
+        "courier.dev/tls-client-cert": "true",
+    });
+    let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
+    assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
+    let spec = &doc["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["volumes"],
+        json!([{"name": "courier-tls", "secret": {"secretName": "broker-tls"}}])
+    );
+    let sidecar = &spec["initContainers"][0];
+    assert_eq!(
+        sidecar["volumeMounts"],
+        json!([{"name": "courier-tls", "mountPath": "/etc/courier/tls", "readOnly": true}])
+    );
+    assert!(
+        spec["containers"][0].get("volumeMounts").is_none(),
+        "the app does not get the Secret: {}",
+        spec["containers"][0]
+    );
+    let env = sidecar["env"].as_array().unwrap();
+    for (name, value) in [
+        ("COURIER_TLS_CA_FILE", "/etc/courier/tls/ca.crt"),
+        ("COURIER_TLS_CERT_FILE", "/etc/courier/tls/tls.crt"),
+        ("COURIER_TLS_KEY_FILE", "/etc/courier/tls/tls.key"),
+    ] {
+        assert!(
+            env.contains(&json!({"name": name, "value": value})),
+            "{name}={value} in {env:?}"
+        );
+    }
+
+    let (doc, _) = inject_document(
+        deployment(json!({"courier.dev/tls-secret": "broker-ca"})),
+        &SidecarDefaults::chart(),
+    )
+    .unwrap();
+    let env = doc["spec"]["template"]["spec"]["initContainers"][0]["env"].to_string();
+    assert!(env.contains("COURIER_TLS_CA_FILE"), "{env}");
+    assert!(!env.contains("COURIER_TLS_CERT_FILE"), "CA only: {env}");
+
+    for bad in [
+        json!({"courier.dev/tls-secret": "broker-tls", "courier.dev/tls-client-cert": "yes"}),
+        json!({"courier.dev/tls-client-cert": "true"}),
+    ] {
+        let (_, decision) =
+            inject_document(deployment(bad.clone()), &SidecarDefaults::chart()).unwrap();
+        let Decision::Deny(message) = decision else {
+            panic!("{bad} must be refused, got {decision}");
+        };
+        assert!(message.contains("courier.dev/tls-client-cert"), "{message}");
+    }
+}

@@ -34,6 +34,7 @@ const NOBODY_PORT: u16 = 17099;
 /// certificate it signed, and another CA that signed neither.
 struct Certs {
     dir: PathBuf,
+    _removed_at_exit: Held,
 }
 
 impl Certs {
@@ -101,15 +102,19 @@ fn certs() -> &'static Certs {
         );
         write("stray.key", KeyPair::generate().unwrap().serialize_pem());
         write("not-pem.txt", "this is not a certificate\n".into());
-        Certs { dir }
+        Certs {
+            _removed_at_exit: hold(&dir, "true", &[]),
+            dir,
+        }
     })
 }
 
 // === Private brokers ===
 
 /// A broker process that ends with this test binary, however it ends: a
-/// shell holds it and stops it when its stdin, a pipe from this process,
-/// closes.
+/// shell holds it and, when its stdin (a pipe from this process) closes,
+/// stops it and removes its directory. Statics are never dropped, so this
+/// is what cleans up.
 struct Held {
     _child: Child,
     _stdin: ChildStdin,
@@ -119,8 +124,9 @@ struct Held {
 fn hold(dir: &Path, command: &str, env: &[(&str, String)]) -> Held {
     let log = dir.join("broker.log");
     let script = format!(
-        "{command} >{} 2>&1 & pid=$!; read _; kill -TERM $pid; wait $pid",
-        log.display()
+        "{command} >{} 2>&1 & pid=$!; read _; kill -TERM $pid; wait $pid; rm -rf {}",
+        log.display(),
+        dir.display()
     );
     let mut child = Command::new("sh")
         .args(["-c", &script])

@@ -320,6 +320,23 @@ async fn poll_depth(
                         .oldest_dead_letter_age
                         .map_or(0.0, |a| a.as_secs_f64()),
                 );
+                metrics
+                    .queue_depth
+                    .get_or_create(&labels)
+                    .set(depth.queue_depth as i64);
+                match depth.oldest_waiting_age {
+                    Some(age) => {
+                        metrics
+                            .queue_oldest_age
+                            .get_or_create(&labels)
+                            .set(age.as_secs_f64());
+                    }
+                    // A broker that cannot tell leaves the series out:
+                    // a 0 would read as "nothing waits".
+                    None => {
+                        metrics.queue_oldest_age.remove(&labels);
+                    }
+                }
             }
             Err(e) => {
                 metrics.depth_poll_errors.get_or_create(&labels).inc();

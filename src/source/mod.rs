@@ -48,6 +48,14 @@ pub struct Depth {
     pub retry_backlog: u64,
     pub dead_letters: u64,
     pub oldest_dead_letter_age: Option<Duration>,
+    /// The work queue as the broker counts it (`courier_queue_depth`): not
+    /// yet handed to any consumer, plus handed out and not settled where the
+    /// broker reports those; what each broker counts is in docs/sources.md.
+    pub queue_depth: u64,
+    /// Age of the oldest message not yet handed to any consumer
+    /// (`courier_queue_oldest_age_seconds`): zero when none waits, `None`
+    /// where the broker cannot tell.
+    pub oldest_waiting_age: Option<Duration>,
 }
 
 // === The trait ===

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub dlq_depth: Family<QueueLabels, Gauge>,
     pub dlq_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     pub retry_backlog: Family<QueueLabels, Gauge>,
+    pub queue_depth: Family<QueueLabels, Gauge>,
+    /// Absent where the broker cannot tell (RabbitMQ), never a made-up 0.
+    pub queue_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     pub app_up: Gauge,
     pub policy_generation: Family<PolicyLabels, Gauge>,
     pub policy_reloads: Family<ResultLabels, Counter>,
@@ -96,6 +99,8 @@ impl Metrics {
             dlq_depth: Family::default(),
             dlq_oldest_age: Family::default(),
             retry_backlog: Family::default(),
+            queue_depth: Family::default(),
+            queue_oldest_age: Family::default(),
             app_up: Gauge::default(),
             policy_generation: Family::default(),
             policy_reloads: Family::default(),
@@ -153,6 +158,16 @@ impl Metrics {
             "retry_backlog",
             "Messages scheduled for a later retry, in the broker",
             m.retry_backlog.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Messages waiting in the work queue, as the broker counts them",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "queue_oldest_age_seconds",
+            "Age of the oldest message in the work queue not yet handed to a consumer; absent where the broker cannot tell",
+            m.queue_oldest_age.clone(),
         );
         registry.register(
             "app_up",

@@ -18,6 +18,7 @@
 //! - `dedup`: `--dedup-window`;
 //! - `bad_inputs`: hostile producer headers and app answers;
 //! - `dlq`: `courier dlq list/show/replay/purge`;
+//! - `depth`: the work queue's depth and oldest age on `/metrics`;
 //! - `only`: what holds for one broker alone.
 
 #[path = "../common/mod.rs"]
@@ -26,6 +27,7 @@ mod common;
 mod bad_inputs;
 mod dedup;
 mod delivery;
+mod depth;
 mod dlq;
 mod only;
 mod process;
@@ -131,6 +133,7 @@ suite!(
         bad_inputs::header_values_with_line_breaks_and_non_ascii_survive if DeadLetterBrowsing,
         dlq::list_show_replay_purge if DeadLetterBrowsing,
         dlq::replay_killed_halfway_loses_nothing if DeadLetterBrowsing,
+        depth::waiting_messages_show_as_depth_and_age if Nothing,
     ]
 );
 

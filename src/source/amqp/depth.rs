@@ -5,7 +5,8 @@
 //! no longer where it was (it is flagged redelivered and, on a quorum
 //! queue, counts against the delivery limit). So the age of the oldest
 //! dead letter is not read here: [`Depth::oldest_dead_letter_age`] stays
-//! `None` on RabbitMQ, and `courier dlq list` shows each letter's age.
+//! `None` on RabbitMQ, and `courier dlq list` shows each letter's age. The
+//! same holds for the work queue: [`Depth::oldest_waiting_age`] is `None`.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -46,12 +47,17 @@ impl AmqpSource {
                 }
             }
         }
+        let ready = u64::from(ready.unwrap_or(0));
         Ok(Depth {
-            ready: u64::from(ready.unwrap_or(0)),
+            ready,
             pending: self.state.unacked.load(Ordering::SeqCst).max(0) as u64,
             retry_backlog,
             dead_letters: u64::from(dead_letters),
             oldest_dead_letter_age: None,
+            // The broker's count: a passive declare reports the ready
+            // messages only, not those handed out and unacked.
+            queue_depth: ready,
+            oldest_waiting_age: None,
         })
     }
 }

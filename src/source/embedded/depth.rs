@@ -21,14 +21,35 @@ impl Writer {
         let (taken, held, acked_leased) = self.queues.get(&tables.ready).map_or((0, 0, 0), |o| {
             (o.taken.len(), o.held.len(), o.acked_leased.len())
         });
+        // The oldest due row nobody holds: rows are ordered by due time,
+        // so the first one not taken waited longest (a new message is due
+        // when sent, a retry when its time came).
+        let mut oldest_due = None;
+        for row in ready.range(..(now + 1, 0)).map_err(store_error)? {
+            let key = row.map_err(store_error)?.0.value();
+            if !self
+                .queues
+                .get(&tables.ready)
+                .is_some_and(|o| o.taken.contains(&key))
+            {
+                oldest_due = Some(key.0);
+                break;
+            }
+        }
         let (dead_letters, oldest) = dead_letters(&tx, dlq)?;
+        let ready = total.saturating_sub(later + taken as u64);
+        let pending =
+            (leased.len().map_err(store_error)? + held as u64).saturating_sub(acked_leased as u64);
         Ok(Depth {
-            ready: total.saturating_sub(later + taken as u64),
-            pending: (leased.len().map_err(store_error)? + held as u64)
-                .saturating_sub(acked_leased as u64),
+            ready,
+            pending,
             retry_backlog: later,
             dead_letters,
             oldest_dead_letter_age: oldest,
+            queue_depth: ready + pending,
+            oldest_waiting_age: Some(Duration::from_millis(
+                oldest_due.map_or(0, |due| now.saturating_sub(due)),
+            )),
         })
     }
 }

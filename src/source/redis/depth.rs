@@ -1,7 +1,8 @@
 //! Depth: ready and pending from the consumer group, the retry backlog,
-//! and the dead-letter stream's length and oldest age.
+//! the dead-letter stream's length and oldest age, and the age of the first
+//! entry the group has not delivered yet.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use redis::Value;
 
@@ -21,6 +22,15 @@ for i = 1, #fields, 2 do
   if fields[i] == ARGV[1] then return {first[1], fields[i + 1]} end
 end
 return {first[1]}
+";
+
+/// The id of the first entry of KEYS[1] after ARGV[1] (the group's
+/// last-delivered-id): the oldest one no consumer was handed yet. Only the
+/// id leaves Redis, not the entry.
+const FIRST_UNDELIVERED: &str = r"
+local first = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', 1)[1]
+if first then return first[1] end
+return false
 ";
 
 impl RedisSource {
@@ -60,22 +70,57 @@ impl RedisSource {
             }
             _ => None,
         };
-        let (ready, pending) = self.group_counts(groups);
+        let group = self.group_counts(groups);
         Ok(Depth {
-            ready,
-            pending,
+            ready: group.lag.unwrap_or(0),
+            pending: group.pending,
             retry_backlog: backlog,
             dead_letters: dlq_len,
             oldest_dead_letter_age: oldest_age,
+            queue_depth: group.lag.unwrap_or(0) + group.pending,
+            oldest_waiting_age: self.oldest_undelivered(&group).await?,
         })
     }
 
-    /// `lag` and `pending` of this consumer group in an `XINFO GROUPS`
-    /// reply (flat pairs in RESP2, a map in RESP3).
-    fn group_counts(&self, groups: Value) -> (u64, u64) {
-        let (mut ready, mut pending) = (0, 0);
+    /// The age of the first entry after the group's last-delivered-id (its
+    /// id's time, when it was added); zero when the group has delivered
+    /// everything.
+    async fn oldest_undelivered(
+        &self,
+        group: &GroupCounts,
+    ) -> Result<Option<Duration>, SourceError> {
+        let Some(last) = group
+            .last_delivered
+            .as_deref()
+            .filter(|_| group.lag != Some(0))
+        else {
+            return Ok(Some(Duration::ZERO));
+        };
+        let mut con = self.commands.clone();
+        let first: Option<String> = redis::cmd("EVAL")
+            .arg(FIRST_UNDELIVERED)
+            .arg(1)
+            .arg(&self.options.queue)
+            .arg(last)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        let now = SystemTime::now();
+        Ok(Some(
+            first
+                .and_then(|id| id_time(&id))
+                .map_or(Duration::ZERO, |at| {
+                    now.duration_since(at).unwrap_or_default()
+                }),
+        ))
+    }
+
+    /// `lag`, `pending` and `last-delivered-id` of this consumer group in
+    /// an `XINFO GROUPS` reply (flat pairs in RESP2, a map in RESP3).
+    fn group_counts(&self, groups: Value) -> GroupCounts {
+        let mut counts = GroupCounts::default();
         let Value::Array(groups) = groups else {
-            return (ready, pending);
+            return counts;
         };
         for group in groups {
             let pairs: Vec<(String, Value)> = match group {
@@ -105,10 +150,26 @@ impl RedisSource {
             if pairs.iter().any(|(k, v)| {
                 k == "name" && as_bytes(v).as_deref() == Some(self.options.group.as_bytes())
             }) {
-                pending = get("pending").unwrap_or(0);
-                ready = get("lag").unwrap_or(0);
+                counts.pending = get("pending").unwrap_or(0);
+                counts.lag = get("lag");
+                counts.last_delivered = pairs
+                    .iter()
+                    .find(|(k, _)| k == "last-delivered-id")
+                    .and_then(|(_, v)| as_bytes(v))
+                    .map(|b| String::from_utf8_lossy(&b).into_owned());
             }
         }
-        (ready, pending)
+        counts
     }
+}
+
+/// What `XINFO GROUPS` says of this consumer group.
+#[derive(Debug, Default)]
+struct GroupCounts {
+    /// Entries not delivered to any consumer of the group yet; Redis
+    /// leaves it out (nil) when entries were deleted from the stream.
+    lag: Option<u64>,
+    /// Delivered and not acked (the group's pending entries list).
+    pending: u64,
+    last_delivered: Option<String>,
 }

@@ -189,13 +189,12 @@ ALERTS = [
     {
         "name": "CourierNotConsuming",
         "severity": "critical",
-        # Work courier holds (in flight, or waiting for a retry) with no ack
-        # for 10 minutes: the consumer is stuck. Messages still in the broker
-        # that were never pulled need a queue-depth metric, which courier
-        # does not export yet.
+        # Work waits in the broker's queue and nothing was acked for 10
+        # minutes: no consumer makes progress, whether the sidecars are stuck
+        # on an app that does not answer or pull nothing at all. The depth
+        # is the broker's count, the same in every replica: max, not sum.
         "query": (
-            "(sum by (namespace, queue) (max by (namespace, queue, pod) (courier_in_flight)) "
-            "+ max by (namespace, queue) (courier_retry_backlog) "
+            "(max by (namespace, queue) (courier_queue_depth) "
             "unless on (namespace, queue) "
             "(sum by (namespace, queue) "
             "(max by (namespace, queue, pod) (increase(courier_acks_total[10m]))) > 0))"
@@ -203,11 +202,11 @@ ALERTS = [
         "op": ">",
         "threshold": 0,
         "for": "10m",
-        "summary": "courier has acked nothing on queue {{ $labels.queue }} for 10 minutes",
+        "summary": "Nothing on queue {{ $labels.queue }} has been acked for 10 minutes while work waits",
         "description": (
-            "courier holds {{ $value }} messages of {{ $labels.queue }} (namespace "
-            "{{ $labels.namespace }}), in flight or waiting for a retry, and has acked none "
-            "for at least 10 minutes: the app is not answering or answers only with failures."
+            "{{ $value }} messages wait in the work queue {{ $labels.queue }} (namespace "
+            "{{ $labels.namespace }}) and courier has acked none for at least 10 minutes: "
+            "the app is not answering, answers only with failures, or no sidecar is pulling."
         ),
         "runbook": "couriernotconsuming",
     },

@@ -43,6 +43,8 @@ DASHBOARD_MUST_SHOW = [
     "courier_dlq_depth",
     "courier_dlq_oldest_age_seconds",
     "courier_retry_backlog",
+    "courier_queue_depth",
+    "courier_queue_oldest_age_seconds",
     "courier_in_flight",
     "courier_app_up",
     "courier_policy_generation",

@@ -49,6 +49,16 @@ BUILTIN = {
     '/v1/pods': dict(namespaced=True, kind='Pod', singular='pod', shortnames=['po'], verbs=VERBS),
     '/v1/namespaces': dict(namespaced=False, kind='Namespace', singular='namespace',
                            shortnames=['ns'], verbs=VERBS),
+    # What the commands of docs/kubernetes.md touch (tests/doc_commands.rs).
+    '/v1/secrets': dict(namespaced=True, kind='Secret', singular='secret', shortnames=[],
+                        verbs=VERBS),
+    '/v1/serviceaccounts': dict(namespaced=True, kind='ServiceAccount',
+                                singular='serviceaccount', shortnames=['sa'], verbs=VERBS),
+    'apps/v1/deployments': dict(namespaced=True, kind='Deployment', singular='deployment',
+                                shortnames=['deploy'], verbs=VERBS),
+    'rbac.authorization.k8s.io/v1/rolebindings': dict(namespaced=True, kind='RoleBinding',
+                                                      singular='rolebinding', shortnames=[],
+                                                      verbs=VERBS),
 }
 
 
@@ -99,6 +109,12 @@ class Stub(kmock.KubernetesEmulator):
         if request.action == kmock.action.WATCH:
             return await self.watch(request)
         if request.method.upper() in ('POST', 'PUT', 'PATCH', 'DELETE'):
+            if 'protobuf' in request.headers.get('Content-Type', ''):
+                # kubectl's generators (create secret, create rolebinding)
+                # send protobuf, which is not emulated: say so, instead of
+                # failing to read it as JSON.
+                return status(415, 'UnsupportedMediaType',
+                              'protobuf is not emulated: kubectl create ... --dry-run=client -o json | kubectl create -f -')
             async with self._lock:
                 return await self.write(request)
         return await super()._handle(request)
@@ -107,6 +123,9 @@ class Stub(kmock.KubernetesEmulator):
         # kmock copies short names onto subresources; kubectl then warns
         # that "rp" could also mean retrypolicies/status.
         listed = await super()._serve_version(request)
+        # kmock names the core group's version "/v1"; kubectl then finds
+        # none of its resources (namespaces, secrets) by name.
+        listed['groupVersion'] = listed['groupVersion'].lstrip('/')
         for resource in listed['resources']:
             if '/' in resource['name']:
                 resource['shortNames'] = []

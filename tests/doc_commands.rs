@@ -21,9 +21,8 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -342,44 +341,20 @@ fn commands_are_read_whole() {
 /// namespace `shop` with its `default` service account, the CRD the chart
 /// installs, and the app's Deployment before it opted in (plus one in
 /// another namespace that never does); a directory with the files the
-/// walkthrough names; and a `kubectl` whose `exec` runs in the sidecar's
-/// environment.
+/// walkthrough names; and a `kubectl` in front of the real one
+/// ([`World::sidecar_is`]).
 struct World {
-    stub: Child,
+    stub: KubeStub,
     dir: tempfile::TempDir,
     kubectl: String,
 }
 
-impl Drop for World {
-    fn drop(&mut self) {
-        let _ = self.stub.kill();
-        let _ = self.stub.wait();
-    }
-}
-
 impl World {
     fn start() -> Self {
-        let mut stub = Command::new(root().join("scripts/kube-stub"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start scripts/kube-stub");
-        let mut line = String::new();
-        BufReader::new(stub.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("read the stub's first line");
-        let port: u16 = line
-            .strip_prefix("READY ")
-            .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("scripts/kube-stub did not start: {line:?}"));
+        // A real cluster's default namespace: a command that forgets its
+        // `-n` does not land in shop here either.
+        let stub = KubeStub::start("default");
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("kubeconfig"),
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: http://127.0.0.1:{port}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\ncurrent-context: stub\nusers: []\n"
-            ),
-        )
-        .unwrap();
         let kubectl = String::from_utf8(
             Command::new("sh")
                 .args(["-c", "command -v kubectl"])
@@ -406,14 +381,9 @@ impl World {
         .unwrap();
         std::os::unix::fs::symlink(root().join("charts"), dir.path().join("charts")).unwrap();
         let world = Self { stub, dir, kubectl };
-        world.apply(
+        world.stub.apply(
             "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: default\n  namespace: shop\n",
         );
-        world.kubectl_ok(&[
-            "apply",
-            "-f",
-            root().join("crds/retrypolicy.yaml").to_str().unwrap(),
-        ]);
         // The app before it opted in: the fixture without courier's label
         // and annotations.
         let before: String = std::fs::read_to_string(world.path("deployment.yaml"))
@@ -422,8 +392,8 @@ impl World {
             .filter(|l| !l.contains("courier.dev/"))
             .map(|l| format!("{l}\n"))
             .collect();
-        world.apply(&before);
-        world.apply(
+        world.stub.apply(&before);
+        world.stub.apply(
             &before
                 .replace("name: orders", "name: ledger")
                 .replace("namespace: shop", "namespace: billing"),
@@ -435,36 +405,6 @@ impl World {
         self.dir.path().join(name)
     }
 
-    fn kubectl(&self, args: &[&str]) -> Output {
-        Command::new(&self.kubectl)
-            .args(args)
-            .env("KUBECONFIG", self.path("kubeconfig"))
-            .output()
-            .expect("run kubectl")
-    }
-
-    fn kubectl_ok(&self, args: &[&str]) -> String {
-        let out = self.kubectl(args);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    fn apply(&self, yaml: &str) {
-        let path = self.path("apply.yaml");
-        std::fs::write(&path, yaml).unwrap();
-        self.kubectl_ok(&["apply", "-f", path.to_str().unwrap()]);
-    }
-
-    fn json(&self, args: &[&str]) -> Value {
-        let mut args = args.to_vec();
-        args.extend(["-o", "json"]);
-        serde_json::from_str(&self.kubectl_ok(&args)).unwrap()
-    }
-
     /// The `kubectl` the commands find first on PATH: `exec` into the
     /// courier container runs the command here, in the environment the
     /// injector gives that container for `fixture`; anything else is the
@@ -473,14 +413,14 @@ impl World {
         let courier_dir = Path::new(COURIER_BIN).parent().unwrap();
         let script = format!(
             r#"#!/bin/sh
-# kubectl exec stand-in (tests/doc_commands.rs): the stand-in API server has
-# no kubelet.
+# kubectl in front of the real one (tests/doc_commands.rs): the stand-in
+# API server has no kubelet.
 case " $* " in
 *" exec "*)
   case " $* " in *" -c courier "*) ;; *) echo "kubectl exec without -c courier: $*" >&2; exit 1 ;; esac
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shift; done
   shift
-  exec env -i PATH='{path}' NO_COLOR=1 COURIER_SOURCE='{source}' COURIER_QUEUE='{queue}' "$@" ;;
+  exec env -i PATH='{courier_dir}:/usr/bin:/bin' NO_COLOR=1 COURIER_SOURCE='{source}' COURIER_QUEUE='{queue}' "$@" ;;
 # kubectl's generators send protobuf, which the stand-in does not read:
 # the same object, generated by kubectl, is sent as JSON.
 *" create secret "*|*" create rolebinding "*)
@@ -489,7 +429,7 @@ case " $* " in
 esac
 exec '{kubectl}' "$@"
 "#,
-            path = format!("{}:/usr/bin:/bin", courier_dir.display()),
+            courier_dir = courier_dir.display(),
             source = fixture.source_arg(),
             queue = fixture.queue,
             kubectl = self.kubectl,
@@ -531,7 +471,7 @@ exec '{kubectl}' "$@"
             .args(["-e", "-o", "pipefail", "-c", &text])
             .current_dir(self.dir.path())
             .env("PATH", path)
-            .env("KUBECONFIG", self.path("kubeconfig"))
+            .env("KUBECONFIG", self.stub.kubeconfig())
             .env("KUBE_EDITOR", &editor)
             .env("NO_COLOR", "1");
         for (name, _) in std::env::vars_os() {
@@ -645,7 +585,7 @@ impl World {
             return dead_letters_at_least(fixture, 1).await.remove(0);
         } else if text.contains("rollout restart deployment \"$name\"") {
             // Restarted earlier in the walkthrough: start from no mark.
-            self.kubectl_ok(&[
+            self.stub.kubectl_ok(&[
                 "-n",
                 "shop",
                 "patch",
@@ -665,7 +605,7 @@ impl World {
         let stdout = text(&out.stdout);
         let text = command.text.as_str();
         let restarted = |ns: &str, name: &str| {
-            self.json(&["-n", ns, "get", "deployment", name])["spec"]["template"]["metadata"]
+            self.stub.json(&["-n", ns, "get", "deployment", name])["spec"]["template"]["metadata"]
                 ["annotations"]["kubectl.kubernetes.io/restartedAt"]
                 .is_string()
         };
@@ -692,7 +632,9 @@ impl World {
         {
             assert!(stdout.contains("retrypolicies.courier.dev"), "{stdout}");
         } else if text.contains("create secret generic orders-broker") {
-            let secret = self.json(&["-n", "shop", "get", "secret", "orders-broker"]);
+            let secret = self
+                .stub
+                .json(&["-n", "shop", "get", "secret", "orders-broker"]);
             let url = base64::Engine::decode(
                 &base64::engine::general_purpose::STANDARD,
                 secret["data"]["url"].as_str().unwrap(),
@@ -700,12 +642,15 @@ impl World {
             .unwrap();
             assert_eq!(text_of(&url), "redis://:PASSWORD@redis.shop.svc:6379/0");
         } else if text.contains("apply -f - <<'EOF'") {
-            let policy = self.json(&["-n", "shop", "get", "retrypolicy", "orders"]);
+            let policy = self
+                .stub
+                .json(&["-n", "shop", "get", "retrypolicy", "orders"]);
             assert_eq!(policy["spec"]["maxAttempts"], 5);
             assert_eq!(policy["spec"]["backoff"]["jitter"], "full");
         } else if text.contains("patch deployment orders") {
-            let template = &self.json(&["-n", "shop", "get", "deployment", "orders"])["spec"]["template"]
-                ["metadata"];
+            let template = &self
+                .stub
+                .json(&["-n", "shop", "get", "deployment", "orders"])["spec"]["template"]["metadata"];
             assert_eq!(template["labels"]["courier.dev/inject"], "true");
             assert_eq!(template["labels"]["app"], "orders");
             assert_eq!(template["annotations"]["courier.dev/queue"], "{orders}");
@@ -736,20 +681,28 @@ impl World {
         } else if text == "kubectl -n shop get rp" {
             assert!(stdout.contains("orders"), "{stdout}");
         } else if text.contains("edit rp orders") {
-            let policy = self.json(&["-n", "shop", "get", "retrypolicy", "orders"]);
+            let policy = self
+                .stub
+                .json(&["-n", "shop", "get", "retrypolicy", "orders"]);
             assert_eq!(policy["spec"]["maxAttempts"], 6, "the edit was saved");
         } else if text.contains("create rolebinding courier-sidecar") {
-            let binding = self.json(&["-n", "shop", "get", "rolebinding", "courier-sidecar"]);
+            let binding = self
+                .stub
+                .json(&["-n", "shop", "get", "rolebinding", "courier-sidecar"]);
             assert_eq!(binding["roleRef"]["kind"], "ClusterRole");
             assert_eq!(binding["roleRef"]["name"], "courier-sidecar");
             assert_eq!(binding["subjects"][0]["kind"], "ServiceAccount");
             assert_eq!(binding["subjects"][0]["name"], "default");
             assert_eq!(binding["subjects"][0]["namespace"], "shop");
         } else if text.contains("create secret docker-registry courier-pull") {
-            let secret = self.json(&["-n", "shop", "get", "secret", "courier-pull"]);
+            let secret = self
+                .stub
+                .json(&["-n", "shop", "get", "secret", "courier-pull"]);
             assert_eq!(secret["type"], "kubernetes.io/dockerconfigjson");
         } else if text.contains("patch serviceaccount default") {
-            let account = self.json(&["-n", "shop", "get", "serviceaccount", "default"]);
+            let account = self
+                .stub
+                .json(&["-n", "shop", "get", "serviceaccount", "default"]);
             assert_eq!(account["imagePullSecrets"][0]["name"], "courier-pull");
         } else if text.contains("get retrypolicy NAME -o yaml") {
             assert!(

@@ -6,14 +6,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::Value;
 
 const SETTLE: Duration = Duration::from_secs(20);
 const NS: &str = "shop";
@@ -21,142 +19,6 @@ const POD: &str = "courier-test-0";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-// === The stand-in API server ===
-
-/// `scripts/kube-stub` on a free port, and a kubeconfig pointing at it.
-/// Stopped (by its process id) when dropped.
-struct KubeStub {
-    child: Option<Child>,
-    port: u16,
-    dir: tempfile::TempDir,
-}
-
-/// Starts the server on `port` (0: any free one) and returns it with the
-/// port it listens on.
-fn spawn_stub(port: u16) -> (Child, u16) {
-    let mut child = Command::new(root().join("scripts/kube-stub"))
-        .args(["--port", &port.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start scripts/kube-stub");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .expect("read the stub's first line");
-    let port: u16 = line
-        .strip_prefix("READY ")
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("scripts/kube-stub did not start: {line:?}"));
-    (child, port)
-}
-
-impl KubeStub {
-    fn start() -> Self {
-        let (child, port) = spawn_stub(0);
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("kubeconfig"),
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: http://127.0.0.1:{port}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    namespace: {NS}\ncurrent-context: stub\nusers: []\n"
-            ),
-        )
-        .unwrap();
-        let stub = Self {
-            child: Some(child),
-            port,
-            dir,
-        };
-        stub.install_crd();
-        stub
-    }
-
-    fn install_crd(&self) {
-        self.kubectl_ok(&[
-            "apply",
-            "-f",
-            root().join("crds/retrypolicy.yaml").to_str().unwrap(),
-        ]);
-    }
-
-    /// An API outage: the server stops, by its process id.
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// The server comes back on the same address, empty, as after a
-    /// restore; the CRD is installed again.
-    fn restart(&mut self) {
-        self.stop();
-        self.child = Some(spawn_stub(self.port).0);
-        self.install_crd();
-    }
-
-    fn kubeconfig(&self) -> PathBuf {
-        self.dir.path().join("kubeconfig")
-    }
-
-    fn kubectl(&self, args: &[&str], editor: Option<&Path>) -> Output {
-        let mut command = Command::new("kubectl");
-        command.args(args).env("KUBECONFIG", self.kubeconfig());
-        if let Some(editor) = editor {
-            command.env("EDITOR", editor).env("KUBE_EDITOR", editor);
-        }
-        command.output().expect("run kubectl (is it on PATH?)")
-    }
-
-    fn kubectl_ok(&self, args: &[&str]) -> String {
-        let out = self.kubectl(args, None);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    /// `kubectl apply` of a document given as text.
-    fn apply(&self, yaml: &str) {
-        let path = self.dir.path().join("apply.yaml");
-        std::fs::write(&path, yaml).unwrap();
-        self.kubectl_ok(&["apply", "-f", path.to_str().unwrap()]);
-    }
-
-    /// `kubectl edit rp NAME` with an editor script that runs `sed
-    /// expression` on the file kubectl opens.
-    fn edit(&self, name: &str, expression: &str) {
-        let editor = self.dir.path().join("editor.sh");
-        std::fs::write(
-            &editor,
-            format!("#!/bin/sh\nexec sed -i '{expression}' \"$1\"\n"),
-        )
-        .unwrap();
-        std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
-        let out = self.kubectl(&["edit", "retrypolicy", name], Some(&editor));
-        assert!(
-            out.status.success(),
-            "kubectl edit failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    fn json(&self, args: &[&str]) -> Value {
-        let mut args = args.to_vec();
-        args.extend(["-o", "json"]);
-        serde_json::from_str(&self.kubectl_ok(&args)).unwrap()
-    }
-}
-
-impl Drop for KubeStub {
-    fn drop(&mut self) {
-        self.stop();
-    }
 }
 
 // === The sidecar as a child process ===
@@ -285,7 +147,7 @@ spec:
 /// apply, run, edit (3 -> 1 attempts), a refused edit, delete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_apply_edit_and_delete_steer_the_running_sidecar() {
-    let stub = KubeStub::start();
+    let stub = KubeStub::start(NS);
     stub.apply(ORDERS);
     let fixture = Fixture::redis();
     let app = TestApp::start().await;
@@ -472,7 +334,7 @@ async fn kubectl_apply_edit_and_delete_steer_the_running_sidecar() {
 /// Both examples, applied with kubectl, each followed by a sidecar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_examples_applied_with_kubectl_do_what_they_say() {
-    let stub = KubeStub::start();
+    let stub = KubeStub::start(NS);
     stub.kubectl_ok(&[
         "apply",
         "-f",
@@ -561,7 +423,7 @@ fn policy_and_policy_file_together_are_a_usage_error() {
 /// API is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_outage_keeps_the_last_good_policy_and_reconnects() {
-    let mut stub = KubeStub::start();
+    let mut stub = KubeStub::start(NS);
     stub.apply(ORDERS);
     let fixture = Fixture::redis();
     let app = TestApp::start().await;

@@ -3,7 +3,10 @@
 //! run the sidecar in-process or as the built binary.
 #![allow(dead_code)]
 
+mod kube_stub;
 mod private_redis;
+#[allow(unused_imports)]
+pub use kube_stub::KubeStub;
 #[allow(unused_imports)]
 pub use private_redis::PrivateRedis;
 

@@ -3,6 +3,7 @@
 //! the first and the last receipt, and for requests stamped with
 //! [`SENT_HEADER`] records how long ago they were stamped.
 
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -38,6 +39,10 @@ struct Receipts {
     last: AtomicU64,
     record: AtomicBool,
     latencies: Mutex<Vec<u64>>,
+    /// `courier-message-id`s seen, while [`App::track_ids`] is on.
+    track: AtomicBool,
+    ids: Mutex<HashSet<String>>,
+    duplicates: AtomicU64,
 }
 
 /// A running app; dropping it does not stop it (it lives as long as the
@@ -91,6 +96,22 @@ impl App {
         r.first.store(NONE, Ordering::SeqCst);
         r.last.store(0, Ordering::SeqCst);
         r.record.store(record, Ordering::SeqCst);
+        r.track.store(false, Ordering::SeqCst);
+        r.ids.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        r.duplicates.store(0, Ordering::SeqCst);
+    }
+
+    /// From now until the next reset, notes every `courier-message-id` and
+    /// counts the ones that arrive again.
+    pub fn track_ids(&self) {
+        self.receipts.track.store(true, Ordering::SeqCst);
+    }
+
+    /// Distinct message ids received, and receipts of an id seen before.
+    pub fn ids(&self) -> (u64, u64) {
+        let r = &self.receipts;
+        let distinct = r.ids.lock().unwrap_or_else(|e| e.into_inner()).len() as u64;
+        (distinct, r.duplicates.load(Ordering::SeqCst))
     }
 
     pub fn count(&self) -> u64 {
@@ -135,6 +156,19 @@ async fn handle(
         .get(SENT_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    if receipts.track.load(Ordering::Relaxed)
+        && let Some(id) = request
+            .headers()
+            .get("courier-message-id")
+            .and_then(|v| v.to_str().ok())
+        && !receipts
+            .ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string())
+    {
+        receipts.duplicates.fetch_add(1, Ordering::SeqCst);
+    }
     // A real app reads what it was sent; so does this one.
     let _ = request.into_body().collect().await;
     let now = now_ns();

@@ -1,23 +1,31 @@
-//! courier-bench: measures courier against the app's own limit and against a
-//! Celery worker, on one machine, in one run, as ratios.
+//! courier-bench: measures courier against the bare loop of each broker (the
+//! simplest correct consumer with the same client crate), the app's own
+//! limit and a Celery worker, on one machine, in one run, as ratios.
 //!
 //! - [`app`]: the trivial hyper app that answers 200, and the stopwatch.
+//! - [`bare`]: the bare loops (`courier-bench bare`, run as a child).
+//! - [`counts`]: instructions (callgrind) and system calls (strace) per
+//!   message.
 //! - [`load`]: the closed-loop load generator (the limit) and paced direct
 //!   requests (the latency baseline).
 //! - [`sources`]: the brokers, their pre-fill and clean-up.
 //! - [`child`]: courier and Celery as child processes, and what `/proc` says
 //!   they cost.
-//! - [`runs`]: drain, latency, the Celery peer, the retry backlog.
+//! - [`runs`]: drain, latency, two replicas, the Celery peer, the retry
+//!   backlog.
 //! - [`report`]: the table, `BENCHMARKS.md` and the targets.
 //!
 //! `cargo run --release -p courier-bench -- all` runs everything and
-//! rewrites the generated part of `BENCHMARKS.md`; `--smoke` is the tiny run
-//! the test suite makes.
+//! rewrites the generated part of `BENCHMARKS.md` (it refuses a tree with
+//! uncommitted changes unless `--allow-dirty`, which marks every row);
+//! `--smoke` is the tiny run the test suite makes.
 #![deny(rust_2018_idioms)]
 
 mod app;
+mod bare;
 mod celery;
 mod child;
+mod counts;
 mod load;
 mod report;
 mod runs;
@@ -32,14 +40,15 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
 
-use report::{Machine, Results, Row, Settings};
-use runs::{Bench, Ctx};
+use counts::Tool;
+use report::{Machine, Results, Row, Settings, Side};
+use runs::{Bench, Consumer, Ctx};
 use sources::Kind;
 
 #[derive(Debug, Parser)]
 #[command(
     name = "courier-bench",
-    about = "Benchmarks courier against the app's own limit and a Celery worker, in one run."
+    about = "Benchmarks courier against each broker's bare loop, the app's own limit and a Celery worker, in one run."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -50,6 +59,8 @@ struct Cli {
 enum Cmd {
     /// Every measurement, then the table and BENCHMARKS.md.
     All(Options),
+    /// One bare loop, until SIGTERM (the harness starts it as a child).
+    Bare(bare::BareArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -72,7 +83,34 @@ struct Options {
     /// Seconds of the limit run (after 1 s of warm-up).
     #[arg(long, default_value_t = 10)]
     limit_secs: u64,
-    /// courier's --concurrency, and the limit's connections.
+    /// Timed drains of each source, courier and its bare loop in turn; the
+    /// throughput ratio is the median of the runs' ratios.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Messages of the larger of the two counted runs (callgrind, strace)
+    /// per consumer and source; the smaller has half.
+    #[arg(long, default_value_t = 10_000)]
+    count_messages: u64,
+    /// Sources whose instructions and system calls are counted.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "redis,amqp,nats,embedded"
+    )]
+    count_sources: Vec<String>,
+    /// Skip the callgrind and strace counts.
+    #[arg(long)]
+    no_counts: bool,
+    /// Messages of the two-replica run.
+    #[arg(long, default_value_t = 100_000)]
+    replica_messages: u64,
+    /// Skip the two-replica run.
+    #[arg(long)]
+    no_replicas: bool,
+    /// Run on a tree with uncommitted changes; every row is marked "uncommitted".
+    #[arg(long)]
+    allow_dirty: bool,
+    /// courier's --concurrency, the bare loops' and the limit's connections.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
     /// Sources to run, comma-separated.
@@ -106,6 +144,10 @@ impl Options {
     fn apply_smoke(&mut self) {
         if self.smoke {
             self.messages = self.messages.min(2_000);
+            self.replica_messages = self.replica_messages.min(2_000);
+            self.runs = 1;
+            self.count_messages = self.count_messages.min(200);
+            self.count_sources = vec!["redis".into()];
             self.backlog = self.backlog.min(10_000);
             self.latency_secs = 1;
             self.limit_secs = 1;
@@ -145,6 +187,28 @@ fn loadavg() -> String {
         .unwrap_or_default()
 }
 
+/// The commit the tree is at, and whether it has uncommitted changes.
+fn commit() -> anyhow::Result<(String, bool)> {
+    let git = |args: &[&str]| -> anyhow::Result<String> {
+        let out = Command::new("git")
+            .args(args)
+            .current_dir(repo_root())
+            .output()
+            .context("cannot run git")?;
+        if !out.status.success() {
+            bail!(
+                "git {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let head = git(&["rev-parse", "--short=12", "HEAD"])?;
+    let status = git(&["status", "--porcelain"])?;
+    Ok((head, !status.is_empty()))
+}
+
 fn machine(courier: &Path) -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
@@ -178,6 +242,8 @@ fn machine(courier: &Path) -> Machine {
         celery: "not run".into(),
         load_before: loadavg(),
         load_after: String::new(),
+        commit: String::new(),
+        dirty: false,
     }
 }
 
@@ -231,6 +297,22 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
         .iter()
         .map(|s| Kind::parse(s).with_context(|| format!("unknown source {s:?}")))
         .collect::<anyhow::Result<_>>()?;
+    let (head, dirty) = commit()?;
+    if dirty && !options.allow_dirty {
+        bail!(
+            "the working tree has uncommitted changes, and a report must describe a commit that exists: \
+             commit them (or stash them), or pass --allow-dirty to mark every row \"uncommitted\""
+        );
+    }
+    let count_kinds: Vec<Kind> = if options.no_counts {
+        Vec::new()
+    } else {
+        options
+            .count_sources
+            .iter()
+            .map(|s| Kind::parse(s).with_context(|| format!("unknown source {s:?}")))
+            .collect::<anyhow::Result<_>>()?
+    };
     let courier = courier_binary(&options)?;
     if !courier.exists() {
         bail!("no courier binary at {}", courier.display());
@@ -238,6 +320,14 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
     let work_dir = repo_root().join("target/bench");
     std::fs::create_dir_all(&work_dir)?;
     let mut machine = machine(&courier);
+    machine.commit = head;
+    machine.dirty = dirty;
+    if report::loaded(&machine.load_before) {
+        eprintln!(
+            "warning: the 1-minute load average is {} (above 1.0): timed figures will be noisy",
+            machine.load_before
+        );
+    }
     let app = app::App::start().await?;
     let ctx: Ctx = Arc::new(Bench {
         app,
@@ -274,31 +364,98 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
 
     let mut rows = Vec::new();
     for kind in kinds {
-        eprintln!("{}: draining {} messages...", kind.name(), options.messages);
-        let drain = runs::drain(&ctx, kind, options.messages).await.map_err(err);
-        match &drain {
-            Ok(d) => eprintln!(
-                "  {:.0} msg/s, peak RSS {} KiB, {:.3} CPU-s per 10k",
-                d.rate(),
-                d.peak_kib,
-                d.cpu_per_10k()
+        let mut row = Row::new(kind);
+        for run in 1..=options.runs.max(1) {
+            for who in [Consumer::Bare, Consumer::Courier] {
+                eprintln!(
+                    "{} {}: draining {} messages (run {run} of {})...",
+                    kind.name(),
+                    who.name(),
+                    options.messages,
+                    options.runs.max(1)
+                );
+                let drain = runs::drain(&ctx, kind, who, options.messages)
+                    .await
+                    .map_err(err);
+                match &drain {
+                    Ok(d) => eprintln!(
+                        "  {:.0} msg/s, peak RSS {} KiB, {:.3} CPU-s per 10k",
+                        d.rate(),
+                        d.peak_kib,
+                        d.cpu_per_10k()
+                    ),
+                    Err(e) => eprintln!("  not available: {e}"),
+                }
+                row.side_mut(who).drains.push(drain);
+            }
+        }
+        for who in [Consumer::Bare, Consumer::Courier] {
+            eprintln!(
+                "{} {}: latency at {} msg/s...",
+                kind.name(),
+                who.name(),
+                options.rate
+            );
+            let latency = runs::latency(&ctx, kind, who, options.rate, options.latency_secs)
+                .await
+                .map_err(err);
+            match &latency {
+                Ok(l) => eprintln!("  p50 {:?}, p99 {:?}, p99.9 {:?}", l.p50, l.p99, l.p999),
+                Err(e) => eprintln!("  not available: {e}"),
+            }
+            row.side_mut(who).latency = latency;
+        }
+        if count_kinds.contains(&kind) {
+            for who in [Consumer::Bare, Consumer::Courier] {
+                for tool in [Tool::Callgrind, Tool::Strace] {
+                    eprintln!(
+                        "{} {}: {} over {} and {} messages...",
+                        kind.name(),
+                        who.name(),
+                        tool.name(),
+                        options.count_messages / 2,
+                        options.count_messages
+                    );
+                    let count = counts::per_message(&ctx, kind, who, tool, options.count_messages)
+                        .await
+                        .map_err(err);
+                    match &count {
+                        Ok(c) => eprintln!("  {c:.0} per message"),
+                        Err(e) => eprintln!("  not available: {e}"),
+                    }
+                    let side: &mut Side = row.side_mut(who);
+                    match tool {
+                        Tool::Callgrind => side.instructions = Some(count),
+                        Tool::Strace => side.syscalls = Some(count),
+                    }
+                }
+            }
+        }
+        rows.push(row);
+    }
+
+    let replicas = if options.no_replicas {
+        None
+    } else {
+        eprintln!(
+            "two courier replicas, one Redis group: {} messages...",
+            options.replica_messages
+        );
+        let run = runs::replicas(&ctx, options.replica_messages)
+            .await
+            .map_err(err);
+        match &run {
+            Ok(r) => eprintln!(
+                "  {:.0} msg/s combined, {} received, {} distinct, {} twice",
+                r.rate(),
+                r.received,
+                r.distinct,
+                r.duplicates
             ),
             Err(e) => eprintln!("  not available: {e}"),
         }
-        eprintln!("{}: latency at {} msg/s...", kind.name(), options.rate);
-        let latency = runs::latency(&ctx, kind, options.rate, options.latency_secs)
-            .await
-            .map_err(err);
-        match &latency {
-            Ok(l) => eprintln!("  p50 {:?}, p99 {:?}, p99.9 {:?}", l.p50, l.p99, l.p999),
-            Err(e) => eprintln!("  not available: {e}"),
-        }
-        rows.push(Row {
-            kind,
-            drain,
-            latency,
-        });
-    }
+        Some(run)
+    };
 
     let celery = if options.no_celery {
         None
@@ -333,6 +490,12 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
     };
 
     machine.load_after = loadavg();
+    if report::loaded(&machine.load_after) {
+        eprintln!(
+            "warning: the 1-minute load average was {} at the end (above 1.0): timed figures are noisy",
+            machine.load_after
+        );
+    }
     Ok(Results {
         machine,
         settings: Settings {
@@ -344,11 +507,15 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
             latency_secs: options.latency_secs,
             limit_secs: options.limit_secs,
             backlog: options.backlog,
+            runs: options.runs.max(1),
+            count_messages: options.count_messages,
+            replica_messages: options.replica_messages,
             smoke: options.smoke,
         },
         limit,
         direct,
         rows,
+        replicas,
         celery,
         backlog,
     })
@@ -356,6 +523,19 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let options = match cli.command {
+        Cmd::All(options) => options,
+        // Before any runtime of the harness: the bare loop has one thread.
+        Cmd::Bare(args) => {
+            return match bare::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("courier-bench bare: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -366,7 +546,6 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let Cmd::All(options) = cli.command;
     let out = options
         .out
         .clone()

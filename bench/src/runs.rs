@@ -75,17 +75,121 @@ fn courier_args(ctx: &Ctx, target: &Target, extra: &[&str]) -> Vec<String> {
     args
 }
 
-/// Pre-fills `n` messages, starts courier, and times it draining them into
-/// the app.
-pub async fn drain(ctx: &Ctx, kind: Kind, n: u64) -> anyhow::Result<Drain> {
-    let target = Target::new(kind, "drain", &ctx.work_dir);
+/// What consumes a queue in a run: courier, or the bare loop of its broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumer {
+    Courier,
+    Bare,
+}
+
+impl Consumer {
+    pub fn name(self) -> &'static str {
+        match self {
+            Consumer::Courier => "courier",
+            Consumer::Bare => "bare",
+        }
+    }
+}
+
+/// The program and arguments that consume `target` (without a wrapper
+/// such as valgrind): courier's release binary, or this harness's `bare`
+/// subcommand.
+pub fn consumer_command(
+    ctx: &Ctx,
+    who: Consumer,
+    target: &Target,
+) -> anyhow::Result<(PathBuf, Vec<String>)> {
+    match who {
+        Consumer::Courier => {
+            let mut args = vec!["--log-format".to_string(), "json".into(), "run".into()];
+            args.extend(courier_args(ctx, target, &["--listen", "127.0.0.1:0"]));
+            Ok((ctx.courier.clone(), args))
+        }
+        Consumer::Bare => {
+            let mut args = vec![
+                "bare".to_string(),
+                "--source".into(),
+                target.kind.name().into(),
+                "--queue".into(),
+                target.queue.clone(),
+                "--app".into(),
+                ctx.app.url(),
+                "--concurrency".into(),
+                ctx.concurrency.to_string(),
+            ];
+            if let Some(dir) = target.embedded_dir() {
+                args.push("--dir".into());
+                args.push(dir.to_string_lossy().into_owned());
+            }
+            Ok((std::env::current_exe()?, args))
+        }
+    }
+}
+
+/// A consumer running as a child process.
+enum Running {
+    Courier(Courier),
+    Bare(Process),
+}
+
+impl Running {
+    async fn start(
+        ctx: &Ctx,
+        who: Consumer,
+        target: &Target,
+        log: PathBuf,
+    ) -> anyhow::Result<Self> {
+        match who {
+            Consumer::Courier => Ok(Self::Courier(
+                start_courier(ctx, courier_args(ctx, target, &[]), log).await?,
+            )),
+            Consumer::Bare => {
+                let (program, args) = consumer_command(ctx, who, target)?;
+                let mut command = std::process::Command::new(program);
+                command.args(args);
+                Ok(Self::Bare(Process::spawn(command, &log)?))
+            }
+        }
+    }
+
+    fn process(&self) -> &Process {
+        match self {
+            Self::Courier(c) => &c.process,
+            Self::Bare(p) => p,
+        }
+    }
+
+    fn into_process(self) -> Process {
+        match self {
+            Self::Courier(c) => c.process,
+            Self::Bare(p) => p,
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        crate::child::usage(self.process().pid)
+    }
+
+    /// One of courier's metrics; the bare loop has none.
+    fn metric(&self, name: &str) -> Option<f64> {
+        match self {
+            Self::Courier(c) => c.metric(name),
+            Self::Bare(_) => None,
+        }
+    }
+}
+
+/// Pre-fills `n` messages, starts the consumer, and times it draining them
+/// into the app.
+pub async fn drain(ctx: &Ctx, kind: Kind, who: Consumer, n: u64) -> anyhow::Result<Drain> {
+    let target = Target::new(kind, &format!("{}-drain", who.name()), &ctx.work_dir);
     target.reachable().map_err(anyhow::Error::msg)?;
-    let result = drain_target(ctx, &target, n).await;
+    let result = drain_target(ctx, &target, who, n).await;
     target.cleanup().await;
     result
 }
 
-async fn drain_target(ctx: &Ctx, target: &Target, n: u64) -> anyhow::Result<Drain> {
+async fn drain_target(ctx: &Ctx, target: &Target, who: Consumer, n: u64) -> anyhow::Result<Drain> {
     let clock = Instant::now();
     target
         .prefill(n, &ctx.body)
@@ -95,12 +199,11 @@ async fn drain_target(ctx: &Ctx, target: &Target, n: u64) -> anyhow::Result<Drai
     ctx.app.reset(false);
     let log = ctx
         .work_dir
-        .join(format!("courier-{}-drain.log", target.kind.name()));
+        .join(format!("{}-{}-drain.log", who.name(), target.kind.name()));
     let started = Instant::now();
-    let courier = start_courier(ctx, courier_args(ctx, target, &[]), log).await?;
-    let perf = ctx
-        .perf
-        .then(|| perf_record(ctx, target.kind, courier.process.pid))
+    let running = Running::start(ctx, who, target, log).await?;
+    let perf = (ctx.perf && who == Consumer::Courier)
+        .then(|| perf_record(ctx, target.kind, running.process().pid))
         .flatten();
     // Generous: a broken source shows up as a timeout, not a hang.
     let timeout = Duration::from_secs(60).max(Duration::from_secs(n / 200));
@@ -108,24 +211,25 @@ async fn drain_target(ctx: &Ctx, target: &Target, n: u64) -> anyhow::Result<Drai
     let mut at_first: Option<Usage> = None;
     while ctx.app.count() < n && Instant::now() < deadline {
         if at_first.is_none() && ctx.app.count() > 0 {
-            at_first = Some(courier.usage());
+            at_first = Some(running.usage());
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let wall = started.elapsed();
-    let at_last = courier.usage();
+    let at_last = running.usage();
     let got = ctx.app.count();
     // A short blocking read of /metrics; the app's runtime has other threads.
-    let limit_at_end = courier.metric("courier_concurrency_limit");
+    let limit_at_end = running.metric("courier_concurrency_limit");
     if let Some(perf) = perf {
         stop_perf(perf).await;
     }
-    let tail = courier.process.log_tail(5);
-    stop(courier.process).await;
+    let tail = running.process().log_tail(5);
+    stop(running.into_process()).await;
     if got < n {
         bail!(
-            "the app received {got} of {n} messages within {} s; courier's log ends:\n{tail}",
-            timeout.as_secs()
+            "the app received {got} of {n} messages within {} s; the {} log ends:\n{tail}",
+            timeout.as_secs(),
+            who.name()
         );
     }
     let span = ctx.app.span().context("no receipts")?;
@@ -175,6 +279,79 @@ async fn stop_perf(perf: Process) {
         }
     })
     .await;
+}
+
+// === Two replicas, one group ===
+
+#[derive(Debug, Clone)]
+pub struct Replicas {
+    pub messages: u64,
+    /// First to last receipt at the app.
+    pub span: Duration,
+    /// Requests the app received, and distinct message ids among them.
+    pub received: u64,
+    pub distinct: u64,
+    /// Receipts of a message id the app had already seen.
+    pub duplicates: u64,
+    /// What each replica's `courier_acks_total` said at the end.
+    pub acks: Vec<Option<f64>>,
+}
+
+impl Replicas {
+    pub fn rate(&self) -> f64 {
+        self.messages.saturating_sub(1) as f64 / self.span.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Two courier processes, one Redis queue, one consumer group: pre-fills
+/// `n` messages, starts both, and checks that every message reached the
+/// app once.
+pub async fn replicas(ctx: &Ctx, n: u64) -> anyhow::Result<Replicas> {
+    let target = Target::new(Kind::Redis, "replicas", &ctx.work_dir);
+    target.reachable().map_err(anyhow::Error::msg)?;
+    let result = replicas_target(ctx, &target, n).await;
+    target.cleanup().await;
+    result
+}
+
+async fn replicas_target(ctx: &Ctx, target: &Target, n: u64) -> anyhow::Result<Replicas> {
+    target.prefill(n, &ctx.body).await?;
+    ctx.app.reset(false);
+    ctx.app.track_ids();
+    let mut replicas = Vec::new();
+    for name in ["replica-a", "replica-b"] {
+        let mut args = courier_args(ctx, target, &[]);
+        if let Some(at) = args.iter().position(|a| a == "--consumer") {
+            args[at + 1] = name.into();
+        }
+        let log = ctx.work_dir.join(format!("courier-redis-{name}.log"));
+        replicas.push(start_courier(ctx, args, log).await?);
+    }
+    let timeout = Duration::from_secs(60).max(Duration::from_secs(n / 200));
+    let got = ctx.app.wait_for(n, timeout).await;
+    // Anything handed out twice would arrive right behind the rest.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let acks = replicas
+        .iter()
+        .map(|r| r.metric("courier_acks_total"))
+        .collect();
+    let received = ctx.app.count();
+    let (distinct, duplicates) = ctx.app.ids();
+    let span = ctx.app.span().context("no receipts")?;
+    for replica in replicas {
+        stop(replica.process).await;
+    }
+    if got < n {
+        bail!("the app received {got} of {n} messages from two replicas");
+    }
+    Ok(Replicas {
+        messages: n,
+        span,
+        received,
+        distinct,
+        duplicates,
+        acks,
+    })
 }
 
 // === Latency ===
@@ -229,10 +406,21 @@ async fn collect(ctx: &Ctx, count: u64) -> anyhow::Result<Latency> {
 }
 
 /// Enqueue-to-receipt latency through courier at `rate` messages/s.
-pub async fn latency(ctx: &Ctx, kind: Kind, rate: u64, secs: u64) -> anyhow::Result<Latency> {
-    let target = Target::new(kind, "latency", &ctx.work_dir);
+pub async fn latency(
+    ctx: &Ctx,
+    kind: Kind,
+    who: Consumer,
+    rate: u64,
+    secs: u64,
+) -> anyhow::Result<Latency> {
+    if kind == Kind::Embedded && who == Consumer::Bare {
+        bail!(
+            "not measured: the embedded queue is one file held by one process, and the producer shares courier's handle in the harness"
+        );
+    }
+    let target = Target::new(kind, &format!("{}-latency", who.name()), &ctx.work_dir);
     target.reachable().map_err(anyhow::Error::msg)?;
-    let result = latency_target(ctx, &target, rate, secs).await;
+    let result = latency_target(ctx, &target, who, rate, secs).await;
     target.cleanup().await;
     result
 }
@@ -240,22 +428,28 @@ pub async fn latency(ctx: &Ctx, kind: Kind, rate: u64, secs: u64) -> anyhow::Res
 async fn latency_target(
     ctx: &Ctx,
     target: &Target,
+    who: Consumer,
     rate: u64,
     secs: u64,
 ) -> anyhow::Result<Latency> {
     // The embedded queue is one file held by one process: courier runs
     // inside the harness there, so the producer can share its handle.
-    let (courier, in_process) = if target.kind == Kind::Embedded {
-        (None, Some(InProcess::start(ctx, target).await?))
+    let (running, in_process, producer) = if target.kind == Kind::Embedded {
+        let in_process = InProcess::start(ctx, target).await?;
+        (None, Some(in_process), target.producer().await?)
     } else {
+        // The producer first: it creates the queue the bare loop consumes.
+        let producer = target.producer().await?;
         let log = ctx
             .work_dir
-            .join(format!("courier-{}-latency.log", target.kind.name()));
-        let args = courier_args(ctx, target, &[]);
-        (Some(start_courier(ctx, args, log).await?), None)
+            .join(format!("{}-{}-latency.log", who.name(), target.kind.name()));
+        (
+            Some(Running::start(ctx, who, target, log).await?),
+            None,
+            producer,
+        )
     };
-    let producer = target.producer().await?;
-    // Let courier set up its consumer (AMQP and NATS do it on the first read).
+    // Let the consumer set up (courier's AMQP and NATS do it on the first read).
     tokio::time::sleep(Duration::from_secs(1)).await;
     ctx.app.reset(true);
     let count = rate * secs;
@@ -287,8 +481,8 @@ async fn latency_target(
     };
     producer.close().await;
     drop(producer);
-    if let Some(courier) = courier {
-        stop(courier.process).await;
+    if let Some(running) = running {
+        stop(running.into_process()).await;
     }
     if let Some(in_process) = in_process {
         in_process.stop().await;

@@ -20,7 +20,7 @@ fn smoke_run_measures_every_part_and_writes_the_report() {
     let dir = tempfile::tempdir().expect("a temp dir");
     let report = dir.path().join("BENCHMARKS.md");
     let out = Command::new(&harness)
-        .args(["all", "--smoke", "--courier"])
+        .args(["all", "--smoke", "--allow-dirty", "--courier"])
         .arg(&courier)
         .arg("--out")
         .arg(&report)
@@ -30,43 +30,72 @@ fn smoke_run_measures_every_part_and_writes_the_report() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
 
-    // Redis and embedded have figures; RabbitMQ and NATS have figures or
-    // say why not.
-    let row = |name: &str| {
+    // One line per source and consumer: source, who, msg/s, × bare, peak MB,
+    // CPU-s/10k, × bare, instructions/msg, × bare, syscalls/msg, × bare, ...
+    let row = |name: &str, who: &str| -> Vec<String> {
         stdout
             .lines()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .unwrap_or_else(|| panic!("no {name} row in:\n{stdout}\n{stderr}"))
-            .to_string()
-    };
-    for name in ["redis", "embedded"] {
-        let line = row(name);
-        let rate: f64 = line
+            .find(|l| {
+                let mut words = l.split_whitespace();
+                words.next() == Some(name) && words.next() == Some(who)
+            })
+            .unwrap_or_else(|| panic!("no {name} {who} row in:\n{stdout}\n{stderr}"))
             .split_whitespace()
-            .nth(1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} drained nothing: {line}\n{stdout}\n{stderr}"));
-        assert!(rate > 0.0, "{line}");
-        assert!(!line.contains("n/a"), "{name}: {line}\n{stdout}\n{stderr}");
+            .map(str::to_string)
+            .collect()
+    };
+    let number = |cells: &[String], at: usize, what: &str| -> f64 {
+        cells[at]
+            .parse()
+            .unwrap_or_else(|_| panic!("no {what} in {cells:?}\n{stdout}\n{stderr}"))
+    };
+    // Redis and embedded have figures for courier and the bare loop;
+    // RabbitMQ and NATS have figures or say why not.
+    for name in ["redis", "embedded"] {
+        for who in ["bare", "courier"] {
+            let cells = row(name, who);
+            assert!(number(&cells, 2, "msg/s") > 0.0, "{cells:?}");
+        }
+        let courier = row(name, "courier");
+        assert!(
+            number(&courier, 3, "ratio to the bare loop") > 0.0,
+            "{courier:?}"
+        );
+    }
+    // Counted on Redis only in a smoke run: instructions and system calls
+    // per message, for both.
+    for who in ["bare", "courier"] {
+        let cells = row("redis", who);
+        assert!(number(&cells, 7, "instructions") > 0.0, "{cells:?}");
+        assert!(number(&cells, 9, "system calls") > 0.0, "{cells:?}");
     }
     for name in ["amqp", "nats"] {
-        row(name);
+        row(name, "bare");
+        row(name, "courier");
     }
-    assert!(stdout.contains("limit (direct)"), "{stdout}");
+    assert!(stdout.contains("the app's limit:"), "{stdout}");
+    assert!(stdout.contains("commit "), "{stdout}");
     assert!(
         stdout.contains("retry backlog 10000: RSS"),
         "{stdout}\n{stderr}"
     );
     assert!(stdout.contains("0 delivered early"), "{stdout}");
+    assert!(
+        stdout.contains("two replicas: ") && stdout.contains(" distinct, 0 twice"),
+        "{stdout}\n{stderr}"
+    );
 
     let text = std::fs::read_to_string(&report).expect("the report is written");
     for part in [
         "courier-bench:begin",
         "Smoke run",
-        "### Throughput, cost and latency",
-        "courier, Redis Streams",
+        "| commit | `",
+        "### courier against the bare loop of each broker",
+        "| bare loop, Redis Streams",
+        "| **courier**, Redis Streams",
+        "### Two replicas, one group",
         "### Retry backlog",
-        "### Targets (issue 8)",
+        "### Targets (issue 15)",
         "courier-bench:end",
     ] {
         assert!(text.contains(part), "{part:?} missing from:\n{text}");

@@ -132,7 +132,11 @@ pub fn run(args: BareArgs) -> anyhow::Result<()> {
 
 async fn redis_loop(args: &BareArgs, poster: &Poster) -> anyhow::Result<()> {
     let client = redis::Client::open(REDIS_URL)?;
-    let mut con = client.get_multiplexed_async_connection().await?;
+    // No response timeout: a blocking read waits longer than the default 500 ms.
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+    let mut con = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await?;
     let created: Result<Value, _> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(&args.queue)

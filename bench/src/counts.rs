@@ -132,7 +132,13 @@ async fn counted_target(
 ) -> anyhow::Result<u64> {
     target.prefill(n, &ctx.body).await?;
     ctx.app.reset(false);
-    let name = format!("{}-{}-{}-{n}", tool.name(), who.name(), target.kind.name());
+    let name = format!(
+        "{}-{}-{}-{n}-{}",
+        tool.name(),
+        who.name(),
+        target.kind.name(),
+        std::process::id()
+    );
     let out: PathBuf = ctx.work_dir.join(format!("{name}.out"));
     let _ = std::fs::remove_file(&out);
     let (program, args) = consumer_command(ctx, who, target)?;

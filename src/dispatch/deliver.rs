@@ -2,6 +2,7 @@
 //! outcome (the gate, the limit and the hold learn from it, then the policy
 //! decides with the gate's state as an input), settle it with the broker.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
@@ -23,6 +24,7 @@ impl Shared {
         {
             return;
         }
+        let delivery = Arc::new(delivery);
         let _in_flight = self.in_flight.register(&delivery);
         let policy = self.d.policy.current();
         let started_at = SystemTime::now();

@@ -13,7 +13,9 @@ use crate::model::Delivery;
 #[derive(Default)]
 pub struct InFlight {
     next: AtomicU64,
-    deliveries: Mutex<HashMap<u64, Delivery>>,
+    /// Shared with the delivery task, not copied: a copy of every delivery
+    /// (its id, headers and fields) cost allocations per message.
+    deliveries: Mutex<HashMap<u64, Arc<Delivery>>>,
 }
 
 /// A delivery registered in flight; dropping it takes it out.
@@ -29,13 +31,13 @@ impl Drop for Ticket {
 }
 
 impl InFlight {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Delivery>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Delivery>>> {
         self.deliveries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn register(self: &Arc<Self>, delivery: &Delivery) -> Ticket {
+    pub fn register(self: &Arc<Self>, delivery: &Arc<Delivery>) -> Ticket {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, delivery.clone());
+        self.lock().insert(id, Arc::clone(delivery));
         Ticket {
             registry: self.clone(),
             id,
@@ -44,7 +46,7 @@ impl InFlight {
 
     /// What is in flight now.
     pub fn snapshot(&self) -> Vec<Delivery> {
-        self.lock().values().cloned().collect()
+        self.lock().values().map(|d| Delivery::clone(d)).collect()
     }
 
     pub fn len(&self) -> usize {
@@ -81,8 +83,8 @@ mod tests {
     #[test]
     fn a_ticket_holds_its_delivery_in_flight() {
         let registry = Arc::new(InFlight::default());
-        let a = registry.register(&delivery("a"));
-        let b = registry.register(&delivery("b"));
+        let a = registry.register(&Arc::new(delivery("a")));
+        let b = registry.register(&Arc::new(delivery("b")));
         let mut ids: Vec<String> = registry.snapshot().into_iter().map(|d| d.receipt).collect();
         ids.sort();
         assert_eq!(ids, ["a", "b"]);

@@ -69,7 +69,10 @@ impl Delivery {
                 F_MESSAGE_ID => id = Some(String::from_utf8_lossy(value).into_owned()),
                 F_ATTEMPT => attempt = parse_text(value).unwrap_or(1).max(1),
                 F_FIRST_ATTEMPT_AT => first_attempt_at = parse_time(value),
-                n if n.to_ascii_lowercase().starts_with("courier-") => {}
+                n if n
+                    .as_bytes()
+                    .get(..8)
+                    .is_some_and(|p| p.eq_ignore_ascii_case(b"courier-")) => {}
                 _ => headers.push((
                     name.into_owned(),
                     String::from_utf8_lossy(value).into_owned(),

@@ -410,7 +410,8 @@ pub fn redact(url: &str) -> String {
 type Pending<T> = (T, oneshot::Sender<Result<(), SourceError>>);
 
 /// Collects settlements from many concurrent deliveries and writes them to
-/// the broker in one round trip; each caller still learns its own result.
+/// the broker in one round trip (one per batch of deliveries ready to
+/// settle, not one per delivery); each caller still learns its own result.
 pub struct Batcher<T> {
     tx: mpsc::Sender<Pending<T>>,
 }
@@ -428,6 +429,11 @@ impl<T: Send + 'static> Batcher<T> {
             while let Some((item, waiter)) = rx.recv().await {
                 items.push(item);
                 waiters.push(waiter);
+                // The first settlement woke this task ahead of the other
+                // deliveries that are ready to settle (tokio runs a task
+                // woken by another next): let them run first, so the round
+                // trip carries all of them, not one each.
+                tokio::task::yield_now().await;
                 while items.len() < max_batch {
                     match rx.try_recv() {
                         Ok((item, waiter)) => {

@@ -274,8 +274,8 @@ async fn deliveries_in_flight_are_kept_claimed_a_third_of_the_visibility_apart()
     d.visibility_timeout = Duration::from_secs(90);
     let shared = Arc::new(Shared::new(d));
     let keep_alive = tokio::spawn(shared.clone().keep_alive());
-    let a = shared.in_flight.register(&delivery("1-0", "a"));
-    let b = shared.in_flight.register(&delivery("2-0", "b"));
+    let a = shared.in_flight.register(&Arc::new(delivery("1-0", "a")));
+    let b = shared.in_flight.register(&Arc::new(delivery("2-0", "b")));
     tokio::time::sleep(Duration::from_secs(31)).await;
     assert_eq!(source.state().kept_alive, [vec!["1-0", "2-0"]]);
     drop(a);

@@ -290,13 +290,16 @@ fn err(e: anyhow::Error) -> String {
     format!("{e:#}")
 }
 
-async fn all(mut options: Options) -> anyhow::Result<Results> {
-    options.apply_smoke();
-    let kinds: Vec<Kind> = options
-        .sources
+fn parse_kinds(names: &[String]) -> anyhow::Result<Vec<Kind>> {
+    names
         .iter()
         .map(|s| Kind::parse(s).with_context(|| format!("unknown source {s:?}")))
-        .collect::<anyhow::Result<_>>()?;
+        .collect()
+}
+
+async fn all(mut options: Options) -> anyhow::Result<Results> {
+    options.apply_smoke();
+    let kinds = parse_kinds(&options.sources)?;
     let (head, dirty) = commit()?;
     if dirty && !options.allow_dirty {
         bail!(
@@ -304,14 +307,10 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
              commit them (or stash them), or pass --allow-dirty to mark every row \"uncommitted\""
         );
     }
-    let count_kinds: Vec<Kind> = if options.no_counts {
+    let count_kinds = if options.no_counts {
         Vec::new()
     } else {
-        options
-            .count_sources
-            .iter()
-            .map(|s| Kind::parse(s).with_context(|| format!("unknown source {s:?}")))
-            .collect::<anyhow::Result<_>>()?
+        parse_kinds(&options.count_sources)?
     };
     let courier = courier_binary(&options)?;
     if !courier.exists() {

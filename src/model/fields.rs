@@ -22,6 +22,10 @@ pub const F_POLICY: &str = "courier-policy";
 pub const F_DELIVERIES: &str = "courier-deliveries";
 /// How often a message was sent back from the dead-letter queue.
 pub const F_REPLAYS: &str = "courier-replays";
+/// The proof that courier wrote the `courier-*` state of a stored copy:
+/// an HMAC over them with a key kept in the broker. A copy without a valid
+/// one is a new message whatever `courier-*` fields it carries.
+pub const F_SEAL: &str = "courier-seal";
 
 /// Bookkeeping that describes one stored copy and never outlives it.
 /// The age of a dead letter written at `dead_lettered_at` (its
@@ -48,5 +52,6 @@ pub(crate) fn is_transient_bookkeeping(name: &[u8]) -> bool {
             | b"courier-attempt"
             | b"courier-first-attempt-at"
             | b"courier-deliveries"
+            | b"courier-seal"
     )
 }

@@ -19,6 +19,7 @@
 //! - `bad_inputs`: hostile producer headers and app answers;
 //! - `dlq`: `courier dlq list/show/replay/purge`;
 //! - `depth`: the work queue's depth and oldest age on `/metrics`;
+//! - `seal`: a producer's `courier-*` fields are not courier's state;
 //! - `only`: what holds for one broker alone.
 
 #[path = "../common/mod.rs"]
@@ -31,6 +32,7 @@ mod depth;
 mod dlq;
 mod only;
 mod process;
+mod seal;
 
 use std::future::Future;
 
@@ -134,6 +136,7 @@ suite!(
         dlq::list_show_replay_purge if DeadLetterBrowsing,
         dlq::replay_killed_halfway_loses_nothing if DeadLetterBrowsing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
+        seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
     ]
 );
 

@@ -67,9 +67,12 @@ impl AmqpSource {
             max_deliveries: AtomicU32::new(options.max_deliveries),
             kind: Mutex::new(None),
             cursor: tokio::sync::Mutex::new(None),
+            seal: std::sync::OnceLock::new(),
             options,
         };
-        source.session().await?;
+        let session = source.session().await?;
+        let seal = source.read_seal(&session).await?;
+        let _ = source.seal.set(seal);
         Ok(source)
     }
 

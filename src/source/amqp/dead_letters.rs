@@ -210,7 +210,7 @@ impl AmqpSource {
             .await?;
         self.take_dead_letter(dead_letter_queue, &letter.id, |found| async {
             let stored = dead_letter_of(&found);
-            let fields = stored.fields_for_replay();
+            let fields = self.seal().seal(stored.fields_for_replay());
             let id = stored
                 .field(F_MESSAGE_ID)
                 .map(str::to_string)

@@ -61,6 +61,7 @@ mod dead_letters;
 mod depth;
 mod errors;
 mod queues;
+mod seal;
 mod session;
 mod tiers;
 
@@ -164,6 +165,8 @@ pub struct AmqpSource {
     kind: Mutex<Option<QueueKind>>,
     /// Replay and purge read the dead-letter queue through this.
     cursor: tokio::sync::Mutex<Option<dead_letters::Cursor>>,
+    /// Proves which copies courier stored; read at connect.
+    seal: OnceLock<super::shared::Seal>,
 }
 
 impl AmqpSource {
@@ -184,6 +187,10 @@ impl AmqpSource {
         tracing::debug!(queue = %self.options.queue, ?kind, "the work queue's type");
         *self.kind.lock().unwrap_or_else(|e| e.into_inner()) = Some(kind);
         Ok(kind)
+    }
+
+    fn seal(&self) -> &super::shared::Seal {
+        self.seal.get().expect("the seal key is read at connect")
     }
 
     fn dead_letter_queue(&self) -> String {

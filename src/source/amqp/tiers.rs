@@ -9,14 +9,14 @@ use lapin::BasicProperties;
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::types::AMQPValue;
 
-use super::convert::{fields_of, header, header_text, header_u32, message_for, value_bytes};
+use super::convert::{fields_of, header, header_u32, message_for, value_bytes};
 use super::queues::DELIVERY_COUNT;
 use super::session::Session;
 use super::{AmqpSource, new_id};
 use crate::duration;
 use crate::model::{Delivery, F_ATTEMPT, F_DELIVERIES, F_MESSAGE_ID, parse_time, rfc3339};
 use crate::source::SourceError;
-use crate::source::shared::{F_RETRY_AT, replace, without};
+use crate::source::shared::{F_RETRY_AT, field, replace, without};
 
 /// Delay tiers: each is at most 2.5 times the one before, so a retry is late
 /// by less than one tier step.
@@ -70,7 +70,8 @@ impl AmqpSource {
             }
             None => self.options.queue.clone(),
         };
-        let (body, properties) = message_for(fields, original, message_id);
+        let fields = self.seal().seal(fields.to_vec());
+        let (body, properties) = message_for(&fields, original, message_id);
         session.publish(&target, &body, properties).await?;
         session.ack(tag).await
     }
@@ -112,11 +113,14 @@ impl AmqpSource {
     ) -> Result<Option<Delivery>, SourceError> {
         let props = &delivery.properties;
         let tag = delivery.delivery_tag;
-        let fields = fields_of(&delivery);
-        let message_id = header_text(props, F_MESSAGE_ID)
+        // Only a copy courier sealed carries courier's state.
+        let fields = self.seal().open(fields_of(&delivery));
+        let number = |name| field(&fields, name).and_then(|v| v.trim().parse::<u32>().ok());
+        let message_id = field(&fields, F_MESSAGE_ID)
+            .map(str::to_string)
             .or_else(|| props.message_id().as_ref().map(|id| id.to_string()))
             .unwrap_or_else(new_id);
-        if let Some(at) = header_text(props, F_RETRY_AT).and_then(|t| parse_time(t.as_bytes()))
+        if let Some(at) = field(&fields, F_RETRY_AT).and_then(|t| parse_time(t.as_bytes()))
             && at.duration_since(SystemTime::now()).unwrap_or_default()
                 >= Duration::from_millis(TIERS_MS[0])
         {
@@ -131,9 +135,7 @@ impl AmqpSource {
             Some(count) => count,
             None => u32::from(delivery.redelivered),
         };
-        let handed_out = header_u32(props, F_DELIVERIES)
-            .unwrap_or(0)
-            .saturating_add(returns);
+        let handed_out = number(F_DELIVERIES).unwrap_or(0).saturating_add(returns);
         let receipt = format!("{}:{tag}", session.generation);
         // Only a redelivery is judged: a copy courier stored was judged when
         // it was stored, and a count on a message nobody handed out yet was
@@ -145,7 +147,7 @@ impl AmqpSource {
             ));
             out
         } else if returns > 0 {
-            let attempt = header_u32(props, F_ATTEMPT).unwrap_or(1).max(1);
+            let attempt = number(F_ATTEMPT).unwrap_or(1).max(1);
             let fields = replace(
                 fields,
                 F_ATTEMPT,

@@ -383,12 +383,16 @@ impl Source for EmbeddedSource {
     }
 
     /// Refuses a message over [`RECORD_LIMIT`], which could never be
-    /// handed out.
+    /// handed out. Only courier writes the file, and this is the one way a
+    /// producer's message gets in: its `courier-*` headers are dropped here,
+    /// so every `courier-*` field of a stored record is courier's own state
+    /// and needs no seal.
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
         fields.extend(
             headers
                 .iter()
+                .filter(|(n, _)| !shared::is_courier_field(n.as_bytes()))
                 .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
         );
         let data = encode_fields(&fields);

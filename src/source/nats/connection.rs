@@ -24,6 +24,7 @@ use async_nats::{ConnectErrorKind, ConnectOptions};
 
 use super::NatsSource;
 use super::dead_letters::dead_letter_stream;
+use super::fields::seal_of;
 use crate::model::Delivery;
 use crate::source::{LiveSettings, SourceError, SourceOptions};
 
@@ -231,7 +232,9 @@ impl NatsSource {
             .find(|s| !s.split('.').any(|t| t == "*" || t == ">"))
             .cloned();
         let held = held_counter(&format!("{}/{}/{}", redacted, options.queue, options.group));
+        let seal = seal_of(&js, &options.queue, info.config.num_replicas.max(1)).await?;
         Ok(Self {
+            seal,
             client,
             js,
             send_subject,

@@ -147,8 +147,8 @@ impl NatsSource {
                     letter.id, self.options.queue
                 ))
             })?;
-        self.publish(&subject, &self.options.queue, &stored.fields_for_replay())
-            .await?;
+        let fields = self.seal.seal(stored.fields_for_replay());
+        self.publish(&subject, &self.options.queue, &fields).await?;
         let stream = self
             .js
             .get_stream_no_info(&name)

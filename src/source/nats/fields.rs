@@ -1,15 +1,19 @@
 //! Fields ↔ NATS headers: the body is the payload field, every other
-//! field a header.
+//! field a header; and the key of the seal on the copies courier stores.
 
 use std::str::FromStr;
 
+use async_nats::jetstream::Context;
+use async_nats::jetstream::kv::CreateErrorKind;
+use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, StorageType};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 
 use crate::model::PAYLOAD;
+use crate::source::SourceError;
+use crate::source::shared::Seal;
 
-/// The subject a message was published to; kept in dead letters for replay.
-pub(super) const F_SUBJECT: &str = "courier-subject";
+pub(super) use crate::source::shared::F_SUBJECT;
 
 /// A header value NATS can carry: no CR or LF.
 fn header_value(value: &[u8]) -> HeaderValue {
@@ -64,11 +68,86 @@ pub(super) fn from_headers(payload: &Bytes, headers: Option<&HeaderMap>) -> Vec<
     fields
 }
 
-pub(super) fn field<'a>(fields: &'a [(Bytes, Bytes)], name: &str) -> Option<&'a str> {
-    fields
-        .iter()
-        .find(|(n, _)| n.as_ref() == name.as_bytes())
-        .and_then(|(_, v)| std::str::from_utf8(v).ok())
+pub(super) use crate::source::shared::field;
+
+/// The key-value bucket that holds the seal key of every stream courier
+/// consumes, one key per stream (named after it).
+pub(super) const SEAL_BUCKET: &str = "courier-seal-keys";
+
+/// The seal key of stream `queue`, made on first use. The bucket is
+/// created when missing; a key is created only when there is none
+/// (`create` is atomic), so replicas starting together agree on it.
+pub(super) async fn seal_of(
+    js: &Context,
+    queue: &str,
+    replicas: usize,
+) -> Result<Seal, SourceError> {
+    let refused = |e: &dyn std::fmt::Display| {
+        SourceError::Broker(format!(
+            "cannot use the key-value bucket {SEAL_BUCKET:?} that holds courier's seal keys ({e}); let courier's NATS user create it and write to it, or create it (nats kv add {SEAL_BUCKET})"
+        ))
+    };
+    let store = match js.get_key_value(SEAL_BUCKET).await {
+        Ok(store) => store,
+        Err(_) => {
+            // The bucket's stream as `nats kv add` makes it, created
+            // directly: async-nats' `create_key_value` first asks for the
+            // account's info, and fails to parse a 2.9 server's answer.
+            let config = StreamConfig {
+                name: format!("KV_{SEAL_BUCKET}"),
+                description: Some(
+                    "courier: the key of the seal on the copies courier stores, per stream".into(),
+                ),
+                subjects: vec![format!("$KV.{SEAL_BUCKET}.>")],
+                max_messages_per_subject: 1,
+                storage: StorageType::File,
+                num_replicas: replicas,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: true,
+                discard: DiscardPolicy::New,
+                ..Default::default()
+            };
+            // Another replica may have created it meanwhile.
+            let created = js.create_stream(config).await.err();
+            js.get_key_value(SEAL_BUCKET)
+                .await
+                .map_err(|e| match &created {
+                    Some(created) => refused(created),
+                    None => refused(&e),
+                })?
+        }
+    };
+    let key = seal_key_name(queue);
+    match store.create(&key, Seal::new_secret().into()).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == CreateErrorKind::AlreadyExists => {}
+        Err(e) => return Err(refused(&e)),
+    }
+    let secret = store
+        .get(&key)
+        .await
+        .map_err(|e| refused(&e))?
+        .ok_or_else(|| refused(&format!("key {key:?} is missing")))?;
+    Seal::new(&secret).map_err(|e| {
+        SourceError::Broker(format!(
+            "the seal key {key:?} in bucket {SEAL_BUCKET:?} is not one courier wrote ({e}); delete it and courier makes a new one"
+        ))
+    })
+}
+
+/// A stream's key in [`SEAL_BUCKET`]: its name when that is a valid key,
+/// else `hex.<its name in hex>` (a stream name has no `.`, so the two
+/// forms never meet).
+fn seal_key_name(queue: &str) -> String {
+    let plain = queue
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_=/".contains(&b));
+    if plain && !queue.is_empty() {
+        return queue.to_string();
+    }
+    let hex: String = queue.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("hex.{hex}")
 }
 
 #[cfg(test)]
@@ -94,5 +173,13 @@ mod tests {
         assert_eq!(field(&back, "courier-response-excerpt"), Some("a  b"));
         assert_eq!(field(&back, "Nats-Msg-Id"), None);
         assert_eq!(back.len(), 3);
+    }
+
+    #[test]
+    fn every_stream_name_is_a_seal_key() {
+        assert_eq!(seal_key_name("orders"), "orders");
+        assert_eq!(seal_key_name("order-s_1"), "order-s_1");
+        assert_eq!(seal_key_name("zamówienia"), "hex.7a616dc3b37769656e6961");
+        assert_eq!(seal_key_name("a b"), "hex.612062");
     }
 }

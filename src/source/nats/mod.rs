@@ -127,6 +127,9 @@ pub struct NatsSource {
     /// What a live policy change updates: the dead-letter queue depth is
     /// read from, the poison-pill limit, the visibility timeout.
     live: Mutex<LiveSettings>,
+    /// Proves which copies courier stored (the stream's key in the bucket
+    /// `courier-seal-keys`).
+    seal: super::shared::Seal,
 }
 
 #[async_trait]

@@ -260,7 +260,10 @@ impl NatsSource {
                 "a message without a reply subject".into(),
             ));
         };
-        let fields = from_headers(&message.payload, message.headers.as_ref());
+        // Only a copy courier sealed carries courier's state.
+        let fields = self
+            .seal
+            .open(from_headers(&message.payload, message.headers.as_ref()));
         let waits = field(&fields, F_RETRY_AT).and_then(|t| parse_time(t.as_bytes()));
         if let Some(at) = waits
             && delivered == 1

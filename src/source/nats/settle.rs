@@ -96,7 +96,7 @@ impl NatsSource {
         }
         // The attempt is not used up: a copy that remembers the attempt.
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        let fields = replace(fields, F_RETRY_AT, rfc3339(at));
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         let subject = field(&fields, F_SUBJECT)
             .map(str::to_string)
             .or_else(|| self.send_subject.clone())

@@ -58,7 +58,10 @@ impl RedisSource {
         let mut con = self.commands.clone();
         let (moved,): (i64,) = redis::pipe()
             .atomic()
-            .add_command(xadd(&self.options.queue, &letter.fields_for_replay()))
+            .add_command(xadd(
+                &self.options.queue,
+                &self.seal.seal(letter.fields_for_replay()),
+            ))
             .ignore()
             .cmd("EVAL")
             .arg(REMOVE_LETTER)

@@ -41,7 +41,7 @@ use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::Mutex;
 
-use super::shared::RECEIVE_WAIT;
+use super::shared::{RECEIVE_WAIT, Seal};
 use super::{
     Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
 };
@@ -76,6 +76,8 @@ pub struct RedisSource {
     acks: Batcher<String>,
     retry_key: String,
     mover_stop: Arc<AtomicBool>,
+    /// Proves which copies courier stored (`<queue>.courier-key`).
+    seal: Seal,
 }
 
 fn broker_error(e: redis::RedisError) -> SourceError {
@@ -138,7 +140,9 @@ impl RedisSource {
         {
             return Err(broker_error(e));
         }
+        let seal = seal_of(&mut con, &options.queue).await?;
         let source = Self {
+            seal,
             retry_key: format!("{}.retry", options.queue),
             acks: settle::ack_batcher(&commands, &options.queue, &options.group),
             commands,
@@ -162,6 +166,34 @@ impl RedisSource {
     fn acked_key(&self, key: &str) -> String {
         format!("{}.acked:{key}", self.options.queue)
     }
+}
+
+/// Takes the queue's seal key, `<queue>.courier-key`, made on first use.
+/// Derived from the queue name like every other key, so a hash-tagged
+/// queue keeps it in its slot.
+const SEAL_KEY: &str = r"
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+return redis.call('GET', KEYS[1])
+";
+
+async fn seal_of(con: &mut ConnectionManager, queue: &str) -> Result<Seal, SourceError> {
+    let key = format!("{queue}.courier-key");
+    let secret: Vec<u8> = redis::Script::new(SEAL_KEY)
+        .key(&key)
+        .arg(Seal::new_secret())
+        .invoke_async(con)
+        .await
+        .map_err(|e| match broker_error(e) {
+            SourceError::Broker(e) => SourceError::Broker(format!(
+                "cannot read the seal key {key:?} ({e}); it holds courier's key for proving which copies it stored: delete or rename that key"
+            )),
+            other => other,
+        })?;
+    Seal::new(&secret).map_err(|e| {
+        SourceError::Broker(format!(
+            "the seal key {key:?} is not one courier wrote ({e}); delete it and courier makes a new one"
+        ))
+    })
 }
 
 #[async_trait]

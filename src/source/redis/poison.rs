@@ -27,14 +27,39 @@ const WIDEST: usize = 7_800;
 /// What the scripts below share. `dead_letter` writes entry `id` of
 /// KEYS[1] (its `fields`) to the dead-letter stream KEYS[2] and acks it;
 /// `too_large` says why an entry is over the byte budget, or nil;
-/// `writable` whether the dead-letter key can take an `XADD`.
+/// `writable` whether the dead-letter key can take an `XADD`; `sealed`
+/// whether an entry's `courier-*` state carries courier's seal
+/// (`shared::Seal`, recomputed from the HMAC pads): only then are its
+/// message id, attempt and first-attempt time courier's.
 const SHARED: &str = r"
 local skip = {
   ['courier-message-id'] = 1, ['courier-attempt'] = 1, ['courier-first-attempt-at'] = 1,
   ['courier-deliveries'] = 1, ['courier-reason'] = 1, ['courier-status'] = 1,
   ['courier-error'] = 1, ['courier-attempts'] = 1, ['courier-last-attempt-at'] = 1,
   ['courier-queue'] = 1, ['courier-response-excerpt'] = 1, ['courier-policy'] = 1,
+  ['courier-seal'] = 1,
 }
+local state = {
+  'courier-message-id', 'courier-attempt', 'courier-first-attempt-at', 'courier-retry-at',
+  'courier-deliveries', 'courier-replays', 'courier-subject',
+}
+local function unhex(h)
+  return (h:gsub('..', function(c) return string.char(tonumber(c, 16)) end))
+end
+local function sealed(fields, ipad, opad)
+  local first = {}
+  for i = 1, #fields, 2 do
+    if first[fields[i]] == nil then first[fields[i]] = fields[i + 1] end
+  end
+  local seal = first['courier-seal']
+  if seal == nil then return false end
+  local covered = {}
+  for _, name in ipairs(state) do
+    local v = first[name]
+    if v ~= nil then covered[#covered + 1] = name .. '=' .. #v .. ':' .. v .. ';' end
+  end
+  return redis.sha1hex(opad .. unhex(redis.sha1hex(ipad .. table.concat(covered)))) == seal
+end
 local function writable(key)
   local t = redis.call('TYPE', key).ok
   return t == 'stream' or t == 'none'
@@ -49,19 +74,22 @@ local function too_large(fields, max)
   if rest > max then return 'its fields besides the body are ' .. rest .. ' bytes, over --max-body ' .. max end
   return nil
 end
-local function dead_letter(group, id, fields, err, extra, now, widest)
+local function dead_letter(group, id, fields, err, extra, now, widest, ipad, opad)
   local out, has_payload = {}, false
   local message_id, attempt, first = id, 1, now
+  local trusted = sealed(fields, ipad, opad)
   local keep = #fields <= widest
   if not keep then
     err = err .. ' (its ' .. (#fields / 2) .. ' fields were too many to keep; the body is kept)'
   end
   for i = 1, #fields, 2 do
     local name, value = fields[i], fields[i + 1]
-    if name == 'courier-message-id' then message_id = value
+    local courier = string.lower(string.sub(name, 1, 8)) == 'courier-'
+    if not trusted then
+    elseif name == 'courier-message-id' then message_id = value
     elseif name == 'courier-attempt' then attempt = math.max(tonumber(value) or 1, 1)
     elseif name == 'courier-first-attempt-at' then first = value end
-    if not skip[name] and (keep or name == 'payload') then
+    if not skip[name] and (trusted or not courier) and (keep or name == 'payload') then
       if name == 'payload' then has_payload = true end
       out[#out + 1] = name
       out[#out + 1] = value
@@ -94,7 +122,8 @@ end
 /// ARGV[4]) and dead-letters those delivered ARGV[6] times or more, and
 /// those over ARGV[9] bytes. KEYS[1] the stream, KEYS[2] the dead-letter
 /// stream; ARGV[1] the group, ARGV[7] now (RFC 3339), ARGV[8] the widest
-/// entry to keep whole. Returns how many it dead-lettered.
+/// entry to keep whole, ARGV[10] and ARGV[11] the seal's HMAC pads.
+/// Returns how many it dead-lettered.
 const PENDING: &str = r"
 local range = {KEYS[1], ARGV[1], 'IDLE', ARGV[2], ARGV[3], '+', ARGV[4]}
 if ARGV[5] ~= '' then range[#range + 1] = ARGV[5] end
@@ -115,7 +144,7 @@ for _, p in ipairs(pending) do
       err = too_large(entry[2], budget)
     end
     if err then
-      dead_letter(ARGV[1], id, entry[2], err, times - 1, ARGV[7], widest)
+      dead_letter(ARGV[1], id, entry[2], err, times - 1, ARGV[7], widest, ARGV[10], ARGV[11])
       moved = moved + 1
     end
   end
@@ -127,7 +156,8 @@ return moved
 /// (`XREADGROUP` without waiting: a script cannot block) and dead-letters
 /// the ones over ARGV[4] bytes instead of returning them. KEYS[1] the
 /// stream, KEYS[2] the dead-letter stream; ARGV[5] now (RFC 3339), ARGV[6]
-/// the widest entry to keep whole. A dead-letter key of another type
+/// the widest entry to keep whole, ARGV[7] and ARGV[8] the seal's HMAC
+/// pads. A dead-letter key of another type
 /// leaves large entries to be returned, and refused by the dispatcher.
 const READ: &str = r"
 local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
@@ -139,7 +169,7 @@ for _, entry in ipairs(reply[1][2]) do
   local err = too_large(entry[2], budget)
   if err and can == nil then can = writable(KEYS[2]) end
   if err and can then
-    dead_letter(ARGV[1], entry[1], entry[2], err, 0, ARGV[5], widest)
+    dead_letter(ARGV[1], entry[1], entry[2], err, 0, ARGV[5], widest, ARGV[7], ARGV[8])
   else
     out[#out + 1] = entry
   end
@@ -171,6 +201,7 @@ impl RedisSource {
         pending: Pending<'_>,
     ) -> Result<u64, SourceError> {
         let live = self.live();
+        let (inner, outer) = self.seal.pads();
         PENDING_SCRIPT
             .key(&self.options.queue)
             .key(&live.dead_letter_queue)
@@ -183,6 +214,8 @@ impl RedisSource {
             .arg(rfc3339(std::time::SystemTime::now()))
             .arg(WIDEST)
             .arg(self.options.max_body)
+            .arg(&inner)
+            .arg(&outer)
             .invoke_async(con)
             .await
             .map_err(broker_error)
@@ -196,6 +229,7 @@ impl RedisSource {
         max: usize,
     ) -> Result<Vec<Entry>, SourceError> {
         let live = self.live();
+        let (inner, outer) = self.seal.pads();
         let reply: Value = READ_SCRIPT
             .key(&self.options.queue)
             .key(&live.dead_letter_queue)
@@ -205,6 +239,8 @@ impl RedisSource {
             .arg(self.options.max_body)
             .arg(rfc3339(std::time::SystemTime::now()))
             .arg(WIDEST)
+            .arg(&inner)
+            .arg(&outer)
             .invoke_async(con)
             .await
             .map_err(broker_error)?;

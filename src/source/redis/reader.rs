@@ -61,7 +61,9 @@ impl RedisSource {
             if !entries.is_empty() || now >= deadline {
                 return Ok(entries
                     .into_iter()
-                    .map(|(id, fields)| Delivery::from_fields(&id, fields, 0, id.clone()))
+                    .map(|(id, fields)| {
+                        Delivery::from_fields(&id, self.seal.open(fields), 0, id.clone())
+                    })
                     .collect());
             }
             tokio::time::sleep(pause.min(deadline - now)).await;
@@ -169,8 +171,12 @@ impl RedisSource {
             .into_iter()
             .zip(counts)
             .map(|((id, fields), count)| {
-                let mut delivery =
-                    Delivery::from_fields(&id, fields, count.saturating_sub(1), id.clone());
+                let mut delivery = Delivery::from_fields(
+                    &id,
+                    self.seal.open(fields),
+                    count.saturating_sub(1),
+                    id.clone(),
+                );
                 // A pill the script could not dead-letter itself (the
                 // dead-letter key holds another type): the dispatcher
                 // dead-letters it without offering it to the app.

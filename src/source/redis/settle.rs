@@ -97,7 +97,11 @@ impl RedisSource {
         first_attempt_at: SystemTime,
         at: SystemTime,
     ) -> Result<(), SourceError> {
-        let member = encode_fields(&delivery.fields_for_retry(next_attempt, first_attempt_at));
+        let member = encode_fields(
+            &self
+                .seal
+                .seal(delivery.fields_for_retry(next_attempt, first_attempt_at)),
+        );
         let due = at
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()

@@ -247,3 +247,52 @@ impl RedisSource {
         Ok(parse_entries(reply))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::source::shared::{Seal, replace};
+
+    /// Against the Redis on loopback: the scripts' `sealed` accepts the seal
+    /// courier computes in Rust, and refuses a forged state or no seal.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_scripts_check_the_seal_courier_writes() {
+        let client = redis::Client::open("redis://127.0.0.1:6379/").unwrap();
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("Redis on 127.0.0.1:6379");
+        let seal = Seal::new(Seal::new_secret().as_bytes()).unwrap();
+        let (inner, outer) = seal.pads();
+        let check = Script::new(&format!(
+            "{SHARED}\nlocal f = {{}}\nfor i = 3, #ARGV do f[#f + 1] = ARGV[i] end\nreturn sealed(f, ARGV[1], ARGV[2]) and 1 or 0"
+        ));
+        let stored = seal.seal(vec![
+            (Bytes::from("payload"), Bytes::from_static(&[0, 255])),
+            (Bytes::from("courier-message-id"), Bytes::from("17-0")),
+            (Bytes::from("courier-attempt"), Bytes::from("3")),
+            (
+                Bytes::from("courier-first-attempt-at"),
+                Bytes::from("2026-01-01T00:00:00.000Z"),
+            ),
+            (Bytes::from("courier-replays"), Bytes::from("1")),
+        ]);
+        let forged = replace(stored.clone(), "courier-attempt", "99".into());
+        let unsealed: Vec<_> = stored
+            .iter()
+            .filter(|(n, _)| n.as_ref() != b"courier-seal")
+            .cloned()
+            .collect();
+        for (fields, want) in [(&stored, 1), (&forged, 0), (&unsealed, 0)] {
+            let mut invocation = check.prepare_invoke();
+            invocation.arg(&inner).arg(&outer);
+            for (name, value) in fields.iter() {
+                invocation.arg(name.as_ref()).arg(value.as_ref());
+            }
+            let got: i64 = invocation.invoke_async(&mut con).await.unwrap();
+            assert_eq!(got, want, "{fields:?}");
+        }
+    }
+}

@@ -304,6 +304,7 @@ async fn poll_depth(
     shutdown: CancellationToken,
 ) {
     let labels = QueueLabels { queue };
+    let age_readable = source.capabilities().dead_letter_age;
     loop {
         match source.depth().await {
             Ok(depth) => {
@@ -315,11 +316,23 @@ async fn poll_depth(
                     .retry_backlog
                     .get_or_create(&labels)
                     .set(depth.retry_backlog as i64);
-                metrics.dlq_oldest_age.get_or_create(&labels).set(
-                    depth
-                        .oldest_dead_letter_age
-                        .map_or(0.0, |a| a.as_secs_f64()),
-                );
+                // No letter is old when there are none; an age the source
+                // cannot read is left out, not reported as 0, so that an
+                // alert on it can tell "fresh" from "unknown".
+                match depth.oldest_dead_letter_age {
+                    Some(age) => {
+                        metrics
+                            .dlq_oldest_age
+                            .get_or_create(&labels)
+                            .set(age.as_secs_f64());
+                    }
+                    None if age_readable && depth.dead_letters == 0 => {
+                        metrics.dlq_oldest_age.get_or_create(&labels).set(0.0);
+                    }
+                    None => {
+                        metrics.dlq_oldest_age.remove(&labels);
+                    }
+                }
                 metrics
                     .queue_depth
                     .get_or_create(&labels)

@@ -433,3 +433,188 @@ async fn amqp_classic_redelivery_counts_one_hand_out() {
     );
     release(&fixture, reader).await;
 }
+
+// === What a new process, a large body and the metrics show ===
+
+/// A retry an earlier process parked in a delay tier counts in a new
+/// process's `courier_retry_backlog`, though the new one never declared
+/// that tier nor saw anything come back from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_new_process_counts_the_retries_an_earlier_one_parked() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:503,200").await;
+    let dir = tempfile::tempdir().unwrap();
+    // The retry waits in the 1m tier, longer than this test runs.
+    let policy = write_policy(
+        dir.path(),
+        "maxAttempts: 3\nbackoff: {initial: 50s, max: 50s, jitter: none}",
+    );
+    let backlog = async |courier: &mut CourierProcess| {
+        let addr = courier.metrics_addr().await;
+        metric(&scrape(addr).await, "courier_retry_backlog", &fixture.queue)
+    };
+    let mut first = CourierProcess::run(&run_args(&fixture, &app, &policy, "first"));
+    wait_for("the retry parked in a tier", SETTLE, async || {
+        backlog(&mut first).await == 1.0
+    })
+    .await;
+    first.terminate();
+    let status = first.exit_within(SETTLE).await;
+    assert!(status.success(), "{status}\n{}", first.log());
+    assert_eq!(app.received_body(b"script:503,200").len(), 1);
+
+    let mut second = CourierProcess::run(&run_args(&fixture, &app, &policy, "second"));
+    second.wait_running().await;
+    wait_for(
+        "the new process to count the parked retry",
+        SETTLE,
+        async || backlog(&mut second).await == 1.0,
+    )
+    .await;
+    assert_eq!(
+        app.received_body(b"script:503,200").len(),
+        1,
+        "still parked, not delivered early"
+    );
+}
+
+/// RabbitMQ cannot tell a dead letter's age without handing it out, so the
+/// oldest-age gauge is left out for the queue, not reported as 0; the
+/// dead-letter count is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_the_oldest_dead_letter_age_is_left_out_not_zero() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:400").await;
+    let running = Running::start(config(&fixture, &app)).await;
+    let mut text = String::new();
+    wait_for("the dead letter in the gauge", SETTLE, async || {
+        text = scrape(running.metrics_addr).await;
+        metric(&text, "courier_dlq_depth", &fixture.queue) == 1.0
+    })
+    .await;
+    running.stop().await;
+    let label = format!("queue=\"{}\"", fixture.queue);
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("courier_dlq_oldest_age_seconds{") && l.contains(&label)),
+        "{text}"
+    );
+}
+
+/// Whether `tier` was declared classic or quorum: a declaration with
+/// exactly one type's arguments is accepted only by a queue of that type.
+async fn tier_type(tier: &str, work_queue: &str) -> &'static str {
+    let classic = args(&[
+        ("x-message-ttl", AMQPValue::LongLongInt(50)),
+        ("x-dead-letter-exchange", text("")),
+        ("x-dead-letter-routing-key", text(work_queue)),
+    ]);
+    let mut quorum = classic.clone();
+    quorum.insert("x-queue-type".into(), text("quorum"));
+    quorum.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+    quorum.insert("x-overflow".into(), text("reject-publish"));
+    let connection = connect().await;
+    let mut found = "neither";
+    for (kind, arguments) in [("classic", classic), ("quorum", quorum)] {
+        let channel = connection.create_channel().await.unwrap();
+        if channel
+            .queue_declare(tier.into(), QueueDeclareOptions::durable(), arguments)
+            .await
+            .is_ok()
+        {
+            found = kind;
+            break;
+        }
+    }
+    let _ = connection.close(200, "checked".into()).await;
+    found
+}
+
+/// Runs one retry through the 50 ms tier and says which type the tier got.
+async fn tier_type_after_a_retry(fixture: &Fixture) -> &'static str {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:503,200").await;
+    let running = Running::start(config(fixture, &app)).await;
+    wait_for("the retry", SETTLE, async || {
+        app.received_body(b"script:503,200").len() >= 2
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    tier_type(&format!("{}.retry.50ms", fixture.queue), &fixture.queue).await
+}
+
+/// The work queue's type is told from RabbitMQ's reply codes, not the text
+/// of its answers: a classic queue gets classic tiers, a quorum queue
+/// quorum ones, also when an operator gave it arguments of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_tiers_take_the_type_of_a_classic_work_queue() {
+    let fixture = Fixture::amqp();
+    declare(&fixture.queue, FieldTable::default()).await;
+    assert_eq!(tier_type_after_a_retry(&fixture).await, "classic");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_tiers_take_the_type_of_a_quorum_work_queue_with_arguments() {
+    let fixture = Fixture::amqp();
+    declare_amqp_quorum(&fixture.queue).await;
+    assert_eq!(tier_type_after_a_retry(&fixture).await, "quorum");
+}
+
+/// A 40 MiB body with the default `--max-body` (4 MiB). RabbitMQ pushes a
+/// message whole, so courier holds it once it is delivered (AMQP reads are
+/// not bounded in bytes); it dead-letters it `undeliverable` without
+/// offering it, keeps running and delivers what comes after, and its peak
+/// memory stays within a small multiple of the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_40_mib_body_is_dead_lettered_and_courier_keeps_running() {
+    const BIG: usize = 40 << 20;
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let big = fixture.send(&source, vec![b'x'; BIG]).await;
+    fixture.send(&source, "small, after it").await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "bounded"));
+    wait_for("the small message", SETTLE, async || {
+        !app.received_body(b"small, after it").is_empty()
+    })
+    .await;
+    wait_for("the dead letter", SETTLE, async || {
+        source.depth().await.unwrap().dead_letters == 1
+    })
+    .await;
+    let peak = peak_rss(courier.id());
+    assert!(
+        courier.running(),
+        "courier keeps running\n{}",
+        courier.log()
+    );
+    courier.terminate();
+    let status = courier.exit_within(SETTLE).await;
+    assert!(status.success(), "{status}\n{}", courier.log());
+    eprintln!("courier's peak RSS: {} MiB", peak >> 20);
+    assert!(
+        peak < 4 * BIG as u64,
+        "courier's peak RSS was {} MiB",
+        peak >> 20
+    );
+    assert!(app.received().iter().all(|r| r.body.len() < BIG));
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let letter = &letters[0];
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(letter.field("courier-message-id"), Some(big.as_str()));
+    assert_eq!(
+        letter.field("courier-error"),
+        Some(format!("the body is {BIG} bytes, over --max-body {}", 4 << 20).as_str())
+    );
+    assert_eq!(letter.body.len(), BIG, "the body is kept");
+    source.purge(&fixture.dlq(), letter).await.unwrap();
+}

@@ -589,20 +589,29 @@ async fn amqp_restart_mid_flow_loses_nothing() {
 // === Unreachable broker and wrong credentials at start ===
 
 /// Nothing listens yet: not ready, retried with backoff; once the broker
-/// is there the sidecar connects, becomes ready and delivers.
+/// is there the sidecar connects, becomes ready and delivers. Readiness is
+/// checked after each try the sidecar reports as failed, not at times the
+/// test picks: every check follows a try that saw no broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_unreachable_at_start_is_retried_until_it_is_there() {
+    const FAILED: &str = "cannot open the source; not ready, trying again";
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let fixture = Fixture::broker(&format!("nats://127.0.0.1:{port}"));
     let app = TestApp::start().await;
-    let mut config = run_config(&fixture, &app, fast_policy());
-    config.options.create = true;
-    let running = Running::start(config).await;
-    let addr = running.metrics_addr;
-    for _ in 0..10 {
+    let mut args = run_args(&fixture, &app, &dir.path().join("none"), "unreachable");
+    // No policy file: the defaults.
+    let at = args.iter().position(|a| a == "--policy-file").unwrap();
+    args.drain(at..at + 2);
+    args.push("--create".into());
+    let mut courier = CourierProcess::run(&args);
+    let addr = courier.metrics_addr().await;
+    for tries in 1..=3 {
+        wait_for("another failed try", SETTLE, async || {
+            courier.log().matches(FAILED).count() >= tries
+        })
+        .await;
         assert!(!ready(addr).await, "ready without a broker");
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let mut nats = PrivateNats {
         port,
@@ -623,7 +632,9 @@ async fn nats_unreachable_at_start_is_retried_until_it_is_there() {
         !app.received_body(b"hello").is_empty()
     })
     .await;
-    running.stop().await;
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(10)).await;
+    assert!(status.success(), "{status}\n{}", courier.log());
 }
 
 /// `courier run` with wrong credentials logs why, stays not ready, and

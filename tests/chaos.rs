@@ -318,6 +318,15 @@ async fn wait_delivered(app: &ChaosApp, all: &HashSet<String>, what: &str) {
     }
 }
 
+/// Reads from the broker that failed so far.
+async fn broker_read_errors(running: &Running, queue: &str) -> f64 {
+    metric(
+        &scrape(running.metrics_addr).await,
+        "courier_broker_read_errors_total",
+        queue,
+    )
+}
+
 // === A private Redis that can be restarted ===
 
 // === The broker restarted twice mid-flow ===
@@ -381,7 +390,12 @@ async fn broker_restarted_twice_mid_flow_loses_nothing() {
             redis.terminate().await;
         }
         let down_at = app.delivered(&all);
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Down until courier has seen it fail, not for a fixed time.
+        let errors = broker_read_errors(&running, &fixture.queue).await;
+        wait_for("courier to see the broker gone", SETTLE, async || {
+            broker_read_errors(&running, &fixture.queue).await > errors
+        })
+        .await;
         redis.spawn().await;
         eprintln!("broker restart {round}: down after {down_at} delivered");
     }

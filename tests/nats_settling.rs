@@ -346,3 +346,94 @@ async fn nats_a_read_is_bounded_in_bytes() {
     })
     .await;
 }
+
+/// Two replays of one dead letter at once (two operators, a command run
+/// twice) both read it before either deletes it; the replay publish
+/// carries a `Nats-Msg-Id` of the letter, so JetStream stores it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_two_replays_of_one_letter_at_once_store_it_once() {
+    let fixture = Fixture::nats();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:400").await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the dead letter", SETTLE, async || {
+        source.depth().await.unwrap().dead_letters == 1
+    })
+    .await;
+    running.stop().await;
+    let letter = source.dead_letters(&fixture.dlq(), 10).await.unwrap()[0].clone();
+    let (a, b) = (fixture.open().await, fixture.open().await);
+    let dlq = fixture.dlq();
+    let (first, second) = tokio::join!(a.replay(&dlq, &letter), b.replay(&dlq, &letter));
+    assert!(
+        first.is_ok() || second.is_ok(),
+        "one replay went through: {first:?} {second:?}"
+    );
+    let js = jetstream().await;
+    // The work stream held the original (acked, so gone from a work-queue
+    // stream) and now exactly one replayed copy.
+    let depth = source.depth().await.unwrap();
+    assert_eq!(
+        (depth.ready, depth.dead_letters),
+        (1, 0),
+        "one copy in the work stream, none left dead"
+    );
+    assert_eq!(messages_in(&js, &fixture.queue).await, 1);
+}
+
+/// NATS's `max_payload` here is 1 MiB, so a 40 MiB message cannot be
+/// published at all; a body above `--max-body` that NATS does take is
+/// dead-lettered `undeliverable` by the built binary, which keeps running,
+/// delivers what comes after, and stays small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_body_over_max_body_is_dead_lettered_and_courier_keeps_running() {
+    const BIG: usize = 900 << 10;
+    let fixture = Fixture::nats();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut big = Vec::new();
+    for n in 0..3u8 {
+        big.push(fixture.send(&source, vec![b'a' + n; BIG]).await);
+    }
+    fixture.send(&source, "small, after them").await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    let mut args = run_args(&fixture, &app, &policy, "bounded");
+    args.extend(["--max-body".into(), "64KiB".into()]);
+    let mut courier = CourierProcess::run(&args);
+    wait_for("the small message", SETTLE, async || {
+        !app.received_body(b"small, after them").is_empty()
+    })
+    .await;
+    wait_for("the dead letters", SETTLE, async || {
+        source.depth().await.unwrap().dead_letters == 3
+    })
+    .await;
+    let peak = peak_rss(courier.id());
+    assert!(
+        courier.running(),
+        "courier keeps running\n{}",
+        courier.log()
+    );
+    courier.terminate();
+    let status = courier.exit_within(SETTLE).await;
+    assert!(status.success(), "{status}\n{}", courier.log());
+    eprintln!("courier's peak RSS: {} MiB", peak >> 20);
+    assert!(peak < 64 << 20, "courier's peak RSS was {} MiB", peak >> 20);
+    assert!(app.received().iter().all(|r| r.body.len() < BIG));
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters.len(), 3);
+    for letter in &letters {
+        assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+        assert!(
+            big.iter()
+                .any(|id| letter.field("courier-message-id") == Some(id))
+        );
+        assert_eq!(
+            letter.field("courier-error"),
+            Some(format!("the body is {BIG} bytes, over --max-body {}", 64 << 10).as_str())
+        );
+        assert_eq!(letter.body.len(), BIG, "the body is kept");
+    }
+}

@@ -491,17 +491,6 @@ async fn a_message_handed_out_too_often_is_dead_lettered_by_the_counter() {
 
 // === Reads bounded in bytes ===
 
-/// The peak resident memory of process `pid` (`VmHWM`), in bytes.
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmHWM in /proc/<pid>/status")
-        * 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_40_mib_entry_is_dead_lettered_without_being_loaded() {
     const BIG: usize = 40 << 20;

@@ -1,8 +1,9 @@
 //! A message's fields as one binary value: a MessagePack array of strings
-//! `[name, value, name, value, ...]`. MessagePack because Redis's Lua
-//! (`cmsgpack.unpack`) can read it inside the script that moves due retries
-//! back to the stream; strings because Lua strings are byte strings, so
-//! bodies that are not UTF-8 survive unchanged.
+//! `[name, value, name, value, ...]`, the member of a Redis retry set.
+//! Strings of bytes, so bodies that are not UTF-8 survive unchanged. Only
+//! courier reads it back (the retry mover decodes it and writes the fields
+//! with a plain `XADD`); the shorter forms Lua's `cmsgpack.pack` writes are
+//! still read, for retries an earlier version stored.
 
 use bytes::Bytes;
 

@@ -543,6 +543,17 @@ pub fn metric(text: &str, name: &str, queue: &str) -> f64 {
         .sum()
 }
 
+/// The peak resident memory of process `pid` (`VmHWM`), in bytes.
+pub fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM in /proc/<pid>/status")
+        * 1024
+}
+
 /// `courier run` as a child process, logging JSON into a buffer the test
 /// reads. Dropping it kills the process, so a failing test leaves none
 /// behind.
@@ -577,6 +588,16 @@ impl CourierProcess {
             log,
             started: Instant::now(),
         }
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process still runs.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Everything the process logged so far.

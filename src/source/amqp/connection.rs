@@ -42,7 +42,11 @@ fn tls_config(tls: &Tls) -> OwnedTLSConfig {
 impl AmqpSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let mut uri = AMQPUri::from_str(url).map_err(|e| {
-            SourceError::Invalid(format!("--source {}: {e}", crate::source::redact(url)))
+            SourceError::Invalid(format!(
+                "--source {}: {}",
+                crate::source::redact(url),
+                crate::source::redact_error(url, e)
+            ))
         })?;
         // A peer that vanishes without closing the socket is noticed within
         // two heartbeats.

@@ -5,26 +5,36 @@
 //! no longer where it was (it is flagged redelivered and, on a quorum
 //! queue, counts against the delivery limit). So the age of the oldest
 //! dead letter is not read here: [`Depth::oldest_dead_letter_age`] stays
-//! `None` on RabbitMQ, and `courier dlq list` shows each letter's age. The
+//! `None` on RabbitMQ (the capability `dead_letter_age` is off, so the
+//! gauge is left out), and `courier dlq list` shows each letter's age. The
 //! same holds for the work queue: [`Depth::oldest_waiting_age`] is `None`.
+//!
+//! The retry backlog is the sum of the tiers' message counts. The tiers in
+//! use are known from this process's own retries and from the `x-death`
+//! header of what comes back; a new process knows neither, while retries
+//! an earlier one parked may wait in the tiers for hours. So the first
+//! reading of a process looks for every tier there can be. Only the first:
+//! a passive declare of a missing queue closes the channel, which RabbitMQ
+//! logs as an error, and a tier another replica starts to use later is
+//! learnt from the first message that comes back from it.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::AmqpSource;
-use super::tiers::tier_queue;
+use super::session::Session;
+use super::tiers::{TIERS_MS, tier_queue};
 use crate::source::{Depth, SourceError};
 
 impl AmqpSource {
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let session = self.session().await?;
-        let ready = session.passive_count(&self.options.queue).await?;
-        // A dead-letter queue that does not exist yet holds nothing; it is
-        // declared with the first dead letter, of the work queue's type.
-        let dead_letters = session
-            .passive_count(&self.dead_letter_queue())
-            .await?
-            .unwrap_or(0);
+        // Tiers before the work queue, the way messages go: a retry that
+        // leaves its tier between the two reads is counted in the work
+        // queue rather than in neither. (An expired message is in neither
+        // for a moment while RabbitMQ dead-letters it back, so no order
+        // makes a reading exact.)
+        self.probe_tiers(&session).await?;
         let tiers: Vec<u64> = self
             .state
             .tiers
@@ -47,7 +57,18 @@ impl AmqpSource {
                 }
             }
         }
-        let ready = u64::from(ready.unwrap_or(0));
+        let ready = u64::from(
+            session
+                .passive_count(&self.options.queue)
+                .await?
+                .unwrap_or(0),
+        );
+        // A dead-letter queue that does not exist yet holds nothing; it is
+        // declared with the first dead letter, of the work queue's type.
+        let dead_letters = session
+            .passive_count(&self.dead_letter_queue())
+            .await?
+            .unwrap_or(0);
         Ok(Depth {
             ready,
             pending: self.state.unacked.load(Ordering::SeqCst).max(0) as u64,
@@ -59,5 +80,30 @@ impl AmqpSource {
             queue_depth: ready,
             oldest_waiting_age: None,
         })
+    }
+
+    /// Adds the tiers that exist to the known ones, once a process.
+    async fn probe_tiers(&self, session: &Session) -> Result<(), SourceError> {
+        if self.state.tiers_probed.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let known = self
+            .state
+            .tiers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for &ms in TIERS_MS.iter().filter(|ms| !known.contains(ms)) {
+            let name = tier_queue(&self.options.queue, Duration::from_millis(ms));
+            if session.passive_count(&name).await?.is_some() {
+                self.state
+                    .tiers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(ms);
+            }
+        }
+        self.state.tiers_probed.store(true, Ordering::SeqCst);
+        Ok(())
     }
 }

@@ -48,10 +48,13 @@
 //!   (`dead_letters.rs`). A dead letter's id is the `message_id` courier
 //!   gave it.
 //! - Depth: passive declares only (ready messages of the work queue, the
-//!   dead-letter queue, each tier). AMQP does not report unacknowledged
-//!   messages, so `pending` counts what the sources of this process hold;
-//!   nor the age of a message, so the oldest dead letter's age is not
-//!   reported (`depth.rs`).
+//!   dead-letter queue, each tier). The retry backlog counts every tier
+//!   that exists, also those an earlier process declared: a process's
+//!   first depth reading looks for each possible tier. AMQP does not
+//!   report unacknowledged messages, so
+//!   `pending` counts what the sources of this process hold; nor the age of
+//!   a message, so the oldest dead letter's age is not reported and its
+//!   gauge is left out (`depth.rs`).
 //! - A lost connection is re-opened on the next call; deliveries from the
 //!   old one can no longer be settled and the broker hands them out again.
 
@@ -92,12 +95,24 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// of overhead each. `?frame_max=` in `--source` overrides it.
 const FRAME_MAX: u32 = 16 * 1024;
 
+/// How an AMQP URL is written, for errors.
+const URL_FORM: &str = "write it like amqp://user:pass@host:5672/vhost (%2f for the vhost /)";
+
 /// Checks an `amqp://` / `amqps://` URL at start, so a typo is a usage error.
+/// Without the `//`, `amqp:/user:pass@host` parses as the host `localhost`
+/// and the vhost `user:pass@host`, which would then be named in errors.
 pub fn check_url(text: &str) -> Result<(), String> {
+    if !["amqp://", "amqps://"].iter().any(|s| text.starts_with(s)) {
+        return Err(format!(
+            "{}: the scheme is not followed by //; {URL_FORM}",
+            super::redact(text)
+        ));
+    }
     AMQPUri::from_str(text).map(drop).map_err(|e| {
         format!(
-            "{}: {e}; write it like amqp://user:pass@host:5672/vhost (%2f for the vhost /)",
-            super::redact(text)
+            "{}: {}; {URL_FORM}",
+            super::redact(text),
+            super::redact_error(text, e)
         )
     })
 }
@@ -114,6 +129,9 @@ fn new_id() -> String {
 struct QueueState {
     unacked: AtomicI64,
     tiers: Mutex<BTreeSet<u64>>,
+    /// Depth looked for every tier once, which finds those an earlier
+    /// process declared.
+    tiers_probed: AtomicBool,
 }
 
 fn queue_state(key: &str) -> Arc<QueueState> {
@@ -210,6 +228,7 @@ impl Source for AmqpSource {
             dead_letter_browsing: true,
             dedup: false,
             byte_bounded_reads: false,
+            dead_letter_age: false,
         }
     }
 
@@ -354,5 +373,25 @@ mod tests {
         assert!(check_url("amqps://u:p@rabbit.example/prod").is_ok());
         let err = check_url("amqp://u:secret@host:port/").unwrap_err();
         assert!(!err.contains("secret"), "{err}");
+    }
+
+    /// The parser quotes what it chokes on, which in these shapes is the
+    /// password.
+    #[test]
+    fn a_malformed_url_is_refused_without_its_password() {
+        for url in [
+            "amqp:user:hunter2@host",
+            "amqp:/user:hunter2@host",
+            "amqp://user:hunter2",
+            "amqp://user:hunter2/vhost",
+            "amqps:user:hunter2",
+            "amqp://user:hun@ter2@host:port",
+        ] {
+            let err = check_url(url).unwrap_err();
+            for secret in ["hunter2", "hun", "ter2"] {
+                assert!(!err.contains(secret), "{url}: {err}");
+            }
+            assert!(err.contains("amqp://user:pass@host:5672/vhost"), "{err}");
+        }
     }
 }

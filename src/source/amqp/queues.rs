@@ -4,14 +4,29 @@
 //! A quorum work queue gets quorum tiers and a quorum dead-letter queue, so
 //! a message is replicated the same way wherever it waits; a classic one
 //! gets classic ones. RabbitMQ does not report a queue's type or arguments
-//! over AMQP. A delivery from a quorum queue that was handed out before
-//! carries `x-delivery-count`, but a first one does not; so courier asks
-//! the broker: it declares the work queue again with `x-queue-type: quorum`,
-//! and RabbitMQ either accepts that (quorum) or names the first argument
-//! that differs, with the queue's own value. Courier then takes that value
-//! and asks again, until the answer is about `x-queue-type` itself or the
-//! declaration is accepted. A declaration with the queue's own arguments
-//! changes nothing. An answer courier cannot read counts as classic.
+//! over AMQP, so courier tells it from what the broker does, never from the
+//! text of its answers (which change between versions and languages):
+//!
+//! 1. A delivery from a quorum queue that was handed out before carries
+//!    `x-delivery-count` (documented for quorum queues; a classic queue
+//!    never adds it). A first delivery does not, so courier also asks:
+//! 2. It declares the work queue again with only `x-queue-type: quorum`.
+//!    A declaration equal to the queue's own changes nothing and is
+//!    accepted; one that differs is refused with reply code 406
+//!    (`PRECONDITION_FAILED`). Accepted: a quorum queue with no other
+//!    arguments.
+//! 3. It declares it with no arguments. Accepted: a classic queue without
+//!    arguments. A quorum queue always has `x-queue-type` among its
+//!    arguments, so it never accepts this.
+//! 4. Refused both times, the queue has arguments of its own (a length
+//!    limit, a TTL) and the answers cannot say which type it is. Courier
+//!    then declares quorum queues: that never keeps a retry or a dead
+//!    letter less safely than its work queue, and a classic queue
+//!    dead-letters into a quorum one as well as into a classic one. An
+//!    operator who wants classic ones declares them beforehand: queues that
+//!    exist are used as they are.
+//!
+//! A missing work queue is classic: courier creates it so with `--create`.
 
 use std::time::Duration;
 
@@ -24,10 +39,6 @@ use super::convert::header;
 use super::errors::{broker_error, is_soft};
 use super::session::Session;
 use crate::source::SourceError;
-
-/// The most arguments a work queue is asked about before courier gives up
-/// and treats it as classic.
-const MOST_ARGUMENTS: usize = 24;
 
 /// The delivery counter quorum queues add to every delivery.
 pub(super) const DELIVERY_COUNT: &str = "x-delivery-count";
@@ -51,41 +62,28 @@ impl QueueKind {
         header(properties, DELIVERY_COUNT).map(|_| Self::Quorum)
     }
 
-    /// The type of `queue`, found by declaring it with the arguments it has
+    /// The type of `queue`, told by the reply codes of two declarations
     /// (see the module comment).
     pub(super) async fn of_queue(session: &Session, queue: &str) -> Result<Self, SourceError> {
-        let mut args = Self::Quorum.arguments();
-        for _ in 0..MOST_ARGUMENTS {
-            // A declaration creates a queue that is missing: ask only about
-            // one that exists.
-            if session.passive_count(queue).await?.is_none() {
-                return Ok(Self::Classic);
-            }
-            let declared = session
-                .admin_declare(queue, QueueDeclareOptions::durable(), args.clone())
-                .await?;
-            let e = match declared {
-                Ok(_) => return Ok(Self::Quorum),
-                Err(e) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => e,
+        // A declaration creates a queue that is missing: ask only about
+        // one that exists.
+        if session.passive_count(queue).await?.is_none() {
+            return Ok(Self::Classic);
+        }
+        for (kind, told) in [(Self::Quorum, "quorum"), (Self::Classic, "classic")] {
+            match session
+                .admin_declare(queue, QueueDeclareOptions::durable(), kind.arguments())
+                .await?
+            {
+                Ok(_) => return Ok(kind),
+                Err(e) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => {
+                    tracing::debug!(%queue, error = %e, "the work queue is not a {told} queue without arguments");
+                }
                 Err(e) => return Err(broker_error(e)),
-            };
-            match Difference::read(&e.to_string()) {
-                Some(Difference::Type) | None => return Ok(Self::Classic),
-                Some(Difference::Missing(name, value)) => {
-                    args.insert(name.into(), value);
-                }
-                Some(Difference::Extra(name)) => {
-                    let mut kept = FieldTable::default();
-                    for (n, v) in args.inner() {
-                        if n.as_str() != name {
-                            kept.insert(n.clone(), v.clone());
-                        }
-                    }
-                    args = kept;
-                }
             }
         }
-        Ok(Self::Classic)
+        tracing::info!(%queue, "the work queue has arguments of its own, so RabbitMQ's answers do not tell its type; its delay tiers and dead-letter queue are declared quorum (declare them beforehand to have them classic)");
+        Ok(Self::Quorum)
     }
 
     fn arguments(self) -> FieldTable {
@@ -145,45 +143,6 @@ impl QueueKind {
     }
 }
 
-/// What RabbitMQ's `inequivalent arg` answer says about the queue.
-#[derive(Debug, PartialEq)]
-enum Difference {
-    /// `x-queue-type` differs: the queue is not quorum.
-    Type,
-    /// The queue has this argument with this value.
-    Missing(String, AMQPValue),
-    /// The queue does not have this argument.
-    Extra(String),
-}
-
-impl Difference {
-    /// Reads `inequivalent arg 'K' for queue 'q' in vhost '/': received
-    /// none but current is the value 'V' of type 'T'` (or `... but current
-    /// is none`).
-    fn read(text: &str) -> Option<Self> {
-        let (_, rest) = text.split_once("inequivalent arg '")?;
-        let (name, rest) = rest.split_once('\'')?;
-        if name == "x-queue-type" {
-            return Some(Self::Type);
-        }
-        if rest.ends_with("but current is none") {
-            return Some(Self::Extra(name.to_string()));
-        }
-        let (_, current) = rest.rsplit_once("but current is the value '")?;
-        let (value, kind) = current.rsplit_once("' of type '")?;
-        let kind = kind.strip_suffix('\'')?;
-        let value = match kind {
-            "long" => AMQPValue::LongLongInt(value.parse().ok()?),
-            "signedint" => AMQPValue::LongInt(value.parse().ok()?),
-            "longstr" => AMQPValue::LongString(value.into()),
-            "bool" => AMQPValue::Boolean(value.parse().ok()?),
-            "double" => AMQPValue::Double(value.parse().ok()?),
-            _ => return None,
-        };
-        Some(Self::Missing(name.to_string(), value))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,25 +162,5 @@ mod tests {
                 .inner()
                 .contains_key("x-queue-type")
         );
-    }
-
-    #[test]
-    fn rabbitmq_answers_are_read() {
-        let text = "PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received none but current is the value '10000' of type 'long'";
-        assert_eq!(
-            Difference::read(text),
-            Some(Difference::Missing(
-                "x-max-length".into(),
-                AMQPValue::LongLongInt(10_000)
-            ))
-        );
-        let text = "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received the value 'quorum' of type 'longstr' but current is none";
-        assert_eq!(Difference::read(text), Some(Difference::Type));
-        let text = "PRECONDITION_FAILED - inequivalent arg 'x-overflow' for queue 'q' in vhost '/': received the value 'drop-head' of type 'longstr' but current is none";
-        assert_eq!(
-            Difference::read(text),
-            Some(Difference::Extra("x-overflow".into()))
-        );
-        assert_eq!(Difference::read("NOT_FOUND - no queue 'q'"), None);
     }
 }

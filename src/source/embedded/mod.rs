@@ -228,6 +228,7 @@ impl Source for EmbeddedSource {
             dead_letter_browsing: true,
             dedup: true,
             byte_bounded_reads: true,
+            dead_letter_age: true,
         }
     }
 

@@ -26,6 +26,7 @@ use super::NatsSource;
 use super::dead_letters::dead_letter_stream;
 use super::fields::seal_of;
 use crate::model::Delivery;
+use crate::source::redact::{percent_decode, redact, redact_error};
 use crate::source::{LiveSettings, SourceError, SourceOptions};
 
 /// Checks a `nats://` URL at start.
@@ -34,34 +35,11 @@ pub fn check_url(text: &str) -> Result<(), String> {
         .map(drop)
         .map_err(|e| {
             format!(
-                "{}: {e}; write it like nats://host:4222 or nats://user:pass@host:4222",
-                crate::source::redact(text)
+                "{}: {}; write it like nats://host:4222 or nats://user:pass@host:4222",
+                redact(text),
+                redact_error(text, e)
             )
         })
-}
-
-/// `%40` → `@`: URL user info is percent-encoded.
-pub(super) fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(byte)) => {
-                out.push(byte);
-                i += 3;
-            }
-            (byte, _) => {
-                out.push(byte);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 pub(super) fn check_stream_name(name: &str) -> Result<(), SourceError> {
@@ -158,10 +136,11 @@ pub(super) fn held_counter(key: &str) -> Arc<AtomicI64> {
 
 impl NatsSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let redacted = crate::source::redact(url);
+        let redacted = redact(url);
         check_stream_name(&options.queue)?;
-        let addr = async_nats::ServerAddr::from_str(url)
-            .map_err(|e| SourceError::Invalid(format!("--source {redacted}: {e}")))?;
+        let addr = async_nats::ServerAddr::from_str(url).map_err(|e| {
+            SourceError::Invalid(format!("--source {redacted}: {}", redact_error(url, e)))
+        })?;
         // async-nats does not read credentials from the URL itself.
         let connect = match (addr.username(), addr.password()) {
             (Some(user), Some(pass)) => {
@@ -190,9 +169,10 @@ impl NatsSource {
                         "NATS at {redacted} refused the credentials ({e}); check the user and password in --source"
                     ))
                 }
-                ConnectErrorKind::ServerParse => {
-                    SourceError::Invalid(format!("--source {redacted}: {e}"))
-                }
+                ConnectErrorKind::ServerParse => SourceError::Invalid(format!(
+                    "--source {redacted}: {}",
+                    redact_error(url, &e)
+                )),
                 _ => SourceError::Unavailable(format!("{redacted}: {e}")),
             })?;
         let js = jetstream::new(client.clone());
@@ -417,12 +397,6 @@ fn millis(duration: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn url_credentials_are_percent_decoded() {
-        assert_eq!(percent_decode("p%40ss%2Fword"), "p@ss/word");
-        assert_eq!(percent_decode("plain%"), "plain%");
-    }
 
     #[test]
     fn a_queue_must_be_a_stream_name() {

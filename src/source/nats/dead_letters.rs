@@ -147,8 +147,17 @@ impl NatsSource {
                     letter.id, self.options.queue
                 ))
             })?;
-        let fields = self.seal.seal(stored.fields_for_replay());
-        self.publish(&subject, &self.options.queue, &fields).await?;
+        // Two replays of one letter at once (two operators, a retried
+        // command) both read it before either deletes it; the id makes
+        // JetStream store the second publish not at all.
+        let replay_id = format!("courier-replay:{name}:{}", letter.id);
+        self.publish_once(
+            &subject,
+            &self.options.queue,
+            &self.seal.seal(stored.fields_for_replay()),
+            Some(&replay_id),
+        )
+        .await?;
         let stream = self
             .js
             .get_stream_no_info(&name)

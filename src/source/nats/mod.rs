@@ -141,6 +141,7 @@ impl Source for NatsSource {
             dead_letter_browsing: true,
             dedup: false,
             byte_bounded_reads: true,
+            dead_letter_age: true,
         }
     }
 

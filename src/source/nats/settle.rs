@@ -199,8 +199,24 @@ impl NatsSource {
         stream: &str,
         fields: &[(Bytes, Bytes)],
     ) -> Result<u64, SourceError> {
+        self.publish_once(subject, stream, fields, None).await
+    }
+
+    /// [`Self::publish`]; with `message_id`, JetStream stores a second
+    /// publish of the same id within the stream's duplicate window only
+    /// once (`Nats-Msg-Id`).
+    pub(super) async fn publish_once(
+        &self,
+        subject: &str,
+        stream: &str,
+        fields: &[(Bytes, Bytes)],
+        message_id: Option<&str>,
+    ) -> Result<u64, SourceError> {
         let (body, mut headers) = to_headers(fields);
         headers.insert("Nats-Expected-Stream", stream);
+        if let Some(id) = message_id {
+            headers.insert("Nats-Msg-Id", id);
+        }
         let ack = self
             .js
             .publish_with_headers(subject.to_string(), headers, body)
@@ -212,6 +228,9 @@ impl NatsSource {
                     "JetStream did not store the message for {subject:?}: {e}"
                 ))
             })?;
+        if ack.duplicate {
+            tracing::debug!(%subject, id = ?message_id, "JetStream had this message already and stored it once");
+        }
         Ok(ack.sequence)
     }
 

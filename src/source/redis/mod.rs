@@ -97,7 +97,13 @@ impl RedisSource {
                 info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
             })
             .and_then(|info| tls::client(info, &options.tls))
-            .map_err(|e| SourceError::Invalid(format!("--source {}: {e}", super::redact(url))))?;
+            .map_err(|e| {
+                SourceError::Invalid(format!(
+                    "--source {}: {}",
+                    super::redact(url),
+                    super::redact_error(url, e)
+                ))
+            })?;
         let base = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))
             .set_number_of_retries(3)
@@ -205,6 +211,7 @@ impl Source for RedisSource {
             dead_letter_browsing: true,
             dedup: true,
             byte_bounded_reads: true,
+            dead_letter_age: true,
         }
     }
 

@@ -60,11 +60,13 @@ pub(super) fn header_u32(properties: &BasicProperties, name: &str) -> Option<u32
 /// A message as courier's fields: `payload`, `content-type`, then the
 /// headers (broker bookkeeping left out).
 pub(super) fn fields_of(delivery: &AmqpDelivery) -> Vec<(Bytes, Bytes)> {
-    let props = &delivery.properties;
-    let mut fields = vec![(
-        Bytes::from_static(PAYLOAD.as_bytes()),
-        Bytes::copy_from_slice(&delivery.data),
-    )];
+    fields_with_body(&delivery.properties, Bytes::copy_from_slice(&delivery.data))
+}
+
+/// [`fields_of`] a delivery whose body was taken out of it, so a large one
+/// is not held twice.
+pub(super) fn fields_with_body(props: &BasicProperties, body: Bytes) -> Vec<(Bytes, Bytes)> {
+    let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
     if let Some(ct) = props.content_type() {
         fields.push((
             Bytes::from_static(CONTENT_TYPE.as_bytes()),
@@ -93,7 +95,7 @@ pub(super) fn message_for(
     fields: &[(Bytes, Bytes)],
     original: Option<&BasicProperties>,
     message_id: &str,
-) -> (Vec<u8>, BasicProperties) {
+) -> (Bytes, BasicProperties) {
     let mut props = BasicProperties::default().with_delivery_mode(2);
     if let Some(o) = original {
         if let Some(v) = o.content_encoding() {
@@ -121,12 +123,13 @@ pub(super) fn message_for(
     if let Ok(id) = ShortString::try_new(message_id) {
         props = props.with_message_id(id);
     }
-    let mut body = Vec::new();
+    // The body is shared, not copied: lapin copies it into frames anyway.
+    let mut body = Bytes::new();
     let mut headers = FieldTable::default();
     for (name, value) in fields {
         let name = String::from_utf8_lossy(name);
         if name == PAYLOAD {
-            body = value.to_vec();
+            body = value.clone();
             continue;
         }
         if name.eq_ignore_ascii_case(CONTENT_TYPE)
@@ -179,7 +182,7 @@ mod tests {
             (Bytes::from("courier-attempt"), Bytes::from("2")),
         ];
         let (body, props) = message_for(&fields, None, "id-1");
-        assert_eq!(body, vec![0, 255, 1]);
+        assert_eq!(body.as_ref(), [0, 255, 1]);
         assert_eq!(
             props.content_type().as_ref().map(|c| c.as_str()),
             Some("application/json")

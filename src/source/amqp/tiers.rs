@@ -9,7 +9,7 @@ use lapin::BasicProperties;
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::types::AMQPValue;
 
-use super::convert::{fields_of, header, header_u32, message_for, value_bytes};
+use super::convert::{fields_with_body, header, header_u32, message_for, value_bytes};
 use super::queues::DELIVERY_COUNT;
 use super::session::Session;
 use super::{AmqpSource, new_id};
@@ -109,12 +109,14 @@ impl AmqpSource {
     pub(super) async fn admit(
         &self,
         session: &Session,
-        delivery: AmqpDelivery,
+        mut delivery: AmqpDelivery,
     ) -> Result<Option<Delivery>, SourceError> {
+        // The body moves into the fields: a 40 MiB message is held once.
+        let body = Bytes::from(std::mem::take(&mut delivery.data));
         let props = &delivery.properties;
         let tag = delivery.delivery_tag;
         // Only a copy courier sealed carries courier's state.
-        let fields = self.seal().open(fields_of(&delivery));
+        let fields = self.seal().open(fields_with_body(props, body));
         let number = |name| field(&fields, name).and_then(|v| v.trim().parse::<u32>().ok());
         let message_id = field(&fields, F_MESSAGE_ID)
             .map(str::to_string)

@@ -576,45 +576,15 @@ async fn amqp_tiers_take_the_type_of_a_quorum_work_queue_with_arguments() {
 async fn amqp_a_40_mib_body_is_dead_lettered_and_courier_keeps_running() {
     const BIG: usize = 40 << 20;
     let fixture = Fixture::amqp();
-    let app = TestApp::start().await;
-    let source = fixture.open().await;
-    let big = fixture.send(&source, vec![b'x'; BIG]).await;
-    fixture.send(&source, "small, after it").await;
-    let dir = tempfile::tempdir().unwrap();
-    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
-    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "bounded"));
-    wait_for("the small message", SETTLE, async || {
-        !app.received_body(b"small, after it").is_empty()
-    })
-    .await;
-    wait_for("the dead letter", SETTLE, async || {
-        source.depth().await.unwrap().dead_letters == 1
-    })
-    .await;
-    let peak = peak_rss(courier.id());
-    assert!(
-        courier.running(),
-        "courier keeps running\n{}",
-        courier.log()
-    );
-    courier.terminate();
-    let status = courier.exit_within(SETTLE).await;
-    assert!(status.success(), "{status}\n{}", courier.log());
-    eprintln!("courier's peak RSS: {} MiB", peak >> 20);
+    let (peak, ids, letters) =
+        oversized_through_the_binary(&fixture, vec![vec![b'x'; BIG]], &[]).await;
     assert!(
         peak < 4 * BIG as u64,
         "courier's peak RSS was {} MiB",
         peak >> 20
     );
-    assert!(app.received().iter().all(|r| r.body.len() < BIG));
-    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
-    let letter = &letters[0];
-    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
-    assert_eq!(letter.field("courier-message-id"), Some(big.as_str()));
-    assert_eq!(
-        letter.field("courier-error"),
-        Some(format!("the body is {BIG} bytes, over --max-body {}", 4 << 20).as_str())
-    );
-    assert_eq!(letter.body.len(), BIG, "the body is kept");
-    source.purge(&fixture.dlq(), letter).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_oversized(&letters[0], &ids, BIG, 4 << 20);
+    let source = fixture.open().await;
+    source.purge(&fixture.dlq(), &letters[0]).await.unwrap();
 }

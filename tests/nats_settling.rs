@@ -390,50 +390,12 @@ async fn nats_two_replays_of_one_letter_at_once_store_it_once() {
 async fn nats_a_body_over_max_body_is_dead_lettered_and_courier_keeps_running() {
     const BIG: usize = 900 << 10;
     let fixture = Fixture::nats();
-    let app = TestApp::start().await;
-    let source = fixture.open().await;
-    let mut big = Vec::new();
-    for n in 0..3u8 {
-        big.push(fixture.send(&source, vec![b'a' + n; BIG]).await);
-    }
-    fixture.send(&source, "small, after them").await;
-    let dir = tempfile::tempdir().unwrap();
-    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
-    let mut args = run_args(&fixture, &app, &policy, "bounded");
-    args.extend(["--max-body".into(), "64KiB".into()]);
-    let mut courier = CourierProcess::run(&args);
-    wait_for("the small message", SETTLE, async || {
-        !app.received_body(b"small, after them").is_empty()
-    })
-    .await;
-    wait_for("the dead letters", SETTLE, async || {
-        source.depth().await.unwrap().dead_letters == 3
-    })
-    .await;
-    let peak = peak_rss(courier.id());
-    assert!(
-        courier.running(),
-        "courier keeps running\n{}",
-        courier.log()
-    );
-    courier.terminate();
-    let status = courier.exit_within(SETTLE).await;
-    assert!(status.success(), "{status}\n{}", courier.log());
-    eprintln!("courier's peak RSS: {} MiB", peak >> 20);
+    let bodies = (0..3u8).map(|n| vec![b'a' + n; BIG]).collect();
+    let (peak, ids, letters) =
+        oversized_through_the_binary(&fixture, bodies, &["--max-body", "64KiB"]).await;
     assert!(peak < 64 << 20, "courier's peak RSS was {} MiB", peak >> 20);
-    assert!(app.received().iter().all(|r| r.body.len() < BIG));
-    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
     assert_eq!(letters.len(), 3);
     for letter in &letters {
-        assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
-        assert!(
-            big.iter()
-                .any(|id| letter.field("courier-message-id") == Some(id))
-        );
-        assert_eq!(
-            letter.field("courier-error"),
-            Some(format!("the body is {BIG} bytes, over --max-body {}", 64 << 10).as_str())
-        );
-        assert_eq!(letter.body.len(), BIG, "the body is kept");
+        assert_oversized(letter, &ids, BIG, 64 << 10);
     }
 }

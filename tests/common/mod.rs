@@ -554,6 +554,74 @@ pub fn peak_rss(pid: u32) -> u64 {
         * 1024
 }
 
+/// Bodies over `--max-body` through the built binary (its memory is its
+/// own): sends `bodies` and a small message after them, runs `courier run`
+/// with `extra` flags until the small one is delivered and each big one is
+/// a dead letter, checks it still runs, stops it with SIGTERM and returns
+/// its peak RSS with the ids sent and the dead letters. The app never sees
+/// a big body.
+pub async fn oversized_through_the_binary(
+    fixture: &Fixture,
+    bodies: Vec<Vec<u8>>,
+    extra: &[&str],
+) -> (u64, Vec<String>, Vec<courier::source::DeadLetter>) {
+    const LIMIT: Duration = Duration::from_secs(60);
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let smallest_big = bodies.iter().map(Vec::len).min().unwrap_or(0);
+    let mut ids = Vec::new();
+    for body in bodies {
+        ids.push(fixture.send(&source, body).await);
+    }
+    fixture.send(&source, "small, after them").await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    let mut args = run_args(fixture, &app, &policy, "bounded");
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let mut courier = CourierProcess::run(&args);
+    wait_for("the small message", LIMIT, async || {
+        !app.received_body(b"small, after them").is_empty()
+    })
+    .await;
+    wait_for("the dead letters", LIMIT, async || {
+        source.depth().await.unwrap().dead_letters == ids.len() as u64
+    })
+    .await;
+    let peak = peak_rss(courier.id());
+    assert!(
+        courier.running(),
+        "courier keeps running\n{}",
+        courier.log()
+    );
+    courier.terminate();
+    let status = courier.exit_within(LIMIT).await;
+    assert!(status.success(), "{status}\n{}", courier.log());
+    eprintln!("courier's peak RSS: {} MiB", peak >> 20);
+    assert!(app.received().iter().all(|r| r.body.len() < smallest_big));
+    let letters = source.dead_letters(&fixture.dlq(), 100).await.unwrap();
+    (peak, ids, letters)
+}
+
+/// A dead letter of a body of `size` bytes over `--max-body max_body`,
+/// sent as one of `ids`: undeliverable, saying why, the body kept.
+pub fn assert_oversized(
+    letter: &courier::source::DeadLetter,
+    ids: &[String],
+    size: usize,
+    max_body: usize,
+) {
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert!(
+        ids.iter()
+            .any(|id| letter.field("courier-message-id") == Some(id))
+    );
+    assert_eq!(
+        letter.field("courier-error"),
+        Some(format!("the body is {size} bytes, over --max-body {max_body}").as_str())
+    );
+    assert_eq!(letter.body.len(), size, "the body is kept");
+}
+
 /// `courier run` as a child process, logging JSON into a buffer the test
 /// reads. Dropping it kills the process, so a failing test leaves none
 /// behind.

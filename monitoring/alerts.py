@@ -165,6 +165,24 @@ ALERTS = [
         "runbook": "courierpolicyrejected",
     },
     {
+        "name": "CourierPolicyNotReady",
+        "severity": "critical",
+        # A pod that cannot read its RetryPolicy (forbidden, or the CRD not
+        # installed) pulls nothing and shows every other metric at 0. Pods
+        # are counted once each, however often they are scraped.
+        "query": "count by (namespace) (max by (namespace, pod) (courier_policy_ready) == 0)",
+        "op": ">",
+        "threshold": 0,
+        "for": "5m",
+        "summary": "courier cannot read its RetryPolicy in namespace {{ $labels.namespace }}",
+        "description": (
+            "{{ $value }} courier pods in namespace {{ $labels.namespace }} have not been able "
+            "to read their RetryPolicy for 5 minutes (forbidden, or the CRD not installed): they "
+            "pull nothing. Their /readyz says what to grant or install."
+        ),
+        "runbook": "courierpolicynotready",
+    },
+    {
         "name": "CourierRetryRateHigh",
         "severity": "warning",
         # Retries per delivery attempt: above a quarter for 15 minutes, the

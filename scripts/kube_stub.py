@@ -23,7 +23,13 @@ added here:
 It does not validate objects against the CRD's schema: like a cluster with an
 older CRD installed, it lets through what courier itself must refuse.
 
-Usage: kube_stub.py [--port N]; prints "READY <port>" once it listens.
+With --rbac, a request bearing the token `sa:NAMESPACE:NAME` is that service
+account's, and may read RetryPolicies only in a namespace with a RoleBinding
+to the ClusterRole courier-sidecar naming it as a subject; otherwise it gets
+the API server's 403. Requests without a token (kubectl as the admin) may do
+anything. Without the CRD, RetryPolicies are a 404, as on a real server.
+
+Usage: kube_stub.py [--port N] [--rbac]; prints "READY <port>" once it listens.
 All state is in memory: a restart is an empty cluster.
 """
 
@@ -60,6 +66,7 @@ BUILTIN = {
                                                       singular='rolebinding', shortnames=[],
                                                       verbs=VERBS),
 }
+SIDECAR_ROLE = 'courier-sidecar'
 
 
 def status(code, reason, message, **details):
@@ -93,6 +100,7 @@ class Stub(kmock.KubernetesEmulator):
         # (as etcd's revision does), so a restart does not reuse them.
         self.version = int(time.time() * 1000)
         self.schemas = {}  # (group, version, kind) -> openAPIV3Schema
+        self.rbac = False
         for key, info in BUILTIN.items():
             self.resources[key] = info
 
@@ -106,6 +114,9 @@ class Stub(kmock.KubernetesEmulator):
             return self.openapi(path)
         if request.resource is None or request.resource.plural is None:
             return await super()._handle(request)
+        refused = self.refused(request)
+        if refused is not None:
+            return refused
         if request.action == kmock.action.WATCH:
             return await self.watch(request)
         if request.method.upper() in ('POST', 'PUT', 'PATCH', 'DELETE'):
@@ -118,6 +129,32 @@ class Stub(kmock.KubernetesEmulator):
             async with self._lock:
                 return await self.write(request)
         return await super()._handle(request)
+
+    def refused(self, request):
+        """The 403 a service account gets reading RetryPolicies where no
+        RoleBinding grants it courier-sidecar (with --rbac)."""
+        token = request.headers.get('Authorization', '').removeprefix('Bearer ').strip()
+        if not self.rbac or not token.startswith('sa:') or request.resource.plural != 'retrypolicies':
+            return None
+        _, account_ns, account = token.split(':', 2)
+        namespace = request.namespace
+        for (res, ns, _), obj in self._objects.items():
+            if res.plural != 'rolebindings' or ns != namespace or obj.deleted:
+                continue
+            binding = obj.raw
+            if binding.get('roleRef', {}).get('name') != SIDECAR_ROLE:
+                continue
+            for subject in binding.get('subjects') or []:
+                if (subject.get('kind') == 'ServiceAccount' and subject.get('name') == account
+                        and subject.get('namespace', ns) == account_ns):
+                    return None
+        verb = 'watch' if request.action == kmock.action.WATCH else (
+            'get' if request.name else 'list')
+        return status(
+            403, 'Forbidden',
+            f'retrypolicies.courier.dev is forbidden: User "system:serviceaccount:{account_ns}:{account}" '
+            f'cannot {verb} resource "retrypolicies" in API group "courier.dev" in the namespace "{namespace}"',
+            group='courier.dev', kind='retrypolicies')
 
     async def _serve_version(self, request):
         # kmock copies short names onto subresources; kubectl then warns
@@ -300,8 +337,10 @@ def selected_name(params):
 async def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--port', type=int, default=0)
+    parser.add_argument('--rbac', action='store_true')
     args = parser.parse_args()
     handler = Stub()
+    handler.rbac = args.rbac
     async with handler, kmock.Server(handler, port=args.port) as server:
         print(f'READY {server.port}', flush=True)
         await asyncio.Event().wait()

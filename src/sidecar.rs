@@ -17,7 +17,9 @@ use crate::model::{Class, DeadLetterReason};
 use crate::policy::file::Reload;
 use crate::policy::{self, LivePolicy, Policy};
 use crate::source::{self, Source, SourceOptions, SourceUrl};
-use crate::telemetry::{self, Health, Metrics, PolicyLabels, QueueLabels, ResultLabels};
+use crate::telemetry::{
+    self, Drain, Health, Metrics, PolicyLabels, QueueLabels, Readiness, ResultLabels,
+};
 
 /// Everything `courier run` needs, checked.
 #[derive(Debug, Clone)]
@@ -39,6 +41,8 @@ pub struct RunConfig {
     pub app_health_path: Option<String>,
     pub app_failure_run: u32,
     pub dedup_window: Option<Duration>,
+    /// What `/readyz` looks at.
+    pub readiness: Readiness,
 }
 
 /// A sidecar ready to start; its metrics and health are readable from
@@ -58,15 +62,21 @@ impl Sidecar {
             &Class::result_labels(),
             &DeadLetterReason::labels(),
         );
+        // Without --policy there is nothing to read: ready from the start.
+        metrics
+            .policy_ready
+            .set(i64::from(config.policy_ref.is_none()));
         Self {
+            health: Arc::new(Health::new(config.readiness)),
             config,
             metrics,
-            health: Arc::new(Health::default()),
         }
     }
 
     /// Binds the telemetry endpoint and returns its address (useful with
-    /// port 0), then runs until `shutdown` and drains.
+    /// port 0), then runs until `shutdown` and drains. A `/drain` call
+    /// drains earlier: nothing is pulled after it, and the run still ends
+    /// only at `shutdown`.
     pub async fn start(
         self,
         shutdown: CancellationToken,
@@ -93,13 +103,37 @@ impl Sidecar {
             health,
         } = self;
         let server_stop = CancellationToken::new();
+        let drain = Arc::new(Drain::default());
         let server = tokio::spawn(telemetry::serve(
             listener,
             metrics.clone(),
             health.clone(),
+            drain.clone(),
             server_stop.clone(),
         ));
-        let result = run_sidecar(&config, &metrics, &health, shutdown).await;
+        // Pulling stops at SIGTERM or at the first /drain, whichever comes first.
+        let stop_pulling = shutdown.child_token();
+        let asked = tokio::spawn({
+            let (drain, stop_pulling) = (drain.clone(), stop_pulling.clone());
+            async move {
+                drain.asked().await;
+                stop_pulling.cancel();
+            }
+        });
+        let result = run_sidecar(&config, &metrics, &health, stop_pulling).await;
+        drain.finish(match &result {
+            Ok(report) => format!(
+                "drained: {} deliveries finished, {} left unsettled for redelivery\n",
+                report.finished, report.abandoned
+            ),
+            Err(e) => format!("stopped: {e:#}\n"),
+        });
+        // After a /drain the process waits, pulling nothing, for its SIGTERM:
+        // exiting early would restart the container under a terminating pod.
+        if result.is_ok() {
+            shutdown.cancelled().await;
+        }
+        asked.abort();
         server_stop.cancel();
         let _ = server.await;
         result
@@ -168,11 +202,16 @@ async fn run_sidecar(
         ))
     } else if let Some(target) = config.policy_ref.clone() {
         // Not ready, and nothing pulled, until the policy has been read once.
-        let (watcher, mut read) = policy::cluster::follow(target, update, on_reload)
+        let (watcher, mut status) = policy::cluster::follow(target, update, on_reload)
             .await
             .context("--policy: cannot set up a Kubernetes API client")?;
+        tokio::spawn(show_policy_status(
+            status.clone(),
+            metrics.clone(),
+            health.clone(),
+        ));
         tokio::select! {
-            _ = read.wait_for(|read| *read) => {}
+            _ = status.wait_for(|status| status.read) => {}
             _ = shutdown.cancelled() => {
                 watcher.abort();
                 return Ok(DrainReport { finished: 0, abandoned: 0 });
@@ -258,6 +297,25 @@ async fn run_sidecar(
     let _ = poller.await;
     let _ = not_ready.await;
     Ok(report)
+}
+
+/// `courier_policy_ready` and the `/readyz` reason follow what the watch
+/// reports, until the watch ends.
+async fn show_policy_status(
+    mut status: tokio::sync::watch::Receiver<policy::cluster::PolicyStatus>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) {
+    loop {
+        let now = status.borrow_and_update().clone();
+        metrics
+            .policy_ready
+            .set(i64::from(now.read && now.problem.is_none()));
+        health.set_policy_problem(now.problem);
+        if status.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// A policy change, before it is put in force: the open source must be

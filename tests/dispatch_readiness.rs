@@ -3,6 +3,9 @@
 //! ready and `courier_broker_read_errors_total` counts them; when the broker
 //! is started again courier is ready by itself and delivers what was sent
 //! meanwhile.
+//!
+//! `--readiness` chooses what `/readyz` looks at: per value, the broker down
+//! and then the app down, each seen in the metrics before `/readyz` is asked.
 
 mod common;
 
@@ -10,6 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use courier::source::SourceUrl;
+use courier::telemetry::Readiness;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SETTLE: Duration = Duration::from_secs(30);
@@ -72,4 +76,64 @@ async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
     )
     .await;
     running.stop().await;
+}
+
+/// `/readyz` of a sidecar with `readiness` while its broker is down (reads
+/// failing), then while its app is down (the gate closed).
+async fn readyz_with(readiness: Readiness) -> (u16, u16) {
+    let mut redis = PrivateRedis::start().await;
+    let mut fixture = Fixture::redis();
+    fixture.url = SourceUrl::parse(&redis.url()).unwrap();
+    let app = TestApp::start().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.readiness = readiness;
+    let running = Running::start(config).await;
+    let source = fixture.open().await;
+    fixture.send(&source, "first").await;
+    wait_for(
+        "the first message delivered and ready",
+        SETTLE,
+        async || {
+            app.received_body(b"first").len() == 1 && readyz(running.metrics_addr).await == 200
+        },
+    )
+    .await;
+
+    redis.kill9();
+    wait_for("failed reads counted", SETTLE, async || {
+        let text = scrape(running.metrics_addr).await;
+        metric(&text, "courier_broker_read_errors_total", &fixture.queue) >= 3.0
+    })
+    .await;
+    let broker_down = readyz(running.metrics_addr).await;
+
+    redis.spawn().await;
+    let source = fixture.open().await;
+    app.stop();
+    fixture.send(&source, "to a stopped app").await;
+    wait_for("the app seen down", SETTLE, async || {
+        scrape(running.metrics_addr)
+            .await
+            .contains("courier_app_up 0\n")
+    })
+    .await;
+    let app_down = readyz(running.metrics_addr).await;
+    running.stop().await;
+    (broker_down, app_down)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_broker_the_default_fails_with_the_broker_and_with_the_app() {
+    assert_eq!(Readiness::default(), Readiness::Broker);
+    assert_eq!(readyz_with(Readiness::Broker).await, (503, 503));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_app_ignores_the_broker_and_fails_with_the_app() {
+    assert_eq!(readyz_with(Readiness::App).await, (200, 503));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_none_stays_ready() {
+    assert_eq!(readyz_with(Readiness::Always).await, (200, 200));
 }

@@ -117,6 +117,7 @@ fn passthrough_annotations_become_the_flags_variables() {
         "courier.dev/dedup-window": "10m",
         "courier.dev/visibility-timeout": "2m",
         "courier.dev/max-body": "8MiB",
+        "courier.dev/readiness": "app",
     });
     let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
     assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
@@ -127,6 +128,7 @@ fn passthrough_annotations_become_the_flags_variables() {
         ("COURIER_DEDUP_WINDOW", "10m"),
         ("COURIER_VISIBILITY_TIMEOUT", "2m"),
         ("COURIER_MAX_BODY", "8MiB"),
+        ("COURIER_READINESS", "app"),
     ] {
         assert!(
             env.as_array()
@@ -143,6 +145,7 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/create": "yes",
         "courier.dev/max-body": "4 MiB",
         "courier.dev/app-health-path": "healthz",
+        "courier.dev/readiness": "always",
     });
     let (_, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
     let Decision::Deny(message) = decision else {
@@ -152,6 +155,7 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/create \"yes\" is not true or false",
         "courier.dev/max-body \"4 MiB\" is not a size",
         "courier.dev/app-health-path \"healthz\" is not a URL path",
+        "courier.dev/readiness \"always\" is not one of broker, app, none",
     ] {
         assert!(message.contains(expected), "{expected:?} in {message}");
     }

@@ -198,8 +198,13 @@ fn opted_in_pod_gets_the_sidecar_as_a_container() {
     assert_eq!(annotations["prometheus.io/port"], "9464");
     assert_eq!(annotations["prometheus.io/path"], "/metrics");
     assert_eq!(
-        r.pod["spec"]["terminationGracePeriodSeconds"], 30,
-        "30s already covers the default 25s drain"
+        r.pod["spec"]["containers"][0]["lifecycle"]["preStop"],
+        json!({"httpGet": {"path": "/drain", "port": 9464, "scheme": "HTTP"}}),
+        "the app container drains courier before its SIGTERM"
+    );
+    assert_eq!(
+        r.pod["spec"]["terminationGracePeriodSeconds"], 60,
+        "the app's 30s, then the default 25s drain and 5s"
     );
 }
 
@@ -246,8 +251,12 @@ fn native_sidecar_goes_last_into_init_containers_with_restart_policy_always() {
         "the token is mounted to read the RetryPolicy"
     );
     assert_eq!(
-        r.pod["spec"]["terminationGracePeriodSeconds"], 45,
-        "room for a 40s drain"
+        r.pod["spec"]["containers"][0]["lifecycle"]["preStop"]["httpGet"]["path"],
+        "/drain"
+    );
+    assert_eq!(
+        r.pod["spec"]["terminationGracePeriodSeconds"], 75,
+        "the app's 30s, then a 40s drain and 5s"
     );
     let annotations = &r.pod["metadata"]["annotations"];
     assert_eq!(
@@ -895,4 +904,54 @@ fn binary_refuses_to_start_without_a_certificate() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "a bad flag is a usage error");
+}
+
+/// An app container with a preStop of its own keeps it (a hook has one
+/// action), with a warning saying how to drain first; the others get the
+/// drain hook, and one hook is enough to add the drain to the grace period.
+#[test]
+fn an_app_pre_stop_of_its_own_is_kept_with_a_warning() {
+    let doc = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "orders",
+            "labels": {"courier.dev/inject": "true"},
+            "annotations": {"courier.dev/source-secret": "broker", "courier.dev/queue": "orders"},
+        },
+        "spec": {
+            "terminationGracePeriodSeconds": 10,
+            "containers": [
+                {"name": "app", "image": "app:1",
+                 "lifecycle": {"preStop": {"exec": {"command": ["/bin/stop"]}}}},
+                {"name": "worker", "image": "worker:1",
+                 "lifecycle": {"postStart": {"exec": {"command": ["/bin/warm"]}}}},
+            ],
+        },
+    });
+    let (pod, decision) =
+        courier::inject::inject_document(doc, &courier::inject::SidecarDefaults::chart()).unwrap();
+    let courier::inject::Decision::Inject { warnings, .. } = &decision else {
+        panic!("expected an injection, got {decision}");
+    };
+    let containers = &pod["spec"]["containers"];
+    assert_eq!(
+        containers[0]["lifecycle"]["preStop"],
+        json!({"exec": {"command": ["/bin/stop"]}})
+    );
+    assert!(
+        warnings.iter().any(
+            |w| w.contains("container app has a preStop hook of its own")
+                && w.contains("GET http://127.0.0.1:9464/drain")
+        ),
+        "{warnings:?}"
+    );
+    assert_eq!(
+        containers[1]["lifecycle"],
+        json!({
+            "postStart": {"exec": {"command": ["/bin/warm"]}},
+            "preStop": {"httpGet": {"path": "/drain", "port": 9464, "scheme": "HTTP"}},
+        })
+    );
+    assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 40);
 }

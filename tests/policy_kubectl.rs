@@ -56,7 +56,7 @@ impl Sidecar {
             // app-health gate would pause pulling and slow the test down.
             .args(["--app-failure-run", "0"])
             .env_remove("COURIER_POLICY_FILE")
-            .env("KUBECONFIG", stub.kubeconfig())
+            .env("KUBECONFIG", stub.sidecar_kubeconfig())
             .env("POD_NAMESPACE", NS)
             .env("POD_NAME", POD)
             .env("COURIER_LOG_LEVEL", "info")
@@ -467,5 +467,94 @@ async fn an_api_outage_keeps_the_last_good_policy_and_reconnects() {
     fixture.send(&source, "script:503\nafter").await;
     wait_settled(&source, SETTLE).await;
     assert_eq!(app.received_body(b"script:503\nafter").len(), 1);
+    sidecar.stop();
+}
+
+/// The sidecar's service account may not read RetryPolicies in its
+/// namespace (issue 16: a namespace outside `sidecar.namespaces`): it pulls
+/// nothing, `/readyz` says what to grant, `courier_policy_ready` is 0, and
+/// the warning is not repeated at every retry. Once the RoleBinding exists
+/// the watcher's next retry reads the policy: ready, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forbidden_policy_says_what_to_grant_and_a_grant_makes_it_ready() {
+    let stub = KubeStub::start_bare(NS, true);
+    stub.install_crd();
+    stub.apply(ORDERS);
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "waiting for the grant").await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "orders");
+    let grant = "policy shop/orders: forbidden (403): grant get, list, watch on retrypolicies.courier.dev in namespace shop";
+    wait_for("/readyz to say what to grant", SETTLE, async || {
+        let answer = get(sidecar.addr, "/readyz").await;
+        answer.starts_with("HTTP/1.1 503") && answer.contains(grant)
+    })
+    .await;
+    assert!(
+        sidecar.metrics().await.contains("courier_policy_ready 0\n"),
+        "{}",
+        sidecar.metrics().await
+    );
+    // Two retries of the watcher's backoff (0.8 s, then 1.6 s): the
+    // message waits and the warning is not repeated.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        app.received().is_empty(),
+        "nothing is pulled while forbidden"
+    );
+    let warnings = sidecar.log().matches("cannot read the RetryPolicy").count();
+    assert_eq!(warnings, 1, "{}", sidecar.log());
+    assert!(sidecar.log().contains(grant), "{}", sidecar.log());
+
+    stub.apply(
+        "apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: courier-sidecar, namespace: shop}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: courier-sidecar}
+subjects: [{kind: ServiceAccount, name: default, namespace: shop}]
+",
+    );
+    sidecar.wait_ready().await;
+    wait_for("the waiting message delivered", SETTLE, async || {
+        app.received_body(b"waiting for the grant").len() == 1
+    })
+    .await;
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains("courier_policy_ready 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("courier_policy_generation{policy=\"orders\"} 1"),
+        "{metrics}"
+    );
+    assert!(sidecar.log().contains("the RetryPolicy can be read now"));
+    sidecar.stop();
+}
+
+/// No RetryPolicy CRD in the cluster: the API server answers 404, and
+/// `/readyz` says to install it; installing it makes the sidecar ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_crd_says_what_to_install_and_installing_it_makes_it_ready() {
+    let stub = KubeStub::start_bare(NS, false);
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "orders");
+    wait_for("/readyz to say what to install", SETTLE, async || {
+        let answer = get(sidecar.addr, "/readyz").await;
+        answer.starts_with("HTTP/1.1 503")
+            && answer.contains("policy shop/orders: not found (404)")
+            && answer.contains("install the CRD")
+    })
+    .await;
+    assert!(sidecar.metrics().await.contains("courier_policy_ready 0\n"));
+
+    stub.install_crd();
+    stub.apply(ORDERS);
+    sidecar.wait_ready().await;
+    let metrics = sidecar.metrics().await;
+    assert!(metrics.contains("courier_policy_ready 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("courier_policy_generation{policy=\"orders\"} 1"),
+        "{metrics}"
+    );
     sidecar.stop();
 }

@@ -1,13 +1,15 @@
 //! The cluster policy source against kube's mock client
 //! (`tower_test::mock`): the API server's answers are scripted request by
 //! request, so the watcher's edge cases are exact. A relist after a dropped
-//! watch, a malformed object in the stream, a deletion.
+//! watch, a malformed object in the stream, a deletion, an API server that
+//! forbids the list (403) or does not know the resource (404) until a grant
+//! or the CRD appears.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use courier::policy::cluster::{self, PolicyRef};
+use courier::policy::cluster::{self, PolicyRef, PolicyStatus};
 use courier::policy::{LivePolicy, Policy, Reload};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -64,7 +66,8 @@ struct Seen {
     statuses: Vec<Value>,
 }
 
-/// Answers list requests and watch requests from their scripts, in order.
+/// Answers list requests and watch requests from their scripts, in order
+/// (a `Status` in the list script is answered with its code).
 /// A watch body is finite: the stream ends after its last event, as when a
 /// connection drops. Once its script is used up a request is held open and
 /// never answered, as a quiet watch is. Events and status writes are
@@ -119,7 +122,12 @@ fn scripted_api(
                 record.lock().unwrap().lists += 1;
                 match lists.pop_front() {
                     Some(list) => {
-                        respond.send_response(answer(StatusCode::OK, list.to_string().into_bytes()))
+                        // A Status in the script is a refusal, with its code.
+                        let status = list["code"]
+                            .as_u64()
+                            .and_then(|code| StatusCode::from_u16(code as u16).ok())
+                            .unwrap_or(StatusCode::OK);
+                        respond.send_response(answer(status, list.to_string().into_bytes()))
                     }
                     None => held.push(respond),
                 }
@@ -134,7 +142,7 @@ fn scripted_api(
 /// A cluster policy source on a scripted API server, and what it reported.
 struct Following {
     live: LivePolicy,
-    read: watch::Receiver<bool>,
+    status: watch::Receiver<PolicyStatus>,
     reloads: mpsc::UnboundedReceiver<Reload>,
     seen: Arc<Mutex<Seen>>,
     task: tokio::task::JoinHandle<()>,
@@ -143,19 +151,20 @@ struct Following {
 fn follow(lists: Vec<Value>, watches: Vec<Vec<Value>>) -> Following {
     let (client, seen) = scripted_api(lists.into(), watches.into());
     let (live, update) = LivePolicy::new(Policy::default());
-    let (read_tx, read) = watch::channel(false);
+    let (status_tx, status) = watch::channel(PolicyStatus::default());
     let (tx, reloads) = mpsc::unbounded_channel();
     let target = PolicyRef {
         name: NAME.into(),
         namespace: NS.into(),
         pod: Some("orders-7d9f-abcde".into()),
+        service_account: Some("system:serviceaccount:shop:orders".into()),
     };
-    let task = cluster::watch(client, target, update, read_tx, move |reload: &Reload| {
+    let task = cluster::watch(client, target, update, status_tx, move |reload: &Reload| {
         tx.send(reload.clone()).unwrap();
     });
     Following {
         live,
-        read,
+        status,
         reloads,
         seen,
         task,
@@ -254,7 +263,10 @@ async fn a_dropped_watch_relists_and_applies_what_changed_meanwhile() {
     );
     let first = source.applied().await;
     assert_eq!((first.max_attempts, first.label()), (3, "orders@1".into()));
-    assert!(*source.read.borrow(), "ready once the policy has been read");
+    assert!(
+        source.status.borrow().read,
+        "ready once the policy has been read"
+    );
     let second = source.applied().await;
     assert_eq!(
         (second.max_attempts, second.label()),
@@ -351,7 +363,93 @@ async fn a_deleted_policy_falls_back_to_the_defaults() {
 async fn a_missing_policy_means_the_defaults_and_counts_as_read() {
     let mut source = follow(vec![list(vec![], 5)], vec![]);
     assert_eq!(*source.applied().await, Policy::default());
-    assert!(*source.read.borrow());
+    assert_eq!(
+        *source.status.borrow(),
+        PolicyStatus {
+            read: true,
+            problem: None
+        }
+    );
+}
+
+/// What a real API server answers a list it refuses.
+fn refusal(code: u16, reason: &str, message: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+        "code": code, "reason": reason, "message": message,
+    })
+}
+
+/// The API server refuses the first lists (403, or 404 while the CRD is not
+/// installed), then serves one: the status names the problem and what to do,
+/// nothing is read meanwhile, and the list that works clears it, without a
+/// restart.
+async fn refused_until_it_is_not(refused: Value, says: &[&str]) {
+    let mut source = follow(
+        vec![
+            refused.clone(),
+            refused,
+            list(vec![policy_object(1, 10, json!({"maxAttempts": 4}))], 10),
+        ],
+        vec![],
+    );
+    let mut status = source.status.clone();
+    let problem = tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.problem.is_some()),
+    )
+    .await
+    .expect("the refusal reported within 10s")
+    .unwrap()
+    .clone();
+    assert!(!problem.read, "nothing was read: {problem:?}");
+    let text = problem.problem.unwrap();
+    for part in says {
+        assert!(text.contains(part), "{part:?} not in {text:?}");
+    }
+    assert!(
+        source.reloads.try_recv().is_err(),
+        "no policy while refused"
+    );
+    // The grant (or the CRD) appears: the watcher's backoff lists again.
+    assert_eq!(source.applied().await.max_attempts, 4);
+    assert_eq!(
+        *source.status.borrow(),
+        PolicyStatus {
+            read: true,
+            problem: None
+        }
+    );
+    assert!(source.seen.lock().unwrap().lists >= 3);
+}
+
+#[tokio::test]
+async fn a_forbidden_policy_says_what_to_grant_until_it_is_granted() {
+    refused_until_it_is_not(
+        refusal(
+            403,
+            "Forbidden",
+            "retrypolicies.courier.dev is forbidden: User \"system:serviceaccount:shop:orders\" cannot list resource \"retrypolicies\" in API group \"courier.dev\" in the namespace \"shop\"",
+        ),
+        &[
+            "policy shop/orders: forbidden (403)",
+            "grant get, list, watch on retrypolicies.courier.dev in namespace shop to system:serviceaccount:shop:orders",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_uninstalled_crd_says_what_to_install_until_it_is_installed() {
+    refused_until_it_is_not(
+        refusal(
+            404,
+            "NotFound",
+            "the server could not find the requested resource",
+        ),
+        &["policy shop/orders: not found (404)", "install the CRD"],
+    )
+    .await;
 }
 
 #[tokio::test]

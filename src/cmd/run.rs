@@ -15,6 +15,7 @@ use crate::duration;
 use crate::policy::{self, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
 use crate::source::{SourceOptions, default_consumer_name};
+use crate::telemetry::Readiness;
 
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -38,10 +39,10 @@ pub struct RunArgs {
     /// Deliveries in flight at most.
     #[arg(long, env = "COURIER_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
-    /// Address of /metrics, /healthz and /readyz.
+    /// Address of /metrics, /healthz, /readyz and /drain.
     #[arg(long, env = "COURIER_LISTEN", default_value = "0.0.0.0:9464")]
     pub listen: String,
-    /// On SIGTERM, how long in-flight deliveries may finish.
+    /// On SIGTERM or GET /drain, how long in-flight deliveries may finish.
     #[arg(long, env = "COURIER_DRAIN_TIMEOUT", default_value = "25s", value_parser = duration::parse_flag)]
     pub drain_timeout: Duration,
     /// Largest body offered to the app; larger ones are dead-lettered as undeliverable.
@@ -73,6 +74,12 @@ pub struct RunArgs {
     /// capturing the subject of the same name). Without it a missing queue is an error.
     #[arg(long, env = "COURIER_CREATE")]
     pub create: bool,
+    /// What /readyz looks at: broker (the source open, the broker connected and
+    /// read, the policy readable, the app up), app (the app up and the policy
+    /// readable; a broker outage keeps the pod ready), or none (ready until a
+    /// drain). A drain is never ready.
+    #[arg(long, env = "COURIER_READINESS", value_enum, default_value_t = Readiness::Broker)]
+    pub readiness: Readiness,
 }
 
 /// Checks every flag of `courier run` into the config the sidecar runs with.
@@ -137,6 +144,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         app_health_path: args.app_health_path.clone(),
         app_failure_run: args.app_failure_run,
         dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
+        readiness: args.readiness,
     })
 }
 

@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 use super::settings::{
-    CONTAINER_NAME, DEFAULT_DRAIN, DEFAULT_GRACE_SECONDS, GRACE_MARGIN, INJECT_LABEL,
+    CONTAINER_NAME, DEFAULT_DRAIN, DEFAULT_GRACE_SECONDS, DRAIN_PATH, GRACE_MARGIN, INJECT_LABEL,
     METRICS_PORT_NAME, SIDECAR_UID, Settings, SidecarDefaults, SourceSetting, TLS_MOUNT_PATH,
     TLS_VOLUME, TOKEN_MOUNT_PATH, annotations, read_settings,
 };
@@ -196,11 +196,19 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
     } else {
         ops.push(add("/spec/containers/-", container));
     }
+    let hooked = add_drain_hooks(spec, settings.metrics_port, &mut ops, &mut warnings);
     let drain = settings.drain.unwrap_or(DEFAULT_DRAIN);
-    let needed = (drain + GRACE_MARGIN).as_secs_f64().ceil() as i64;
+    let drain_seconds = (drain + GRACE_MARGIN).as_secs_f64().ceil() as i64;
     let grace = spec
         .termination_grace_period_seconds
         .unwrap_or(DEFAULT_GRACE_SECONDS);
+    // A preStop hook's time counts against the grace period: the drain
+    // comes on top of the app's own shutdown time.
+    let needed = if hooked {
+        grace + drain_seconds
+    } else {
+        drain_seconds
+    };
     if grace < needed {
         ops.push(add("/spec/terminationGracePeriodSeconds", json!(needed)));
     }
@@ -226,6 +234,47 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
         native: settings.native,
         warnings,
     }
+}
+
+/// Gives every app container a `preStop` hook that GETs the sidecar's
+/// `/drain`, so courier stops pulling and settles what is in flight before
+/// the app gets SIGTERM. It needs nothing in the app's image (the kubelet
+/// makes the request, to the pod's IP). A container with a `preStop` of its
+/// own keeps it, with a warning: replacing it could break the app's
+/// shutdown, and a hook has one action. True when a hook was added.
+fn add_drain_hooks(
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+    metrics_port: u16,
+    ops: &mut Vec<Value>,
+    warnings: &mut Vec<String>,
+) -> bool {
+    let hook = json!({
+        "httpGet": {"path": DRAIN_PATH, "port": metrics_port, "scheme": "HTTP"},
+    });
+    let mut hooked = false;
+    for (i, container) in spec.containers.iter().enumerate() {
+        let lifecycle = container.lifecycle.as_ref();
+        if lifecycle.is_some_and(|l| l.pre_stop.is_some()) {
+            warnings.push(format!(
+                "courier: container {} has a preStop hook of its own, kept; courier drains only at its SIGTERM, while the app may be stopping. Call GET http://127.0.0.1:{metrics_port}{DRAIN_PATH} first in that hook to drain before the app stops",
+                container.name
+            ));
+            continue;
+        }
+        let op = match lifecycle {
+            Some(_) => add(
+                &format!("/spec/containers/{i}/lifecycle/preStop"),
+                hook.clone(),
+            ),
+            None => add(
+                &format!("/spec/containers/{i}/lifecycle"),
+                json!({"preStop": hook.clone()}),
+            ),
+        };
+        ops.push(op);
+        hooked = true;
+    }
+    hooked
 }
 
 fn add(path: &str, value: Value) -> Value {

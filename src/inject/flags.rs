@@ -19,6 +19,8 @@ pub enum Kind {
     Size,
     /// An absolute URL path like `/healthz`.
     Path,
+    /// One of these words.
+    OneOf(&'static [&'static str]),
 }
 
 /// An annotation passed to the sidecar as the variable of its flag.
@@ -61,6 +63,13 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         flag: "max-body",
         env: "COURIER_MAX_BODY",
         kind: Kind::Size,
+    },
+    Passthrough {
+        annotation: "courier.dev/readiness",
+        flag: "readiness",
+        env: "COURIER_READINESS",
+        // `telemetry::Readiness`, which the injector does not import.
+        kind: Kind::OneOf(&["broker", "app", "none"]),
     },
 ];
 
@@ -128,6 +137,8 @@ pub fn check(kind: Kind, value: &str) -> Result<(), String> {
         Kind::Path => Err(format!(
             "{value:?} is not a URL path; write it like /healthz"
         )),
+        Kind::OneOf(words) if words.contains(&value) => Ok(()),
+        Kind::OneOf(words) => Err(format!("{value:?} is not one of {}", words.join(", "))),
     }
 }
 
@@ -166,5 +177,11 @@ mod tests {
         }
         assert!(check(Kind::Path, "/healthz").is_ok());
         assert!(check(Kind::Path, "healthz").is_err());
+        let readiness = Kind::OneOf(&["broker", "app", "none"]);
+        assert!(check(readiness, "app").is_ok());
+        assert_eq!(
+            check(readiness, "App"),
+            Err("\"App\" is not one of broker, app, none".into())
+        );
     }
 }

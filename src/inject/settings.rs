@@ -27,6 +27,8 @@ pub(super) const SIDECAR_UID: i64 = 65532;
 /// Added to the drain timeout for the pod's grace period: time to stop the
 /// HTTP server and close the broker connection after the drain.
 pub(super) const GRACE_MARGIN: Duration = Duration::from_secs(5);
+/// The sidecar's drain endpoint, which the app containers' `preStop` hooks GET.
+pub const DRAIN_PATH: &str = "/drain";
 /// Kubernetes' own default `terminationGracePeriodSeconds`.
 pub(super) const DEFAULT_GRACE_SECONDS: i64 = 30;
 

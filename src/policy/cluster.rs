@@ -13,8 +13,17 @@
 //! not deserialize (possible with an older CRD installed, which validates
 //! less) is refused like any invalid change instead of ending the stream. A
 //! deleted or absent policy puts the built-in defaults in force.
+//!
+//! An API server that refuses the list (403: the service account may not read
+//! RetryPolicies here) or does not know the resource (404: the CRD is not
+//! installed) is a state of its own, [`PolicyStatus::problem`]: it says what
+//! to grant or install, and the sidecar shows it on `/readyz`, in
+//! `courier_policy_ready` and in a warning repeated at most every
+//! [`PROBLEM_LOG_INTERVAL`]. The watcher keeps trying with its backoff, so
+//! a grant made later takes effect without a restart.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -35,8 +44,18 @@ use super::{Policy, PolicyUpdate, Reload, RetryPolicy};
 pub const SERVICE_ACCOUNT_NAMESPACE: &str =
     "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
+/// The service account token Kubernetes mounts; its `sub` claim names the
+/// account, for the message that says what to grant.
+pub const SERVICE_ACCOUNT_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+
 /// The field manager and reporting controller name courier uses.
 pub const MANAGER: &str = "courier";
+
+/// The resource courier reads, as RBAC rules and `kubectl` name it.
+pub const RESOURCE: &str = "retrypolicies.courier.dev";
+
+/// An unchanged problem is logged again at most this often.
+pub const PROBLEM_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Which RetryPolicy to follow, and the pod that Events are recorded on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +64,9 @@ pub struct PolicyRef {
     pub namespace: String,
     /// `POD_NAME`; without it Events are recorded on the RetryPolicy itself.
     pub pod: Option<String>,
+    /// The pod's service account (`system:serviceaccount:NS:NAME`), read
+    /// from its token when mounted; named in what-to-grant messages.
+    pub service_account: Option<String>,
 }
 
 impl PolicyRef {
@@ -57,6 +79,12 @@ impl PolicyRef {
             Path::new(SERVICE_ACCOUNT_NAMESPACE),
             std::env::var("POD_NAME").ok(),
         )
+        .map(|target| Self {
+            service_account: std::fs::read_to_string(SERVICE_ACCOUNT_TOKEN)
+                .ok()
+                .and_then(|token| token_subject(&token)),
+            ..target
+        })
     }
 
     fn resolve(
@@ -87,12 +115,69 @@ impl PolicyRef {
             name: name.to_string(),
             namespace,
             pod: pod.filter(|p| !p.trim().is_empty()),
+            service_account: None,
         })
     }
 
     /// `namespace/name`, as log lines and messages show it.
     pub fn label(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// The `sub` claim of a service account token (a JWT), without checking
+/// its signature: it only names the account in a message.
+fn token_subject(token: &str) -> Option<String> {
+    use base64::Engine as _;
+    let payload = token.trim().split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&json).ok()?;
+    claims["sub"].as_str().map(str::to_string)
+}
+
+/// Where following the policy stands, for readiness and the gauge.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyStatus {
+    /// The policy has been read once (found or not): pulling may start.
+    pub read: bool,
+    /// Why the API server refuses it (403, 404) and what to do, while it does.
+    pub problem: Option<String>,
+}
+
+/// What a 403 or 404 from the API server means for `target`, and what to
+/// do about it; `None` for any other error (the API server unreachable, a
+/// dropped watch), which the watcher's backoff rides out.
+pub fn problem_of(error: &watcher::Error, target: &PolicyRef) -> Option<String> {
+    let (watcher::Error::InitialListFailed(kube::Error::Api(status))
+    | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+    | watcher::Error::WatchFailed(kube::Error::Api(status))) = error
+    else {
+        return match error {
+            watcher::Error::WatchError(status) => problem_of_code(status.code, target),
+            _ => None,
+        };
+    };
+    problem_of_code(status.code, target)
+}
+
+fn problem_of_code(code: u16, target: &PolicyRef) -> Option<String> {
+    let (policy, namespace) = (target.label(), &target.namespace);
+    match code {
+        403 => {
+            let to = match &target.service_account {
+                Some(account) => format!("to {account}"),
+                None => "to the pod's service account".into(),
+            };
+            Some(format!(
+                "policy {policy}: forbidden (403): grant get, list, watch on {RESOURCE} in namespace {namespace} {to} (the chart does it for the namespaces in sidecar.namespaces and the accounts in sidecar.serviceAccounts)"
+            ))
+        }
+        404 => Some(format!(
+            "policy {policy}: not found (404): the API server does not know {RESOURCE}; install the CRD (helm install the chart, or courier crd | kubectl apply -f -)"
+        )),
+        _ => None,
     }
 }
 
@@ -121,36 +206,37 @@ enum Seen {
 }
 
 /// Connects with the ambient configuration (in the pod: the service
-/// account; outside: `KUBECONFIG`) and starts [`watch`]. The receiver turns
-/// true once the policy has been read.
+/// account; outside: `KUBECONFIG`) and starts [`watch`]. The receiver says
+/// whether the policy has been read, and why it cannot be.
 pub async fn follow(
     target: PolicyRef,
     update: PolicyUpdate,
     on_reload: impl FnMut(&Reload) + Send + 'static,
-) -> Result<(tokio::task::JoinHandle<()>, signal::Receiver<bool>), kube::Error> {
+) -> Result<(tokio::task::JoinHandle<()>, signal::Receiver<PolicyStatus>), kube::Error> {
     let client = Client::try_default().await?;
-    let (read, read_rx) = signal::channel(false);
-    Ok((watch(client, target, update, read, on_reload), read_rx))
+    let (status, status_rx) = signal::channel(PolicyStatus::default());
+    Ok((watch(client, target, update, status, on_reload), status_rx))
 }
 
-/// Follows one RetryPolicy until the task is aborted. `read` turns true
-/// once the policy has been read (found or not): the sidecar is not ready
-/// before. `on_reload` sees every change, applied or refused.
+/// Follows one RetryPolicy until the task is aborted. `status.read` turns
+/// true once the policy has been read (found or not): the sidecar is not
+/// ready before; `status.problem` holds a 403 or 404 until a list works.
+/// `on_reload` sees every change, applied or refused.
 pub fn watch(
     client: Client,
     target: PolicyRef,
     update: PolicyUpdate,
-    read: signal::Sender<bool>,
+    status: signal::Sender<PolicyStatus>,
     on_reload: impl FnMut(&Reload) + Send + 'static,
 ) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(run(client, target, update, read, on_reload))
+    tokio::spawn(run(client, target, update, status, on_reload))
 }
 
 async fn run(
     client: Client,
     target: PolicyRef,
     update: PolicyUpdate,
-    read: signal::Sender<bool>,
+    status: signal::Sender<PolicyStatus>,
     mut on_reload: impl FnMut(&Reload) + Send + 'static,
 ) {
     let api: Api<DeserializeGuard<RetryPolicy>> =
@@ -165,13 +251,30 @@ async fn run(
         seen: None,
         listed: None,
     };
+    let mut logged: Option<(String, Instant)> = None;
     while let Some(item) = stream.next().await {
         match item {
-            Err(error) => tracing::warn!(
-                policy = %follower.target.label(),
-                %error,
-                "lost the RetryPolicy watch; the last good policy stays in force while reconnecting"
-            ),
+            Err(error) => match problem_of(&error, &follower.target) {
+                Some(problem) => {
+                    let repeat = logged.as_ref().is_some_and(|(last, at)| {
+                        *last == problem && at.elapsed() < PROBLEM_LOG_INTERVAL
+                    });
+                    if !repeat {
+                        tracing::warn!(policy = %follower.target.label(), %problem, "cannot read the RetryPolicy; nothing is pulled until it can be read, and the watch keeps trying");
+                        logged = Some((problem.clone(), Instant::now()));
+                    }
+                    status.send_if_modified(|s| {
+                        let changed = s.problem.as_ref() != Some(&problem);
+                        s.problem = Some(problem);
+                        changed
+                    });
+                }
+                None => tracing::warn!(
+                    policy = %follower.target.label(),
+                    %error,
+                    "lost the RetryPolicy watch; the last good policy stays in force while reconnecting"
+                ),
+            },
             Ok(Event::Init) => follower.listed = None,
             Ok(Event::InitApply(object)) => {
                 if follower.is_ours(&object) {
@@ -183,7 +286,13 @@ async fn run(
                     Some(object) => follower.changed(object, &mut on_reload).await,
                     None => follower.absent(&mut on_reload),
                 }
-                read.send_replace(true);
+                if logged.take().is_some() {
+                    tracing::info!(policy = %follower.target.label(), "the RetryPolicy can be read now");
+                }
+                status.send_replace(PolicyStatus {
+                    read: true,
+                    problem: None,
+                });
             }
             Ok(Event::Apply(object)) => {
                 if follower.is_ours(&object) {
@@ -389,7 +498,8 @@ mod tests {
             PolicyRef {
                 name: "orders".into(),
                 namespace: "payments".into(),
-                pod: Some("pod-1".into())
+                pod: Some("pod-1".into()),
+                service_account: None,
             }
         );
     }
@@ -404,6 +514,48 @@ mod tests {
             );
         }
         assert!(PolicyRef::resolve("orders.v2-a", Some("ns".into()), file, None).is_ok());
+    }
+
+    #[test]
+    fn the_service_account_is_the_token_subject() {
+        use base64::Engine as _;
+        let claims =
+            br#"{"iss":"kubernetes/serviceaccount","sub":"system:serviceaccount:shop:orders"}"#;
+        let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(claims);
+        let token = format!("eyJhbGciOiJSUzI1NiJ9.{payload}.c2lnbmF0dXJl\n");
+        assert_eq!(
+            token_subject(&token).as_deref(),
+            Some("system:serviceaccount:shop:orders")
+        );
+        assert_eq!(token_subject("not a token"), None);
+    }
+
+    #[test]
+    fn forbidden_and_not_found_say_what_to_grant_or_install() {
+        let mut target = PolicyRef {
+            name: "orders".into(),
+            namespace: "shop".into(),
+            pod: None,
+            service_account: Some("system:serviceaccount:shop:orders".into()),
+        };
+        let forbidden = problem_of_code(403, &target).unwrap();
+        assert!(
+            forbidden.starts_with("policy shop/orders: forbidden (403): grant get, list, watch on retrypolicies.courier.dev in namespace shop to system:serviceaccount:shop:orders"),
+            "{forbidden}"
+        );
+        target.service_account = None;
+        assert!(
+            problem_of_code(403, &target)
+                .unwrap()
+                .contains("to the pod's service account")
+        );
+        let missing = problem_of_code(404, &target).unwrap();
+        assert!(missing.contains("install the CRD"), "{missing}");
+        assert_eq!(problem_of_code(500, &target), None);
+        assert_eq!(
+            problem_of(&watcher::Error::NoResourceVersion, &target),
+            None
+        );
     }
 
     #[test]

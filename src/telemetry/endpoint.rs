@@ -1,5 +1,5 @@
-//! The `/metrics`, `/healthz` and `/readyz` endpoint, and the plain HTTP
-//! server the demo's sample app and the tests' apps use.
+//! The `/metrics`, `/healthz`, `/readyz` and `/drain` endpoint, and the
+//! plain HTTP server the demo's sample app and the tests' apps use.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{Health, Metrics};
@@ -40,18 +40,64 @@ impl Default for EndpointLimits {
     }
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`, within the
-/// default [`EndpointLimits`].
+/// What `/drain` asks of the sidecar, and its answer: asked by the first
+/// call, answered to every call (those waiting and any later one) once the
+/// deliveries in flight are settled. The pod's `preStop` hook calls it, so
+/// the app gets SIGTERM only after courier stopped sending it work.
+pub struct Drain {
+    asked: CancellationToken,
+    done: watch::Sender<Option<String>>,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Self {
+            asked: CancellationToken::new(),
+            done: watch::channel(None).0,
+        }
+    }
+}
+
+impl Drain {
+    /// Stop pulling; repeated calls change nothing.
+    pub fn ask(&self) {
+        self.asked.cancel();
+    }
+
+    /// Resolves once a drain was asked for.
+    pub async fn asked(&self) {
+        self.asked.cancelled().await;
+    }
+
+    /// The deliveries in flight are settled (or given up at the drain
+    /// timeout); `summary` is what every `/drain` call answers.
+    pub fn finish(&self, summary: String) {
+        self.done.send_replace(Some(summary));
+    }
+
+    async fn finished(&self) -> String {
+        let mut done = self.done.subscribe();
+        match done.wait_for(Option::is_some).await {
+            Ok(summary) => summary.clone().unwrap_or_default(),
+            Err(_) => "stopped\n".into(),
+        }
+    }
+}
+
+/// Serves `/metrics`, `/healthz`, `/readyz` and `/drain` until `shutdown`,
+/// within the default [`EndpointLimits`].
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
+    drain: Arc<Drain>,
     shutdown: CancellationToken,
 ) {
     serve_within(
         listener,
         metrics,
         health,
+        drain,
         shutdown,
         EndpointLimits::default(),
     )
@@ -64,6 +110,7 @@ pub async fn serve_within(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
+    drain: Arc<Drain>,
     shutdown: CancellationToken,
     limits: EndpointLimits,
 ) {
@@ -86,11 +133,19 @@ pub async fn serve_within(
             );
             continue;
         };
-        let (metrics, health, stop) = (metrics.clone(), health.clone(), shutdown.clone());
+        let (metrics, health, drain, stop) = (
+            metrics.clone(),
+            health.clone(),
+            drain.clone(),
+            shutdown.clone(),
+        );
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<Incoming>| {
-                let response = respond(&req, &metrics, &health);
-                async move { Ok::<_, std::convert::Infallible>(response) }
+                let (metrics, health, drain) = (metrics.clone(), health.clone(), drain.clone());
+                async move {
+                    let response = respond(&req, &metrics, &health, &drain).await;
+                    Ok::<_, std::convert::Infallible>(response)
+                }
             });
             let mut builder = http1::Builder::new();
             builder
@@ -141,7 +196,12 @@ where
     }
 }
 
-fn respond(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
+async fn respond(
+    req: &Request<Incoming>,
+    metrics: &Metrics,
+    health: &Health,
+    drain: &Drain,
+) -> Response<Full<Bytes>> {
     let text = |status: StatusCode, body: String| {
         Response::builder()
             .status(status)
@@ -167,11 +227,29 @@ fn respond(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Respo
             .body(Full::new(Bytes::from(metrics.encode_prometheus_text())))
             .unwrap_or_default(),
         "/healthz" => text(StatusCode::OK, "ok\n".into()),
-        "/readyz" if health.is_ready() => text(StatusCode::OK, "ready\n".into()),
-        "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n".into()),
+        "/readyz" => match health.not_ready() {
+            None => text(StatusCode::OK, "ready\n".into()),
+            Some(reason) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {reason}\n"),
+            ),
+        },
+        // GET as well as POST: a preStop httpGet hook can only GET.
+        "/drain" if matches!(*req.method(), http::Method::GET | http::Method::POST) => {
+            if !health.draining() {
+                tracing::info!("/drain: stopping pulls and finishing the deliveries in flight");
+            }
+            health.set_draining();
+            drain.ask();
+            text(StatusCode::OK, drain.finished().await)
+        }
+        "/drain" => text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "use GET or POST /drain\n".into(),
+        ),
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found; try /metrics, /healthz or /readyz\n".into(),
+            "not found; try /metrics, /healthz, /readyz or /drain\n".into(),
         ),
     }
 }
@@ -197,6 +275,7 @@ mod tests {
             listener,
             Arc::new(Metrics::new()),
             health,
+            Arc::new(Drain::default()),
             CancellationToken::new(),
             limits,
         ));

@@ -3,7 +3,7 @@
 
 mod endpoint;
 
-pub use endpoint::{EndpointLimits, bind, serve, serve_http, serve_within};
+pub use endpoint::{Drain, EndpointLimits, bind, serve, serve_http, serve_within};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -69,6 +69,7 @@ pub struct Metrics {
     /// Absent where the broker cannot tell (RabbitMQ), never a made-up 0.
     pub queue_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     pub app_up: Gauge,
+    pub policy_ready: Gauge,
     pub policy_generation: Family<PolicyLabels, Gauge>,
     pub policy_reloads: Family<ResultLabels, Counter>,
     pub retry_after_invalid: Family<QueueLabels, Counter>,
@@ -102,6 +103,7 @@ impl Metrics {
             queue_depth: Family::default(),
             queue_oldest_age: Family::default(),
             app_up: Gauge::default(),
+            policy_ready: Gauge::default(),
             policy_generation: Family::default(),
             policy_reloads: Family::default(),
             retry_after_invalid: Family::default(),
@@ -173,6 +175,11 @@ impl Metrics {
             "app_up",
             "1 when the app answered the last delivery",
             m.app_up.clone(),
+        );
+        registry.register(
+            "policy_ready",
+            "1 when the RetryPolicy could be read (or none is followed); 0 while it is forbidden, not installed or not read yet",
+            m.policy_ready.clone(),
         );
         registry.register(
             "policy_generation",
@@ -365,18 +372,58 @@ impl QueueMetrics {
 
 // === Health ===
 
-/// What `/healthz` and `/readyz` report. Ready means started, and none of
-/// the reasons not to be: the broker connection lost, reads from the broker
-/// failing in a row, the app down (the gate closed).
+/// What `/readyz` looks at (`courier run --readiness`, annotation
+/// `courier.dev/readiness`). Draining is never ready, whatever the mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Readiness {
+    /// Ready when courier consumes: the source open, the broker connected,
+    /// its reads working, the policy readable and the app up (the default,
+    /// and what every earlier version did).
+    #[default]
+    Broker,
+    /// Ready unless the app is known down (the gate closed) or the policy is
+    /// not readable; the broker is not looked at, so an app that also serves
+    /// HTTP stays in its Service during a broker outage.
+    App,
+    /// Always ready, until a drain: pod readiness is left to the app.
+    #[value(name = "none")]
+    Always,
+}
+
+impl Readiness {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Readiness::Broker => "broker",
+            Readiness::App => "app",
+            Readiness::Always => "none",
+        }
+    }
+}
+
+/// What `/healthz` and `/readyz` report. Not ready, with a reason: draining,
+/// the policy unreadable, not started (the source not open), the broker
+/// connection lost, reads from the broker failing in a row, the app down
+/// (the gate closed); which of them count follows [`Readiness`].
 #[derive(Default)]
 pub struct Health {
+    readiness: Readiness,
     ready: AtomicBool,
     broker_lost: AtomicBool,
     reads_failing: AtomicBool,
     app_down: AtomicBool,
+    draining: AtomicBool,
+    /// Why the RetryPolicy cannot be read, while it cannot.
+    policy_problem: std::sync::Mutex<Option<String>>,
 }
 
 impl Health {
+    pub fn new(readiness: Readiness) -> Self {
+        Self {
+            readiness,
+            ..Self::default()
+        }
+    }
+
     /// Started (the source is open) or stopped.
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
@@ -397,11 +444,60 @@ impl Health {
         self.app_down.store(!up, Ordering::SeqCst);
     }
 
+    /// A drain was asked for (`/drain`): never ready again.
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Why the RetryPolicy cannot be read; `None` once it can.
+    pub fn set_policy_problem(&self, problem: Option<String>) {
+        *self
+            .policy_problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = problem;
+    }
+
+    /// Why `/readyz` fails, or `None` when ready.
+    pub fn not_ready(&self) -> Option<String> {
+        let is = |flag: &AtomicBool| flag.load(Ordering::SeqCst);
+        if is(&self.draining) {
+            return Some("draining: not pulling, finishing the deliveries in flight".into());
+        }
+        if self.readiness == Readiness::Always {
+            return None;
+        }
+        let policy = self
+            .policy_problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(problem) = policy {
+            return Some(problem);
+        }
+        if is(&self.app_down) {
+            return Some("the app is down: deliveries paused, probing it".into());
+        }
+        if self.readiness == Readiness::App {
+            return None;
+        }
+        if !is(&self.ready) {
+            return Some("starting: the policy or the source is not ready yet".into());
+        }
+        if is(&self.broker_lost) {
+            return Some("the broker connection is lost".into());
+        }
+        if is(&self.reads_failing) {
+            return Some("reads from the broker keep failing".into());
+        }
+        None
+    }
+
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-            && !self.broker_lost.load(Ordering::SeqCst)
-            && !self.reads_failing.load(Ordering::SeqCst)
-            && !self.app_down.load(Ordering::SeqCst)
+        self.not_ready().is_none()
     }
 }
 

@@ -19,13 +19,17 @@ pub struct KubeStub {
     child: Option<Child>,
     port: u16,
     pub dir: tempfile::TempDir,
+    /// Started with `--rbac`: the sidecar is the service account
+    /// `NAMESPACE:default` and reads policies only where a RoleBinding lets it.
+    rbac: bool,
 }
 
 /// Starts the server on `port` (0: any free one) and returns it with the
 /// port it listens on.
-fn spawn_stub(port: u16) -> (Child, u16) {
+fn spawn_stub(port: u16, rbac: bool) -> (Child, u16) {
     let mut child = Command::new(root().join("scripts/kube-stub"))
         .args(["--port", &port.to_string()])
+        .args(rbac.then_some("--rbac"))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -44,22 +48,31 @@ fn spawn_stub(port: u16) -> (Child, u16) {
 impl KubeStub {
     /// Starts it with `namespace` as the kubeconfig's default namespace.
     pub fn start(namespace: &str) -> Self {
-        let (child, port) = spawn_stub(0);
+        let stub = Self::start_bare(namespace, false);
+        stub.install_crd();
+        stub
+    }
+
+    /// Without the CRD, and with `--rbac` when asked.
+    pub fn start_bare(namespace: &str, rbac: bool) -> Self {
+        let (child, port) = spawn_stub(0, rbac);
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("kubeconfig"),
+        let config = |user: &str| {
             format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: http://127.0.0.1:{port}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    namespace: {namespace}\ncurrent-context: stub\nusers: []\n"
-            ),
-        )
-        .unwrap();
-        let stub = Self {
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: http://127.0.0.1:{port}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    namespace: {namespace}\n{user}current-context: stub\n"
+            )
+        };
+        std::fs::write(dir.path().join("kubeconfig"), config("") + "users: []\n").unwrap();
+        // The token the stub's --rbac reads as the service account NAMESPACE:default.
+        let sidecar = config("    user: sidecar\n")
+            + &format!("users:\n- name: sidecar\n  user:\n    token: sa:{namespace}:default\n");
+        std::fs::write(dir.path().join("sidecar-kubeconfig"), sidecar).unwrap();
+        Self {
             child: Some(child),
             port,
             dir,
-        };
-        stub.install_crd();
-        stub
+            rbac,
+        }
     }
 
     pub fn install_crd(&self) {
@@ -82,12 +95,21 @@ impl KubeStub {
     /// restore; the CRD is installed again.
     pub fn restart(&mut self) {
         self.stop();
-        self.child = Some(spawn_stub(self.port).0);
+        self.child = Some(spawn_stub(self.port, self.rbac).0);
         self.install_crd();
     }
 
     pub fn kubeconfig(&self) -> PathBuf {
         self.dir.path().join("kubeconfig")
+    }
+
+    /// What the sidecar connects with: as the service account under
+    /// `--rbac`, else as the admin kubectl is.
+    pub fn sidecar_kubeconfig(&self) -> PathBuf {
+        match self.rbac {
+            true => self.dir.path().join("sidecar-kubeconfig"),
+            false => self.kubeconfig(),
+        }
     }
 
     pub fn kubectl(&self, args: &[&str], editor: Option<&Path>) -> Output {

@@ -367,6 +367,7 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         // 503/timeout gate is tested on its own in tests/chaos.rs.
         app_failure_run: 0,
         dedup_window: None,
+        readiness: courier::telemetry::Readiness::default(),
     }
 }
 

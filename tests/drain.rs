@@ -1,0 +1,141 @@
+//! `/drain`, what the injected `preStop` hook calls before the app gets
+//! SIGTERM: against a real Redis and a real HTTP app, slow deliveries are in
+//! flight when it is called; it answers only after each was delivered and
+//! acked, concurrent and repeated calls get the same answer, `/readyz` says
+//! draining, nothing is pulled afterwards, and nothing is lost.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SETTLE: Duration = Duration::from_secs(30);
+/// Each slow delivery takes this long in the app.
+const SLOW_MS: u64 = 1500;
+
+/// A GET on the sidecar's endpoint: the status and the body.
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_returns_after_the_deliveries_in_flight_are_acked_and_pulls_nothing_more() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.drain_timeout = Duration::from_secs(20);
+    let running = Running::start(config.clone()).await;
+    let source = fixture.open().await;
+    let slow: Vec<String> = (0..4)
+        .map(|i| format!("script:sleep{SLOW_MS}\nslow {i}"))
+        .collect();
+    for body in &slow {
+        fixture.send(&source, body.clone()).await;
+    }
+    wait_for("the slow deliveries in the app", SETTLE, async || {
+        slow.iter()
+            .all(|b| app.received_body(b.as_bytes()).len() == 1)
+    })
+    .await;
+
+    // Two concurrent calls, as a preStop hook and an operator might make.
+    let asked = Instant::now();
+    let first = tokio::spawn(get(running.metrics_addr, "/drain"));
+    let second = tokio::spawn(get(running.metrics_addr, "/drain"));
+    wait_for("/readyz to say draining", SETTLE, async || {
+        let (status, body) = get(running.metrics_addr, "/readyz").await;
+        status == 503 && body.contains("draining")
+    })
+    .await;
+    let (status, body) = first.await.unwrap();
+    let answered = asked.elapsed();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body, "drained: 4 deliveries finished, 0 left unsettled for redelivery\n",
+        "{body}"
+    );
+    assert_eq!(second.await.unwrap(), (200, body.clone()));
+    // Answered after the deliveries, all acked by then.
+    let metrics = running.metrics.encode();
+    assert_eq!(metric(&metrics, "courier_acks_total", &fixture.queue), 4.0);
+    let depth = source.depth().await.unwrap();
+    assert_eq!((depth.ready, depth.pending), (0, 0), "{depth:?}");
+    assert!(
+        answered < Duration::from_millis(SLOW_MS) + Duration::from_secs(10),
+        "{answered:?}"
+    );
+    // A later call answers at once, the same.
+    assert_eq!(get(running.metrics_addr, "/drain").await, (200, body));
+
+    // Nothing is pulled after the drain: a read blocks about a second and
+    // read-ahead waits 2 s, so 3 s would have shown a pull.
+    for i in 0..3 {
+        fixture.send(&source, format!("after the drain {i}")).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(app.received().len(), 4, "nothing new reached the app");
+    assert_eq!(source.depth().await.unwrap().pending, 0, "nothing claimed");
+    let (status, _) = get(running.metrics_addr, "/readyz").await;
+    assert_eq!(status, 503, "still draining until SIGTERM");
+
+    // SIGTERM ends it; the drain already happened.
+    let report = running.stop().await;
+    assert_eq!((report.finished, report.abandoned), (4, 0));
+
+    // Nothing lost: a new sidecar in the same group delivers what was sent
+    // after the drain, and none of the slow ones again.
+    let next = Running::start(config).await;
+    wait_settled(&source, SETTLE).await;
+    for i in 0..3 {
+        assert_eq!(
+            app.received_body(format!("after the drain {i}").as_bytes())
+                .len(),
+            1
+        );
+    }
+    for body in &slow {
+        assert_eq!(app.received_body(body.as_bytes()).len(), 1, "{body}");
+    }
+    next.stop().await;
+}
+
+/// A drain asked before the source is open (the broker unreachable) is done
+/// at once, and courier never starts pulling afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_before_the_start_answers_at_once() {
+    let mut fixture = Fixture::redis();
+    fixture.url = courier::source::SourceUrl::parse("redis://127.0.0.1:1/0").unwrap();
+    let app = TestApp::start().await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let (status, body) = tokio::time::timeout(SETTLE, get(running.metrics_addr, "/drain"))
+        .await
+        .expect("/drain answers");
+    assert_eq!(
+        (status, body.as_str()),
+        (
+            200,
+            "drained: 0 deliveries finished, 0 left unsettled for redelivery\n"
+        )
+    );
+    let (status, body) = get(running.metrics_addr, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("draining"), "{body}");
+    running.stop().await;
+}

@@ -32,13 +32,16 @@ async fn readyz(addr: std::net::SocketAddr) -> u16 {
         .unwrap_or(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
-    let mut redis = PrivateRedis::start().await;
+/// A sidecar with `readiness` on a private Redis, once it delivered a first
+/// message and is ready.
+async fn delivering(readiness: Readiness) -> (PrivateRedis, Fixture, TestApp, Running) {
+    let redis = PrivateRedis::start().await;
     let mut fixture = Fixture::redis();
     fixture.url = SourceUrl::parse(&redis.url()).unwrap();
     let app = TestApp::start().await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.readiness = readiness;
+    let running = Running::start(config).await;
     let source = fixture.open().await;
     fixture.send(&source, "before").await;
     wait_for(
@@ -49,6 +52,12 @@ async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
         },
     )
     .await;
+    (redis, fixture, app, running)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
+    let (mut redis, fixture, app, running) = delivering(Readiness::default()).await;
 
     redis.kill9();
     wait_for(
@@ -81,24 +90,7 @@ async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
 /// `/readyz` of a sidecar with `readiness` while its broker is down (reads
 /// failing), then while its app is down (the gate closed).
 async fn readyz_with(readiness: Readiness) -> (u16, u16) {
-    let mut redis = PrivateRedis::start().await;
-    let mut fixture = Fixture::redis();
-    fixture.url = SourceUrl::parse(&redis.url()).unwrap();
-    let app = TestApp::start().await;
-    let mut config = run_config(&fixture, &app, fast_policy());
-    config.readiness = readiness;
-    let running = Running::start(config).await;
-    let source = fixture.open().await;
-    fixture.send(&source, "first").await;
-    wait_for(
-        "the first message delivered and ready",
-        SETTLE,
-        async || {
-            app.received_body(b"first").len() == 1 && readyz(running.metrics_addr).await == 200
-        },
-    )
-    .await;
-
+    let (mut redis, fixture, app, running) = delivering(readiness).await;
     redis.kill9();
     wait_for("failed reads counted", SETTLE, async || {
         let text = scrape(running.metrics_addr).await;

@@ -159,6 +159,16 @@ impl TestApp {
         self.received.lock().unwrap().clone()
     }
 
+    /// Distinct bodies among `bodies` that the app has seen.
+    pub fn reached(&self, bodies: &std::collections::HashSet<String>) -> usize {
+        self.received()
+            .iter()
+            .filter_map(|r| std::str::from_utf8(&r.body).ok())
+            .filter(|b| bodies.contains(*b))
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+    }
+
     /// Requests whose body is exactly `body`, in arrival order.
     pub fn received_body(&self, body: &[u8]) -> Vec<Received> {
         self.received()

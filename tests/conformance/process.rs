@@ -40,16 +40,6 @@ struct Sent {
     kind: Kind,
 }
 
-/// Distinct bodies among `bodies` that the app has seen.
-fn reached(app: &TestApp, bodies: &HashSet<String>) -> usize {
-    app.received()
-        .iter()
-        .filter_map(|r| std::str::from_utf8(&r.body).ok())
-        .filter(|b| bodies.contains(*b))
-        .collect::<HashSet<_>>()
-        .len()
-}
-
 async fn depth(fixture: &Fixture) -> Depth {
     let source = fixture.open().await;
     let depth = source.depth().await.expect("depth");
@@ -191,11 +181,11 @@ pub async fn crash_mid_flight_with(fixture: Fixture, restart: Restart) {
 
     let mut first = CourierProcess::run(&args(first_consumer));
     wait_for("some messages to reach the app", SETTLE, async || {
-        reached(&app, &bodies) >= MESSAGES / 4
+        app.reached(&bodies) >= MESSAGES / 4
     })
     .await;
     first.kill9();
-    let before = reached(&app, &bodies);
+    let before = app.reached(&bodies);
     assert!(
         before < MESSAGES,
         "everything was delivered before the kill; nothing was mid-flight"
@@ -215,7 +205,7 @@ pub async fn crash_mid_flight_with(fixture: Fixture, restart: Restart) {
         &mut second,
         &fixture,
         at_kill.ready + at_kill.pending + at_kill.retry_backlog,
-        || reached(&app, &bodies) == MESSAGES,
+        || app.reached(&bodies) == MESSAGES,
     )
     .await;
 

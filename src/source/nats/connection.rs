@@ -20,7 +20,7 @@ use async_nats::jetstream::stream::{
     Config as StreamConfig, ConsumerError, ConsumerErrorKind, DeleteMessageError,
     DeleteMessageErrorKind, RawMessageError, RawMessageErrorKind, RetentionPolicy, StorageType,
 };
-use async_nats::{ConnectErrorKind, ConnectOptions};
+use async_nats::{ConnectErrorKind, ConnectOptions, ServerAddr};
 
 use super::NatsSource;
 use super::dead_letters::dead_letter_stream;
@@ -31,15 +31,36 @@ use crate::source::{LiveSettings, SourceError, SourceOptions};
 
 /// Checks a `nats://` URL at start.
 pub fn check_url(text: &str) -> Result<(), String> {
-    async_nats::ServerAddr::from_str(text)
-        .map(drop)
-        .map_err(|e| {
-            format!(
-                "{}: {}; write it like nats://host:4222 or nats://user:pass@host:4222",
-                redact(text),
-                redact_error(text, e)
-            )
+    server_addrs(text).map(drop)
+}
+
+/// The servers of a `nats://` URL: one, or several separated by commas as
+/// the NATS tools write a cluster (`nats://h1:4222,h2:4222,h3:4222`). A
+/// server written without a scheme takes the first one's; the credentials
+/// are the first ones given. The client connects to any of them and
+/// reconnects to another when its server goes away.
+pub(super) fn server_addrs(text: &str) -> Result<Vec<ServerAddr>, String> {
+    let scheme = text.split_once("://").map_or("nats", |(scheme, _)| scheme);
+    let refused = |why: String| {
+        format!(
+            "{}: {why}; write it like nats://host:4222, nats://user:pass@host:4222, or nats://h1:4222,h2:4222,h3:4222 for a cluster",
+            redact(text)
+        )
+    };
+    text.split(',')
+        .map(str::trim)
+        .map(|server| {
+            if server.is_empty() || server.ends_with("://") {
+                return Err(refused("an empty server in the list".into()));
+            }
+            let full = if server.contains("://") {
+                server.to_string()
+            } else {
+                format!("{scheme}://{server}")
+            };
+            ServerAddr::from_str(&full).map_err(|e| refused(redact_error(&full, e)))
         })
+        .collect()
 }
 
 pub(super) fn check_stream_name(name: &str) -> Result<(), SourceError> {
@@ -138,11 +159,14 @@ impl NatsSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let redacted = redact(url);
         check_stream_name(&options.queue)?;
-        let addr = async_nats::ServerAddr::from_str(url).map_err(|e| {
-            SourceError::Invalid(format!("--source {redacted}: {}", redact_error(url, e)))
-        })?;
+        let servers =
+            server_addrs(url).map_err(|e| SourceError::Invalid(format!("--source {e}")))?;
+        let credentials = servers
+            .iter()
+            .find(|addr| addr.username().is_some())
+            .map(|addr| (addr.username(), addr.password()));
         // async-nats does not read credentials from the URL itself.
-        let connect = match (addr.username(), addr.password()) {
+        let connect = match credentials.unwrap_or((None, None)) {
             (Some(user), Some(pass)) => {
                 ConnectOptions::with_user_and_password(percent_decode(user), percent_decode(pass))
             }
@@ -156,12 +180,12 @@ impl NatsSource {
             None => connect,
         };
         let client = connect
-            .require_tls(addr.tls_required())
+            .require_tls(servers.iter().any(ServerAddr::tls_required))
             .name(format!("courier {} ({})", options.consumer, options.queue))
             .ping_interval(Duration::from_secs(10))
             .connection_timeout(Duration::from_secs(5))
             .max_reconnects(None)
-            .connect(url)
+            .connect(servers)
             .await
             .map_err(|e| match e.kind() {
                 ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
@@ -397,6 +421,28 @@ fn millis(duration: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cluster_url_lists_its_servers() {
+        let servers = server_addrs("nats://u:p@h1:4222,h2:4223, nats://h3:4224").unwrap();
+        let hosts: Vec<(String, u16)> = servers
+            .iter()
+            .map(|s| (s.host().to_string(), s.port()))
+            .collect();
+        assert_eq!(
+            hosts,
+            [
+                ("h1".into(), 4222),
+                ("h2".into(), 4223),
+                ("h3".into(), 4224)
+            ]
+        );
+        assert_eq!(servers[0].username(), Some("u"));
+        assert_eq!(server_addrs("nats://h1:4222").unwrap().len(), 1);
+        let error = server_addrs("nats://u:secret@h1:4222,,h3:4222").unwrap_err();
+        assert!(error.contains("empty server"), "{error}");
+        assert!(!error.contains("secret"), "{error}");
+    }
 
     #[test]
     fn a_queue_must_be_a_stream_name() {

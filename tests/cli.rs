@@ -188,6 +188,38 @@ fn a_source_without_a_scheme_is_refused() {
 }
 
 #[test]
+fn a_queue_type_is_quorum_or_classic() {
+    let stderr = refused_run(&[
+        "--source",
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        "--queue",
+        "orders",
+        "--create",
+        "--queue-type",
+        "lazy",
+    ]);
+    assert_mentions(&stderr, &["--queue-type", "lazy", "quorum", "classic"]);
+}
+
+#[test]
+fn a_nats_server_list_with_an_empty_server_is_refused() {
+    let stderr = refused_run(&[
+        "--source",
+        "nats://user:secret@127.0.0.1:4222,,127.0.0.1:4223",
+        "--queue",
+        "orders",
+    ]);
+    assert_mentions(
+        &stderr,
+        &["--source", "empty server", "nats://h1:4222,h2:4222"],
+    );
+    assert!(
+        !stderr.contains("secret"),
+        "the password is shown:\n{stderr}"
+    );
+}
+
+#[test]
 fn the_queue_is_required() {
     for target in Target::all() {
         let stderr = refused_run(&["--source", &target.source()]);

@@ -8,13 +8,15 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use tokio_util::sync::CancellationToken;
 
 use super::args::{SourceArgs, UsageError, parse_app, parse_size};
 use crate::duration;
 use crate::policy::{self, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
-use crate::source::{SourceOptions, default_consumer_name};
+
+use crate::source::{QueueType, SourceOptions, default_consumer_name};
 use crate::telemetry::Readiness;
 
 #[derive(Debug, Clone, Args)]
@@ -70,8 +72,8 @@ pub struct RunArgs {
     /// one without sending it to the app again. Off when not given.
     #[arg(long, env = "COURIER_DEDUP_WINDOW", value_parser = duration::parse_flag)]
     pub dedup_window: Option<Duration>,
-    /// Create the work queue when it is missing (AMQP: a durable classic queue; NATS: a stream
-    /// capturing the subject of the same name). Without it a missing queue is an error.
+    /// Create the work queue when it is missing (AMQP: a durable queue of --queue-type; NATS: a
+    /// stream capturing the subject of the same name). Without it a missing queue is an error.
     #[arg(long, env = "COURIER_CREATE")]
     pub create: bool,
     /// What /readyz looks at: broker (the source open, the broker connected and
@@ -80,6 +82,15 @@ pub struct RunArgs {
     /// drain). A drain is never ready.
     #[arg(long, env = "COURIER_READINESS", value_enum, default_value_t = Readiness::Broker)]
     pub readiness: Readiness,
+    /// With --create on RabbitMQ: quorum (replicated over the cluster's nodes) or classic.
+    #[arg(
+        long,
+        env = "COURIER_QUEUE_TYPE",
+        default_value = "quorum",
+        value_parser = PossibleValuesParser::new(QueueType::NAMES)
+            .map(|name| name.parse::<QueueType>().expect("one of the names"))
+    )]
+    pub queue_type: QueueType,
 }
 
 /// Checks every flag of `courier run` into the config the sidecar runs with.
@@ -123,6 +134,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         consumer: args.consumer.clone().unwrap_or_else(default_consumer_name),
         visibility_timeout,
         create: args.create,
+        queue_type: args.queue_type,
         max_in_flight: args.concurrency,
         max_deliveries: policy.max_deliveries(),
         max_body: args.max_body,

@@ -41,6 +41,12 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         kind: Kind::Bool,
     },
     Passthrough {
+        annotation: "courier.dev/queue-type",
+        flag: "queue-type",
+        env: "COURIER_QUEUE_TYPE",
+        kind: Kind::OneOf(&crate::source::QueueType::NAMES),
+    },
+    Passthrough {
         annotation: "courier.dev/app-health-path",
         flag: "app-health-path",
         env: "COURIER_APP_HEALTH_PATH",

@@ -113,6 +113,8 @@ pub struct SourceOptions {
     /// Create the work queue (AMQP queue, NATS stream) when it is missing
     /// (`--create`); without it a missing queue is an error that says so.
     pub create: bool,
+    /// What `--create` makes where a broker has more than one kind of queue.
+    pub queue_type: QueueType,
     /// Deliveries this replica has in flight at most (`--concurrency`);
     /// brokers that push (AMQP) prefetch this many.
     pub max_in_flight: usize,
@@ -128,6 +130,43 @@ pub struct SourceOptions {
     /// `--tls-ca-file`, `--tls-cert-file`, `--tls-key-file`, read and
     /// checked; empty unless the URL's scheme is a TLS one.
     pub tls: Tls,
+}
+
+/// The kind of work queue `--create` makes on a broker that has more than
+/// one (`--queue-type`). RabbitMQ: a quorum queue, replicated over the
+/// cluster's nodes, unless classic is asked for. Other brokers have one
+/// kind and ignore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueType {
+    #[default]
+    Quorum,
+    Classic,
+}
+
+impl QueueType {
+    /// Every value `--queue-type` takes, as it is written.
+    pub const NAMES: [&'static str; 2] = ["quorum", "classic"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Quorum => "quorum",
+            Self::Classic => "classic",
+        }
+    }
+}
+
+impl std::str::FromStr for QueueType {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "quorum" => Ok(Self::Quorum),
+            "classic" => Ok(Self::Classic),
+            _ => Err(format!(
+                "{text:?} is not a queue type; write quorum or classic"
+            )),
+        }
+    }
 }
 
 /// What a live policy change means to an open source: the values it
@@ -164,6 +203,7 @@ impl SourceOptions {
             visibility_timeout: Duration::from_secs(60),
             dead_letter_queue: crate::model::default_dead_letter_queue(queue),
             create: false,
+            queue_type: QueueType::default(),
             max_in_flight: 16,
             max_deliveries: 7,
             max_body: 4 << 20,

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use super::convert::fields_of;
 use super::errors::{broker_error, lost, short};
+use super::queues::QueueKind;
 use super::session::Session;
 use super::{AmqpSource, CONNECT_TIMEOUT, FRAME_MAX, new_id, queue_state};
 use crate::model::Delivery;
@@ -162,7 +163,13 @@ impl AmqpSource {
             state: self.state.clone(),
         };
         if let Err(e) = session
-            .require(&self.options.queue, self.options.create, &self.uri.vhost)
+            .require(
+                &self.options.queue,
+                self.options
+                    .create
+                    .then(|| QueueKind::from(self.options.queue_type)),
+                &self.uri.vhost,
+            )
             .await
         {
             session.retire();

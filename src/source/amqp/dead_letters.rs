@@ -206,7 +206,7 @@ impl AmqpSource {
     ) -> Result<(), SourceError> {
         let session = self.session().await?;
         session
-            .require(&self.options.queue, false, &self.uri.vhost)
+            .require(&self.options.queue, None, &self.uri.vhost)
             .await?;
         self.take_dead_letter(dead_letter_queue, &letter.id, |found| async {
             let stored = dead_letter_of(&found);

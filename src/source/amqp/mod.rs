@@ -2,7 +2,9 @@
 //!
 //! - `--queue` is a queue that must exist (classic or quorum, with whatever
 //!   arguments it was declared with): courier only declares it passively and
-//!   creates it, durable and without arguments, when `--create` is given.
+//!   creates it, durable, when `--create` is given: a quorum queue with a
+//!   delivery limit courier never reaches, or a classic one without
+//!   arguments with `--queue-type classic` (`queues.rs`).
 //! - One connection with three channels: a consumer channel (manual acks,
 //!   prefetch = `--concurrency`), a publisher channel in confirm mode, and an
 //!   admin channel for declares. Frames are at most 16 KiB (lapin's buffers
@@ -301,7 +303,7 @@ impl Source for AmqpSource {
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         let session = self.session().await?;
         session
-            .require(&self.options.queue, false, &self.uri.vhost)
+            .require(&self.options.queue, None, &self.uri.vhost)
             .await?;
         let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
         fields.extend(

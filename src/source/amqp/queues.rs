@@ -38,7 +38,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use super::convert::header;
 use super::errors::{broker_error, is_soft};
 use super::session::Session;
-use crate::source::SourceError;
+use crate::source::{QueueType, SourceError};
 
 /// The delivery counter quorum queues add to every delivery.
 pub(super) const DELIVERY_COUNT: &str = "x-delivery-count";
@@ -49,13 +49,47 @@ pub(super) const DELIVERY_COUNT: &str = "x-delivery-count";
 /// drop dead letters that were only looked at.
 const DEAD_LETTER_DELIVERY_LIMIT: i64 = 1_000_000_000;
 
+/// The delivery limit of a quorum work queue courier creates. courier
+/// re-publishes every redelivery it sees, which starts the broker's count
+/// again, but a delivery handed back while its re-publish keeps failing (a
+/// broker short of disk), or returned while no courier runs, counts up; so
+/// the limit is set far above anything courier's own poison-pill limit
+/// (`maxAttempts + 2`) can reach, instead of RabbitMQ 4's default of 20,
+/// which would drop the message: courier's work queue has no dead-letter
+/// target of the broker's, courier dead-letters itself.
+const WORK_QUEUE_DELIVERY_LIMIT: i64 = DEAD_LETTER_DELIVERY_LIMIT;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum QueueKind {
     Classic,
     Quorum,
 }
 
+impl From<QueueType> for QueueKind {
+    fn from(queue_type: QueueType) -> Self {
+        match queue_type {
+            QueueType::Quorum => Self::Quorum,
+            QueueType::Classic => Self::Classic,
+        }
+    }
+}
+
 impl QueueKind {
+    /// A work queue courier creates because none exists (`--create`).
+    pub(super) fn work_queue_arguments(self) -> FieldTable {
+        self.with_delivery_limit(WORK_QUEUE_DELIVERY_LIMIT)
+    }
+
+    /// This kind's arguments; a quorum queue's with `limit` as its
+    /// `x-delivery-limit`.
+    fn with_delivery_limit(self, limit: i64) -> FieldTable {
+        let mut args = self.arguments();
+        if self == Self::Quorum {
+            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+        }
+        args
+    }
+
     /// Quorum when a delivery shows it came from a quorum queue; `None`
     /// when it cannot tell.
     pub(super) fn seen_in(properties: &BasicProperties) -> Option<Self> {
@@ -132,14 +166,7 @@ impl QueueKind {
 
     /// A dead-letter queue courier creates because none exists.
     pub(super) fn dead_letter_arguments(self) -> FieldTable {
-        let mut args = self.arguments();
-        if self == Self::Quorum {
-            args.insert(
-                "x-delivery-limit".into(),
-                AMQPValue::LongLongInt(DEAD_LETTER_DELIVERY_LIMIT),
-            );
-        }
-        args
+        self.with_delivery_limit(DEAD_LETTER_DELIVERY_LIMIT)
     }
 }
 
@@ -156,6 +183,12 @@ mod tests {
         assert_eq!(QueueKind::seen_in(&BasicProperties::default()), None);
         let tier = QueueKind::Quorum.tier_arguments(Duration::from_secs(1), "orders");
         assert!(tier.inner().contains_key("x-dead-letter-strategy"));
+        let created = QueueKind::from(QueueType::default()).work_queue_arguments();
+        assert_eq!(
+            created.inner().get("x-delivery-limit"),
+            Some(&AMQPValue::LongLongInt(WORK_QUEUE_DELIVERY_LIMIT))
+        );
+        assert!(QueueKind::Classic.work_queue_arguments().inner().is_empty());
         assert!(
             !QueueKind::Classic
                 .tier_arguments(Duration::from_secs(1), "orders")

@@ -198,22 +198,22 @@ impl Session {
         self.declare(queue, kind.dead_letter_arguments()).await
     }
 
-    /// A queue that must exist; one that is missing is declared durable with
-    /// no arguments when `create`, an error otherwise.
+    /// A queue that must exist; one that is missing is declared durable, of
+    /// the kind `create` names (`--create`), else it is an error.
     pub(super) async fn require(
         &self,
         queue: &str,
-        create: bool,
+        create: Option<QueueKind>,
         vhost: &str,
     ) -> Result<(), SourceError> {
         if self.is_known(queue) || self.passive_count(queue).await?.is_some() {
             return Ok(());
         }
-        if create {
-            return self.declare(queue, FieldTable::default()).await;
+        if let Some(kind) = create {
+            return self.declare(queue, kind.work_queue_arguments()).await;
         }
         Err(SourceError::Invalid(format!(
-            "queue {queue:?} does not exist in vhost {vhost:?}; declare it (classic or quorum, durable), or start `courier run` with --create to declare a durable classic queue"
+            "queue {queue:?} does not exist in vhost {vhost:?}; declare it (quorum or classic, durable), or start `courier run` with --create to declare a durable quorum queue (--queue-type classic for a classic one)"
         )))
     }
 

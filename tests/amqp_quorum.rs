@@ -5,8 +5,7 @@
 //! declaration with the same arguments is accepted, any other is refused.
 //! A three-node cluster takes minutes to start here (docs/scaling.md), so
 //! the quorum queue's behaviour under a kill is tested on the shared node
-//! (tests/replicas.rs, and the conformance suite, whose RabbitMQ queues are
-//! created quorum).
+//! (tests/replicas.rs).
 
 mod common;
 

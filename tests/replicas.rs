@@ -54,6 +54,8 @@ async fn three_replicas_divide_the_work_and_survive_a_kill(fixture: Fixture) {
         dir.path(),
         "maxAttempts: 10\ntimeout: 1s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
     );
+    // The queue as `courier run --create` makes it: quorum on RabbitMQ.
+    drop(fixture.open_as_created().await);
     let producer = fixture.producer().await;
     let mut apps = Vec::new();
     let mut replicas = Vec::new();

@@ -15,32 +15,44 @@ use std::time::Duration;
 use bytes::Bytes;
 use courier::source::{Source, SourceUrl};
 
-use super::{AMQP_URL, Fixture, NATS_URL, REDIS_URL, unique};
+use super::{
+    AMQP_URL, Fixture, NATS_URL, REDIS_CLUSTER_PORT, REDIS_CLUSTER_URL, REDIS_URL, unique,
+};
 
 /// A broker the tests have a fixture for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BrokerKind {
     Redis,
+    /// Redis again, as a Redis Cluster (`redis+cluster://`).
+    RedisCluster,
     Amqp,
     Nats,
     Embedded,
 }
 
 impl BrokerKind {
-    pub const ALL: [BrokerKind; 4] = [Self::Redis, Self::Amqp, Self::Nats, Self::Embedded];
+    pub const ALL: [BrokerKind; 5] = [
+        Self::Redis,
+        Self::RedisCluster,
+        Self::Amqp,
+        Self::Nats,
+        Self::Embedded,
+    ];
 
     /// The name `courier::source::Broker::name` gives this broker.
     pub fn name(self) -> &'static str {
         match self {
             Self::Redis => Redis::NAME,
+            Self::RedisCluster => RedisCluster::NAME,
             Self::Amqp => Amqp::NAME,
             Self::Nats => Nats::NAME,
             Self::Embedded => Embedded::NAME,
         }
     }
 
-    /// The kind of the broker courier names `name`; `None` when the tests
-    /// have no fixture for it.
+    /// The kind of the broker courier names `name` (the first, where one
+    /// broker has several kinds); `None` when the tests have no fixture for
+    /// it.
     pub fn of(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|kind| kind.name() == name)
     }
@@ -49,6 +61,10 @@ impl BrokerKind {
     /// tests have no fixture for it.
     pub fn of_url(url: &SourceUrl) -> Self {
         let name = url.broker().name;
+        let scheme = url.as_str().split("://").next().unwrap_or_default();
+        if scheme.ends_with("+cluster") {
+            return Self::RedisCluster;
+        }
         Self::of(name).unwrap_or_else(|| {
             panic!("no test fixture for broker {name:?}: add one to tests/common/brokers.rs")
         })
@@ -58,6 +74,7 @@ impl BrokerKind {
     pub fn fixture(self) -> Fixture {
         match self {
             Self::Redis => Redis::fixture(),
+            Self::RedisCluster => RedisCluster::fixture(),
             Self::Amqp => Amqp::fixture(),
             Self::Nats => Nats::fixture(),
             Self::Embedded => Embedded::fixture(),
@@ -68,6 +85,7 @@ impl BrokerKind {
     pub async fn producer(self, fixture: &Fixture) -> Producer {
         match self {
             Self::Redis => Redis::producer(fixture).await,
+            Self::RedisCluster => RedisCluster::producer(fixture).await,
             Self::Amqp => Amqp::producer(fixture).await,
             Self::Nats => Nats::producer(fixture).await,
             Self::Embedded => Embedded::producer(fixture).await,
@@ -78,6 +96,7 @@ impl BrokerKind {
     pub async fn read_dead_letters(self, fixture: &Fixture) -> Vec<PlainLetter> {
         match self {
             Self::Redis => Redis::read_dead_letters(fixture).await,
+            Self::RedisCluster => RedisCluster::read_dead_letters(fixture).await,
             Self::Amqp => Amqp::read_dead_letters(fixture).await,
             Self::Nats => Nats::read_dead_letters(fixture).await,
             Self::Embedded => Embedded::read_dead_letters(fixture).await,
@@ -90,7 +109,7 @@ impl BrokerKind {
     /// NATS), a crash between them leaves a copy behind: at least once.
     pub fn moves_atomically(self) -> bool {
         match self {
-            Self::Redis | Self::Embedded => true,
+            Self::Redis | Self::RedisCluster | Self::Embedded => true,
             Self::Amqp | Self::Nats => false,
         }
     }
@@ -103,7 +122,7 @@ impl BrokerKind {
     /// its guarantee is a time, so this waits out five such windows.
     pub async fn handed_out_durably(self, handed_out_by: std::time::Instant) {
         match self {
-            Self::Redis | Self::Amqp | Self::Nats => {}
+            Self::Redis | Self::RedisCluster | Self::Amqp | Self::Nats => {}
             Self::Embedded => {
                 tokio::time::sleep_until((handed_out_by + Duration::from_millis(100)).into()).await;
             }
@@ -114,6 +133,7 @@ impl BrokerKind {
     pub async fn clean_up(self, url: &str, queue: &str) {
         match self {
             Self::Redis => Redis::clean_up(url, queue).await,
+            Self::RedisCluster => RedisCluster::clean_up(url, queue).await,
             Self::Amqp => Amqp::clean_up(url, queue).await,
             Self::Nats => Nats::clean_up(url, queue).await,
             Self::Embedded => Embedded::clean_up(url, queue).await,
@@ -141,6 +161,7 @@ pub trait BrokerFixture {
 type RawField = (Vec<u8>, Vec<u8>);
 
 pub struct Redis;
+pub struct RedisCluster;
 pub struct Amqp;
 pub struct Nats;
 pub struct Embedded;
@@ -159,9 +180,7 @@ impl BrokerFixture for Redis {
     }
 
     async fn producer(fixture: &Fixture) -> Producer {
-        let client = ::redis::Client::open(fixture.url.as_str()).expect("a Redis URL");
-        let connection = client
-            .get_multiplexed_async_connection()
+        let connection = RedisConnection::open(fixture.url.as_str())
             .await
             .expect("connect to Redis");
         Producer::Redis {
@@ -172,9 +191,7 @@ impl BrokerFixture for Redis {
 
     /// `XRANGE <queue>.dlq - +`.
     async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
-        let client = ::redis::Client::open(fixture.url.as_str()).expect("a Redis URL");
-        let mut con = client
-            .get_multiplexed_async_connection()
+        let mut con = RedisConnection::open(fixture.url.as_str())
             .await
             .expect("connect to Redis");
         let entries: Vec<(String, Vec<RawField>)> = ::redis::cmd("XRANGE")
@@ -206,10 +223,7 @@ impl BrokerFixture for Redis {
     /// The stream, its dead-letter stream, the retry schedule and dedup keys
     /// all start with the queue's name, which is unique to the test.
     async fn clean_up(url: &str, queue: &str) {
-        let Ok(client) = ::redis::Client::open(url) else {
-            return;
-        };
-        let Ok(mut con) = client.get_multiplexed_async_connection().await else {
+        let Ok(mut con) = RedisConnection::open(url).await else {
             return;
         };
         let keys: Vec<String> = ::redis::cmd("KEYS")
@@ -219,6 +233,109 @@ impl BrokerFixture for Redis {
             .unwrap_or_default();
         if !keys.is_empty() {
             let _: Result<i64, _> = ::redis::cmd("DEL").arg(keys).query_async(&mut con).await;
+        }
+    }
+}
+
+/// The Redis Cluster `scripts/services` starts, reached through a node that
+/// does not own the queue's hash slot: every command courier sends for the
+/// queue is redirected (MOVED) to another node.
+impl BrokerFixture for RedisCluster {
+    const NAME: &'static str = "redis";
+
+    fn fixture() -> Fixture {
+        Fixture::with_cleanup(Self::NAME, REDIS_CLUSTER_URL, queue_on_another_node())
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        Redis::producer(fixture).await
+    }
+
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        Redis::read_dead_letters(fixture).await
+    }
+
+    /// The queue's keys share its hash slot, so one node holds them all.
+    async fn clean_up(url: &str, queue: &str) {
+        Redis::clean_up(url, queue).await
+    }
+}
+
+/// A hash-tagged queue name (a cluster refuses one without a tag) whose slot
+/// the node at [`REDIS_CLUSTER_URL`] does not own: that node answers MOVED
+/// when asked about it.
+pub fn queue_on_another_node() -> String {
+    let node = format!("redis://127.0.0.1:{REDIS_CLUSTER_PORT}");
+    let mut con = ::redis::Client::open(node.as_str())
+        .and_then(|client| client.get_connection())
+        .unwrap_or_else(|e| {
+            panic!("connect to the Redis Cluster node at {node} (scripts/services starts it): {e}")
+        });
+    loop {
+        let queue = format!("{{{}}}", unique("test"));
+        match ::redis::cmd("TYPE").arg(&queue).query::<String>(&mut con) {
+            Ok(_) => continue,
+            Err(e) if e.code() == Some("MOVED") => return queue,
+            Err(e) => panic!("TYPE {queue} on {node}: {e}"),
+        }
+    }
+}
+
+/// A plain redis-rs connection to one server or to a Redis Cluster, as an
+/// application would open one.
+#[derive(Clone)]
+pub enum RedisConnection {
+    Node(::redis::aio::MultiplexedConnection),
+    Cluster(::redis::cluster_async::ClusterConnection),
+}
+
+impl RedisConnection {
+    /// `redis://…`, or `redis+cluster://host:port[,host:port]`.
+    pub async fn open(url: &str) -> ::redis::RedisResult<Self> {
+        match url.strip_prefix("redis+cluster://") {
+            Some(hosts) => {
+                let nodes = hosts
+                    .trim_end_matches('/')
+                    .split(',')
+                    .map(|host| format!("redis://{host}"));
+                let client = ::redis::cluster::ClusterClient::new(nodes)?;
+                Ok(Self::Cluster(client.get_async_connection().await?))
+            }
+            None => {
+                let client = ::redis::Client::open(url)?;
+                Ok(Self::Node(client.get_multiplexed_async_connection().await?))
+            }
+        }
+    }
+}
+
+impl ::redis::aio::ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a ::redis::Cmd,
+    ) -> ::redis::RedisFuture<'a, ::redis::Value> {
+        match self {
+            Self::Node(con) => con.req_packed_command(cmd),
+            Self::Cluster(con) => con.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a ::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> ::redis::RedisFuture<'a, Vec<::redis::Value>> {
+        match self {
+            Self::Node(con) => con.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(con) => con.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Node(con) => con.get_db(),
+            Self::Cluster(con) => con.get_db(),
         }
     }
 }
@@ -430,7 +547,7 @@ impl PlainLetter {
 /// `courier-message-id`.
 pub enum Producer {
     Redis {
-        connection: ::redis::aio::MultiplexedConnection,
+        connection: RedisConnection,
         queue: String,
     },
     Amqp {

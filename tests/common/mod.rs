@@ -28,6 +28,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+/// The first node of the Redis Cluster (3 masters, 3 replicas on
+/// 17101-17106) that `scripts/services` starts.
+pub const REDIS_CLUSTER_PORT: u16 = 17101;
+pub const REDIS_CLUSTER_URL: &str = "redis+cluster://127.0.0.1:17101";
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const NATS_URL: &str = "nats://127.0.0.1:4222";
 
@@ -190,7 +194,7 @@ mod brokers;
 #[allow(unused_imports)]
 pub use brokers::{
     Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Nats, PlainLetter, Producer, Redis,
-    declare_amqp_quorum,
+    RedisCluster, RedisConnection, declare_amqp_quorum, queue_on_another_node,
 };
 
 /// A source under test, with a fresh queue of its own.

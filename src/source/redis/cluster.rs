@@ -1,6 +1,6 @@
 //! Redis Cluster: the keys one settlement touches must share a hash slot.
 
-use redis::aio::ConnectionManager;
+use super::connection::Connection;
 
 use super::broker_error;
 use crate::source::SourceError;
@@ -15,7 +15,7 @@ pub(super) fn hash_tag(key: &str) -> Option<&str> {
 }
 
 /// Whether the server is a Redis Cluster node.
-pub(super) async fn is_cluster(con: &mut ConnectionManager) -> Result<bool, SourceError> {
+pub(super) async fn is_cluster(con: &mut Connection) -> Result<bool, SourceError> {
     let info: String = redis::cmd("INFO")
         .arg("cluster")
         .query_async(con)

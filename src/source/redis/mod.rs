@@ -20,8 +20,12 @@
 //!
 //! Derived keys append to the queue name, so a hash-tagged name like
 //! `{orders}` keeps `{orders}.retry` and `{orders}.dlq` in its slot.
+//!
+//! A single node, a Redis Cluster and a master found through Sentinel are
+//! reached through one [`connection::Connection`] (`connection.rs`).
 
 mod cluster;
+mod connection;
 mod depth;
 mod entries;
 mod letters;
@@ -38,7 +42,6 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::Value;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::Mutex;
 
 use super::shared::{RECEIVE_WAIT, Seal};
@@ -46,15 +49,25 @@ use super::{
     Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
 };
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
+use connection::{Connection, Endpoint};
 use reader::Reader;
 
-/// Redis Streams: `redis://host:port/db` (`rediss://` for TLS).
+/// Redis Streams on one server (`redis://host:port/db`, `rediss://` for
+/// TLS), a Redis Cluster (`redis+cluster://`) or the master of a set of
+/// Sentinels (`redis+sentinel://`).
 pub const BROKER: Broker = Broker {
     name: "redis",
-    schemes: &["redis", "rediss"],
-    tls_schemes: &["rediss"],
-    url_form: "redis://host:port/db",
-    check_url: |_| Ok(()),
+    schemes: &[
+        "redis",
+        "rediss",
+        "redis+cluster",
+        "rediss+cluster",
+        "redis+sentinel",
+        "rediss+sentinel",
+    ],
+    tls_schemes: &["rediss", "rediss+cluster", "rediss+sentinel"],
+    url_form: connection::URL_FORMS,
+    check_url: |url| Endpoint::parse(url).map(drop),
     open: |url, options| {
         Box::pin(async move {
             Ok(Arc::new(RedisSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
@@ -71,7 +84,7 @@ pub struct RedisSource {
     /// The server is a Redis Cluster node: a dead-letter queue must share
     /// the queue's hash slot.
     cluster: bool,
-    commands: ConnectionManager,
+    commands: Connection,
     reader: Mutex<Reader>,
     acks: Batcher<String>,
     retry_key: String,
@@ -90,39 +103,28 @@ fn broker_error(e: redis::RedisError) -> SourceError {
 
 impl RedisSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        // Nagle's algorithm with delayed ACKs holds small commands (an XACK,
-        // a blocking read's reply) for up to 40 ms; redis-rs leaves it on.
-        let client = redis::IntoConnectionInfo::into_connection_info(url)
-            .map(|info| {
-                info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
-            })
-            .and_then(|info| tls::client(info, &options.tls))
-            .map_err(|e| {
-                SourceError::Invalid(format!(
-                    "--source {}: {}",
-                    super::redact(url),
-                    super::redact_error(url, e)
-                ))
-            })?;
-        let base = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(3)
-            .set_max_delay(Duration::from_secs(2));
-        let commands = client
-            .get_connection_manager_with_config(
-                base.clone()
-                    .set_response_timeout(Some(Duration::from_secs(10))),
-            )
+        let endpoint = Endpoint::parse(url).map_err(SourceError::Invalid)?;
+        // A client the TLS files cannot make is bad configuration, not an
+        // outage.
+        let unavailable = |e: redis::RedisError| {
+            let text = format!("{}: {}", super::redact(url), super::redact_error(url, &e));
+            match e.kind() {
+                redis::ErrorKind::InvalidClientConfig => SourceError::Invalid(text),
+                _ => SourceError::Unavailable(text),
+            }
+        };
+        let commands = endpoint
+            .connect(Duration::from_secs(10), &options.tls)
             .await
-            .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
-        let reader = client
-            .get_connection_manager_with_config(
-                base.set_response_timeout(Some(RECEIVE_WAIT + Duration::from_secs(10))),
-            )
+            .map_err(unavailable)?;
+        // Reads get a connection of their own, whose replies may take as
+        // long as a read waits.
+        let reader = endpoint
+            .connect(RECEIVE_WAIT + Duration::from_secs(10), &options.tls)
             .await
-            .map_err(|e| SourceError::Unavailable(format!("{}: {e}", super::redact(url))))?;
+            .map_err(unavailable)?;
         let mut con = commands.clone();
-        let cluster = cluster::is_cluster(&mut con).await?;
+        let cluster = endpoint.is_cluster() || cluster::is_cluster(&mut con).await?;
         if cluster
             && let Some(problem) = cluster::slot_problem(&options.queue, &options.dead_letter_queue)
         {
@@ -182,7 +184,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'NX')
 return redis.call('GET', KEYS[1])
 ";
 
-async fn seal_of(con: &mut ConnectionManager, queue: &str) -> Result<Seal, SourceError> {
+async fn seal_of(con: &mut Connection, queue: &str) -> Result<Seal, SourceError> {
     let key = format!("{queue}.courier-key");
     let secret: Vec<u8> = redis::Script::new(SEAL_KEY)
         .key(&key)

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use super::connection::Connection;
 use bytes::Bytes;
-use redis::aio::ConnectionManager;
 use redis::{Script, Value};
 
 use super::RedisSource;
@@ -82,7 +82,7 @@ impl Throttle {
 }
 
 struct Mover {
-    con: ConnectionManager,
+    con: Connection,
     retry_key: String,
     queue: String,
     live: Arc<Mutex<LiveSettings>>,

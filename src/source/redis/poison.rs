@@ -11,7 +11,7 @@
 
 use std::sync::LazyLock;
 
-use redis::aio::ConnectionManager;
+use super::connection::Connection;
 use redis::{Script, Value};
 
 use super::entries::{Entry, parse_entries};
@@ -197,7 +197,7 @@ impl RedisSource {
     /// returns how many.
     pub(super) async fn dead_letter_pending(
         &self,
-        con: &mut ConnectionManager,
+        con: &mut Connection,
         pending: Pending<'_>,
     ) -> Result<u64, SourceError> {
         let live = self.live();
@@ -225,7 +225,7 @@ impl RedisSource {
     /// dead-lettered inside Redis.
     pub(super) async fn read_bounded(
         &self,
-        con: &mut ConnectionManager,
+        con: &mut Connection,
         max: usize,
     ) -> Result<Vec<Entry>, SourceError> {
         let live = self.live();

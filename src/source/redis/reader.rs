@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use super::connection::Connection;
 use redis::Value;
-use redis::aio::ConnectionManager;
 
 use super::entries::{as_u64, parse_entries, parse_read_reply};
 use super::mover::Throttle;
@@ -19,7 +19,7 @@ use crate::source::shared::RECEIVE_WAIT;
 const POLL_MAX: Duration = Duration::from_millis(20);
 
 pub(super) struct Reader {
-    pub(super) connection: ConnectionManager,
+    pub(super) connection: Connection,
     /// After a restart, this consumer's own pending entries come first.
     history_done: bool,
     /// The last history entry handed out: the next history read starts
@@ -31,7 +31,7 @@ pub(super) struct Reader {
 }
 
 impl Reader {
-    pub(super) fn new(connection: ConnectionManager) -> Self {
+    pub(super) fn new(connection: Connection) -> Self {
         Self {
             connection,
             history_done: false,

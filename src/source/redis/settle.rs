@@ -3,8 +3,8 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use super::connection::Connection;
 use bytes::Bytes;
-use redis::aio::ConnectionManager;
 use redis::{Script, Value};
 
 use super::{RedisSource, broker_error};
@@ -12,11 +12,7 @@ use crate::model::{Delivery, Failure, PAYLOAD};
 use crate::source::{Batcher, SourceError, encode_fields};
 
 /// Concurrent acks become one `XACK` with many ids.
-pub(super) fn ack_batcher(
-    commands: &ConnectionManager,
-    stream: &str,
-    group: &str,
-) -> Batcher<String> {
+pub(super) fn ack_batcher(commands: &Connection, stream: &str, group: &str) -> Batcher<String> {
     let con = commands.clone();
     let stream = stream.to_string();
     let group = group.to_string();

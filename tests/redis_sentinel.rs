@@ -1,0 +1,326 @@
+//! Redis Sentinel (`redis+sentinel://host:port[,host:port]/MASTER_NAME/DB`):
+//! courier asks the Sentinels for the master and follows a failover to the
+//! new one. The test starts its own master, replica and three Sentinels on
+//! free ports in 17110-17129; the shared Redis is never touched.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const MASTER_NAME: &str = "courier";
+
+/// A master, its replica and three Sentinels (quorum 2) watching it, with
+/// a 1 s down-after so a failover takes seconds.
+struct SentinelSet {
+    master: u16,
+    replica: u16,
+    sentinels: Vec<u16>,
+    children: Vec<Option<Child>>,
+    dir: tempfile::TempDir,
+}
+
+/// `n` ports in 17110-17129 that nothing listens on.
+fn free_ports(n: usize) -> Vec<u16> {
+    let ports: Vec<u16> = (17110..=17129)
+        .filter(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .take(n)
+        .collect();
+    assert_eq!(ports.len(), n, "{n} free ports in 17110-17129");
+    ports
+}
+
+impl SentinelSet {
+    async fn start() -> Self {
+        let ports = free_ports(5);
+        let dir = tempfile::tempdir().unwrap();
+        let mut set = Self {
+            master: ports[0],
+            replica: ports[1],
+            sentinels: ports[2..].to_vec(),
+            children: Vec::new(),
+            dir,
+        };
+        let (master, replica) = (set.master, set.replica);
+        set.spawn_server(master, &[]);
+        set.spawn_server(replica, &["--replicaof", "127.0.0.1", &master.to_string()]);
+        wait_for("the replica to sync", Duration::from_secs(30), async || {
+            info(replica, "replication")
+                .await
+                .contains("master_link_status:up")
+        })
+        .await;
+        for port in set.sentinels.clone() {
+            let config = set.dir.path().join(format!("sentinel-{port}.conf"));
+            std::fs::write(
+                &config,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                     sentinel monitor {MASTER_NAME} 127.0.0.1 {master} 2\n\
+                     sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+                     sentinel failover-timeout {MASTER_NAME} 5000\n",
+                    dir = set.dir.path().display()
+                ),
+            )
+            .unwrap();
+            let log = set.dir.path().join(format!("sentinel-{port}.log"));
+            set.children.push(Some(
+                Command::new("redis-server")
+                    .arg(&config)
+                    .arg("--sentinel")
+                    .args(["--logfile", &log.display().to_string()])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start redis-server --sentinel"),
+            ));
+        }
+        for port in set.sentinels.clone() {
+            wait_for(
+                "a Sentinel to see the replica and the others",
+                Duration::from_secs(30),
+                async || {
+                    let text = info(port, "sentinel").await;
+                    text.contains("status=ok") && text.contains("slaves=1,sentinels=3")
+                },
+            )
+            .await;
+        }
+        set
+    }
+
+    fn spawn_server(&mut self, port: u16, extra: &[&str]) {
+        let log = self.dir.path().join(format!("redis-{port}.log"));
+        self.children.push(Some(
+            Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .args(["--dir", &self.dir.path().display().to_string()])
+                .args(["--logfile", &log.display().to_string()])
+                .args(extra)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server (is it installed?)"),
+        ));
+    }
+
+    fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("redis+sentinel://{}/{MASTER_NAME}/0", hosts.join(","))
+    }
+
+    /// `kill -9` of the master (the first process started).
+    fn kill_master(&mut self) {
+        if let Some(mut child) = self.children[0].take() {
+            child.kill().expect("SIGKILL redis-server");
+            child.wait().expect("reap redis-server");
+        }
+    }
+}
+
+impl Drop for SentinelSet {
+    fn drop(&mut self) {
+        for child in self.children.iter_mut().filter_map(Option::take) {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A plain connection to the server on `port`.
+async fn plain(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to the server")
+}
+
+/// `INFO <section>` of the server on `port`, or nothing.
+async fn info(port: u16, section: &str) -> String {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+        return String::new();
+    };
+    let Ok(mut con) = client.get_multiplexed_async_connection().await else {
+        return String::new();
+    };
+    redis::cmd("INFO")
+        .arg(section)
+        .query_async(&mut con)
+        .await
+        .unwrap_or_default()
+}
+
+/// courier reaches the master through the Sentinels; the master is killed
+/// with `kill -9` while courier drains the queue, the Sentinels promote the
+/// replica, and courier follows: every message is acked or dead-lettered,
+/// none is lost.
+///
+/// Everything is written, and copied to the replica (`WAIT`), before the
+/// kill: Redis replicates asynchronously, so a write the master took in its
+/// last moment may be lost with it. courier's own writes after that are
+/// each one transaction: lost whole, the delivery is handed out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_mid_drain_loses_nothing() {
+    const MESSAGES: usize = 400;
+    let mut set = SentinelSet::start().await;
+    let app = TestApp::start().await;
+    let queue = unique("sentinel");
+    let fixture = Fixture::redis_at(&set.url(), &queue);
+    let source = fixture.open().await;
+    let mut master = plain(set.master).await;
+    let body = |i: usize| match i % 10 {
+        0 => format!("script:503,sleep10\nretried {i}"),
+        1 => format!("script:400\ndead {i}"),
+        _ => format!("script:sleep10\nok {i}"),
+    };
+    for i in 0..MESSAGES {
+        let _: String = redis::cmd("XADD")
+            .arg(&queue)
+            .arg("*")
+            .arg(courier::model::PAYLOAD)
+            .arg(body(i))
+            .query_async(&mut master)
+            .await
+            .unwrap();
+    }
+    let copies: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(10_000)
+        .query_async(&mut master)
+        .await
+        .unwrap();
+    assert_eq!(copies, 1, "the replica has every message before the kill");
+
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for(
+        "a third to be delivered",
+        Duration::from_secs(30),
+        async || app.received().len() >= MESSAGES / 3,
+    )
+    .await;
+    set.kill_master();
+    let killed_at = Instant::now();
+    let delivered_at_kill = app.received().len();
+    wait_for(
+        "the queue to settle after the failover",
+        Duration::from_secs(90),
+        async || {
+            matches!(source.depth().await,
+                Ok(d) if d.ready == 0 && d.pending == 0 && d.retry_backlog == 0)
+        },
+    )
+    .await;
+    let settled_in = killed_at.elapsed();
+    running.stop().await;
+    assert!(
+        delivered_at_kill < MESSAGES,
+        "the kill came after the drain: {delivered_at_kill} delivered"
+    );
+    assert!(
+        info(set.replica, "replication")
+            .await
+            .contains("role:master"),
+        "the replica was promoted"
+    );
+
+    // The dead letters as a plain client reads them on the new master.
+    let mut promoted = plain(set.replica).await;
+    let entries: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = redis::cmd("XRANGE")
+        .arg(fixture.dlq())
+        .arg("-")
+        .arg("+")
+        .query_async(&mut promoted)
+        .await
+        .unwrap();
+    let letters: Vec<String> = entries
+        .into_iter()
+        .filter_map(|(_, fields)| {
+            fields
+                .into_iter()
+                .find(|(name, _)| name == courier::model::PAYLOAD.as_bytes())
+                .map(|(_, body)| String::from_utf8_lossy(&body).into_owned())
+        })
+        .collect();
+    let mut lost = Vec::new();
+    for i in 0..MESSAGES {
+        let body = body(i);
+        let done = match i % 10 {
+            // A 503, then a 200: delivered at least twice.
+            0 => app.received_body(body.as_bytes()).len() >= 2,
+            1 => letters.contains(&body),
+            _ => !app.received_body(body.as_bytes()).is_empty(),
+        };
+        if !done {
+            lost.push(body);
+        }
+    }
+    assert!(lost.is_empty(), "lost {} messages: {lost:?}", lost.len());
+    assert!(
+        letters.iter().all(|l| l.starts_with("script:400")),
+        "only the rejected ones are dead letters: {letters:?}"
+    );
+    eprintln!(
+        "{MESSAGES} messages, {delivered_at_kill} delivered at the kill, settled {settled_in:?} after it, {} deliveries in all",
+        app.received().len()
+    );
+}
+
+/// Sentinels that know no master by the URL's name: courier says so, and
+/// keeps asking (not ready meanwhile) as for any broker it cannot reach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_master_name_is_logged_and_asked_again() {
+    let port = free_ports(1)[0];
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sentinel.conf");
+    std::fs::write(&config, format!("port {port}\nbind 127.0.0.1\n")).unwrap();
+    let mut sentinel = Command::new("redis-server")
+        .arg(&config)
+        .arg("--sentinel")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start redis-server --sentinel");
+    wait_for(
+        "the Sentinel to answer",
+        Duration::from_secs(10),
+        async || info(port, "sentinel").await.contains("sentinel_masters"),
+    )
+    .await;
+    let url = format!("redis+sentinel://127.0.0.1:{port}/nosuchmaster/0");
+    let mut courier = CourierProcess::run(
+        &[
+            "--source",
+            &url,
+            "--queue",
+            "orders",
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        .map(String::from),
+    );
+    let line = courier
+        .wait_log(
+            "cannot open the source; not ready, trying again",
+            Duration::from_secs(20),
+        )
+        .await;
+    let _ = sentinel.kill();
+    let _ = sentinel.wait();
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(r#"knows no master named "nosuchmaster""#),
+        "{line}"
+    );
+}

@@ -3,8 +3,11 @@
 //! run the sidecar in-process or as the built binary.
 #![allow(dead_code)]
 
+mod failover;
 mod kube_stub;
 mod private_redis;
+#[allow(unused_imports)]
+pub use failover::{assert_none_lost, dead_letter_bodies, failover_body, wait_none_lost};
 #[allow(unused_imports)]
 pub use kube_stub::KubeStub;
 #[allow(unused_imports)]

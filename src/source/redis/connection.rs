@@ -13,6 +13,7 @@
 //! then on; the failed command's error goes back to its caller, who tries
 //! again as after any broker error.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -369,17 +370,26 @@ impl SentinelConnection {
     }
 }
 
+impl SentinelConnection {
+    /// Runs `send` on the current master; a failure that means the master
+    /// is lost makes the Sentinels be asked again.
+    async fn on_master<T, F>(&self, send: impl FnOnce(ConnectionManager) -> F) -> RedisResult<T>
+    where
+        F: Future<Output = RedisResult<T>>,
+    {
+        let (generation, manager) = self.current();
+        let result = send(manager).await;
+        if let Err(error) = &result {
+            self.follow(generation, error).await;
+        }
+        result
+    }
+}
+
 impl ConnectionLike for SentinelConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        async move {
-            let (generation, mut manager) = self.current();
-            let result = manager.req_packed_command(cmd).await;
-            if let Err(error) = &result {
-                self.follow(generation, error).await;
-            }
-            result
-        }
-        .boxed()
+        self.on_master(move |mut master| async move { master.req_packed_command(cmd).await })
+            .boxed()
     }
 
     fn req_packed_commands<'a>(
@@ -388,14 +398,9 @@ impl ConnectionLike for SentinelConnection {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        async move {
-            let (generation, mut manager) = self.current();
-            let result = manager.req_packed_commands(pipeline, offset, count).await;
-            if let Err(error) = &result {
-                self.follow(generation, error).await;
-            }
-            result
-        }
+        self.on_master(move |mut master| async move {
+            master.req_packed_commands(pipeline, offset, count).await
+        })
         .boxed()
     }
 

@@ -1,0 +1,102 @@
+//! What the broker failover tests share: messages whose fate the app's
+//! answers decide, and the check that every one met it.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::{RedisConnection, TestApp};
+
+/// Message `i` of a failover test: every tenth is answered 503, then 200
+/// (a retry); every tenth after that 400 (a dead letter); the rest 200.
+/// Each 200 comes after 10 ms, so a drain lasts long enough to be cut.
+pub fn failover_body(i: usize) -> String {
+    match i % 10 {
+        0 => format!("script:503,sleep10\nretried {i}"),
+        1 => format!("script:400\ndead {i}"),
+        _ => format!("script:sleep10\nok {i}"),
+    }
+}
+
+/// Waits until every message of `0..messages` met its fate, asking
+/// `letters` for the dead letters' bodies each time, for at most `limit`;
+/// then fails, naming the ones that did not, unless all did (see
+/// [`assert_none_lost`]). What the app saw and what the dead-letter queue
+/// holds decide, not the broker's depth: a promoted Redis replica may
+/// report a consumer group's lag as unknown.
+pub async fn wait_none_lost(
+    app: &TestApp,
+    messages: usize,
+    limit: Duration,
+    mut letters: impl AsyncFnMut() -> Vec<String>,
+) -> Vec<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = letters().await;
+        if lost(app, &now, messages).is_empty() || Instant::now() >= deadline {
+            assert_none_lost(app, &now, messages);
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The messages of `0..messages` that did not meet their fate.
+fn lost(app: &TestApp, letters: &[String], messages: usize) -> Vec<String> {
+    let mut seen: HashMap<Bytes, usize> = HashMap::new();
+    for received in app.received() {
+        *seen.entry(received.body).or_default() += 1;
+    }
+    (0..messages)
+        .map(failover_body)
+        .enumerate()
+        .filter(|(i, body)| {
+            let seen = seen.get(body.as_bytes()).copied().unwrap_or(0);
+            !match i % 10 {
+                0 => seen >= 2,
+                1 => letters.contains(body),
+                _ => seen >= 1,
+            }
+        })
+        .map(|(_, body)| body)
+        .collect()
+}
+
+/// Fails unless every message of `0..messages` met its fate: the retried
+/// ones reached the app at least twice, the rejected ones are among the
+/// dead letters' bodies `letters`, the rest reached the app; and nothing
+/// else was dead-lettered.
+pub fn assert_none_lost(app: &TestApp, letters: &[String], messages: usize) {
+    let lost = lost(app, letters, messages);
+    assert!(lost.is_empty(), "lost {} messages: {lost:?}", lost.len());
+    assert!(
+        letters.iter().all(|l| l.starts_with("script:400")),
+        "only the rejected ones are dead letters: {letters:?}"
+    );
+}
+
+/// The bodies of the dead letters in the Redis stream `dlq` at `url`
+/// (`redis://` or `redis+cluster://`), read with a plain client; none while
+/// the broker cannot answer.
+pub async fn dead_letter_bodies(url: &str, dlq: &str) -> Vec<String> {
+    let Ok(mut con) = RedisConnection::open(url).await else {
+        return Vec::new();
+    };
+    let entries: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = ::redis::cmd("XRANGE")
+        .arg(dlq)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut con)
+        .await
+        .unwrap_or_default();
+    entries
+        .into_iter()
+        .filter_map(|(_, fields)| {
+            fields
+                .into_iter()
+                .find(|(name, _)| name == courier::model::PAYLOAD.as_bytes())
+                .map(|(_, body)| String::from_utf8_lossy(&body).into_owned())
+        })
+        .collect()
+}

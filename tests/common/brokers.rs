@@ -191,33 +191,9 @@ impl BrokerFixture for Redis {
 
     /// `XRANGE <queue>.dlq - +`.
     async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
-        let mut con = RedisConnection::open(fixture.url.as_str())
+        redis_dead_letters(fixture.url.as_str(), &fixture.dlq())
             .await
-            .expect("connect to Redis");
-        let entries: Vec<(String, Vec<RawField>)> = ::redis::cmd("XRANGE")
-            .arg(fixture.dlq())
-            .arg("-")
-            .arg("+")
-            .query_async(&mut con)
-            .await
-            .expect("XRANGE the dead-letter stream");
-        entries
-            .into_iter()
-            .map(|(_, fields)| {
-                let mut letter = PlainLetter::default();
-                for (name, value) in fields {
-                    let name = String::from_utf8_lossy(&name).into_owned();
-                    if name == courier::model::PAYLOAD {
-                        letter.body = value.into();
-                    } else {
-                        letter
-                            .fields
-                            .push((name, String::from_utf8_lossy(&value).into_owned()));
-                    }
-                }
-                letter
-            })
-            .collect()
+            .expect("XRANGE the dead-letter stream")
     }
 
     /// The stream, its dead-letter stream, the retry schedule and dedup keys
@@ -259,6 +235,34 @@ impl BrokerFixture for RedisCluster {
     async fn clean_up(url: &str, queue: &str) {
         Redis::clean_up(url, queue).await
     }
+}
+
+/// `XRANGE <dlq> - +` on the Redis (or Redis Cluster) at `url`.
+pub async fn redis_dead_letters(url: &str, dlq: &str) -> ::redis::RedisResult<Vec<PlainLetter>> {
+    let mut con = RedisConnection::open(url).await?;
+    let entries: Vec<(String, Vec<RawField>)> = ::redis::cmd("XRANGE")
+        .arg(dlq)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut con)
+        .await?;
+    Ok(entries
+        .into_iter()
+        .map(|(_, fields)| {
+            let mut letter = PlainLetter::default();
+            for (name, value) in fields {
+                let name = String::from_utf8_lossy(&name).into_owned();
+                if name == courier::model::PAYLOAD {
+                    letter.body = value.into();
+                } else {
+                    letter
+                        .fields
+                        .push((name, String::from_utf8_lossy(&value).into_owned()));
+                }
+            }
+            letter
+        })
+        .collect())
 }
 
 /// A hash-tagged queue name (a cluster refuses one without a tag) whose slot

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{RedisConnection, TestApp};
+use super::TestApp;
+use super::brokers::redis_dead_letters;
 
 /// Message `i` of a failover test: every tenth is answered 503, then 200
 /// (a retry); every tenth after that 400 (a dead letter); the rest 200.
@@ -80,23 +81,10 @@ pub fn assert_none_lost(app: &TestApp, letters: &[String], messages: usize) {
 /// (`redis://` or `redis+cluster://`), read with a plain client; none while
 /// the broker cannot answer.
 pub async fn dead_letter_bodies(url: &str, dlq: &str) -> Vec<String> {
-    let Ok(mut con) = RedisConnection::open(url).await else {
-        return Vec::new();
-    };
-    let entries: Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> = ::redis::cmd("XRANGE")
-        .arg(dlq)
-        .arg("-")
-        .arg("+")
-        .query_async(&mut con)
+    redis_dead_letters(url, dlq)
         .await
-        .unwrap_or_default();
-    entries
+        .unwrap_or_default()
         .into_iter()
-        .filter_map(|(_, fields)| {
-            fields
-                .into_iter()
-                .find(|(name, _)| name == courier::model::PAYLOAD.as_bytes())
-                .map(|(_, body)| String::from_utf8_lossy(&body).into_owned())
-        })
+        .map(|letter| String::from_utf8_lossy(&letter.body).into_owned())
         .collect()
 }

@@ -42,7 +42,7 @@ pub(super) const URL_FORMS: &str = "redis://host:port/db, redis+cluster://host:p
 #[derive(Debug, Clone)]
 pub(super) enum Endpoint {
     /// One server: `redis://host:port/db`.
-    Node(ConnectionInfo),
+    Node(Box<ConnectionInfo>),
     /// Any reachable nodes of a Redis Cluster; the client learns the rest.
     Cluster(Vec<ConnectionInfo>),
     /// The Sentinels to ask for the master named `master_name`.
@@ -82,7 +82,9 @@ impl Endpoint {
             other => return Err(wrong(format!("unknown scheme {other:?}"))),
         };
         if kind.is_empty() {
-            return node_info(url).map(Self::Node).map_err(wrong);
+            return node_info(url)
+                .map(|info| Self::Node(Box::new(info)))
+                .map_err(wrong);
         }
         // The credentials stand before the first host and serve every one;
         // the cut is at the last `@`, as in `redact`.
@@ -157,7 +159,7 @@ impl Endpoint {
     ) -> RedisResult<Connection> {
         match self {
             Self::Node(info) => Ok(Connection::Node(
-                manager(info.clone(), response_timeout, tls).await?,
+                manager((**info).clone(), response_timeout, tls).await?,
             )),
             Self::Cluster(nodes) => {
                 let mut builder = ClusterClientBuilder::new(nodes.clone())

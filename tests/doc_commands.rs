@@ -173,6 +173,32 @@ const CLASSIFIED: &[(&str, How)] = &[
         "kubectl -n NAMESPACE get retrypolicy NAME -o yaml",
         How::Run,
     ),
+    (
+        "kubectl -n NAMESPACE port-forward POD 9464:9464 &",
+        How::Skip(NEEDS_KUBELET),
+    ),
+    (
+        "curl -s localhost:9464/readyz",
+        How::Skip(
+            "reads through the port-forward above; tests/policy_kubectl.rs and tests/policy_watch.rs check the /readyz reason of a policy the sidecar may not read",
+        ),
+    ),
+    (
+        "kubectl -n NAMESPACE logs POD -c courier | grep 'cannot read the RetryPolicy'",
+        How::Skip(NEEDS_KUBELET),
+    ),
+    (
+        "kubectl auth can-i list retrypolicies.courier.dev -n NAMESPACE --as system:serviceaccount:NAMESPACE:ACCOUNT",
+        How::Skip(
+            "needs the API server's authorizer (SubjectAccessReview), which the stand-in does not implement",
+        ),
+    ),
+    (
+        "kubectl -n NAMESPACE create rolebinding courier-sidecar --clusterrole courier-sidecar \\",
+        How::Skip(
+            "ACCOUNT is the pod's service account, known only in a cluster; the same binding from docs/kubernetes.md runs here, and tests/policy_kubectl.rs shows it makes a forbidden policy readable",
+        ),
+    ),
 ];
 
 // === Reading the docs ===

@@ -578,8 +578,12 @@ async fn amqp_a_40_mib_body_is_dead_lettered_and_courier_keeps_running() {
     let fixture = Fixture::amqp();
     let (peak, ids, letters) =
         oversized_through_the_binary(&fixture, vec![vec![b'x'; BIG]], &[]).await;
+    // Alone it peaks near 120 MiB; beside other tests it reached 160 MiB
+    // once (lapin's frame buffers and the assembled body overlap for
+    // longer on a busy machine). Holding one such message per delivery
+    // slot would be 16 × 40 MiB, far above this bound.
     assert!(
-        peak < 4 * BIG as u64,
+        peak < 5 * BIG as u64,
         "courier's peak RSS was {} MiB",
         peak >> 20
     );

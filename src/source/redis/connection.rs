@@ -28,7 +28,7 @@ use redis::{
 };
 
 use super::tls;
-use crate::source::{Tls, redact};
+use crate::source::{Tls, redact, redact_error};
 
 /// How long connecting to one node may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -68,7 +68,10 @@ impl Endpoint {
     /// never holds the password.
     pub(super) fn parse(url: &str) -> Result<Self, String> {
         let shown = redact(url);
-        let wrong = |what: String| format!("{shown:?}: {what}; use {URL_FORMS}");
+        // A malformed URL may put the password where a host goes, and the
+        // messages quote the part they could not read.
+        let wrong =
+            |what: String| format!("{shown:?}: {}; use {URL_FORMS}", redact_error(url, what));
         let (scheme, rest) = url
             .split_once("://")
             .ok_or_else(|| wrong("no \"://\" after the scheme".into()))?;

@@ -284,6 +284,14 @@ mod tests {
         );
     }
 
+    fn small_message() -> Message {
+        Message {
+            id: "1-0".into(),
+            body: Bytes::from_static(b"{}"),
+            headers: Vec::new(),
+        }
+    }
+
     fn envelope(message: &Message) -> Envelope<'_> {
         Envelope {
             message,
@@ -298,11 +306,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
-        let message = Message {
-            id: "1-0".into(),
-            body: Bytes::from_static(b"{}"),
-            headers: Vec::new(),
-        };
+        let message = small_message();
         let outcome = forwarder
             .deliver(&envelope(&message), Duration::from_secs(5))
             .await;
@@ -334,11 +338,7 @@ mod tests {
             String::from_utf8_lossy(&seen).into_owned()
         });
         let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
-        let message = Message {
-            id: "1-0".into(),
-            body: Bytes::from_static(b"{}"),
-            headers: Vec::new(),
-        };
+        let message = small_message();
         let outcome = forwarder
             .deliver(&envelope(&message), Duration::from_secs(5))
             .await;

@@ -436,43 +436,15 @@ async fn a_master_killed_mid_drain_loses_nothing() {
     }
     let owner = cluster.owner(&queue).await;
     let mut master = node(cluster.ports[owner]).await.unwrap();
-    let copies: i64 = redis::cmd("WAIT")
-        .arg(1)
-        .arg(10_000)
-        .query_async(&mut master)
-        .await
-        .unwrap();
-    assert_eq!(copies, 1, "the replica has every message before the kill");
-
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
-    wait_for(
-        "a third to be delivered",
-        Duration::from_secs(30),
-        async || app.received().len() >= MESSAGES / 3,
+    let url = cluster.url();
+    drain_through_a_kill(
+        &app,
+        &fixture,
+        &source,
+        &mut master,
+        MESSAGES,
+        || cluster.kill9(owner),
+        &url,
     )
     .await;
-    cluster.kill9(owner);
-    let killed_at = std::time::Instant::now();
-    let delivered_at_kill = app.received().len();
-    let url = cluster.url();
-    wait_none_lost(&app, MESSAGES, Duration::from_secs(90), async || {
-        dead_letter_bodies(&url, &fixture.dlq()).await
-    })
-    .await;
-    let settled_in = killed_at.elapsed();
-    // And the broker agrees: nothing left pending or scheduled.
-    wait_for("nothing pending", Duration::from_secs(30), async || {
-        matches!(source.depth().await,
-            Ok(d) if d.pending == 0 && d.retry_backlog == 0)
-    })
-    .await;
-    running.stop().await;
-    assert!(
-        delivered_at_kill < MESSAGES,
-        "the kill came after the drain: {delivered_at_kill} delivered"
-    );
-    eprintln!(
-        "{MESSAGES} messages, {delivered_at_kill} delivered at the kill, settled {settled_in:?} after it, {} deliveries in all",
-        app.received().len()
-    );
 }

@@ -402,6 +402,19 @@ fn mutual() -> Vec<String> {
     args
 }
 
+/// On a broker that requires client certificates: delivery with one, and
+/// a clear refusal (exit 1, naming the flags) without.
+async fn mutual_tls_delivers_and_refuses_a_client_without_a_certificate(url: &str) {
+    delivers_over_tls(url, mutual()).await;
+    let out = send(url, &unique("tls"), &ca_only(), "no certificate");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tls-cert-file") && err.contains("client certificate"),
+        "{err}"
+    );
+}
+
 // === The tests ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -411,15 +424,8 @@ async fn redis_over_tls_with_a_ca_file() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_mutual_tls_delivers_and_a_client_without_a_certificate_is_refused() {
-    let url = start(|| redis(true)).await;
-    delivers_over_tls(&url, mutual()).await;
-    let out = send(&url, &unique("tls"), &ca_only(), "no certificate");
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--tls-cert-file") && err.contains("client certificate"),
-        "{err}"
-    );
+    mutual_tls_delivers_and_refuses_a_client_without_a_certificate(&start(|| redis(true)).await)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,15 +440,8 @@ async fn nats_over_tls_with_a_ca_file() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_mutual_tls_delivers_and_a_client_without_a_certificate_is_refused() {
-    let url = start(|| nats(true)).await;
-    delivers_over_tls(&url, mutual()).await;
-    let out = send(&url, &unique("tls"), &ca_only(), "no certificate");
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--tls-cert-file") && err.contains("client certificate"),
-        "{err}"
-    );
+    mutual_tls_delivers_and_refuses_a_client_without_a_certificate(&start(|| nats(true)).await)
+        .await;
 }
 
 /// A CA that did not sign the broker's certificate ends `courier run` at

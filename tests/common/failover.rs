@@ -2,12 +2,14 @@
 //! answers decide, and the check that every one met it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use courier::source::Source;
 
-use super::TestApp;
 use super::brokers::redis_dead_letters;
+use super::{Fixture, Running, TestApp, fast_policy, run_config, wait_for};
 
 /// Message `i` of a failover test: every tenth is answered 503, then 200
 /// (a retry); every tenth after that 400 (a dead letter); the rest 200.
@@ -87,4 +89,60 @@ pub async fn dead_letter_bodies(url: &str, dlq: &str) -> Vec<String> {
         .into_iter()
         .map(|letter| String::from_utf8_lossy(&letter.body).into_owned())
         .collect()
+}
+
+/// The middle of a failover test, the same for a Redis Cluster and for
+/// Sentinel: checks the replica holds every message (`WAIT` on `master`),
+/// runs the sidecar until a third of `messages` reached the app, calls
+/// `kill`, then waits until every message met its fate (dead letters read
+/// from the stream `dlq` at `letters_url`) and the broker has nothing
+/// pending or scheduled; the kill must come before the drain ended.
+#[allow(clippy::too_many_arguments)]
+pub async fn drain_through_a_kill(
+    app: &TestApp,
+    fixture: &Fixture,
+    source: &Arc<dyn Source>,
+    master: &mut redis::aio::MultiplexedConnection,
+    messages: usize,
+    kill: impl FnOnce(),
+    letters_url: &str,
+) {
+    let copies: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(10_000)
+        .query_async(master)
+        .await
+        .unwrap();
+    assert_eq!(copies, 1, "the replica has every message before the kill");
+
+    let running = Running::start(run_config(fixture, app, fast_policy())).await;
+    wait_for(
+        "a third to be delivered",
+        Duration::from_secs(30),
+        async || app.received().len() >= messages / 3,
+    )
+    .await;
+    kill();
+    let killed_at = Instant::now();
+    let delivered_at_kill = app.received().len();
+    wait_none_lost(app, messages, Duration::from_secs(90), async || {
+        dead_letter_bodies(letters_url, &fixture.dlq()).await
+    })
+    .await;
+    let settled_in = killed_at.elapsed();
+    // And the broker agrees: nothing left pending or scheduled.
+    wait_for("nothing pending", Duration::from_secs(30), async || {
+        matches!(source.depth().await,
+            Ok(d) if d.pending == 0 && d.retry_backlog == 0)
+    })
+    .await;
+    running.stop().await;
+    assert!(
+        delivered_at_kill < messages,
+        "the kill came after the drain: {delivered_at_kill} delivered"
+    );
+    eprintln!(
+        "{messages} messages, {delivered_at_kill} delivered at the kill, settled {settled_in:?} after it, {} deliveries in all",
+        app.received().len()
+    );
 }

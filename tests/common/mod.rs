@@ -7,7 +7,9 @@ mod failover;
 mod kube_stub;
 mod private_redis;
 #[allow(unused_imports)]
-pub use failover::{assert_none_lost, dead_letter_bodies, failover_body, wait_none_lost};
+pub use failover::{
+    assert_none_lost, dead_letter_bodies, drain_through_a_kill, failover_body, wait_none_lost,
+};
 #[allow(unused_imports)]
 pub use kube_stub::KubeStub;
 #[allow(unused_imports)]

@@ -391,10 +391,17 @@ async fn poll_depth(
                         metrics.dlq_oldest_age.remove(&labels);
                     }
                 }
-                metrics
-                    .queue_depth
-                    .get_or_create(&labels)
-                    .set(depth.queue_depth as i64);
+                // Unknown while the broker cannot count (a Redis group's
+                // lag is nil): left out, as a 0 would read as "nothing
+                // waits" to an alert or an autoscaler.
+                match depth.queue_depth {
+                    Some(count) => {
+                        metrics.queue_depth.get_or_create(&labels).set(count as i64);
+                    }
+                    None => {
+                        metrics.queue_depth.remove(&labels);
+                    }
+                }
                 match depth.oldest_waiting_age {
                     Some(age) => {
                         metrics

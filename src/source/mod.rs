@@ -46,8 +46,10 @@ pub use wire::{decode_fields, encode_fields};
 /// How much sits where, read from the broker.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Depth {
-    /// Messages waiting for their first or next delivery.
-    pub ready: u64,
+    /// Messages waiting for their first or next delivery; `None` while the
+    /// broker cannot count them (a Redis group's `lag` is nil after entries
+    /// ahead of it were deleted), never a made-up 0.
+    pub ready: Option<u64>,
     /// Delivered and not yet settled.
     pub pending: u64,
     /// Scheduled for a later retry.
@@ -59,7 +61,9 @@ pub struct Depth {
     /// The work queue as the broker counts it (`courier_queue_depth`): not
     /// yet handed to any consumer, plus handed out and not settled where the
     /// broker reports those; what each broker counts is in docs/sources.md.
-    pub queue_depth: u64,
+    /// `None` while the broker cannot count them: `courier_queue_depth` is
+    /// then left out, not reported as 0.
+    pub queue_depth: Option<u64>,
     /// Age of the oldest message not yet handed to any consumer
     /// (`courier_queue_oldest_age_seconds`): zero when none waits, `None`
     /// where the broker cannot tell.

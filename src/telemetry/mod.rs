@@ -65,6 +65,7 @@ pub struct Metrics {
     pub dlq_depth: Family<QueueLabels, Gauge>,
     pub dlq_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     pub retry_backlog: Family<QueueLabels, Gauge>,
+    /// Absent while the broker cannot count (a Redis group's lag is nil).
     pub queue_depth: Family<QueueLabels, Gauge>,
     /// Absent where the broker cannot tell (RabbitMQ), never a made-up 0.
     pub queue_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
@@ -163,7 +164,7 @@ impl Metrics {
         );
         registry.register(
             "queue_depth",
-            "Messages waiting in the work queue, as the broker counts them",
+            "Messages waiting in the work queue, as the broker counts them; absent while the broker cannot count them",
             m.queue_depth.clone(),
         );
         registry.register(

@@ -458,7 +458,7 @@ pub async fn wait_settled(source: &Arc<dyn Source>, limit: Duration) -> Depth {
     let mut last = Depth::default();
     wait_for("the queue to settle", limit, async || {
         last = source.depth().await.expect("depth");
-        last.ready == 0 && last.pending == 0 && last.retry_backlog == 0
+        last.ready == Some(0) && last.pending == 0 && last.retry_backlog == 0
     })
     .await;
     last

@@ -70,14 +70,14 @@ impl AmqpSource {
             .await?
             .unwrap_or(0);
         Ok(Depth {
-            ready,
+            ready: Some(ready),
             pending: self.state.unacked.load(Ordering::SeqCst).max(0) as u64,
             retry_backlog,
             dead_letters: u64::from(dead_letters),
             oldest_dead_letter_age: None,
             // The broker's count: a passive declare reports the ready
             // messages only, not those handed out and unacked.
-            queue_depth: ready,
+            queue_depth: Some(ready),
             oldest_waiting_age: None,
         })
     }

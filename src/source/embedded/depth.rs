@@ -41,12 +41,12 @@ impl Writer {
         let pending =
             (leased.len().map_err(store_error)? + held as u64).saturating_sub(acked_leased as u64);
         Ok(Depth {
-            ready,
+            ready: Some(ready),
             pending,
             retry_backlog: later,
             dead_letters,
             oldest_dead_letter_age: oldest,
-            queue_depth: ready + pending,
+            queue_depth: Some(ready + pending),
             oldest_waiting_age: Some(Duration::from_millis(
                 oldest_due.map_or(0, |due| now.saturating_sub(due)),
             )),

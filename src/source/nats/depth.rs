@@ -92,7 +92,7 @@ impl NatsSource {
                 Err(e) => return Err(unavailable(e)),
             };
         Ok(Depth {
-            ready,
+            ready: Some(ready),
             pending: held,
             retry_backlog: ack_pending - held,
             dead_letters,
@@ -100,7 +100,7 @@ impl NatsSource {
             // Not yet delivered, plus delivered and not acked: a retry
             // waiting for its delay (a `Nak` with delay) counts here too, as
             // it stays in the work stream.
-            queue_depth: ready + ack_pending,
+            queue_depth: Some(ready + ack_pending),
             oldest_waiting_age,
         })
     }

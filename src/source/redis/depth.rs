@@ -70,14 +70,16 @@ impl RedisSource {
             }
             _ => None,
         };
-        let group = self.group_counts(groups);
+        let group = group_counts(groups, &self.options.group);
         Ok(Depth {
-            ready: group.lag.unwrap_or(0),
+            // A nil lag is Redis saying it cannot count, not that nothing
+            // waits: both counts stay unknown until it can again.
+            ready: group.lag,
             pending: group.pending,
             retry_backlog: backlog,
             dead_letters: dlq_len,
             oldest_dead_letter_age: oldest_age,
-            queue_depth: group.lag.unwrap_or(0) + group.pending,
+            queue_depth: group.lag.map(|lag| lag + group.pending),
             oldest_waiting_age: self.oldest_undelivered(&group).await?,
         })
     }
@@ -114,62 +116,142 @@ impl RedisSource {
                 }),
         ))
     }
+}
 
-    /// `lag`, `pending` and `last-delivered-id` of this consumer group in
-    /// an `XINFO GROUPS` reply (flat pairs in RESP2, a map in RESP3).
-    fn group_counts(&self, groups: Value) -> GroupCounts {
-        let mut counts = GroupCounts::default();
-        let Value::Array(groups) = groups else {
-            return counts;
+/// `lag`, `pending` and `last-delivered-id` of the consumer group `name` in
+/// an `XINFO GROUPS` reply (flat pairs in RESP2, a map in RESP3).
+fn group_counts(groups: Value, name: &str) -> GroupCounts {
+    let mut counts = GroupCounts::default();
+    let Value::Array(groups) = groups else {
+        return counts;
+    };
+    for group in groups {
+        let pairs: Vec<(String, Value)> = match group {
+            Value::Array(flat) => flat
+                .chunks(2)
+                .filter_map(|p| {
+                    Some((
+                        String::from_utf8_lossy(&as_bytes(p.first()?)?).into_owned(),
+                        p.get(1)?.clone(),
+                    ))
+                })
+                .collect(),
+            Value::Map(map) => map
+                .into_iter()
+                .filter_map(|(k, v)| {
+                    Some((String::from_utf8_lossy(&as_bytes(&k)?).into_owned(), v))
+                })
+                .collect(),
+            _ => continue,
         };
-        for group in groups {
-            let pairs: Vec<(String, Value)> = match group {
-                Value::Array(flat) => flat
-                    .chunks(2)
-                    .filter_map(|p| {
-                        Some((
-                            String::from_utf8_lossy(&as_bytes(p.first()?)?).into_owned(),
-                            p.get(1)?.clone(),
-                        ))
-                    })
-                    .collect(),
-                Value::Map(map) => map
-                    .into_iter()
-                    .filter_map(|(k, v)| {
-                        Some((String::from_utf8_lossy(&as_bytes(&k)?).into_owned(), v))
-                    })
-                    .collect(),
-                _ => continue,
-            };
-            let get = |name: &str| {
-                pairs
-                    .iter()
-                    .find(|(k, _)| k == name)
-                    .and_then(|(_, v)| as_u64(v))
-            };
-            if pairs.iter().any(|(k, v)| {
-                k == "name" && as_bytes(v).as_deref() == Some(self.options.group.as_bytes())
-            }) {
-                counts.pending = get("pending").unwrap_or(0);
-                counts.lag = get("lag");
-                counts.last_delivered = pairs
-                    .iter()
-                    .find(|(k, _)| k == "last-delivered-id")
-                    .and_then(|(_, v)| as_bytes(v))
-                    .map(|b| String::from_utf8_lossy(&b).into_owned());
-            }
+        let get = |field: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == field)
+                .and_then(|(_, v)| as_u64(v))
+        };
+        if pairs
+            .iter()
+            .any(|(k, v)| k == "name" && as_bytes(v).as_deref() == Some(name.as_bytes()))
+        {
+            counts.pending = get("pending").unwrap_or(0);
+            counts.lag = get("lag");
+            counts.last_delivered = pairs
+                .iter()
+                .find(|(k, _)| k == "last-delivered-id")
+                .and_then(|(_, v)| as_bytes(v))
+                .map(|b| String::from_utf8_lossy(&b).into_owned());
         }
-        counts
     }
+    counts
 }
 
 /// What `XINFO GROUPS` says of this consumer group.
 #[derive(Debug, Default)]
 struct GroupCounts {
-    /// Entries not delivered to any consumer of the group yet; Redis
-    /// leaves it out (nil) when entries were deleted from the stream.
+    /// Entries not delivered to any consumer of the group yet; `None` when
+    /// Redis answers nil because it cannot count them (entries ahead of
+    /// the group were deleted, or the group's read counter is unknown, as
+    /// after `XGROUP SETID` or on a promoted replica), or leaves it out
+    /// (before Redis 7).
     lag: Option<u64>,
     /// Delivered and not acked (the group's pending entries list).
     pending: u64,
     last_delivered: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    /// One group of an `XINFO GROUPS` reply as RESP2 sends it: flat pairs.
+    fn flat(name: &str, pending: i64, lag: Value) -> Value {
+        Value::Array(vec![
+            text("name"),
+            text(name),
+            text("consumers"),
+            Value::Int(1),
+            text("pending"),
+            Value::Int(pending),
+            text("last-delivered-id"),
+            text("1-0"),
+            text("entries-read"),
+            Value::Nil,
+            text("lag"),
+            lag,
+        ])
+    }
+
+    #[test]
+    fn a_counted_lag_is_read_for_this_group_only() {
+        let reply = Value::Array(vec![
+            flat("other", 9, Value::Int(90)),
+            flat("courier", 2, Value::Int(5)),
+        ]);
+        let counts = group_counts(reply, "courier");
+        assert_eq!((counts.lag, counts.pending), (Some(5), 2));
+        assert_eq!(counts.last_delivered.as_deref(), Some("1-0"));
+    }
+
+    #[test]
+    fn a_nil_lag_is_unknown_not_zero() {
+        let counts = group_counts(
+            Value::Array(vec![flat("courier", 2, Value::Nil)]),
+            "courier",
+        );
+        assert_eq!((counts.lag, counts.pending), (None, 2));
+    }
+
+    #[test]
+    fn a_resp3_map_reads_the_same() {
+        let group = |lag: Value| {
+            Value::Map(vec![
+                (text("name"), text("courier")),
+                (text("pending"), Value::Int(3)),
+                (text("last-delivered-id"), text("7-0")),
+                (text("lag"), lag),
+            ])
+        };
+        let counts = group_counts(Value::Array(vec![group(Value::Int(4))]), "courier");
+        assert_eq!((counts.lag, counts.pending), (Some(4), 3));
+        let counts = group_counts(Value::Array(vec![group(Value::Nil)]), "courier");
+        assert_eq!((counts.lag, counts.pending), (None, 3));
+    }
+
+    #[test]
+    fn no_lag_field_before_redis_7_is_unknown() {
+        let reply = Value::Array(vec![Value::Array(vec![
+            text("name"),
+            text("courier"),
+            text("pending"),
+            Value::Int(1),
+            text("last-delivered-id"),
+            text("1-0"),
+        ])]);
+        assert_eq!(group_counts(reply, "courier").lag, None);
+    }
 }

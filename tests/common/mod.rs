@@ -579,6 +579,18 @@ pub fn metric(text: &str, name: &str, queue: &str) -> f64 {
         .sum()
 }
 
+/// The value of `name{queue="…"}` in a `/metrics` text, or `None` when the
+/// series is not there (a gauge left out because the broker cannot tell).
+pub fn series(text: &str, name: &str, queue: &str) -> Option<f64> {
+    let label = format!("queue=\"{queue}\"");
+    text.lines()
+        .find(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') && rest.contains(&label))
+        })
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+}
+
 /// The peak resident memory of process `pid` (`VmHWM`), in bytes.
 pub fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

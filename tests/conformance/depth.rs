@@ -12,18 +12,6 @@ const SETTLE: Duration = Duration::from_secs(60);
 const DEPTH: &str = "courier_queue_depth";
 const AGE: &str = "courier_queue_oldest_age_seconds";
 
-/// The value of `name{queue="…"}` in a `/metrics` text, or `None` when the
-/// series is not there.
-fn series(text: &str, name: &str, queue: &str) -> Option<f64> {
-    let label = format!("queue=\"{queue}\"");
-    text.lines()
-        .find(|line| {
-            line.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') && rest.contains(&label))
-        })
-        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
-}
-
 pub async fn waiting_messages_show_as_depth_and_age(fixture: Fixture) {
     let app = TestApp::start().await;
     // Three messages the app takes 3 s each to answer, one at a time: two

@@ -1,6 +1,8 @@
-//! TLS on every broker: `rediss://`, `amqps://` and NATS `tls://` with
-//! `--tls-ca-file` (and `--tls-cert-file` + `--tls-key-file` for mutual
-//! TLS), through the built binary as a user runs it: `courier run`,
+//! TLS on every broker: `rediss://` (one server, `rediss+cluster://` on a
+//! three-master cluster whose bus is TLS too, `rediss+sentinel://` through
+//! a TLS Sentinel), `amqps://` and NATS `tls://` with `--tls-ca-file` (and
+//! `--tls-cert-file` + `--tls-key-file` for mutual TLS), through the built
+//! binary as a user runs it: `courier run`,
 //! `courier send` (its flags given as `COURIER_TLS_*` variables) and
 //! `courier dlq list`. The certificates are made here with rcgen; the
 //! brokers are private TLS listeners on ports 17000-17099, started once for
@@ -20,6 +22,13 @@ use rcgen::{
 
 const REDIS_PORT: u16 = 17001;
 const REDIS_MTLS_PORT: u16 = 17002;
+/// Three masters each; a node's cluster bus is its port + 10000
+/// (27021-27026).
+const REDIS_CLUSTER_PORTS: [u16; 3] = [17021, 17022, 17023];
+const REDIS_CLUSTER_MTLS_PORTS: [u16; 3] = [17024, 17025, 17026];
+/// A master and the Sentinel that names it.
+const REDIS_SENTINEL_PORTS: (u16, u16) = (17031, 17032);
+const REDIS_SENTINEL_MTLS_PORTS: (u16, u16) = (17033, 17034);
 const NATS_PORT: u16 = 17011;
 const NATS_MTLS_PORT: u16 = 17012;
 const RABBIT_PORT: u16 = 17091;
@@ -171,6 +180,42 @@ fn broker_dir(name: &str) -> PathBuf {
         .keep()
 }
 
+/// The settings every private `redis-server` here takes: only a TLS port,
+/// TLS between servers too (cluster bus, replication, a Sentinel's
+/// connections), and `mutual` to ask every client for a certificate. A
+/// server connecting to another shows the client certificate: the server's
+/// own is for serving only.
+fn redis_tls_settings(port: u16, mutual: bool, dir: &Path) -> Vec<(&'static str, String)> {
+    let c = certs();
+    let file = |name: &str| c.path(name).display().to_string();
+    vec![
+        ("port", "0".into()),
+        ("tls-port", port.to_string()),
+        ("bind", "127.0.0.1".into()),
+        ("dir", dir.display().to_string()),
+        ("tls-cert-file", file("server.crt")),
+        ("tls-key-file", file("server.key")),
+        ("tls-ca-cert-file", c.ca()),
+        ("tls-client-cert-file", file("client.crt")),
+        ("tls-client-key-file", file("client.key")),
+        ("tls-auth-clients", if mutual { "yes" } else { "no" }.into()),
+        ("tls-replication", "yes".into()),
+    ]
+}
+
+/// [`redis_tls_settings`] as the arguments of a `redis-server` that keeps
+/// nothing on disk.
+fn redis_tls_args(port: u16, mutual: bool, dir: &Path) -> String {
+    let mut args: Vec<String> = redis_tls_settings(port, mutual, dir)
+        .into_iter()
+        .map(|(name, value)| format!("--{name} {value}"))
+        .collect();
+    args.push("--save '' --appendonly no".into());
+    args.join(" ")
+}
+
+const REDIS_READY: &str = "Ready to accept connections";
+
 /// `redis-server` with only a TLS port; `mutual` asks every client for a
 /// certificate.
 fn redis(mutual: bool) -> String {
@@ -181,19 +226,155 @@ fn redis(mutual: bool) -> String {
         true => (&MUTUAL, REDIS_MTLS_PORT),
     };
     cell.get_or_init(|| {
-        let c = certs();
         let dir = broker_dir("redis");
-        let command = format!(
-            "redis-server --port 0 --tls-port {port} --bind 127.0.0.1 --save '' --appendonly no --dir {} --tls-cert-file {} --tls-key-file {} --tls-ca-cert-file {} --tls-auth-clients {}",
-            dir.display(),
-            c.path("server.crt").display(),
-            c.path("server.key").display(),
-            c.ca(),
-            if mutual { "yes" } else { "no" }
-        );
-        hold(&dir, &command, &[]).ready("Ready to accept connections", Duration::from_secs(30))
+        let command = format!("redis-server {}", redis_tls_args(port, mutual, &dir));
+        hold(&dir, &command, &[]).ready(REDIS_READY, Duration::from_secs(30))
     });
     format!("rediss://localhost:{port}/0")
+}
+
+/// `redis-cli` over TLS with the client certificate, as an operator joins
+/// and inspects the private servers.
+fn redis_cli(args: &[&str]) -> Output {
+    let c = certs();
+    Command::new("redis-cli")
+        .args(["--tls", "--cacert", &c.ca()])
+        .arg("--cert")
+        .arg(c.path("client.crt"))
+        .arg("--key")
+        .arg(c.path("client.key"))
+        .args(args)
+        .output()
+        .expect("run redis-cli (is it installed?)")
+}
+
+/// A Redis Cluster of three TLS masters (`--tls-cluster yes`), joined with
+/// `redis-cli --cluster create`; `mutual` asks every client for a
+/// certificate.
+fn redis_cluster(mutual: bool) -> String {
+    static PLAIN: OnceLock<Vec<Held>> = OnceLock::new();
+    static MUTUAL: OnceLock<Vec<Held>> = OnceLock::new();
+    let (cell, ports) = match mutual {
+        false => (&PLAIN, REDIS_CLUSTER_PORTS),
+        true => (&MUTUAL, REDIS_CLUSTER_MTLS_PORTS),
+    };
+    cell.get_or_init(|| {
+        let nodes: Vec<Held> = ports
+            .iter()
+            .map(|&port| {
+                let dir = broker_dir("redis-cluster");
+                let command = format!(
+                    "redis-server {} --cluster-enabled yes --tls-cluster yes --cluster-config-file {} --cluster-node-timeout 2000",
+                    redis_tls_args(port, mutual, &dir),
+                    dir.join("nodes.conf").display()
+                );
+                hold(&dir, &command, &[])
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|node| node.ready(REDIS_READY, Duration::from_secs(30)))
+            .collect();
+        let mut create = vec!["--cluster".to_string(), "create".into()];
+        create.extend(ports.iter().map(|port| format!("127.0.0.1:{port}")));
+        create.push("--cluster-yes".into());
+        let create: Vec<&str> = create.iter().map(String::as_str).collect();
+        let out = redis_cli(&create);
+        assert!(out.status.success(), "redis-cli --cluster create: {}", text(&out));
+        let start = Instant::now();
+        for port in ports {
+            loop {
+                let info = redis_cli(&["-p", &port.to_string(), "cluster", "info"]);
+                if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "the TLS cluster node {port} is not ok: {}",
+                    text(&info)
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        eprintln!("TLS Redis Cluster {ports:?} ok after {:?}", start.elapsed());
+        nodes
+    });
+    format!(
+        "rediss+cluster://localhost:{},localhost:{}/0",
+        ports[0], ports[1]
+    )
+}
+
+/// A TLS master and a TLS Sentinel that monitors it (`tls-replication yes`:
+/// the Sentinel reaches the master over TLS); `mutual` asks every client,
+/// the Sentinel's and the master's, for a certificate.
+fn redis_sentinel(mutual: bool) -> String {
+    static PLAIN: OnceLock<(Held, Held)> = OnceLock::new();
+    static MUTUAL: OnceLock<(Held, Held)> = OnceLock::new();
+    let (cell, (master, sentinel)) = match mutual {
+        false => (&PLAIN, REDIS_SENTINEL_PORTS),
+        true => (&MUTUAL, REDIS_SENTINEL_MTLS_PORTS),
+    };
+    cell.get_or_init(|| {
+        let dir = broker_dir("redis-master");
+        let command = format!("redis-server {}", redis_tls_args(master, mutual, &dir));
+        let held_master = hold(&dir, &command, &[]).ready(REDIS_READY, Duration::from_secs(30));
+        let dir = broker_dir("redis-sentinel");
+        // The Sentinel takes the same settings in its config file, which
+        // it rewrites as it learns.
+        let settings: Vec<String> = redis_tls_settings(sentinel, mutual, &dir)
+            .into_iter()
+            .map(|(name, value)| format!("{name} {value}\n"))
+            .collect();
+        let config = dir.join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "{}sentinel monitor mymaster 127.0.0.1 {master} 1\n",
+                settings.concat()
+            ),
+        )
+        .unwrap();
+        let command = format!("redis-server {} --sentinel", config.display());
+        let held_sentinel =
+            hold(&dir, &command, &[]).ready("+monitor master mymaster", Duration::from_secs(30));
+        (held_master, held_sentinel)
+    });
+    format!("rediss+sentinel://localhost:{sentinel}/mymaster/0")
+}
+
+/// A fresh queue for `url`. On a Redis Cluster its name is a hash tag
+/// (its dead-letter queue and retry schedule share its slot) whose slot the
+/// third node serves: the URL names only the first two, so courier reaches
+/// it through the cluster's slot map, over TLS too.
+fn fresh_queue(url: &str) -> String {
+    if !url.contains("+cluster://") {
+        return unique("tls");
+    }
+    let ports = match url.contains(&REDIS_CLUSTER_PORTS[0].to_string()) {
+        true => REDIS_CLUSTER_PORTS,
+        false => REDIS_CLUSTER_MTLS_PORTS,
+    };
+    let third = ports[2].to_string();
+    let ask = |args: &[&str]| {
+        let out = redis_cli(&[&["-p", third.as_str()], args].concat());
+        assert!(out.status.success(), "redis-cli {args:?}: {}", text(&out));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let nodes = ask(&["cluster", "nodes"]);
+    let served = nodes
+        .lines()
+        .find(|line| line.contains("myself"))
+        .and_then(|line| line.split(' ').next_back())
+        .and_then(|range| range.split_once('-'))
+        .map(|(low, high)| low.parse::<u16>().unwrap()..=high.parse::<u16>().unwrap())
+        .unwrap_or_else(|| panic!("the slots of node {third}: {nodes}"));
+    loop {
+        let queue = format!("{{{}}}", unique("tls"));
+        let slot: u16 = ask(&["cluster", "keyslot", &queue]).parse().unwrap();
+        if served.contains(&slot) {
+            return queue;
+        }
+    }
 }
 
 /// `nats-server` with JetStream and a `tls {}` block; `mutual` verifies
@@ -313,7 +494,7 @@ async fn delivers_over_tls(url: &str, tls: Vec<String>) {
         dir.path(),
         "maxAttempts: 3\ntimeout: 2s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
     );
-    let queue = unique("tls");
+    let queue = fresh_queue(url);
     let mut args = vec![
         "--source".to_string(),
         url.to_string(),
@@ -379,7 +560,7 @@ async fn run_ends(url: &str, tls: &[String], limit: Duration) -> (Option<i32>, S
         "--source".to_string(),
         url.to_string(),
         "--queue".into(),
-        unique("tls"),
+        fresh_queue(url),
         "--app".into(),
         app.url(),
         "--listen".into(),
@@ -406,7 +587,7 @@ fn mutual() -> Vec<String> {
 /// a clear refusal (exit 1, naming the flags) without.
 async fn mutual_tls_delivers_and_refuses_a_client_without_a_certificate(url: &str) {
     delivers_over_tls(url, mutual()).await;
-    let out = send(url, &unique("tls"), &ca_only(), "no certificate");
+    let out = send(url, &fresh_queue(url), &ca_only(), "no certificate");
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -426,6 +607,32 @@ async fn redis_over_tls_with_a_ca_file() {
 async fn redis_mutual_tls_delivers_and_a_client_without_a_certificate_is_refused() {
     mutual_tls_delivers_and_refuses_a_client_without_a_certificate(&start(|| redis(true)).await)
         .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_over_tls_with_a_ca_file() {
+    delivers_over_tls(&start(|| redis_cluster(false)).await, ca_only()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_mutual_tls_delivers_and_a_client_without_a_certificate_is_refused() {
+    mutual_tls_delivers_and_refuses_a_client_without_a_certificate(
+        &start(|| redis_cluster(true)).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sentinel_over_tls_with_a_ca_file() {
+    delivers_over_tls(&start(|| redis_sentinel(false)).await, ca_only()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sentinel_mutual_tls_delivers_and_a_client_without_a_certificate_is_refused() {
+    mutual_tls_delivers_and_refuses_a_client_without_a_certificate(
+        &start(|| redis_sentinel(true)).await,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -455,6 +662,8 @@ async fn a_wrong_ca_is_a_clear_error_at_start_on_every_broker() {
     ];
     for url in [
         start(|| redis(false)).await,
+        start(|| redis_cluster(false)).await,
+        start(|| redis_sentinel(false)).await,
         start(rabbit).await,
         start(|| nats(false)).await,
     ] {

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use courier::source::Source;
 
 use super::brokers::redis_dead_letters;
-use super::{Fixture, Running, TestApp, fast_policy, run_config, wait_for};
+use super::{Fixture, Received, Running, TestApp, fast_policy, run_config, wait_for};
 
 /// Message `i` of a failover test: every tenth is answered 503, then 200
 /// (a retry); every tenth after that 400 (a dead letter); the rest 200.
@@ -91,12 +91,36 @@ pub async fn dead_letter_bodies(url: &str, dlq: &str) -> Vec<String> {
         .collect()
 }
 
+/// How many times message `i` of [`failover_body`] reaches the app when
+/// nothing goes wrong: twice for the one answered 503 first, once for the
+/// others.
+fn deliveries_without_a_kill(i: usize) -> usize {
+    if i % 10 == 0 { 2 } else { 1 }
+}
+
+/// Fails if a message of `0..messages` reached the app more often in
+/// `received` than it does when no broker node dies: before the kill,
+/// nothing may be delivered twice.
+pub fn assert_none_twice(received: &[Received], messages: usize) {
+    let mut seen: HashMap<&[u8], usize> = HashMap::new();
+    for r in received {
+        *seen.entry(&r.body[..]).or_default() += 1;
+    }
+    let twice: Vec<String> = (0..messages)
+        .map(|i| (failover_body(i), deliveries_without_a_kill(i)))
+        .filter(|(body, most)| seen.get(body.as_bytes()).copied().unwrap_or(0) > *most)
+        .map(|(body, _)| body)
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "delivered twice before the kill: {twice:?}"
+    );
+}
+
 /// The middle of a failover test, the same for a Redis Cluster and for
 /// Sentinel: checks the replica holds every message (`WAIT` on `master`),
-/// runs the sidecar until a third of `messages` reached the app, calls
-/// `kill`, then waits until every message met its fate (dead letters read
-/// from the stream `dlq` at `letters_url`) and the broker has nothing
-/// pending or scheduled; the kill must come before the drain ended.
+/// then [`drain_across_a_kill`] with the dead letters read from the stream
+/// `dlq` at `letters_url`.
 #[allow(clippy::too_many_arguments)]
 pub async fn drain_through_a_kill(
     app: &TestApp,
@@ -114,7 +138,26 @@ pub async fn drain_through_a_kill(
         .await
         .unwrap();
     assert_eq!(copies, 1, "the replica has every message before the kill");
+    let dlq = fixture.dlq();
+    drain_across_a_kill(app, fixture, source, messages, kill, async || {
+        dead_letter_bodies(letters_url, &dlq).await
+    })
+    .await;
+}
 
+/// The middle of a failover test on any broker: runs the sidecar until a
+/// third of `messages` reached the app, checks none reached it twice, calls
+/// `kill`, then waits until every message met its fate (the dead letters'
+/// bodies from `letters`) and `source` has nothing pending or scheduled;
+/// the kill must come before the drain ended.
+pub async fn drain_across_a_kill(
+    app: &TestApp,
+    fixture: &Fixture,
+    source: &Arc<dyn Source>,
+    messages: usize,
+    kill: impl FnOnce(),
+    letters: impl AsyncFnMut() -> Vec<String>,
+) {
     let running = Running::start(run_config(fixture, app, fast_policy())).await;
     wait_for(
         "a third to be delivered",
@@ -122,13 +165,12 @@ pub async fn drain_through_a_kill(
         async || app.received().len() >= messages / 3,
     )
     .await;
+    let before_kill = app.received();
     kill();
     let killed_at = Instant::now();
-    let delivered_at_kill = app.received().len();
-    wait_none_lost(app, messages, Duration::from_secs(90), async || {
-        dead_letter_bodies(letters_url, &fixture.dlq()).await
-    })
-    .await;
+    assert_none_twice(&before_kill, messages);
+    let delivered_at_kill = before_kill.len();
+    wait_none_lost(app, messages, Duration::from_secs(90), letters).await;
     let settled_in = killed_at.elapsed();
     // And the broker agrees: nothing left pending or scheduled.
     wait_for("nothing pending", Duration::from_secs(30), async || {

@@ -8,7 +8,8 @@ mod kube_stub;
 mod private_redis;
 #[allow(unused_imports)]
 pub use failover::{
-    assert_none_lost, dead_letter_bodies, drain_through_a_kill, failover_body, wait_none_lost,
+    assert_none_lost, assert_none_twice, dead_letter_bodies, drain_across_a_kill,
+    drain_through_a_kill, failover_body, wait_none_lost,
 };
 #[allow(unused_imports)]
 pub use kube_stub::KubeStub;

@@ -95,7 +95,7 @@ pub async fn dead_letter_bodies(url: &str, dlq: &str) -> Vec<String> {
 /// nothing goes wrong: twice for the one answered 503 first, once for the
 /// others.
 fn deliveries_without_a_kill(i: usize) -> usize {
-    if i % 10 == 0 { 2 } else { 1 }
+    if i.is_multiple_of(10) { 2 } else { 1 }
 }
 
 /// Fails if a message of `0..messages` reached the app more often in

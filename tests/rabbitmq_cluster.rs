@@ -327,7 +327,7 @@ async fn the_quorum_leader_killed_mid_drain_loses_nothing() {
 
     let queue = unique("cluster");
     // Declared through node 1 as `courier run --create` declares it: a
-    // quorum queue on every node of the cluster, its leader on node 1.
+    // quorum queue with a replica on every node of the cluster.
     let first = cluster.nodes[0].name.clone();
     drop(
         Fixture::redis_at(&cluster.url(&first), &queue)

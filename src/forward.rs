@@ -12,7 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::model::{EXCERPT_LIMIT, Message, Outcome};
+use crate::model::{Directives, EXCERPT_LIMIT, Message, Outcome};
 
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
@@ -28,6 +28,33 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     }
     let date = httpdate::parse_http_date(value).ok()?;
     Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// The app's say over a retry, from its answer's headers. The reason is
+/// kept as sent, up to [`EXCERPT_LIMIT`] bytes (cut at a character
+/// boundary); a value that is not UTF-8 is read lossily rather than lost.
+pub fn read_directives(headers: &http::HeaderMap) -> Directives {
+    let text = |name: &str| {
+        headers.get(name).map(|value| {
+            let mut text = String::from_utf8_lossy(value.as_bytes()).trim().to_string();
+            if text.len() > EXCERPT_LIMIT {
+                let mut end = EXCERPT_LIMIT;
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                text.truncate(end);
+            }
+            text
+        })
+    };
+    let retry = text("courier-retry");
+    Directives {
+        dead_letter: text("courier-dead-letter"),
+        retry_never: retry
+            .as_deref()
+            .is_some_and(|v| v.eq_ignore_ascii_case("never")),
+        retry_unknown: retry.filter(|v| !v.eq_ignore_ascii_case("never")),
+    }
 }
 
 /// The request line and headers a message is offered with.
@@ -209,6 +236,7 @@ impl Forwarder {
                 (parsed, parsed.is_none())
             }
         };
+        let directives = read_directives(response.headers());
         let mut body = response.into_body();
         let mut excerpt = BytesMut::new();
         let mut read = 0usize;
@@ -228,6 +256,7 @@ impl Forwarder {
             retry_after,
             retry_after_invalid,
             excerpt: excerpt.freeze(),
+            directives,
         }
     }
 }
@@ -282,6 +311,41 @@ mod tests {
             parse_retry_after("99999999999999999999999", now),
             Some(Duration::from_secs(u64::MAX))
         );
+    }
+
+    #[test]
+    fn directive_rows() {
+        let read = |pairs: &[(&str, &[u8])]| {
+            let mut headers = http::HeaderMap::new();
+            for (name, value) in pairs {
+                headers.append(
+                    HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderValue::from_bytes(value).unwrap(),
+                );
+            }
+            read_directives(&headers)
+        };
+        assert_eq!(read(&[]), Directives::default());
+        let poison = read(&[("Courier-Dead-Letter", b" unknown SKU 42 ")]);
+        assert_eq!(poison.dead_letter.as_deref(), Some("unknown SKU 42"));
+        assert!(!poison.retry_never);
+        assert_eq!(
+            read(&[("courier-dead-letter", b"")]).dead_letter.as_deref(),
+            Some(""),
+            "an empty reason still says stop"
+        );
+        assert!(read(&[("Courier-Retry", b"never")]).retry_never);
+        assert!(read(&[("courier-retry", b"NEVER")]).retry_never);
+        let unknown = read(&[("Courier-Retry", b"later")]);
+        assert!(!unknown.retry_never);
+        assert_eq!(unknown.retry_unknown.as_deref(), Some("later"));
+        let long = "é".repeat(EXCERPT_LIMIT);
+        let cut = read(&[("courier-dead-letter", long.as_bytes())]);
+        let reason = cut.dead_letter.unwrap();
+        assert!(reason.len() <= EXCERPT_LIMIT && reason.len() > EXCERPT_LIMIT - 2);
+        assert!(reason.chars().all(|c| c == 'é'));
+        let binary = read(&[("courier-dead-letter", b"bad \xff byte")]);
+        assert_eq!(binary.dead_letter.as_deref(), Some("bad \u{fffd} byte"));
     }
 
     fn small_message() -> Message {

@@ -11,7 +11,7 @@ use super::Shared;
 use super::gate::Evidence;
 use super::limit::Signal;
 use crate::forward::Envelope;
-use crate::model::{DeadLetterReason, Delivery, Failure, Outcome};
+use crate::model::{Class, DeadLetterReason, Delivery, Failure, Outcome};
 use crate::policy::{Decision, Policy, Verdict, decide};
 use crate::source::SourceError;
 
@@ -105,6 +105,18 @@ impl Shared {
             }
         }
         let decision = decide(policy, outcome, attempt, self.gate.state(), rand::random());
+        if let Outcome::Answered {
+            status, directives, ..
+        } = outcome
+            && policy.app_directives
+        {
+            if let Some(value) = &directives.retry_unknown {
+                tracing::warn!(status, value, "the app answered Courier-Retry with a value other than never; ignored");
+            }
+            if decision.class == Class::Success && directives.dead_letter.is_some() {
+                tracing::warn!(status, reason = directives.dead_letter, "the app answered 2xx with Courier-Dead-Letter; a 2xx is an ack, so the message was acked");
+            }
+        }
         if let Some(counter) = self.m.delivery(decision.class.as_str()) {
             counter.inc();
         }
@@ -155,6 +167,7 @@ impl Shared {
                     excerpt: outcome.excerpt(),
                     policy: policy.label(),
                     dead_letter_queue: policy.dead_letter_queue_for(&self.d.queue),
+                    app_directive: policy.directive_in_force(outcome),
                 };
                 self.dead_letter(delivery, &failure, reason).await
             }

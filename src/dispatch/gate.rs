@@ -145,6 +145,7 @@ mod tests {
             retry_after: None,
             retry_after_invalid: false,
             excerpt: Bytes::new(),
+            directives: Default::default(),
         }
     }
 

@@ -63,6 +63,7 @@ mod tests {
             retry_after: retry_after.map(Duration::from_secs),
             retry_after_invalid: false,
             excerpt: Bytes::new(),
+            directives: Default::default(),
         }
     }
 

@@ -17,6 +17,8 @@ pub const F_ATTEMPTS: &str = "courier-attempts";
 pub const F_QUEUE: &str = "courier-queue";
 pub const F_EXCERPT: &str = "courier-response-excerpt";
 pub const F_POLICY: &str = "courier-policy";
+/// The app's header that decided a dead letter; only on those it decided.
+pub const F_APP_DIRECTIVE: &str = "courier-app-directive";
 /// Deliveries since the message was last stored, for sources that count
 /// unsettled deliveries themselves (the embedded queue).
 pub const F_DELIVERIES: &str = "courier-deliveries";

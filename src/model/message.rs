@@ -157,6 +157,10 @@ pub struct Failure {
     pub policy: String,
     /// Where the dead letter goes (`<queue>.dlq` unless the policy says).
     pub dead_letter_queue: String,
+    /// The app's header that decided this dead letter (`Courier-Dead-Letter:
+    /// <reason>` or `Courier-Retry: never`), written as
+    /// `courier-app-directive` only when there was one.
+    pub app_directive: Option<String>,
 }
 
 impl Failure {
@@ -172,6 +176,7 @@ impl Failure {
             F_MESSAGE_ID,
             F_EXCERPT,
             F_POLICY,
+            F_APP_DIRECTIVE,
         ]
         .into_iter()
     }
@@ -190,7 +195,11 @@ impl Failure {
             String::from_utf8_lossy(&self.excerpt).into_owned(),
             self.policy.clone(),
         ];
-        self.names().zip(values)
+        let directive = self
+            .app_directive
+            .clone()
+            .map(|directive| (F_APP_DIRECTIVE, directive));
+        self.names().zip(values).chain(directive)
     }
 }
 

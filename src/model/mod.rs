@@ -11,5 +11,5 @@ mod time;
 
 pub use fields::*;
 pub use message::{DeadLetter, Delivery, Failure, Message};
-pub use outcome::{Class, DeadLetterReason, EXCERPT_LIMIT, Outcome};
+pub use outcome::{Class, DeadLetterReason, Directives, EXCERPT_LIMIT, Outcome};
 pub use time::{parse_time, rfc3339};

@@ -22,6 +22,8 @@ pub enum Outcome {
         retry_after_invalid: bool,
         /// The first [`EXCERPT_LIMIT`] bytes of the answer body.
         excerpt: Bytes,
+        /// What the app said about the message besides its status.
+        directives: Directives,
     },
     /// No answer within the policy's timeout.
     Timeout,
@@ -58,6 +60,31 @@ impl Outcome {
             Self::Answered { excerpt, .. } => excerpt.clone(),
             _ => Bytes::new(),
         }
+    }
+}
+
+/// The app's say over a retry, from its answer's headers (docs/design.md,
+/// "The app's say"): read by `forward`, weighed by `decide` unless the
+/// policy turns them off (`appDirectives: false`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Directives {
+    /// `Courier-Dead-Letter: <reason>`: dead-letter now, with the app's
+    /// reason (at most [`EXCERPT_LIMIT`] bytes of it).
+    pub dead_letter: Option<String>,
+    /// `Courier-Retry: never`: a retryable answer is final.
+    pub retry_never: bool,
+    /// A `Courier-Retry` value other than `never`: ignored, and logged so the
+    /// app's author learns of it.
+    pub retry_unknown: Option<String>,
+}
+
+impl Directives {
+    /// The header that decides a dead letter, as recorded in
+    /// `courier-app-directive`, when the app sent one.
+    pub fn dead_letter_header(&self) -> Option<String> {
+        self.dead_letter
+            .as_ref()
+            .map(|reason| format!("Courier-Dead-Letter: {reason}"))
     }
 }
 
@@ -111,13 +138,16 @@ pub enum DeadLetterReason {
     PermanentStatus,
     AttemptsExhausted,
     Undeliverable,
+    /// The app answered with `Courier-Dead-Letter: <reason>`.
+    AppDeadLetter,
 }
 
 impl DeadLetterReason {
-    pub const ALL: [DeadLetterReason; 3] = [
+    pub const ALL: [DeadLetterReason; 4] = [
         Self::PermanentStatus,
         Self::AttemptsExhausted,
         Self::Undeliverable,
+        Self::AppDeadLetter,
     ];
 
     /// The `reason` labels of every reason.
@@ -130,6 +160,7 @@ impl DeadLetterReason {
             Self::PermanentStatus => "permanent-status",
             Self::AttemptsExhausted => "attempts-exhausted",
             Self::Undeliverable => "undeliverable",
+            Self::AppDeadLetter => "app-dead-letter",
         }
     }
 }

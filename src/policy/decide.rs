@@ -48,6 +48,12 @@ pub enum GateState {
 /// | unreachable | retry, no attempt used | retry, no attempt used |
 /// | permanent | dead-letter | dead-letter |
 /// | undeliverable | dead-letter | dead-letter |
+///
+/// The app's say (`Policy::classify`): `Courier-Dead-Letter` makes any
+/// answer but a 2xx permanent, reason `app-dead-letter`; `Courier-Retry:
+/// never` makes a retryable answer permanent, reason `permanent-status`.
+/// `Retry-After` sets the least delay of every retry an answer leads to,
+/// whatever its status.
 pub fn decide(
     policy: &Policy,
     outcome: &Outcome,
@@ -93,7 +99,14 @@ pub fn decide(
         (Class::ConnectionLost, _) => use_an_attempt(),
         (Class::Unreachable, _) => free_retry(),
         (Class::Permanent, _) => Verdict::DeadLetter {
-            reason: DeadLetterReason::PermanentStatus,
+            reason: match outcome {
+                Outcome::Answered { directives, .. }
+                    if policy.app_directives && directives.dead_letter.is_some() =>
+                {
+                    DeadLetterReason::AppDeadLetter
+                }
+                _ => DeadLetterReason::PermanentStatus,
+            },
         },
         (Class::Undeliverable, _) => Verdict::DeadLetter {
             reason: DeadLetterReason::Undeliverable,

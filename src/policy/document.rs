@@ -112,6 +112,11 @@ pub struct RetryPolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub dead_letter_queue: Option<String>,
+    /// Whether the app's answer headers `Courier-Dead-Letter: <reason>`
+    /// (dead-letter now) and `Courier-Retry: never` (a retryable answer is
+    /// final) count (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_directives: Option<bool>,
 }
 
 /// Backoff between attempts: min(max, initial x multiplier^(n-1)), jittered.

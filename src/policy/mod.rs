@@ -98,6 +98,9 @@ pub struct Policy {
     pub status_codes: StatusCodes,
     /// `None` means `<queue>.dlq`.
     pub dead_letter_queue: Option<String>,
+    /// Whether the app's `Courier-Dead-Letter` and `Courier-Retry` answer
+    /// headers count (`appDirectives`).
+    pub app_directives: bool,
 }
 
 /// The defaults of every field, in one place, as the design documents them.
@@ -127,6 +130,7 @@ impl Default for Policy {
                 dead_letter: vec![CodeMatch::Exact(501), CodeMatch::Class(4)],
             },
             dead_letter_queue: None,
+            app_directives: true,
         }
     }
 }
@@ -284,19 +288,50 @@ impl Policy {
             retry_after,
             status_codes,
             dead_letter_queue: spec.dead_letter_queue.clone().filter(|q| !q.is_empty()),
+            app_directives: spec.app_directives.unwrap_or(defaults.app_directives),
         })
     }
 
     /// What an answer means under this policy. Exact codes beat classes; an
-    /// answer nobody listed that is not 2xx is permanent.
+    /// answer nobody listed that is not 2xx is permanent. The app's say
+    /// comes after the status: a 2xx is an ack whatever it says, and
+    /// otherwise `Courier-Dead-Letter` (any status) or `Courier-Retry: never`
+    /// (a retryable one) makes the answer permanent.
     pub fn classify(&self, outcome: &Outcome) -> Class {
         match outcome {
-            Outcome::Answered { status, .. } => self.classify_status(*status),
+            Outcome::Answered { status, .. } => {
+                let class = self.classify_status(*status);
+                match self.directive_in_force(outcome) {
+                    Some(_) if class != Class::Success => Class::Permanent,
+                    _ => class,
+                }
+            }
             Outcome::Timeout => Class::Timeout,
             Outcome::Unreachable { .. } => Class::Unreachable,
             Outcome::ConnectionLost { .. } => Class::ConnectionLost,
             Outcome::Undeliverable { .. } => Class::Undeliverable,
         }
+    }
+
+    /// The app's header that turns this answer into a dead letter, as the
+    /// dead letter records it, when the policy lets the app decide: its
+    /// `Courier-Dead-Letter`, else `Courier-Retry: never` on a status the
+    /// policy would retry. A 2xx is an ack whatever it says; the caller
+    /// checks the class for that.
+    pub fn directive_in_force(&self, outcome: &Outcome) -> Option<String> {
+        let Outcome::Answered {
+            status, directives, ..
+        } = outcome
+        else {
+            return None;
+        };
+        if !self.app_directives {
+            return None;
+        }
+        directives.dead_letter_header().or_else(|| {
+            (directives.retry_never && self.classify_status(*status) == Class::Transient)
+                .then(|| "Courier-Retry: never".to_string())
+        })
     }
 
     fn classify_status(&self, status: u16) -> Class {
@@ -375,6 +410,11 @@ impl Policy {
             multiplier,
             jitter,
         };
+        self
+    }
+
+    pub fn app_directives(mut self, on: bool) -> Self {
+        self.app_directives = on;
         self
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::*;
-use crate::model::DeadLetterReason;
+use crate::model::{DeadLetterReason, Directives};
 
 fn answered(status: u16) -> Outcome {
     Outcome::Answered {
@@ -13,6 +13,7 @@ fn answered(status: u16) -> Outcome {
         retry_after: None,
         retry_after_invalid: false,
         excerpt: Bytes::new(),
+        directives: Default::default(),
     }
 }
 
@@ -22,6 +23,23 @@ fn answered_with_retry_after(status: u16, secs: u64) -> Outcome {
         retry_after: Some(Duration::from_secs(secs)),
         retry_after_invalid: false,
         excerpt: Bytes::new(),
+        directives: Default::default(),
+    }
+}
+
+/// An answer with the app's say: `Courier-Dead-Letter: <reason>` when
+/// `dead_letter` is given, `Courier-Retry: never` when `never`.
+fn saying(status: u16, dead_letter: Option<&str>, never: bool) -> Outcome {
+    Outcome::Answered {
+        status,
+        retry_after: None,
+        retry_after_invalid: false,
+        excerpt: Bytes::new(),
+        directives: Directives {
+            dead_letter: dead_letter.map(str::to_string),
+            retry_never: never,
+            retry_unknown: None,
+        },
     }
 }
 
@@ -119,6 +137,7 @@ fn verdict_table() {
     let dead = |reason| Verdict::DeadLetter { reason };
     let exhausted = dead(DeadLetterReason::AttemptsExhausted);
     let permanent = dead(DeadLetterReason::PermanentStatus);
+    let app_dead = dead(DeadLetterReason::AppDeadLetter);
     let rows: Vec<(Outcome, u32, GateState, Verdict)> = vec![
         // 2xx acks whatever the gate says.
         (answered(200), 1, Open, Verdict::Ack),
@@ -165,11 +184,147 @@ fn verdict_table() {
             Closed,
             dead(DeadLetterReason::Undeliverable),
         ),
+        // The app's say. Courier-Dead-Letter stops any answer but a 2xx,
+        // at any attempt, under either gate state.
+        (
+            saying(500, Some("poison"), false),
+            1,
+            Open,
+            app_dead.clone(),
+        ),
+        (
+            saying(503, Some("poison"), false),
+            1,
+            Closed,
+            app_dead.clone(),
+        ),
+        (saying(429, Some(""), false), 2, Open, app_dead.clone()),
+        (saying(404, Some("no such order"), false), 1, Open, app_dead.clone()),
+        (saying(302, Some("moved"), true), 1, Open, app_dead.clone()),
+        // A 2xx is an ack: the app has the message.
+        (saying(200, Some("poison"), false), 1, Open, Verdict::Ack),
+        (saying(204, None, true), 1, Open, Verdict::Ack),
+        // Courier-Retry: never makes a retryable answer final...
+        (saying(503, None, true), 1, Open, permanent.clone()),
+        (saying(500, None, true), 1, Closed, permanent.clone()),
+        (saying(408, None, true), 2, Open, permanent.clone()),
+        (saying(429, None, true), 1, Open, permanent.clone()),
+        // ...and leaves a permanent one as it was.
+        (saying(400, None, true), 1, Open, permanent.clone()),
     ];
     for (outcome, attempt, gate, want) in rows {
         let got = decide(&policy, &outcome, attempt, gate, NO_JITTER).verdict;
         assert_eq!(got, want, "{outcome:?} at attempt {attempt}, gate {gate:?}");
     }
+}
+
+/// `appDirectives: false`: the app's headers change nothing, and no
+/// dead letter records one.
+#[test]
+fn app_directives_off_table() {
+    let off = no_jitter_policy().max_attempts(3).app_directives(false);
+    let on = no_jitter_policy().max_attempts(3);
+    let retry = |secs: u64| Verdict::Retry {
+        delay: Duration::from_secs(secs),
+        attempt_used: true,
+    };
+    let permanent = Verdict::DeadLetter {
+        reason: DeadLetterReason::PermanentStatus,
+    };
+    let rows: Vec<(Outcome, Verdict)> = vec![
+        (saying(500, Some("poison"), false), retry(1)),
+        (saying(503, None, true), retry(1)),
+        (saying(404, Some("no such order"), false), permanent.clone()),
+        (saying(200, Some("poison"), true), Verdict::Ack),
+    ];
+    for (outcome, want) in rows {
+        let got = decide(&off, &outcome, 1, GateState::Open, NO_JITTER).verdict;
+        assert_eq!(got, want, "{outcome:?}");
+        assert_eq!(off.directive_in_force(&outcome), None, "{outcome:?}");
+    }
+    // What the dead letter records when they are on.
+    let rows = [
+        (
+            saying(500, Some("poison"), false),
+            Some("Courier-Dead-Letter: poison"),
+        ),
+        (
+            saying(404, Some("no such order"), true),
+            Some("Courier-Dead-Letter: no such order"),
+        ),
+        (saying(503, None, true), Some("Courier-Retry: never")),
+        (saying(400, None, true), None),
+        (saying(503, None, false), None),
+        (Outcome::Timeout, None),
+    ];
+    for (outcome, want) in rows {
+        assert_eq!(
+            on.directive_in_force(&outcome).as_deref(),
+            want,
+            "{outcome:?}"
+        );
+    }
+}
+
+/// Retry-After sets the least delay on every retryable status, not only
+/// 429 and 503; a timeout has no header, so its backoff stands.
+#[test]
+fn retry_after_on_every_retryable_status() {
+    let policy = no_jitter_policy().retry_after_honored(true, Duration::from_secs(60));
+    let retry = |secs: u64| Verdict::Retry {
+        delay: Duration::from_secs(secs),
+        attempt_used: true,
+    };
+    for status in [408, 429, 500, 502, 503, 504] {
+        let got = decide(
+            &policy,
+            &answered_with_retry_after(status, 7),
+            1,
+            GateState::Open,
+            NO_JITTER,
+        );
+        assert_eq!(got.class, Class::Transient, "{status}");
+        assert_eq!(got.verdict, retry(7), "{status}");
+    }
+    // A status a policy makes retryable (404 and 409 while an app starts,
+    // examples/app-starting.yaml) honours it the same way.
+    let starting = Policy::from_spec(
+        "starting",
+        &serde_saphyr::from_str::<RetryPolicySpec>(
+            "statusCodes: {retry: [\"404\", \"409\", \"408\", \"429\", \"5xx\"], deadLetter: [\"501\", \"4xx\"]}\nbackoff: {jitter: none}",
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    for status in [404, 409] {
+        assert_eq!(
+            decide(
+                &starting,
+                &answered_with_retry_after(status, 7),
+                1,
+                GateState::Open,
+                NO_JITTER
+            )
+            .verdict,
+            retry(7),
+            "{status}"
+        );
+    }
+    assert_eq!(
+        decide(&policy, &Outcome::Timeout, 1, GateState::Open, NO_JITTER).verdict,
+        retry(1)
+    );
+    // Courier-Retry: never beats Retry-After: the answer is final.
+    let mut final_answer = answered_with_retry_after(503, 7);
+    if let Outcome::Answered { directives, .. } = &mut final_answer {
+        directives.retry_never = true;
+    }
+    assert_eq!(
+        decide(&policy, &final_answer, 1, GateState::Open, NO_JITTER).verdict,
+        Verdict::DeadLetter {
+            reason: DeadLetterReason::PermanentStatus
+        }
+    );
 }
 
 #[test]
@@ -181,6 +336,11 @@ fn the_class_travels_with_the_verdict() {
     assert!(Class::result_labels().contains(&"connection-lost"));
     assert_eq!(class(unreachable()), Class::Unreachable);
     assert_eq!(class(answered(503)), Class::Transient);
+    assert_eq!(class(saying(503, Some("poison"), false)), Class::Permanent);
+    assert_eq!(class(saying(503, None, true)), Class::Permanent);
+    assert_eq!(class(saying(200, Some("poison"), true)), Class::Success);
+    assert_eq!(DeadLetterReason::AppDeadLetter.as_str(), "app-dead-letter");
+    assert!(DeadLetterReason::labels().contains(&"app-dead-letter"));
 }
 
 /// A free retry still honours Retry-After: the app asked for the wait.
@@ -338,6 +498,7 @@ fn retry_after_rows() {
         retry_after: None,
         retry_after_invalid: true,
         excerpt: Bytes::new(),
+        directives: Default::default(),
     };
     assert_eq!(delay(&honored, invalid, 1), Duration::from_secs(1));
     // A Retry-After on a permanent answer changes nothing.
@@ -379,6 +540,15 @@ fn validation_rejects_nonsense() {
         ("statusCodes: {retry: [\"2xx\"]}", "spec.statusCodes.retry"),
         ("statusCodes: {retry: [\"4xx\"]}", "spec.statusCodes"),
     ];
+    assert!(
+        serde_saphyr::from_str::<RetryPolicySpec>("appDirectives: sometimes").is_err(),
+        "appDirectives is a boolean"
+    );
+    assert!(
+        !Policy::from_spec("p", &spec("appDirectives: false"))
+            .unwrap()
+            .app_directives
+    );
     for (yaml, field) in rows {
         let err = Policy::from_spec("p", &spec(yaml)).unwrap_err();
         assert_eq!(err.field, field, "{yaml}: {err}");

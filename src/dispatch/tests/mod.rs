@@ -208,6 +208,7 @@ fn answered(status: u16, retry_after: Option<u64>) -> Outcome {
         retry_after: retry_after.map(Duration::from_secs),
         retry_after_invalid: false,
         excerpt: Bytes::new(),
+        directives: Default::default(),
     }
 }
 

@@ -189,6 +189,7 @@ impl Mover {
             excerpt: Bytes::new(),
             policy: String::new(),
             dead_letter_queue: dead_letter_queue.to_string(),
+            app_directive: None,
         })
     }
 }

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use courier::model::{Class, Outcome};
 use courier::policy::crd;
 use courier::policy::file;
 use courier::policy::{Policy, RetryPolicy};
@@ -172,6 +173,8 @@ const INVALID: &[(&str, &str, &str)] = &[
         "cel",
         "listed in both retry and deadLetter",
     ),
+    ("appDirectives: \"no\"", "openapi", "boolean"),
+    ("appDirectives: 0", "openapi", "boolean"),
     ("maxAttemps: 3", "openapi", "maxAttemps"),
 ];
 
@@ -272,6 +275,28 @@ fn the_examples_say_what_their_names_promise() {
     );
     let fire_and_forget = read("fire-and-forget.yaml");
     assert_eq!(fire_and_forget.max_attempts, 1);
+    // While an app starts, 404 and 409 are retried; other 4xx stay final.
+    let starting = read("app-starting.yaml");
+    for (status, class) in [
+        (404, Class::Transient),
+        (409, Class::Transient),
+        (408, Class::Transient),
+        (429, Class::Transient),
+        (503, Class::Transient),
+        (400, Class::Permanent),
+        (422, Class::Permanent),
+        (501, Class::Permanent),
+    ] {
+        let answer = Outcome::Answered {
+            status,
+            retry_after: None,
+            retry_after_invalid: false,
+            excerpt: Default::default(),
+            directives: Default::default(),
+        };
+        assert_eq!(starting.classify(&answer), class, "{status}");
+    }
+    assert!(starting.app_directives);
 }
 
 /// The API server refuses a CRD whose CEL rules are too costly to

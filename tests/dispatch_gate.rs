@@ -196,23 +196,27 @@ async fn a_few_always_503_messages_do_not_hold_the_rest(fixture: Fixture) {
 }
 
 async fn an_outage_by_refused_connections_uses_no_attempts(fixture: Fixture) {
-    // A port nothing listens on, taken again by the app after the outage.
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // The app is up when courier starts (courier waits for that), then
+    // goes away, and comes back on the same port after the outage.
+    let first = TestApp::start().await;
+    let addr = first.addr;
     let source = fixture.open().await;
+    let mut config = run_config_for(&fixture, &first.url(), fast_policy());
+    config.app_failure_run = gate_default();
+    let running = Running::start(config).await;
+    fixture.send(&source, "before the outage").await;
+    wait_for("a delivery before the outage", SETTLE, async || {
+        !first.received_body(b"before the outage").is_empty()
+    })
+    .await;
+    first.stop();
     for i in 0..5 {
         fixture.send(&source, format!("message {i}")).await;
     }
-    let mut config = run_config_for(&fixture, &format!("http://{addr}/"), fast_policy());
-    config.app_failure_run = gate_default();
-    let running = Running::start(config).await;
     // Far more refused deliveries than the policy's 3 attempts.
     wait_for("refused deliveries", SETTLE, async || {
         let text = scrape(running.metrics_addr).await;
-        metric(&text, "courier_deliveries_total", &fixture.queue) >= 6.0
+        metric(&text, "courier_deliveries_total", &fixture.queue) >= 7.0
     })
     .await;
     let text = scrape(running.metrics_addr).await;

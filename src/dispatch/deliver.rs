@@ -111,10 +111,18 @@ impl Shared {
             && policy.app_directives
         {
             if let Some(value) = &directives.retry_unknown {
-                tracing::warn!(status, value, "the app answered Courier-Retry with a value other than never; ignored");
+                tracing::warn!(
+                    status,
+                    value,
+                    "the app answered Courier-Retry with a value other than never; ignored"
+                );
             }
             if decision.class == Class::Success && directives.dead_letter.is_some() {
-                tracing::warn!(status, reason = directives.dead_letter, "the app answered 2xx with Courier-Dead-Letter; a 2xx is an ack, so the message was acked");
+                tracing::warn!(
+                    status,
+                    reason = directives.dead_letter,
+                    "the app answered 2xx with Courier-Dead-Letter; a 2xx is an ack, so the message was acked"
+                );
             }
         }
         if let Some(counter) = self.m.delivery(decision.class.as_str()) {

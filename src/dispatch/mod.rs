@@ -45,6 +45,11 @@ const MAX_BATCH: usize = 256;
 const READ_AHEAD_WAIT: Duration = Duration::from_secs(2);
 /// How often the app (or its health path) is checked while deliveries flow.
 const APP_PROBE_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the app is asked, doubling, while courier waits for it before
+/// the first delivery: an app that is starting is usually up within seconds,
+/// and every moment waited is latency.
+const START_PROBE_MIN: Duration = Duration::from_millis(100);
+const START_PROBE_MAX: Duration = Duration::from_secs(1);
 /// Failed reads in a row after which `/readyz` says not ready.
 pub const READ_FAILURE_RUN: u32 = 3;
 
@@ -132,6 +137,7 @@ impl Dispatcher {
     /// Runs until `shutdown`, then drains.
     pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
         let shared = Arc::new(Shared::new(self));
+        shared.wait_for_app(&shutdown).await;
         let helpers = [
             tokio::spawn(shared.clone().watch_app()),
             tokio::spawn(shared.clone().keep_alive()),
@@ -383,6 +389,44 @@ impl Shared {
 
     fn show_limit(&self) {
         self.m.concurrency_limit.set(self.limiter.limit() as i64);
+    }
+
+    /// Before the first delivery: waits until the app accepts connections
+    /// and, with `--app-health-path`, until that path answers 2xx. An app
+    /// that is still starting may take connections before it can handle a
+    /// message (404, 409): without this the first messages would meet it.
+    /// Meanwhile the gate is closed (`courier_app_up` 0, not ready).
+    async fn wait_for_app(&self, shutdown: &CancellationToken) {
+        let ready = async || {
+            self.d.forwarder.app_accepts_connections().await
+                && match &self.d.app_health_path {
+                    Some(path) => self.d.forwarder.probe(path).await,
+                    None => true,
+                }
+        };
+        if ready().await {
+            return;
+        }
+        let app = self.d.forwarder.app();
+        tracing::info!(%app, health_path = ?self.d.app_health_path, "waiting for the app to be ready before the first delivery");
+        self.gate.report(Evidence::Unreachable);
+        self.m.app_up.set(0);
+        self.d.health.set_app_up(false);
+        let mut wait = START_PROBE_MIN;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+            if ready().await {
+                break;
+            }
+            wait = (wait * 2).min(START_PROBE_MAX);
+        }
+        self.gate.report(Evidence::HealthPath(true));
+        self.m.app_up.set(1);
+        self.d.health.set_app_up(true);
+        tracing::info!(%app, "the app is ready: delivering");
     }
 
     /// While the gate is closed: ask the app's health path, or let one

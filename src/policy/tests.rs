@@ -199,7 +199,12 @@ fn verdict_table() {
             app_dead.clone(),
         ),
         (saying(429, Some(""), false), 2, Open, app_dead.clone()),
-        (saying(404, Some("no such order"), false), 1, Open, app_dead.clone()),
+        (
+            saying(404, Some("no such order"), false),
+            1,
+            Open,
+            app_dead.clone(),
+        ),
         (saying(302, Some("moved"), true), 1, Open, app_dead.clone()),
         // A 2xx is an ack: the app has the message.
         (saying(200, Some("poison"), false), 1, Open, Verdict::Ack),

@@ -69,12 +69,26 @@ impl Received {
 /// line `script:<step>,<step>,...`; the app answers the n-th request for
 /// that body with the n-th step (the last step repeats). A step is a status
 /// (`503`), a status with Retry-After seconds (`429ra1`), or `sleepN` (wait N
-/// ms, then 200). Any other body gets 200. Every request is recorded.
+/// ms, then 200), followed by any answer headers as `+name=value`
+/// (`500+courier-dead-letter=out of stock`). Any other body gets 200. Every
+/// request is recorded.
 #[derive(Clone)]
 pub struct TestApp {
     pub addr: SocketAddr,
     received: Arc<Mutex<Vec<Received>>>,
     stop: CancellationToken,
+}
+
+/// A script step's answer headers (`+name=value` after the step) and the
+/// step without them.
+fn answer_headers(step: &str) -> (&str, Vec<(String, String)>) {
+    let mut parts = step.split('+');
+    let step = parts.next().unwrap_or_default();
+    let headers = parts
+        .filter_map(|h| h.split_once('='))
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    (step, headers)
 }
 
 fn answer(step: &str) -> (u16, Option<String>, Option<u64>) {
@@ -136,19 +150,23 @@ impl TestApp {
                         .strip_prefix("script:")
                         .map(str::to_string)
                 });
-                let (status, retry_after, sleep) = match script {
+                let (step, headers) = match &script {
                     Some(script) => {
                         let steps: Vec<&str> = script.split(',').collect();
-                        answer(steps[seen.min(steps.len() - 1)])
+                        answer_headers(steps[seen.min(steps.len() - 1)])
                     }
-                    None => (200, None, None),
+                    None => ("200", Vec::new()),
                 };
+                let (status, retry_after, sleep) = answer(step);
                 if let Some(ms) = sleep {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
                 let mut response = Response::builder().status(status);
                 if let Some(ra) = retry_after {
                     response = response.header("retry-after", ra);
+                }
+                for (name, value) in headers {
+                    response = response.header(name, value);
                 }
                 response
                     .body(Full::new(Bytes::from(format!(

@@ -95,35 +95,45 @@ async fn a_message_that_crashes_the_app_uses_its_attempts_and_is_dead_lettered()
     );
 }
 
+/// An app that does not listen yet (still starting) is sent nothing, not
+/// even a refused delivery: nothing is read from the broker, courier is not
+/// ready, and once the app listens everything arrives at attempt 1. A
+/// refused connection later, mid-run, is a free retry (`steps.rs`,
+/// `tests/dispatch_gate.rs`).
 #[tokio::test]
-async fn an_app_that_refuses_connections_costs_no_attempts_and_gets_everything_when_back() {
+async fn an_app_not_listening_yet_is_waited_for_before_the_first_delivery() {
     let app = closed_port().await;
     let source = MemorySource::with(&["a", "b", "c"]);
     let d = dispatcher(source.clone(), app, fast_policy(2));
     let health = d.health.clone();
+    let metrics = d.metrics.clone();
     health.set_ready(true);
     let shutdown = CancellationToken::new();
     let run = tokio::spawn(d.run(shutdown.clone()));
-    wait_until("a few refused deliveries", || {
-        source.state().retried.len() >= 4
-    })
-    .await;
-    assert!(!health.is_ready(), "not ready while the app is down");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!health.is_ready(), "not ready while the app is not up");
+    assert!(metrics.encode().contains("courier_app_up 0"));
     {
         let s = source.state();
+        assert_eq!(s.ready.len(), 3, "nothing was read");
+        assert!(s.retried.is_empty(), "{:?}", s.retried);
         assert!(s.dead.is_empty(), "{:?}", s.dead);
-        assert!(
-            s.retried.iter().all(|(_, next, _)| *next == 1),
-            "{:?}",
-            s.retried
-        );
     }
     let listener = TcpListener::bind(app).await.unwrap();
     let stop = CancellationToken::new();
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let seen = attempts.clone();
     tokio::spawn(telemetry::serve_http(
         listener,
         stop.clone(),
-        |_req: Request<Incoming>| async { Response::new(Full::new(Bytes::from_static(b"ok"))) },
+        move |req: Request<Incoming>| {
+            let seen = seen.clone();
+            async move {
+                let attempt = req.headers().get("courier-attempt").cloned();
+                seen.lock().unwrap().push(attempt);
+                Response::new(Full::new(Bytes::from_static(b"ok")))
+            }
+        },
     ));
     wait_until("every message acked", || source.state().acked.len() == 3).await;
     assert!(health.is_ready());
@@ -131,6 +141,15 @@ async fn an_app_that_refuses_connections_costs_no_attempts_and_gets_everything_w
     run.await.unwrap();
     stop.cancel();
     assert!(source.state().dead.is_empty());
+    assert!(source.state().retried.is_empty());
+    let attempts = attempts.lock().unwrap();
+    assert_eq!(attempts.len(), 3, "{attempts:?}");
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.as_ref().is_some_and(|v| v == "1")),
+        "{attempts:?}"
+    );
 }
 
 #[tokio::test]

@@ -517,16 +517,12 @@ async fn embedded_app_stopped_for_30_seconds_probed_with_a_delivery() {
 /// delivered once the app recovers.
 async fn a_503_storm_closes_the_gate(fixture: Fixture) {
     const MESSAGES: usize = 200;
-    let app = ChaosApp::start(Mode {
-        status: 503,
-        delay: Duration::from_millis(5),
-        retry_after: None,
-    })
-    .await;
+    // Healthy when courier starts (it waits for that before delivering),
+    // the storm begins before the messages arrive.
+    let app = ChaosApp::start(Mode::ok()).await;
     let bodies: Vec<String> = (0..MESSAGES).map(|i| format!("message {i}")).collect();
     let all: HashSet<String> = bodies.iter().cloned().collect();
     let source = fixture.open().await;
-    send_all(&source, &bodies).await;
     let mut config = run_config_for(
         &fixture,
         &app.url(),
@@ -536,7 +532,16 @@ async fn a_503_storm_closes_the_gate(fixture: Fixture) {
     config.app_failure_run = 5;
     config.app_health_path = Some("/healthz".into());
     let running = Running::start(config).await;
-    // Not ready before the source is open too: first the run of 503s.
+    wait_for("ready", SETTLE, async || {
+        get_status(running.metrics_addr, "/readyz").await == 200
+    })
+    .await;
+    app.set_mode(Mode {
+        status: 503,
+        delay: Duration::from_millis(5),
+        retry_after: None,
+    });
+    send_all(&source, &bodies).await;
     wait_for("a run of 503s", SETTLE, async || app.hits().len() >= 5).await;
     wait_for("the gate to close", SETTLE, async || {
         get_status(running.metrics_addr, "/readyz").await == 503

@@ -311,19 +311,22 @@ pub async fn bodies_are_bytes(fixture: Fixture) {
 
 /// An app that refuses connections uses up no attempts: once it is back, the
 /// message arrives with Courier-Attempt 1 and nothing is dead-lettered.
+/// The app goes away after courier started delivering (before the first
+/// delivery courier waits for the app and sends nothing: `tests/app_starting.rs`).
 pub async fn unreachable_app_uses_no_attempts(fixture: Fixture) {
-    // Reserve a port, then free it so nothing listens there yet.
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let addr = format!("127.0.0.1:{port}");
+    let first = TestApp::start().await;
+    let addr = first.addr.to_string();
     let source = fixture.open().await;
     let producer = fixture.producer().await;
+    let running = Running::start(run_config(&fixture, &first, fast_policy())).await;
+    producer.send("before", &[]).await;
+    wait_for("an ack before the app goes", SETTLE, async || {
+        let text = scrape(running.metrics_addr).await;
+        metric(&text, "courier_acks_total", &fixture.queue) >= 1.0
+    })
+    .await;
+    first.stop();
     producer.send("hello", &[]).await;
-    let mut config = run_config(&fixture, &TestApp::start().await, fast_policy());
-    config.app = format!("http://{addr}/").parse().unwrap();
-    let running = Running::start(config).await;
     wait_for(
         "a few refused deliveries",
         Duration::from_secs(20),

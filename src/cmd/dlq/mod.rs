@@ -95,7 +95,7 @@ pub struct Target {
 
 #[derive(Debug, Clone, Default, Args)]
 pub struct Filter {
-    /// Only this reason: permanent-status, attempts-exhausted or undeliverable.
+    /// Only this reason: permanent-status, attempts-exhausted, undeliverable or app-dead-letter.
     #[arg(long, env = "COURIER_REASON")]
     pub reason: Option<String>,
     /// Only this last HTTP status, exact ("400") or class ("4xx").

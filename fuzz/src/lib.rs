@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use courier::forward::parse_retry_after;
-use courier::model::{DeadLetterReason, Delivery, Failure, Outcome};
+use courier::model::{DeadLetterReason, Delivery, Directives, Failure, Outcome};
 use courier::policy::{CodeMatch, GateState, Verdict, decide};
 use courier::source::{decode_fields, encode_fields};
 
@@ -119,6 +119,11 @@ pub fn policy_document(data: &[u8]) {
         answered(503, Some(Duration::from_secs(7))),
         answered(599, None),
         answered(999, None),
+        saying(200, true, true),
+        saying(404, true, false),
+        saying(500, true, false),
+        saying(503, false, true),
+        saying(400, false, true),
         Outcome::Timeout,
         Outcome::Unreachable {
             error: "refused".into(),
@@ -160,6 +165,12 @@ pub fn policy_document(data: &[u8]) {
                         if reason == DeadLetterReason::AttemptsExhausted {
                             assert!(attempt.max(1) >= policy.max_attempts);
                         }
+                        // Only the app's header, and only when the policy
+                        // lets it count, is an app-dead-letter.
+                        if reason == DeadLetterReason::AppDeadLetter {
+                            assert!(policy.app_directives, "{policy:?}");
+                            assert!(policy.directive_in_force(outcome).is_some(), "{outcome:?}");
+                        }
                     }
                 }
             }
@@ -173,6 +184,22 @@ fn answered(status: u16, retry_after: Option<Duration>) -> Outcome {
         retry_after,
         retry_after_invalid: false,
         excerpt: Bytes::new(),
+        directives: Default::default(),
+    }
+}
+
+/// An answer with the app's say: `Courier-Dead-Letter` and `Courier-Retry: never`.
+fn saying(status: u16, dead_letter: bool, retry_never: bool) -> Outcome {
+    Outcome::Answered {
+        status,
+        retry_after: Some(Duration::from_secs(7)),
+        retry_after_invalid: false,
+        excerpt: Bytes::new(),
+        directives: Directives {
+            dead_letter: dead_letter.then(|| "poison".to_string()),
+            retry_never,
+            retry_unknown: None,
+        },
     }
 }
 
@@ -275,6 +302,7 @@ pub fn redis_entry(data: &[u8]) {
         excerpt: Bytes::from_static(b"bad order"),
         policy: "fuzz@1".into(),
         dead_letter_queue: "orders.dlq".into(),
+        app_directive: Some("Courier-Dead-Letter: poison".into()),
     };
     let letter = delivery.fields_for_dead_letter(&failure);
     for (name, _) in failure.fields() {

@@ -379,6 +379,67 @@ async fn the_examples_applied_with_kubectl_do_what_they_say() {
     pay.stop();
 }
 
+/// `examples/app-starting.yaml` applied with kubectl: a sidecar following it
+/// retries a 404, and honours the app's `Courier-Dead-Letter`; after
+/// `kubectl edit` adds `appDirectives: false`, the header counts no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_app_starting_example_and_app_directives_through_kubectl() {
+    let stub = KubeStub::start(NS);
+    stub.kubectl_ok(&[
+        "apply",
+        "-f",
+        root().join("examples/app-starting.yaml").to_str().unwrap(),
+    ]);
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "app-starting");
+    sidecar.wait_ready().await;
+
+    let starting = "script:404,200\nstarting";
+    let first = "script:500+courier-dead-letter=poison\nfirst";
+    fixture.send(&source, starting).await;
+    let poisoned = fixture.send(&source, first).await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(app.received_body(starting.as_bytes()).len(), 2);
+    assert_eq!(app.received_body(first.as_bytes()).len(), 1);
+    for (field, value) in [
+        ("courier-reason", "app-dead-letter"),
+        ("courier-app-directive", "Courier-Dead-Letter: poison"),
+        ("courier-policy", "app-starting@1"),
+    ] {
+        assert_eq!(
+            dead_letter_field(&fixture, &poisoned, field)
+                .await
+                .as_deref(),
+            Some(value),
+            "{field}"
+        );
+    }
+
+    stub.edit(
+        "app-starting",
+        "s/^  maxAttempts: 6$/  maxAttempts: 6\\n  appDirectives: false/",
+    );
+    wait_for("the edit to take effect", SETTLE, async || {
+        sidecar
+            .metrics()
+            .await
+            .contains("courier_policy_generation{policy=\"app-starting\"} 2")
+    })
+    .await;
+    let second = "script:500+courier-dead-letter=poison,200\nsecond";
+    fixture.send(&source, second).await;
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        app.received_body(second.as_bytes()).len(),
+        2,
+        "with appDirectives: false the 500 is retried, then acked"
+    );
+    assert_eq!(fixture.dead_letters(&source).await.len(), 1);
+    sidecar.stop();
+}
+
 /// `--policy` and `--policy-file` name two sources for one thing.
 #[test]
 fn policy_and_policy_file_together_are_a_usage_error() {

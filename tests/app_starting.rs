@@ -32,40 +32,9 @@ fn root() -> PathBuf {
 }
 
 fn args(fixture: &Fixture, app: &str, policy: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--source",
-        &fixture.source_arg(),
-        "--queue",
-        &fixture.queue,
-        "--app",
-        app,
-        "--policy-file",
-        &policy.display().to_string(),
-        "--listen",
-        "127.0.0.1:0",
-    ]
-    .map(str::to_string)
-    .to_vec();
+    let mut args = run_args_for(fixture, app, policy, &unique("starting"));
     args.extend(extra.iter().map(|a| a.to_string()));
     args
-}
-
-async fn readyz(addr: SocketAddr) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.unwrap();
-    out.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0)
-}
-
-/// A metric without labels from a `/metrics` text.
-fn plain_metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
 async fn stop(mut courier: CourierProcess) {
@@ -105,7 +74,7 @@ async fn no_delivery_before_the_app_accepts_connections() {
         "not even a refused attempt:\n{text}"
     );
     assert_eq!(plain_metric(&text, "courier_app_up"), Some(0.0), "{text}");
-    assert_eq!(readyz(metrics).await, 503);
+    assert_eq!(get_status(metrics, "/readyz").await, 503);
     assert_eq!(source.depth().await.unwrap().dead_letters, 0);
 
     let app = TestApp::start_on(&addr.to_string()).await;
@@ -120,7 +89,10 @@ async fn no_delivery_before_the_app_accepts_connections() {
     assert_eq!(seen.len(), 1, "delivered once");
     assert_eq!(seen[0].attempt(), 1, "no attempt was used while waiting");
     assert_eq!(seen[0].header("courier-message-id"), Some(id.as_str()));
-    wait_for("ready", SETTLE, async || readyz(metrics).await == 200).await;
+    wait_for("ready", SETTLE, async || {
+        get_status(metrics, "/readyz").await == 200
+    })
+    .await;
     courier
         .wait_log("the app is ready: delivering", SETTLE)
         .await;
@@ -212,7 +184,7 @@ async fn no_delivery_before_the_health_path_answers_2xx() {
         app.posts().is_empty(),
         "no message before /healthz said 2xx"
     );
-    assert_eq!(readyz(metrics).await, 503);
+    assert_eq!(get_status(metrics, "/readyz").await, 503);
 
     app.ready.store(true, Ordering::SeqCst);
     wait_for("the delivery once /healthz says 2xx", SETTLE, async || {

@@ -30,7 +30,6 @@ use courier::telemetry::serve_http;
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -246,29 +245,6 @@ fn chaos_policy(max_attempts: u32, timeout: Duration) -> Policy {
         2.0,
         Jitter::Full,
     )
-}
-
-/// `GET path` on courier's telemetry port: the status code.
-async fn get_status(addr: SocketAddr, path: &str) -> u16 {
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return 0;
-    };
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return 0;
-    }
-    let mut out = String::new();
-    let _ = stream.read_to_string(&mut out).await;
-    out.split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0)
-}
-
-/// A metric without labels (`courier_app_up`) from a `/metrics` text.
-fn plain_metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
 async fn dead_letters(source: &Arc<dyn Source>, fixture: &Fixture) -> Vec<DeadLetter> {

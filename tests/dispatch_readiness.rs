@@ -14,23 +14,8 @@ use std::time::Duration;
 use common::*;
 use courier::source::SourceUrl;
 use courier::telemetry::Readiness;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SETTLE: Duration = Duration::from_secs(30);
-
-async fn readyz(addr: std::net::SocketAddr) -> u16 {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.unwrap();
-    out.split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0)
-}
 
 /// A sidecar with `readiness` on a private Redis, once it delivered a first
 /// message and is ready.
@@ -48,7 +33,8 @@ async fn delivering(readiness: Readiness) -> (PrivateRedis, Fixture, TestApp, Ru
         "the first message delivered and courier ready",
         SETTLE,
         async || {
-            app.received_body(b"before").len() == 1 && readyz(running.metrics_addr).await == 200
+            app.received_body(b"before").len() == 1
+                && get_status(running.metrics_addr, "/readyz").await == 200
         },
     )
     .await;
@@ -66,14 +52,14 @@ async fn failed_broker_reads_make_courier_not_ready_until_it_is_back() {
         async || {
             let text = scrape(running.metrics_addr).await;
             metric(&text, "courier_broker_read_errors_total", &fixture.queue) >= 3.0
-                && readyz(running.metrics_addr).await == 503
+                && get_status(running.metrics_addr, "/readyz").await == 503
         },
     )
     .await;
 
     redis.spawn().await;
     wait_for("ready again by itself", SETTLE, async || {
-        readyz(running.metrics_addr).await == 200
+        get_status(running.metrics_addr, "/readyz").await == 200
     })
     .await;
     let source = fixture.open().await;
@@ -97,7 +83,7 @@ async fn readyz_with(readiness: Readiness) -> (u16, u16) {
         metric(&text, "courier_broker_read_errors_total", &fixture.queue) >= 3.0
     })
     .await;
-    let broker_down = readyz(running.metrics_addr).await;
+    let broker_down = get_status(running.metrics_addr, "/readyz").await;
 
     redis.spawn().await;
     let source = fixture.open().await;
@@ -109,7 +95,7 @@ async fn readyz_with(readiness: Readiness) -> (u16, u16) {
             .contains("courier_app_up 0\n")
     })
     .await;
-    let app_down = readyz(running.metrics_addr).await;
+    let app_down = get_status(running.metrics_addr, "/readyz").await;
     running.stop().await;
     (broker_down, app_down)
 }

@@ -498,6 +498,32 @@ pub async fn scrape(addr: SocketAddr) -> String {
     out
 }
 
+/// `GET path` on courier's telemetry port: the status code.
+pub async fn get_status(addr: SocketAddr, path: &str) -> u16 {
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return 0;
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    if tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
+        .await
+        .is_err()
+    {
+        return 0;
+    }
+    let mut out = String::new();
+    let _ = tokio::io::AsyncReadExt::read_to_string(&mut stream, &mut out).await;
+    out.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A metric without labels (`courier_app_up`) from a `/metrics` text.
+pub fn plain_metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
 // === The built binary ===
 
 use std::io::BufRead as _;
@@ -528,13 +554,24 @@ pub fn run_args(
     policy_file: &Path,
     consumer: &str,
 ) -> Vec<String> {
+    run_args_for(fixture, &app.url(), policy_file, consumer)
+}
+
+/// [`run_args`] for an app at `app_url` that is not a [`TestApp`] (or not
+/// listening yet).
+pub fn run_args_for(
+    fixture: &Fixture,
+    app_url: &str,
+    policy_file: &Path,
+    consumer: &str,
+) -> Vec<String> {
     [
         "--source",
         &fixture.source_arg(),
         "--queue",
         &fixture.queue,
         "--app",
-        &app.url(),
+        app_url,
         "--policy-file",
         &policy_file.display().to_string(),
         "--consumer",

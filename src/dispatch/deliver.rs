@@ -117,11 +117,13 @@ impl Shared {
                     "the app answered Courier-Retry with a value other than never; ignored"
                 );
             }
-            if decision.class == Class::Success && directives.dead_letter.is_some() {
+            if decision.class == Class::Success
+                && (directives.dead_letter.is_some() || directives.retry_never)
+            {
                 tracing::warn!(
                     status,
                     reason = directives.dead_letter,
-                    "the app answered 2xx with Courier-Dead-Letter; a 2xx is an ack, so the message was acked"
+                    "the app answered 2xx with Courier-Dead-Letter or Courier-Retry: never; a 2xx is an ack, so the message was acked"
                 );
             }
         }

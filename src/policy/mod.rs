@@ -299,13 +299,10 @@ impl Policy {
     /// (a retryable one) makes the answer permanent.
     pub fn classify(&self, outcome: &Outcome) -> Class {
         match outcome {
-            Outcome::Answered { status, .. } => {
-                let class = self.classify_status(*status);
-                match self.directive_in_force(outcome) {
-                    Some(_) if class != Class::Success => Class::Permanent,
-                    _ => class,
-                }
+            Outcome::Answered { .. } if self.directive_in_force(outcome).is_some() => {
+                Class::Permanent
             }
+            Outcome::Answered { status, .. } => self.classify_status(*status),
             Outcome::Timeout => Class::Timeout,
             Outcome::Unreachable { .. } => Class::Unreachable,
             Outcome::ConnectionLost { .. } => Class::ConnectionLost,
@@ -316,8 +313,7 @@ impl Policy {
     /// The app's header that turns this answer into a dead letter, as the
     /// dead letter records it, when the policy lets the app decide: its
     /// `Courier-Dead-Letter`, else `Courier-Retry: never` on a status the
-    /// policy would retry. A 2xx is an ack whatever it says; the caller
-    /// checks the class for that.
+    /// policy would retry. None on a 2xx: that is an ack whatever it says.
     pub fn directive_in_force(&self, outcome: &Outcome) -> Option<String> {
         let Outcome::Answered {
             status, directives, ..
@@ -325,11 +321,12 @@ impl Policy {
         else {
             return None;
         };
-        if !self.app_directives {
+        let class = self.classify_status(*status);
+        if !self.app_directives || class == Class::Success {
             return None;
         }
         directives.dead_letter_header().or_else(|| {
-            (directives.retry_never && self.classify_status(*status) == Class::Transient)
+            (directives.retry_never && class == Class::Transient)
                 .then(|| "Courier-Retry: never".to_string())
         })
     }

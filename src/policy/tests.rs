@@ -260,6 +260,7 @@ fn app_directives_off_table() {
         (saying(503, None, true), Some("Courier-Retry: never")),
         (saying(400, None, true), None),
         (saying(503, None, false), None),
+        (saying(200, Some("poison"), true), None),
         (Outcome::Timeout, None),
     ];
     for (outcome, want) in rows {

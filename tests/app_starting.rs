@@ -240,3 +240,33 @@ async fn the_example_policy_retries_404_and_409_while_the_app_starts() {
         Some("Courier-Retry: never")
     );
 }
+
+/// Waiting for an app that never comes does not hold up a stop: SIGTERM
+/// ends the wait and courier exits cleanly, having sent nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_waiting_for_the_app_exits_at_once() {
+    let fixture = Fixture::redis();
+    let source = fixture.open().await;
+    fixture.send(&source, "never delivered").await;
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 2");
+    let mut courier =
+        CourierProcess::run(&args(&fixture, &format!("http://{addr}/"), &policy, &[]));
+    courier
+        .wait_log(
+            "waiting for the app to be ready before the first delivery",
+            SETTLE,
+        )
+        .await;
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(5)).await;
+    assert!(status.success(), "{status}\n{}", courier.log());
+    let depth = source.depth().await.unwrap();
+    assert_eq!(depth.dead_letters, 0);
+    assert_eq!(depth.retry_backlog, 0, "nothing was tried: {depth:?}");
+}

@@ -57,7 +57,8 @@ pub struct RunArgs {
     #[arg(long, env = "COURIER_DEPTH_INTERVAL", default_value = "15s", value_parser = duration::parse_flag)]
     pub depth_interval: Duration,
     /// GET on this path (e.g. /healthz) says whether the app is up (2xx) or
-    /// down: checked every 5 s, after a run of failures, and while the app is
+    /// down: checked before the first delivery (nothing is sent until it
+    /// answers 2xx), every 5 s, after a run of failures, and while the app is
     /// down instead of letting one delivery through. While it fails,
     /// deliveries pause and failures use no attempts.
     #[arg(long, env = "COURIER_APP_HEALTH_PATH")]

@@ -49,7 +49,7 @@ const APP_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 /// the first delivery: an app that is starting is usually up within seconds,
 /// and every moment waited is latency.
 const START_PROBE_MIN: Duration = Duration::from_millis(100);
-const START_PROBE_MAX: Duration = Duration::from_secs(1);
+const START_PROBE_MAX: Duration = Duration::from_millis(500);
 /// Failed reads in a row after which `/readyz` says not ready.
 pub const READ_FAILURE_RUN: u32 = 3;
 

@@ -1,6 +1,10 @@
 //! The HTTP client to the app: builds the request from a message and turns
 //! the app's answer into an [`Outcome`]. What an outcome *means* is the
-//! policy's business ([`crate::policy::Policy::classify`]).
+//! policy's business ([`crate::policy::Policy::classify`]). A message that
+//! is a CloudEvent is offered in the mode of the HTTP binding asked for
+//! ([`cloudevents`]).
+
+pub mod cloudevents;
 
 use std::time::{Duration, SystemTime};
 
@@ -13,6 +17,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::model::{Directives, EXCERPT_LIMIT, Message, Outcome};
+use cloudevents::Event;
 
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
@@ -65,12 +70,14 @@ pub struct Envelope<'a> {
 }
 
 impl Envelope<'_> {
-    /// The producer's `idempotency-key`, else `<queue>:<message id>`.
-    pub fn idempotency_key(&self) -> String {
-        self.message
-            .header("idempotency-key")
-            .map(str::to_string)
-            .unwrap_or_else(|| format!("{}:{}", self.queue, self.message.id))
+    /// The producer's `idempotency-key`, else the event's `<source>:<id>`
+    /// when it is a CloudEvent, else `<queue>:<message id>`.
+    fn idempotency_key(&self, event: Option<&Event>) -> String {
+        match (self.message.header("idempotency-key"), event) {
+            (Some(key), _) => key.to_string(),
+            (None, Some(event)) => event.key(),
+            (None, None) => format!("{}:{}", self.queue, self.message.id),
+        }
     }
 }
 
@@ -106,6 +113,7 @@ fn is_reserved(name: &str) -> bool {
 pub struct Forwarder {
     client: Client<HttpConnector, Full<Bytes>>,
     app: Uri,
+    cloudevents: cloudevents::Mode,
 }
 
 impl Forwarder {
@@ -117,7 +125,34 @@ impl Forwarder {
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(pool_size.max(1))
             .build(connector);
-        Self { client, app }
+        Self {
+            client,
+            app,
+            cloudevents: cloudevents::Mode::default(),
+        }
+    }
+
+    /// How CloudEvents are offered (`--cloudevents`); binary by default.
+    pub fn with_cloudevents(mut self, mode: cloudevents::Mode) -> Self {
+        self.cloudevents = mode;
+        self
+    }
+
+    /// The message as a CloudEvent, when it is one and the mode is not off.
+    fn event(&self, message: &Message) -> Result<Option<Event>, String> {
+        match self.cloudevents {
+            cloudevents::Mode::Off => Ok(None),
+            _ => cloudevents::read(message).map_err(|e| format!("CloudEvent: {e}")),
+        }
+    }
+
+    /// The `Idempotency-Key` the app is sent with this message; the dedup
+    /// window remembers the same key. A message that claims to be a
+    /// CloudEvent but is not a valid one keeps the queue's key here; its
+    /// delivery fails as undeliverable.
+    pub fn idempotency_key(&self, envelope: &Envelope<'_>) -> String {
+        let event = self.event(envelope.message).ok().flatten();
+        envelope.idempotency_key(event.as_ref())
     }
 
     pub fn app(&self) -> &Uri {
@@ -170,6 +205,7 @@ impl Forwarder {
 
     fn build(&self, envelope: &Envelope<'_>) -> Result<Request<Full<Bytes>>, String> {
         let message = envelope.message;
+        let event = self.event(message)?;
         let mut builder = Request::builder()
             .method(Method::POST)
             .uri(self.app.clone());
@@ -177,7 +213,8 @@ impl Forwarder {
             .headers_mut()
             .ok_or_else(|| "invalid request".to_string())?;
         for (name, value) in &message.headers {
-            if is_reserved(name) {
+            // An event's attributes are written from the event below.
+            if is_reserved(name) || (event.is_some() && cloudevents::is_attribute_header(name)) {
                 continue;
             }
             // Names that are not HTTP tokens, and values HTTP cannot carry,
@@ -189,12 +226,38 @@ impl Forwarder {
                 headers.append(name, value);
             }
         }
-        let content_type = message
-            .header("content-type")
-            .and_then(|v| HeaderValue::from_str(v).ok())
-            .unwrap_or(HeaderValue::from_static("application/octet-stream"));
-        headers.insert(CONTENT_TYPE, content_type);
-        let key = envelope.idempotency_key();
+        // Bytes is reference-counted: the body is handed over, not copied.
+        let body = match &event {
+            None => {
+                let content_type = message
+                    .header("content-type")
+                    .and_then(|v| HeaderValue::from_str(v).ok())
+                    .unwrap_or(HeaderValue::from_static("application/octet-stream"));
+                headers.insert(CONTENT_TYPE, content_type);
+                message.body.clone()
+            }
+            Some(event) => {
+                let rendered = event.render(self.cloudevents, &message.body);
+                for (name, value) in &rendered.headers {
+                    let name = HeaderName::from_bytes(name.as_bytes())
+                        .map_err(|_| format!("CloudEvent: {name:?} is not a header name"))?;
+                    // Percent-encoded: always a valid header value.
+                    let value = HeaderValue::from_str(value)
+                        .map_err(|_| format!("CloudEvent: {value:?} is not a header value"))?;
+                    headers.insert(name, value);
+                }
+                if let Some(content_type) = &rendered.content_type {
+                    let value = HeaderValue::from_str(content_type).map_err(|_| {
+                        format!(
+                            "CloudEvent: datacontenttype {content_type:?} is not a header value"
+                        )
+                    })?;
+                    headers.insert(CONTENT_TYPE, value);
+                }
+                rendered.body
+            }
+        };
+        let key = envelope.idempotency_key(event.as_ref());
         let key = HeaderValue::from_str(&key)
             .map_err(|_| format!("idempotency key {key:?} is not a valid header value"))?;
         headers.insert("idempotency-key", key);
@@ -205,10 +268,7 @@ impl Forwarder {
         let queue = HeaderValue::from_str(envelope.queue)
             .map_err(|_| format!("queue {:?} is not a valid header value", envelope.queue))?;
         headers.insert("courier-queue", queue);
-        // Bytes is reference-counted: the body is handed over, not copied.
-        builder
-            .body(Full::new(message.body.clone()))
-            .map_err(|e| e.to_string())
+        builder.body(Full::new(body)).map_err(|e| e.to_string())
     }
 
     async fn exchange(&self, request: Request<Full<Bytes>>) -> Outcome {

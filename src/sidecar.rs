@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{self, Dispatcher, DrainReport};
 use crate::forward::Forwarder;
+use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::model::{Class, DeadLetterReason};
 use crate::policy::file::Reload;
 use crate::policy::{self, LivePolicy, Policy};
@@ -43,6 +44,8 @@ pub struct RunConfig {
     pub dedup_window: Option<Duration>,
     /// What `/readyz` looks at.
     pub readiness: Readiness,
+    /// How CloudEvents are offered to the app (`--cloudevents`).
+    pub cloudevents: CloudEventsMode,
 }
 
 /// A sidecar ready to start; its metrics and health are readable from
@@ -272,7 +275,8 @@ async fn run_sidecar(
     });
     let dispatcher = Dispatcher {
         source,
-        forwarder: Forwarder::new(config.app.clone(), config.concurrency),
+        forwarder: Forwarder::new(config.app.clone(), config.concurrency)
+            .with_cloudevents(config.cloudevents),
         policy: live,
         metrics: metrics.clone(),
         queue: config.options.queue.clone(),

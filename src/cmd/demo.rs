@@ -152,6 +152,7 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         app_failure_run: crate::dispatch::gate::FAILURE_RUN,
         dedup_window: None,
         readiness: crate::telemetry::Readiness::default(),
+        cloudevents: Default::default(),
     };
     println!(
         "courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/"

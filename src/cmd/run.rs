@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::args::{SourceArgs, UsageError, parse_app, parse_size};
 use crate::duration;
+use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
 
@@ -92,6 +93,13 @@ pub struct RunArgs {
             .map(|name| name.parse::<QueueType>().expect("one of the names"))
     )]
     pub queue_type: QueueType,
+    /// How a message that is a CloudEvent (a JSON body with "specversion",
+    /// or ce-* headers) is offered to the app: binary (attributes as ce-*
+    /// headers, the data as the body), structured (Content-Type:
+    /// application/cloudevents+json, the event as the body), or off (every
+    /// message as it is).
+    #[arg(long, env = "COURIER_CLOUDEVENTS", value_enum, default_value_t = CloudEventsMode::Binary)]
+    pub cloudevents: CloudEventsMode,
 }
 
 /// Checks every flag of `courier run` into the config the sidecar runs with.
@@ -158,6 +166,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         app_failure_run: args.app_failure_run,
         dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
         readiness: args.readiness,
+        cloudevents: args.cloudevents,
     })
 }
 

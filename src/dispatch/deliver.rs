@@ -38,12 +38,11 @@ impl Shared {
     }
 
     fn idempotency_key(&self, delivery: &Delivery) -> String {
-        Envelope {
+        self.d.forwarder.idempotency_key(&Envelope {
             message: &delivery.message,
             queue: &self.d.queue,
             attempt: delivery.attempt,
-        }
-        .idempotency_key()
+        })
     }
 
     /// Offers the message to the app, unless it cannot be offered at all.

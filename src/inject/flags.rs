@@ -77,6 +77,14 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         // `telemetry::Readiness`, which the injector does not import.
         kind: Kind::OneOf(&["broker", "app", "none"]),
     },
+    Passthrough {
+        annotation: "courier.dev/cloudevents",
+        flag: "cloudevents",
+        env: "COURIER_CLOUDEVENTS",
+        // `forward::cloudevents::Mode::NAMES`, which the injector does not
+        // import; tests/cloudevents.rs checks that the two agree.
+        kind: Kind::OneOf(&["binary", "structured", "off"]),
+    },
 ];
 
 /// The `courier run` flags set by the annotations of `settings` (not

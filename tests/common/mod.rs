@@ -422,6 +422,7 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         app_failure_run: 0,
         dedup_window: None,
         readiness: courier::telemetry::Readiness::default(),
+        cloudevents: Default::default(),
     }
 }
 

@@ -52,11 +52,7 @@ pub fn headers(args: &SendArgs) -> Result<Vec<(String, String)>, UsageError> {
     }
     let given = |name: &str| {
         args.headers.iter().find(|(header, _)| {
-            cloudevents::is_attribute_header(header)
-                && header
-                    .get(header.len() - name.len()..)
-                    .is_some_and(|tail| tail.eq_ignore_ascii_case(name))
-                && header.len() - name.len() <= "cloudEvents_".len()
+            cloudevents::attribute_of(header).is_some_and(|a| a.eq_ignore_ascii_case(name))
         })
     };
     for (attribute, flag) in [

@@ -43,7 +43,7 @@ pub const STRUCTURED_TYPE: &str = "application/cloudevents+json";
 const PREFIXES: [&str; 4] = ["ce-", "ce_", "cloudEvents_", "cloudEvents:"];
 
 /// The attribute a message header carries, if it is one (`ce-id` → `id`).
-fn attribute_of(header: &str) -> Option<&str> {
+pub fn attribute_of(header: &str) -> Option<&str> {
     PREFIXES.iter().find_map(|prefix| {
         let head = header.get(..prefix.len())?;
         head.eq_ignore_ascii_case(prefix)

@@ -10,7 +10,8 @@
 //! - [`source`]: one trait ([`source::Source`]), the broker table
 //!   ([`source::BROKERS`]) and one folder per broker (`source/<broker>/`,
 //!   each a cargo feature). Receive, ack, retry-at, dead-letter, depth.
-//! - [`forward`]: the pooled HTTP client to the app. Builds the request and
+//! - [`forward`]: the pooled HTTP client to the app. Builds the request (a
+//!   CloudEvent in the HTTP binding's mode, [`forward::cloudevents`]) and
 //!   turns the answer into an [`model::Outcome`]; nothing else looks at raw
 //!   HTTP answers.
 //! - [`policy`]: the RetryPolicy document (also the CRD), its validation,

@@ -341,6 +341,36 @@ async fn the_producers_idempotency_key_wins() {
     assert_eq!(header(&records[0], "idempotency-key"), Some("mine-1"));
 }
 
+/// The same event published twice (same source and id, two messages) is
+/// one delivery under `--dedup-window`: the window remembers the event's
+/// key, `<source>:<id>`.
+#[tokio::test]
+async fn the_dedup_window_knows_an_event_by_source_and_id() {
+    let app = SdkApp::start();
+    let fixture = Fixture::embedded();
+    let source = fixture.open().await;
+    for _ in 0..2 {
+        source
+            .send(Bytes::from_static(STRUCTURED.as_bytes()), &[])
+            .await
+            .unwrap();
+    }
+    let mut config = run_config_for(&fixture, &app.url(), fast_policy());
+    config.dedup_window = Some(Duration::from_secs(60));
+    // One at a time: the second is checked after the first was acked.
+    config.concurrency = 1;
+    let running = Running::start(config).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    release(&fixture, source).await;
+    let records = app.records.lock().unwrap().clone();
+    assert_eq!(records.len(), 1, "{records:#?}");
+    assert_eq!(
+        header(&records[0], "idempotency-key"),
+        Some("/shop/orders:order-1")
+    );
+}
+
 /// An event the app refuses (400) is dead-lettered as it was sent, body and
 /// ce-* headers, with the courier-* record beside them; one that claims to
 /// be an event and is not a valid one is dead-lettered `undeliverable` with

@@ -136,6 +136,22 @@ fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 /// A structured event: the body is the event in the JSON format.
 const STRUCTURED: &str = r#"{"specversion":"1.0","id":"order-1","source":"/shop/orders","type":"com.example.order.created","subject":"42","priority":7,"datacontenttype":"application/json","data":{"order":42,"items":["a","b"]}}"#;
 
+/// The SDK read the binary message's event (`pay-9`), in either mode, and
+/// its key is `<source>:<id>`.
+fn assert_payment_read(r: &Value) {
+    assert_eq!(
+        attributes(r, false),
+        json!({"specversion": "1.0", "id": "pay-9", "source": "urn:shop:payments",
+               "type": "com.example.payment.settled", "note": "50% off",
+               "datacontenttype": "text/plain"})
+    );
+    assert_eq!(r["event"]["data"], "paid in full");
+    assert_eq!(
+        header(r, "idempotency-key"),
+        Some("urn:shop:payments:pay-9")
+    );
+}
+
 /// Sends the three kinds of message: a structured event, a binary one
 /// (ce-* headers, the body its data), and a message that is no event.
 /// Returns the plain message's broker id.
@@ -244,17 +260,7 @@ async fn binary_mode_is_the_default_and_the_sdk_reads_each_event() {
     let r = request(&records, "pay-9");
     assert_eq!(body(r).as_ref(), b"paid in full");
     assert_eq!(header(r, "ce-note"), Some("50%25%20off"), "percent-encoded");
-    assert_eq!(
-        attributes(r, false),
-        json!({"specversion": "1.0", "id": "pay-9", "source": "urn:shop:payments",
-               "type": "com.example.payment.settled", "note": "50% off",
-               "datacontenttype": "text/plain"})
-    );
-    assert_eq!(r["event"]["data"], "paid in full");
-    assert_eq!(
-        header(r, "idempotency-key"),
-        Some("urn:shop:payments:pay-9")
-    );
+    assert_payment_read(r);
 
     assert_untouched(&fixture, &records, &plain);
 }
@@ -292,17 +298,7 @@ async fn structured_mode_sends_the_event_in_the_json_format() {
         Some("application/cloudevents+json")
     );
     assert!(ce_headers(r).is_empty(), "{r:#}");
-    assert_eq!(
-        attributes(r, false),
-        json!({"specversion": "1.0", "id": "pay-9", "source": "urn:shop:payments",
-               "type": "com.example.payment.settled", "note": "50% off",
-               "datacontenttype": "text/plain"})
-    );
-    assert_eq!(r["event"]["data"], "paid in full");
-    assert_eq!(
-        header(r, "idempotency-key"),
-        Some("urn:shop:payments:pay-9")
-    );
+    assert_payment_read(r);
 
     assert_untouched(&fixture, &records, &plain);
 }

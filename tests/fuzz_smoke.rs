@@ -114,3 +114,8 @@ fn redis_entry() {
 fn embedded_record() {
     smoke("embedded_record");
 }
+
+#[test]
+fn cloudevent() {
+    smoke("cloudevent");
+}

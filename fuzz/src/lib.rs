@@ -11,8 +11,9 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use courier::forward::cloudevents::{self, Mode, STRUCTURED_TYPE};
 use courier::forward::parse_retry_after;
-use courier::model::{DeadLetterReason, Delivery, Directives, Failure, Outcome};
+use courier::model::{DeadLetterReason, Delivery, Directives, Failure, Message, Outcome};
 use courier::policy::{CodeMatch, GateState, Verdict, decide};
 use courier::source::{decode_fields, encode_fields};
 
@@ -26,6 +27,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("code_match", code_match),
     ("redis_entry", redis_entry),
     ("embedded_record", embedded_record),
+    ("cloudevent", cloudevent),
 ];
 
 /// A fixed "now" so that runs are reproducible: 2026-11-29 12:00:00 UTC.
@@ -330,4 +332,66 @@ pub fn embedded_record(data: &[u8]) {
     assert_eq!(decode_fields(&again).as_ref(), Some(&fields));
     let delivery = Delivery::from_fields("7", fields, 0, "0:7".into());
     assert!(delivery.attempt >= 1);
+}
+
+/// A message read as a CloudEvent (`forward::cloudevents`): the input as a
+/// body with no content type and with the structured one, and as the data
+/// of a binary message whose attributes are cut from the input.
+///
+/// - reading never panics, whatever the bytes;
+/// - an event's `<source>:<id>` key is printable ASCII (a header value);
+/// - an event renders in both modes, and structured mode's body is an event
+///   in the JSON format with the same id, source and type (the JSON written
+///   for an event that came as headers escapes everything it must);
+/// - binary mode's body of a structured event with JSON data is JSON.
+pub fn cloudevent(data: &[u8]) {
+    let body = Bytes::copy_from_slice(data);
+    let text = String::from_utf8_lossy(data);
+    let mut parts = text.splitn(4, '\n');
+    let mut part = || parts.next().unwrap_or("x").to_string();
+    let (id, source, kind, content_type) = (part(), part(), part(), part());
+    let header = |n: &str, v: &str| (n.to_string(), v.to_string());
+    let messages = [
+        vec![],
+        vec![header("content-type", STRUCTURED_TYPE)],
+        vec![
+            header("ce-specversion", "1.0"),
+            header("ce-id", &id),
+            header("ce-source", &source),
+            header("cloudEvents:type", &kind),
+            header("content-type", &content_type),
+        ],
+    ];
+    for (i, headers) in messages.into_iter().enumerate() {
+        let message = Message {
+            id: "1".into(),
+            body: body.clone(),
+            headers,
+        };
+        let Ok(Some(event)) = cloudevents::read(&message) else {
+            continue;
+        };
+        assert!(event.key().bytes().all(|b| (0x21..=0x7e).contains(&b)));
+        let binary = event.render(Mode::Binary, &body);
+        // A binary message's body is the producer's bytes, whatever they are.
+        let structured_form = i < 2;
+        if structured_form && binary.content_type.as_deref() == Some("application/json") {
+            // Checked as the body was: the JSON grammar (a lone surrogate
+            // escape is grammatical, though serde_json's Value refuses it).
+            serde_json::from_slice::<serde::de::IgnoredAny>(&binary.body)
+                .expect("JSON data is JSON");
+        }
+        let structured = event.render(Mode::Structured, &body);
+        let again = Message {
+            id: "2".into(),
+            body: structured.body,
+            headers: vec![header("content-type", STRUCTURED_TYPE)],
+        };
+        let read_back = cloudevents::read(&again)
+            .unwrap_or_else(|e| panic!("structured mode wrote an invalid event: {e}"))
+            .expect("an event");
+        for name in ["id", "source", "type"] {
+            assert_eq!(read_back.attribute(name), event.attribute(name), "{name}");
+        }
+    }
 }

@@ -295,7 +295,8 @@ fn skip_value(body: &[u8], mut at: usize) -> usize {
     let mut depth = 0usize;
     loop {
         let Some(&byte) = body.get(at) else {
-            return at;
+            // An escape at the very end skips past it; valid JSON has none.
+            return at.min(body.len());
         };
         match byte {
             b'"' => {

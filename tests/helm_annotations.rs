@@ -118,6 +118,7 @@ fn passthrough_annotations_become_the_flags_variables() {
         "courier.dev/visibility-timeout": "2m",
         "courier.dev/max-body": "8MiB",
         "courier.dev/readiness": "app",
+        "courier.dev/cloudevents": "structured",
     });
     let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
     assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
@@ -129,6 +130,7 @@ fn passthrough_annotations_become_the_flags_variables() {
         ("COURIER_VISIBILITY_TIMEOUT", "2m"),
         ("COURIER_MAX_BODY", "8MiB"),
         ("COURIER_READINESS", "app"),
+        ("COURIER_CLOUDEVENTS", "structured"),
     ] {
         assert!(
             env.as_array()
@@ -146,6 +148,7 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/max-body": "4 MiB",
         "courier.dev/app-health-path": "healthz",
         "courier.dev/readiness": "always",
+        "courier.dev/cloudevents": "json",
     });
     let (_, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
     let Decision::Deny(message) = decision else {
@@ -156,6 +159,7 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/max-body \"4 MiB\" is not a size",
         "courier.dev/app-health-path \"healthz\" is not a URL path",
         "courier.dev/readiness \"always\" is not one of broker, app, none",
+        "courier.dev/cloudevents \"json\" is not one of binary, structured, off",
     ] {
         assert!(message.contains(expected), "{expected:?} in {message}");
     }

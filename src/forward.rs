@@ -142,7 +142,7 @@ impl Forwarder {
     fn event(&self, message: &Message) -> Result<Option<Event>, String> {
         match self.cloudevents {
             cloudevents::Mode::Off => Ok(None),
-            _ => cloudevents::read(message).map_err(|e| format!("CloudEvent: {e}")),
+            _ => cloudevents::read(message).map_err(|e| format!("not a valid CloudEvent: {e}")),
         }
     }
 

@@ -217,7 +217,7 @@ fn from_body(body: &Bytes, structured_type: bool) -> Result<Option<Event>, Strin
     let data = match (data, data_base64) {
         (Some(_), Some(_)) => {
             return Err(
-                "the CloudEvent has both \"data\" and \"data_base64\"; it may have one".into(),
+                "both \"data\" and \"data_base64\" are given; an event has one at most".into(),
             );
         }
         (None, Some(raw)) => match serde_json::from_slice::<Option<String>>(raw) {
@@ -385,7 +385,7 @@ impl Event {
         for required in ["specversion", "id", "source", "type"] {
             if event.attribute(required).is_none_or(str::is_empty) {
                 return Err(format!(
-                    "the CloudEvent has no {required:?}; CloudEvents 1.0 requires specversion, id, source and type"
+                    "{required:?} is missing; CloudEvents 1.0 requires specversion, id, source and type"
                 ));
             }
         }
@@ -684,7 +684,7 @@ mod tests {
         let rows = [
             (
                 r#"{"specversion":"1.0","id":"1","type":"t"}"#,
-                "no \"source\"",
+                "\"source\" is missing",
             ),
             (
                 r#"{"specversion":"0.3","id":"1","source":"s","type":"t"}"#,

@@ -1,4 +1,5 @@
-//! CloudEvents end to end (issue 20 part 1): messages on the embedded queue,
+//! CloudEvents end to end (issue 20 part 1): messages on the embedded queue
+//! (and, sent by each broker's own client, on Redis, RabbitMQ and NATS),
 //! offered by courier to a real app on loopback that reads every request
 //! with the CloudEvents Python SDK (`scripts/cloudevents-app`, which installs
 //! the pinned SDK into `.venv-cloudevents/` on first use). What the SDK reads
@@ -315,6 +316,60 @@ async fn off_offers_every_message_as_it_is() {
     let key = header(r, "idempotency-key").unwrap();
     assert!(key.starts_with(&format!("{}:", fixture.queue)), "{key}");
     assert_untouched(&fixture, &records, &plain);
+}
+
+/// Each broker's own client carries an event: as `ce-*` headers (Redis
+/// fields, AMQP headers with the content type as the property, NATS
+/// headers) and as a structured body; the SDK reads both in binary mode.
+async fn a_brokers_own_client_carries_an_event(kind: BrokerKind) {
+    let app = SdkApp::start();
+    let fixture = Fixture::of(kind);
+    let producer = fixture.producer().await;
+    producer
+        .send(
+            Bytes::from_static(b"paid in full"),
+            &headers(&[
+                ("ce-specversion", "1.0"),
+                ("ce-id", "pay-9"),
+                ("ce-source", "urn:shop:payments"),
+                ("ce-type", "com.example.payment.settled"),
+                ("ce-note", "50% off"),
+                ("content-type", "text/plain"),
+            ]),
+        )
+        .await;
+    producer
+        .send(Bytes::from_static(STRUCTURED.as_bytes()), &[])
+        .await;
+    producer.release(&fixture).await;
+    let running = Running::start(run_config_for(&fixture, &app.url(), fast_policy())).await;
+    let records = app.wait_for(2).await;
+    running.stop().await;
+    assert_payment_read(request(&records, "pay-9"));
+    let r = request(&records, "order-1");
+    assert_eq!(
+        r["event"]["attributes"]["type"],
+        "com.example.order.created"
+    );
+    assert_eq!(
+        r["event"]["data"],
+        json!({"order": 42, "items": ["a", "b"]})
+    );
+}
+
+#[tokio::test]
+async fn redis_fields_carry_an_event() {
+    a_brokers_own_client_carries_an_event(BrokerKind::Redis).await;
+}
+
+#[tokio::test]
+async fn amqp_headers_carry_an_event() {
+    a_brokers_own_client_carries_an_event(BrokerKind::Amqp).await;
+}
+
+#[tokio::test]
+async fn nats_headers_carry_an_event() {
+    a_brokers_own_client_carries_an_event(BrokerKind::Nats).await;
 }
 
 /// A producer's own Idempotency-Key wins over `<source>:<id>`.

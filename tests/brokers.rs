@@ -350,20 +350,6 @@ async fn nats_message_from_the_plain_client_reaches_the_app_as_published() {
 
 // === courier send ===
 
-fn courier_send(fixture: &Fixture, args: &[&str]) -> std::process::Output {
-    courier_command()
-        .args([
-            "send",
-            "--source",
-            &fixture.source_arg(),
-            "--queue",
-            &fixture.queue,
-        ])
-        .args(args)
-        .output()
-        .expect("run courier send")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn courier_send_publishes_to_rabbitmq() {
     use lapin::options::BasicGetOptions;

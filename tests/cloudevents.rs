@@ -137,6 +137,19 @@ fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 /// A structured event: the body is the event in the JSON format.
 const STRUCTURED: &str = r#"{"specversion":"1.0","id":"order-1","source":"/shop/orders","type":"com.example.order.created","subject":"42","priority":7,"datacontenttype":"application/json","data":{"order":42,"items":["a","b"]}}"#;
 
+/// A binary message's event: its attributes as `ce-*` headers, the body
+/// (`paid in full`) its data.
+fn payment_headers() -> Vec<(String, String)> {
+    headers(&[
+        ("ce-specversion", "1.0"),
+        ("ce-id", "pay-9"),
+        ("ce-source", "urn:shop:payments"),
+        ("ce-type", "com.example.payment.settled"),
+        ("ce-note", "50% off"),
+        ("content-type", "text/plain"),
+    ])
+}
+
 /// The SDK read the binary message's event (`pay-9`), in either mode, and
 /// its key is `<source>:<id>`.
 fn assert_payment_read(r: &Value) {
@@ -166,17 +179,7 @@ async fn send_three(fixture: &Fixture) -> String {
         .await
         .unwrap();
     source
-        .send(
-            Bytes::from_static(b"paid in full"),
-            &headers(&[
-                ("ce-specversion", "1.0"),
-                ("ce-id", "pay-9"),
-                ("ce-source", "urn:shop:payments"),
-                ("ce-type", "com.example.payment.settled"),
-                ("ce-note", "50% off"),
-                ("content-type", "text/plain"),
-            ]),
-        )
+        .send(Bytes::from_static(b"paid in full"), &payment_headers())
         .await
         .unwrap();
     let plain = source
@@ -326,17 +329,7 @@ async fn a_brokers_own_client_carries_an_event(kind: BrokerKind) {
     let fixture = Fixture::of(kind);
     let producer = fixture.producer().await;
     producer
-        .send(
-            Bytes::from_static(b"paid in full"),
-            &headers(&[
-                ("ce-specversion", "1.0"),
-                ("ce-id", "pay-9"),
-                ("ce-source", "urn:shop:payments"),
-                ("ce-type", "com.example.payment.settled"),
-                ("ce-note", "50% off"),
-                ("content-type", "text/plain"),
-            ]),
-        )
+        .send(Bytes::from_static(b"paid in full"), &payment_headers())
         .await;
     producer
         .send(Bytes::from_static(STRUCTURED.as_bytes()), &[])
@@ -438,14 +431,8 @@ async fn a_dead_lettered_event_is_intact() {
         )
         .await
         .unwrap();
-    let binary = headers(&[
-        ("ce-specversion", "1.0"),
-        ("ce-id", "pay-9"),
-        ("ce-source", "urn:shop:payments"),
-        ("ce-type", "com.example.payment.settled"),
-        ("content-type", "text/plain"),
-        ("x-answer", "400"),
-    ]);
+    let mut binary = payment_headers();
+    binary.extend(headers(&[("x-answer", "400")]));
     let binary_id = source
         .send(Bytes::from_static(b"paid in full"), &binary)
         .await
@@ -506,19 +493,7 @@ async fn a_dead_lettered_event_is_intact() {
 async fn courier_send_cloudevent_builds_one() {
     let app = SdkApp::start();
     let fixture = Fixture::embedded();
-    let send = |extra: &[&str]| {
-        courier_command()
-            .args([
-                "send",
-                "--source",
-                &fixture.source_arg(),
-                "--queue",
-                &fixture.queue,
-            ])
-            .args(extra)
-            .output()
-            .expect("run courier send")
-    };
+    let send = |args: &[&str]| courier_send(&fixture, args);
     let out = send(&[
         "--cloudevent",
         "--ce-type",

@@ -547,6 +547,21 @@ pub fn courier_command() -> ProcessCommand {
     command
 }
 
+/// `courier send ARGS` to `fixture`'s queue with the built binary.
+pub fn courier_send(fixture: &Fixture, args: &[&str]) -> std::process::Output {
+    courier_command()
+        .args([
+            "send",
+            "--source",
+            &fixture.source_arg(),
+            "--queue",
+            &fixture.queue,
+        ])
+        .args(args)
+        .output()
+        .expect("run courier send")
+}
+
 /// `courier run` flags for `fixture` and `app` with a policy file, a fixed
 /// consumer name, a free telemetry port and fast depth polling.
 pub fn run_args(

@@ -26,6 +26,10 @@ use crate::model::Delivery;
 use crate::source::shared::RECEIVE_WAIT;
 use crate::source::{SourceError, SourceOptions, Tls};
 
+/// How long a stop waits for deliveries on their way to the consumer
+/// before cancelling it (`settle_prefetch`).
+const PREFETCH_SETTLE_LIMIT: Duration = Duration::from_secs(2);
+
 /// The `--tls-*` files as lapin takes them: the CA is trusted beside the
 /// system's roots, the client certificate and key go as PEM.
 fn tls_config(tls: &Tls) -> OwnedTLSConfig {
@@ -207,7 +211,7 @@ impl AmqpSource {
     /// Starts the consumer and the task that moves its deliveries to the
     /// inbox, counting each as held.
     pub(super) async fn start_consuming(&self, session: &Session) -> Result<(), SourceError> {
-        let prefetch = self.options.max_in_flight.clamp(1, usize::from(u16::MAX)) as u16;
+        let prefetch = self.prefetch();
         session
             .consume
             .basic_qos(prefetch, BasicQosOptions::default())
@@ -258,6 +262,61 @@ impl AmqpSource {
         *session.pump.lock().unwrap_or_else(|e| e.into_inner()) = Some(pump);
         *session.inbox.lock().await = Some(rx);
         Ok(())
+    }
+
+    /// How many unacked deliveries the broker may hand this consumer.
+    fn prefetch(&self) -> u16 {
+        self.options.max_in_flight.clamp(1, usize::from(u16::MAX)) as u16
+    }
+
+    /// Waits, before the consumer is cancelled, until no delivery can be on
+    /// its way to it: the prefetch window is full, or the work queue has no
+    /// ready message left and a round trip on the consumer channel has
+    /// brought in what the queue had sent before. A delivery still on its
+    /// way when the cancel is answered would be lost to courier: RabbitMQ
+    /// sends a quorum queue's deliveries after `basic.cancel-ok` when the
+    /// queue handed them out before it saw the cancel (the acks of the last
+    /// deliveries in flight give it room to), and lapin drops a delivery for
+    /// a consumer it no longer knows. Unacked on the channel, it would come
+    /// back at the close with `x-delivery-count` raised, which courier must
+    /// count as an attempt; caught here, it is given back as a copy with the
+    /// rest of the prefetch. Only a message published between the last look
+    /// and the cancel can still slip through.
+    async fn settle_prefetch(&self, session: &Session) {
+        let prefetch = self.prefetch();
+        let deadline = tokio::time::Instant::now() + PREFETCH_SETTLE_LIMIT;
+        loop {
+            let held = session
+                .outstanding
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len();
+            if held >= usize::from(prefetch) {
+                return;
+            }
+            let ready = match session.passive_count(&self.options.queue).await {
+                Ok(Some(ready)) => ready,
+                _ => return,
+            };
+            // The queue answered after sending what it had handed out; the
+            // consumer channel passes those deliveries on before this reply.
+            if session
+                .consume
+                .basic_qos(prefetch, BasicQosOptions::default())
+                .await
+                .is_err()
+            {
+                return;
+            }
+            if ready == 0 {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::debug!(queue = %self.options.queue, held, ready, "the prefetch did not fill before the stop; cancelling the consumer anyway");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// The session a receipt belongs to, if it is still the live one.
@@ -348,6 +407,7 @@ impl AmqpSource {
         if let Some(tag) = tag
             && session.healthy()
         {
+            self.settle_prefetch(&session).await;
             let _ = session
                 .consume
                 .basic_cancel(tag, BasicCancelOptions::default())

@@ -17,14 +17,58 @@
 //! a passive declare of a missing queue closes the channel, which RabbitMQ
 //! logs as an error, and a tier another replica starts to use later is
 //! learnt from the first message that comes back from it.
+//!
+//! A retry on its way back is in no queue's count: a quorum tier hands an
+//! expired message to its dead-letter worker, which publishes it to the work
+//! queue and only then lets the tier forget it (`at-least-once`), and from
+//! the work queue it travels to the consumer before courier holds it. A
+//! reading then showed nothing waiting anywhere while a retry was still to
+//! come. So this process also counts the retries it put in a tier until it
+//! sees them again, or until [`RETRY_RETURN_GRACE`] after they were due
+//! (another replica may have taken them), and the retry backlog is the
+//! larger of that and what the tiers hold: a tier's messages are this
+//! process's retries or another replica's, never both.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::AmqpSource;
 use super::session::Session;
 use super::tiers::{TIERS_MS, tier_queue};
+use super::{AmqpSource, QueueState};
 use crate::source::{Depth, SourceError};
+
+/// How long after its tier's delay a retry this process stored still counts
+/// as on its way back, unless it came back to this process before.
+const RETRY_RETURN_GRACE: Duration = Duration::from_secs(10);
+
+impl QueueState {
+    /// A retry of `message_id` was stored in a tier of `delay`.
+    pub(super) fn retry_out(&self, message_id: &str, delay: Duration) {
+        self.retries_out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                message_id.to_string(),
+                Instant::now() + delay + RETRY_RETURN_GRACE,
+            );
+    }
+
+    /// `message_id` was handed to this process again.
+    pub(super) fn retry_back(&self, message_id: &str) {
+        self.retries_out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(message_id);
+    }
+
+    /// Retries this process stored that have not come back to it yet.
+    fn retries_on_their_way(&self) -> u64 {
+        let now = Instant::now();
+        let mut out = self.retries_out.lock().unwrap_or_else(|e| e.into_inner());
+        out.retain(|_, until| *until > now);
+        out.len() as u64
+    }
+}
 
 impl AmqpSource {
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
@@ -57,6 +101,7 @@ impl AmqpSource {
                 }
             }
         }
+        let retry_backlog = retry_backlog.max(self.state.retries_on_their_way());
         let ready = u64::from(
             session
                 .passive_count(&self.options.queue)

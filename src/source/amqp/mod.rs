@@ -56,7 +56,10 @@
 //!   report unacknowledged messages, so
 //!   `pending` counts what the sources of this process hold; nor the age of
 //!   a message, so the oldest dead letter's age is not reported and its
-//!   gauge is left out (`depth.rs`).
+//!   gauge is left out (`depth.rs`). A retry is counted from its tier
+//!   until it is back with this process: on its way from a tier to the
+//!   work queue (a quorum tier hands it to a dead-letter worker first) and
+//!   on to the consumer it is in no queue's count.
 //! - A lost connection is re-opened on the next call; deliveries from the
 //!   old one can no longer be settled and the broker hands them out again.
 
@@ -134,6 +137,10 @@ struct QueueState {
     /// Depth looked for every tier once, which finds those an earlier
     /// process declared.
     tiers_probed: AtomicBool,
+    /// Retries this process put in a tier, by message id, until they come
+    /// back to it (or until the given instant, when another replica may
+    /// have taken them); depth counts them on their way back (`depth.rs`).
+    retries_out: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 fn queue_state(key: &str) -> Arc<QueueState> {

@@ -73,6 +73,9 @@ impl AmqpSource {
         let fields = self.seal().seal(fields.to_vec());
         let (body, properties) = message_for(&fields, original, message_id);
         session.publish(&target, &body, properties).await?;
+        if let Some(tier) = tier {
+            self.state.retry_out(message_id, tier);
+        }
         session.ack(tag).await
     }
 
@@ -131,6 +134,7 @@ impl AmqpSource {
             return Ok(None);
         }
         self.learn_tiers(props);
+        self.state.retry_back(&message_id);
         // A quorum queue counts every return; a classic one only flags that
         // there was at least one.
         let returns = match header_u32(props, DELIVERY_COUNT) {

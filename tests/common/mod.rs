@@ -26,7 +26,7 @@ use bytes::Bytes;
 use courier::policy::{Jitter, Policy};
 use courier::sidecar::RunConfig;
 use courier::sidecar::Sidecar;
-use courier::source::{self, Depth, QueueType, Source, SourceOptions, SourceUrl};
+use courier::source::{self, Depth, Source, SourceOptions, SourceUrl};
 use courier::telemetry::serve_http;
 use http::Response;
 use http_body_util::{BodyExt, Full};
@@ -328,28 +328,21 @@ impl Fixture {
     /// A handle for producing and inspecting; in-process it shares the
     /// embedded queue with a sidecar started in this process.
     ///
-    /// A RabbitMQ queue it creates is classic: on a quorum queue three
-    /// scenarios of the conformance suite fail (docs/scaling.md, "Known
-    /// gaps on quorum queues"); [`Fixture::open_as_created`] makes the queue
-    /// as `courier run --create` does.
+    /// A missing queue is created as `courier run --create` does, so the
+    /// suite runs on what users get (RabbitMQ: a quorum queue).
     pub async fn open(&self) -> Arc<dyn Source> {
-        self.open_with(QueueType::Classic).await
-    }
-
-    /// [`Fixture::open`], creating a missing queue as `courier run --create`
-    /// does (RabbitMQ: quorum).
-    pub async fn open_as_created(&self) -> Arc<dyn Source> {
-        self.open_with(QueueType::default()).await
-    }
-
-    async fn open_with(&self, queue_type: QueueType) -> Arc<dyn Source> {
         let mut options = SourceOptions::new(&self.queue);
         options.consumer = "inspector".into();
         options.create = true;
-        options.queue_type = queue_type;
         source::open(&self.url, options)
             .await
             .expect("open the source")
+    }
+
+    /// [`Fixture::open`], named for tests that are about what
+    /// `courier run --create` makes.
+    pub async fn open_as_created(&self) -> Arc<dyn Source> {
+        self.open().await
     }
 
     /// Sends through courier's own `Source::send`.

@@ -39,7 +39,7 @@ use crate::source::{Depth, SourceError};
 
 /// How long after its tier's delay a retry this process stored still counts
 /// as on its way back, unless it came back to this process before.
-const RETRY_RETURN_GRACE: Duration = Duration::from_secs(10);
+const RETRY_RETURN_GRACE: Duration = Duration::from_secs(5);
 
 impl QueueState {
     /// A retry of `message_id` was stored in a tier of `delay`.
@@ -61,12 +61,17 @@ impl QueueState {
             .remove(message_id);
     }
 
-    /// Retries this process stored that have not come back to it yet.
-    fn retries_on_their_way(&self) -> u64 {
+    /// The deliveries this process holds and the retries it stored that
+    /// have not come back to it yet, read at one instant: a retry is
+    /// recorded before its delivery is acked, and a delivery is held before
+    /// its retry is struck off, so a message moving between the two is
+    /// always in one of them, but two separate reads could miss it.
+    fn held_and_on_their_way(&self) -> (u64, u64) {
         let now = Instant::now();
         let mut out = self.retries_out.lock().unwrap_or_else(|e| e.into_inner());
         out.retain(|_, until| *until > now);
-        out.len() as u64
+        let held = self.unacked.load(Ordering::SeqCst).max(0) as u64;
+        (held, out.len() as u64)
     }
 }
 
@@ -101,7 +106,8 @@ impl AmqpSource {
                 }
             }
         }
-        let retry_backlog = retry_backlog.max(self.state.retries_on_their_way());
+        let (pending, on_their_way) = self.state.held_and_on_their_way();
+        let retry_backlog = retry_backlog.max(on_their_way);
         let ready = u64::from(
             session
                 .passive_count(&self.options.queue)
@@ -116,7 +122,7 @@ impl AmqpSource {
             .unwrap_or(0);
         Ok(Depth {
             ready: Some(ready),
-            pending: self.state.unacked.load(Ordering::SeqCst).max(0) as u64,
+            pending,
             retry_backlog,
             dead_letters: u64::from(dead_letters),
             oldest_dead_letter_age: None,

@@ -60,6 +60,10 @@
 //!   until it is back with this process: on its way from a tier to the
 //!   work queue (a quorum tier hands it to a dead-letter worker first) and
 //!   on to the consumer it is in no queue's count.
+//! - A graceful stop gives back, as copies, what was prefetched and never
+//!   offered; it cancels the consumer only once no delivery can be on its
+//!   way, since a quorum queue sends some after `basic.cancel-ok` and lapin
+//!   drops them (`connection.rs`).
 //! - A lost connection is re-opened on the next call; deliveries from the
 //!   old one can no longer be settled and the broker hands them out again.
 

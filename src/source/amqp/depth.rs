@@ -78,11 +78,11 @@ impl QueueState {
 impl AmqpSource {
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let session = self.session().await?;
-        // Tiers before the work queue, the way messages go: a retry that
-        // leaves its tier between the two reads is counted in the work
-        // queue rather than in neither. (An expired message is in neither
-        // for a moment while RabbitMQ dead-letters it back, so no order
-        // makes a reading exact.)
+        // Read the way messages go: tiers, the work queue, then what this
+        // process holds. A message that moves on between two reads is
+        // counted in the later one rather than in neither. (Another
+        // process's retry on its way back from a tier, and a message on its
+        // way from the work queue to the consumer, are in no count.)
         self.probe_tiers(&session).await?;
         let tiers: Vec<u64> = self
             .state
@@ -106,14 +106,14 @@ impl AmqpSource {
                 }
             }
         }
-        let (pending, on_their_way) = self.state.held_and_on_their_way();
-        let retry_backlog = retry_backlog.max(on_their_way);
         let ready = u64::from(
             session
                 .passive_count(&self.options.queue)
                 .await?
                 .unwrap_or(0),
         );
+        let (pending, on_their_way) = self.state.held_and_on_their_way();
+        let retry_backlog = retry_backlog.max(on_their_way);
         // A dead-letter queue that does not exist yet holds nothing; it is
         // declared with the first dead letter, of the work queue's type.
         let dead_letters = session

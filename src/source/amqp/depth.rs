@@ -158,3 +158,36 @@ impl AmqpSource {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_counts_until_it_is_back() {
+        let state = QueueState::default();
+        state.unacked.store(1, Ordering::SeqCst);
+        state.retry_out("m1", Duration::from_millis(50));
+        // Recorded before its delivery is acked: in both for a moment.
+        assert_eq!(state.held_and_on_their_way(), (1, 1));
+        state.unacked.store(0, Ordering::SeqCst);
+        assert_eq!(state.held_and_on_their_way(), (0, 1));
+        state.unacked.store(1, Ordering::SeqCst);
+        state.retry_back("m1");
+        assert_eq!(state.held_and_on_their_way(), (1, 0));
+        state.retry_back("unknown");
+        assert_eq!(state.held_and_on_their_way(), (1, 0));
+    }
+
+    #[test]
+    fn a_retry_another_replica_took_stops_counting() {
+        let state = QueueState::default();
+        state.retry_out("m1", Duration::ZERO);
+        state
+            .retries_out
+            .lock()
+            .unwrap()
+            .insert("m1".into(), Instant::now());
+        assert_eq!(state.held_and_on_their_way(), (0, 0));
+    }
+}

@@ -3,9 +3,9 @@
 //! `--queue-type classic` asks for a classic one. RabbitMQ does not show a
 //! queue's arguments over AMQP, so the test asks as courier does: a
 //! declaration with the same arguments is accepted, any other is refused.
-//! A three-node cluster takes minutes to start here (docs/scaling.md), so
-//! the quorum queue's behaviour under a kill is tested on the shared node
-//! (tests/replicas.rs).
+//! A replica of courier killed is tested on the shared node
+//! (tests/replicas.rs), the loss of the quorum queue's leader node on a
+//! private three-node cluster (tests/rabbitmq_cluster.rs).
 
 mod common;
 

@@ -1,6 +1,8 @@
 //! The harness's smoke run: tiny sizes, every part once, against the real
-//! brokers and a debug build of courier. It checks that the harness works
-//! (figures come out, the report is written), never how fast anything is.
+//! brokers and a debug build of courier (courier's own `src/main.rs`, built
+//! as this package's `courier-bench-courier` binary). It checks that the
+//! harness works (figures come out, the report is written), never how fast
+//! anything is.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -8,15 +10,9 @@ use std::process::Command;
 #[test]
 fn smoke_run_measures_every_part_and_writes_the_report() {
     let harness = PathBuf::from(env!("CARGO_BIN_EXE_courier-bench"));
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    // The courier binary of the same profile, next to the harness.
-    let status = Command::new(cargo)
-        .args(["build", "-p", "courier", "--bin", "courier"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building courier failed");
-    let courier = harness.with_file_name("courier");
+    // courier's main, built by the cargo that built this test, with the same
+    // features and profile (bench/Cargo.toml says why not `cargo build`).
+    let courier = PathBuf::from(env!("CARGO_BIN_EXE_courier-bench-courier"));
     let dir = tempfile::tempdir().expect("a temp dir");
     let report = dir.path().join("BENCHMARKS.md");
     let out = Command::new(&harness)

@@ -654,8 +654,8 @@ impl Results {
             md,
             "Settings: {} messages of {} bytes per drain, {} drains per consumer and source (courier and the bare loop in turn); \
              concurrency {} for courier (every other flag at its default, so one thread), the bare loops and the limit; \
-             latency at {} msg/s for {} s after 1 s of warm-up; instructions and system calls from runs of {} and {} messages \
-             (the difference, so start-up and shutdown cancel out); two replicas drain {} messages; Celery fed {} messages; \
+             latency at {} msg/s for {} s after 1 s of warm-up; instructions and system calls counted over receipts {} to {} of a drain of {} messages \
+             (while messages flow: start-up, idle time and shutdown are left out); two replicas drain {} messages; Celery fed {} messages; \
              retry backlog of {} entries.\n",
             s.messages,
             s.body_bytes,
@@ -663,7 +663,8 @@ impl Results {
             s.concurrency,
             s.rate,
             s.latency_secs,
-            s.count_messages / 2,
+            crate::counts::window(s.count_messages).0,
+            crate::counts::window(s.count_messages).1,
             s.count_messages,
             s.replica_messages,
             s.celery_messages,

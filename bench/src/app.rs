@@ -8,7 +8,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -43,6 +43,10 @@ struct Receipts {
     track: AtomicBool,
     ids: Mutex<HashSet<String>>,
     duplicates: AtomicU64,
+    /// Receipt numbers whose wall-clock time is noted ([`App::mark`]), 0
+    /// for none, and those times in ns since the epoch (0 until reached).
+    marks: [AtomicU64; 2],
+    marked_at: [AtomicU64; 2],
 }
 
 /// A running app; dropping it does not stop it (it lives as long as the
@@ -99,6 +103,27 @@ impl App {
         r.track.store(false, Ordering::SeqCst);
         r.ids.lock().unwrap_or_else(|e| e.into_inner()).clear();
         r.duplicates.store(0, Ordering::SeqCst);
+        for (mark, at) in r.marks.iter().zip(&r.marked_at) {
+            mark.store(0, Ordering::SeqCst);
+            at.store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// Until the next reset, notes the wall-clock time of the `from`-th and
+    /// the `to`-th receipt, as the app's handler counts them.
+    pub fn mark(&self, from: u64, to: u64) {
+        let r = &self.receipts;
+        for ((mark, at), n) in r.marks.iter().zip(&r.marked_at).zip([from, to]) {
+            at.store(0, Ordering::SeqCst);
+            mark.store(n, Ordering::SeqCst);
+        }
+    }
+
+    /// The times [`App::mark`] asked for, in seconds since the epoch, once
+    /// both receipts arrived.
+    pub fn marked(&self) -> Option<(f64, f64)> {
+        let [from, to] = [0, 1].map(|i| self.receipts.marked_at[i].load(Ordering::SeqCst));
+        (from != 0 && to != 0).then(|| (from as f64 / 1e9, to as f64 / 1e9))
     }
 
     /// From now until the next reset, notes every `courier-message-id` and
@@ -185,6 +210,14 @@ async fn handle(
         .first
         .compare_exchange(NONE, now, Ordering::SeqCst, Ordering::SeqCst);
     receipts.last.fetch_max(now, Ordering::SeqCst);
-    receipts.count.fetch_add(1, Ordering::SeqCst);
+    let count = receipts.count.fetch_add(1, Ordering::SeqCst) + 1;
+    for (mark, at) in receipts.marks.iter().zip(&receipts.marked_at) {
+        if mark.load(Ordering::SeqCst) == count {
+            let wall = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default();
+            at.store(wall.as_nanos() as u64, Ordering::SeqCst);
+        }
+    }
     Ok(Response::new(Full::new(Bytes::new())))
 }

@@ -132,8 +132,12 @@ pub fn run(args: BareArgs) -> anyhow::Result<()> {
 
 async fn redis_loop(args: &BareArgs, poster: &Poster) -> anyhow::Result<()> {
     let client = redis::Client::open(REDIS_URL)?;
-    // No response timeout: a blocking read waits longer than the default 500 ms.
-    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+    // No response timeout: a blocking read waits longer than the default
+    // 500 ms. A generous connection timeout: under valgrind on a busy
+    // machine connecting took longer than the default second.
+    let config = redis::AsyncConnectionConfig::new()
+        .set_response_timeout(None)
+        .set_connection_timeout(Some(Duration::from_secs(60)));
     let mut con = client
         .get_multiplexed_async_connection_with_config(&config)
         .await?;

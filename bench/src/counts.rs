@@ -18,13 +18,14 @@
 //!   receipts in between (the app's count read just before and just after
 //!   each command, the midpoint taken: a command takes a few hundred ms to
 //!   reach the process).
-//! - strace: every system call with its wall-clock time (`-ttt`); the
-//!   figure is the calls made between the two moments over the receipts
-//!   between them (time and count read together).
+//! - strace: every system call with its wall-clock time (`-ttt`); the app
+//!   notes the wall-clock time of the two receipts as it counts them, and
+//!   the figure is the calls made between the two times over the receipts
+//!   between them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tokio::time::Instant;
@@ -117,12 +118,6 @@ pub fn strace_calls_between(text: &str, from: f64, to: f64) -> u64 {
                 && (from..=to).contains(&time)
         })
         .count() as u64
-}
-
-fn epoch_secs(t: SystemTime) -> f64 {
-    t.duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs_f64()
 }
 
 /// Per-message count of `tool` for `who` on `kind`, over the flowing
@@ -232,8 +227,10 @@ fn dump_file(out: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Waits for the window's receipts and marks them: for callgrind, zeroes
-/// the counters when it opens and dumps them when it closes.
+/// Waits for the window's receipts and marks them. strace: the app notes
+/// the wall-clock time of the `from`-th and the `to`-th receipt itself.
+/// callgrind: the counters are zeroed when the `from`-th has arrived and
+/// dumped when the `to`-th has.
 async fn measure_window(
     ctx: &Ctx,
     pid: u32,
@@ -243,33 +240,82 @@ async fn measure_window(
 ) -> anyhow::Result<Window> {
     let (from, to) = window(n);
     let deadline = Instant::now() + timeout;
-    let mut marks = [(0.0, 0.0); 2];
+    if tool == Tool::Strace {
+        ctx.app.mark(from, to);
+    }
+    let mut marks = [0.0; 2];
     for (mark, (at, command)) in marks.iter_mut().zip([(from, "--zero"), (to, "--dump")]) {
+        wait_for(ctx, pid, tool, at, n, deadline, timeout).await?;
+        if tool == Tool::Callgrind {
+            let before = ctx.app.count();
+            callgrind_control(pid, command).await?;
+            *mark = (before + ctx.app.count()) as f64 / 2.0;
+        }
+    }
+    match tool {
+        Tool::Callgrind => Ok(Window {
+            messages: marks[1] - marks[0],
+            from: 0.0,
+            to: 0.0,
+        }),
+        Tool::Strace => {
+            let (t0, t1) = ctx
+                .app
+                .marked()
+                .context("the app did not note the window's receipts")?;
+            Ok(Window {
+                messages: (to - from) as f64,
+                from: t0,
+                to: t1,
+            })
+        }
+    }
+}
+
+/// Waits until the app has `at` receipts; fails as soon as the consumer
+/// has exited (it failed: its log says why) or at the deadline.
+async fn wait_for(
+    ctx: &Ctx,
+    pid: u32,
+    tool: Tool,
+    at: u64,
+    n: u64,
+    deadline: Instant,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let got = ctx.app.wait_for(at, left).await;
-        if got < at {
+        let got = ctx.app.wait_for(at, left.min(Duration::from_secs(1))).await;
+        if got >= at {
+            return Ok(());
+        }
+        if !alive(pid) {
+            bail!(
+                "under {} the consumer exited after the app received {got} of {n} messages",
+                tool.name()
+            );
+        }
+        if left.is_zero() {
             bail!(
                 "under {} the app received {got} of {n} messages within {} s",
                 tool.name(),
                 timeout.as_secs()
             );
         }
-        *mark = match tool {
-            Tool::Strace => (ctx.app.count() as f64, epoch_secs(SystemTime::now())),
-            Tool::Callgrind => {
-                let before = ctx.app.count();
-                let started = SystemTime::now();
-                callgrind_control(pid, command).await?;
-                let after = ctx.app.count();
-                ((before + after) as f64 / 2.0, epoch_secs(started))
-            }
-        };
     }
-    Ok(Window {
-        messages: marks[1].0 - marks[0].0,
-        from: marks[0].1,
-        to: marks[1].1,
-    })
+}
+
+/// Whether `pid` runs (a child that exited and was not reaped yet is a
+/// zombie: not running).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()
+                .map(|r| !r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
 }
 
 /// `callgrind_control <command> <pid>`: the command reaches the process

@@ -138,6 +138,10 @@ struct Options {
     /// Tiny sizes, no Celery: checks that the harness works.
     #[arg(long)]
     smoke: bool,
+    /// Only the instruction and system-call counts (no limit, drains,
+    /// latency, replicas, Celery or backlog): for comparing two builds.
+    #[arg(long, conflicts_with = "no_counts")]
+    counts_only: bool,
 }
 
 impl Options {
@@ -152,6 +156,11 @@ impl Options {
             self.latency_secs = 1;
             self.limit_secs = 1;
             self.no_celery = true;
+        }
+        if self.counts_only {
+            self.no_replicas = true;
+            self.no_celery = true;
+            self.no_backlog = true;
         }
     }
 }
@@ -297,6 +306,40 @@ fn parse_kinds(names: &[String]) -> anyhow::Result<Vec<Kind>> {
         .collect()
 }
 
+/// The app's limit and the direct request's latency.
+async fn timed_baselines(
+    ctx: &Ctx,
+    options: &Options,
+) -> (
+    Result<load::Capacity, String>,
+    Result<runs::Latency, String>,
+) {
+    eprintln!(
+        "the limit: {} connections, closed loop, {} s...",
+        options.concurrency, options.limit_secs
+    );
+    ctx.app.reset(false);
+    let limit = load::closed_loop(
+        ctx.app.addr,
+        options.concurrency,
+        Duration::from_secs(1),
+        Duration::from_secs(options.limit_secs),
+        ctx.body.clone(),
+    )
+    .await
+    .map_err(err);
+    if let Ok(c) = &limit {
+        eprintln!("  {:.0} requests/s ({} errors)", c.per_second(), c.errors);
+    }
+
+    eprintln!("direct-request latency at {} msg/s...", options.rate);
+    let direct = runs::direct_latency(ctx, options.rate, options.latency_secs)
+        .await
+        .map_err(err);
+
+    (limit, direct)
+}
+
 async fn all(mut options: Options) -> anyhow::Result<Results> {
     options.apply_smoke();
     let kinds = parse_kinds(&options.sources)?;
@@ -338,33 +381,22 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
     });
     eprintln!("the app listens on {}", ctx.app.url());
 
-    eprintln!(
-        "the limit: {} connections, closed loop, {} s...",
-        options.concurrency, options.limit_secs
-    );
-    ctx.app.reset(false);
-    let limit = load::closed_loop(
-        ctx.app.addr,
-        options.concurrency,
-        Duration::from_secs(1),
-        Duration::from_secs(options.limit_secs),
-        ctx.body.clone(),
-    )
-    .await
-    .map_err(err);
-    if let Ok(c) = &limit {
-        eprintln!("  {:.0} requests/s ({} errors)", c.per_second(), c.errors);
-    }
-
-    eprintln!("direct-request latency at {} msg/s...", options.rate);
-    let direct = runs::direct_latency(&ctx, options.rate, options.latency_secs)
-        .await
-        .map_err(err);
+    let (limit, direct) = if options.counts_only {
+        let skipped = || "not measured (--counts-only)".to_string();
+        (Err(skipped()), Err(skipped()))
+    } else {
+        timed_baselines(&ctx, &options).await
+    };
 
     let mut rows = Vec::new();
     for kind in kinds {
         let mut row = Row::new(kind);
-        for run in 1..=options.runs.max(1) {
+        let timed_runs = if options.counts_only {
+            0
+        } else {
+            options.runs.max(1)
+        };
+        for run in 1..=timed_runs {
             for who in [Consumer::Bare, Consumer::Courier] {
                 eprintln!(
                     "{} {}: draining {} messages (run {run} of {})...",
@@ -388,7 +420,12 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                 row.side_mut(who).drains.push(drain);
             }
         }
-        for who in [Consumer::Bare, Consumer::Courier] {
+        let latency_runs = if options.counts_only {
+            &[][..]
+        } else {
+            &[Consumer::Bare, Consumer::Courier][..]
+        };
+        for &who in latency_runs {
             eprintln!(
                 "{} {}: latency at {} msg/s...",
                 kind.name(),

@@ -303,12 +303,16 @@ impl Shared {
                 break;
             };
             let shared = self.clone();
-            tasks.spawn(async move {
+            // Boxed: the delivery's future (the HTTP exchange and the
+            // settlement inside it) is a few KiB, and tokio copies a task's
+            // future by value on spawn, into its cell and again when it
+            // completes; a box is copied once (BENCHMARKS.md, the profile).
+            tasks.spawn(Box::pin(async move {
                 if !shared.defer_if_held(&delivery).await {
                     shared.deliver(delivery).await;
                 }
                 drop(taken);
-            });
+            }));
         }
     }
 

@@ -55,15 +55,8 @@ impl Tool {
         let mut command = match self {
             Tool::Callgrind => {
                 let mut c = Command::new("valgrind");
-                // Names written out in full in every dump: a dump taken
-                // mid-run otherwise refers to names only the final file
-                // defines, and callgrind_annotate cannot read it alone.
-                c.args([
-                    "--tool=callgrind",
-                    "--compress-strings=no",
-                    "--compress-pos=no",
-                ])
-                .arg(format!("--callgrind-out-file={}", out.display()));
+                c.arg("--tool=callgrind")
+                    .arg(format!("--callgrind-out-file={}", out.display()));
                 c
             }
             Tool::Strace => {

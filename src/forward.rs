@@ -19,6 +19,14 @@ use hyper_util::rt::TokioExecutor;
 use crate::model::{Directives, EXCERPT_LIMIT, Message, Outcome};
 use cloudevents::Event;
 
+/// The names of the headers courier sets, made once: inserting by `&str`
+/// parsed and checked each name on every delivery (BENCHMARKS.md, the
+/// profile).
+static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+static MESSAGE_ID: HeaderName = HeaderName::from_static("courier-message-id");
+static ATTEMPT: HeaderName = HeaderName::from_static("courier-attempt");
+static QUEUE: HeaderName = HeaderName::from_static("courier-queue");
+
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
 const DRAIN_LIMIT: usize = 256 * 1024;
@@ -260,14 +268,14 @@ impl Forwarder {
         let key = envelope.idempotency_key(event.as_ref());
         let key = HeaderValue::from_str(&key)
             .map_err(|_| format!("idempotency key {key:?} is not a valid header value"))?;
-        headers.insert("idempotency-key", key);
+        headers.insert(IDEMPOTENCY_KEY.clone(), key);
         let id = HeaderValue::from_str(&message.id)
             .map_err(|_| format!("message id {:?} is not a valid header value", message.id))?;
-        headers.insert("courier-message-id", id);
-        headers.insert("courier-attempt", HeaderValue::from(envelope.attempt));
+        headers.insert(MESSAGE_ID.clone(), id);
+        headers.insert(ATTEMPT.clone(), HeaderValue::from(envelope.attempt));
         let queue = HeaderValue::from_str(envelope.queue)
             .map_err(|_| format!("queue {:?} is not a valid header value", envelope.queue))?;
-        headers.insert("courier-queue", queue);
+        headers.insert(QUEUE.clone(), queue);
         builder.body(Full::new(body)).map_err(|e| e.to_string())
     }
 

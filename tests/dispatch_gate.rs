@@ -204,15 +204,21 @@ async fn an_outage_by_refused_connections_uses_no_attempts(fixture: Fixture) {
     let mut config = run_config_for(&fixture, &first.url(), fast_policy());
     config.app_failure_run = gate_default();
     let running = Running::start(config).await;
-    fixture.send(&source, "before the outage").await;
-    // Acked, not only seen: an answer cut off by the stop would be a lost
-    // connection, which rightly uses an attempt.
+    // The answer closes its connection, so courier keeps none open to the
+    // app: a request written on a pooled connection while the app goes
+    // away would be cut off, a lost connection, which rightly uses an
+    // attempt. Acked, not only seen, for the same reason.
+    fixture.send(&source, "script:200+connection=close").await;
     wait_for("a delivery acked before the outage", SETTLE, async || {
         let text = scrape(running.metrics_addr).await;
         metric(&text, "courier_acks_total", &fixture.queue) >= 1.0
     })
     .await;
     first.stop();
+    wait_for("the app's port to refuse connections", SETTLE, async || {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
     for i in 0..5 {
         fixture.send(&source, format!("message {i}")).await;
     }

@@ -131,6 +131,9 @@ pub async fn drain_through_a_kill(
     kill: impl FnOnce(),
     letters_url: &str,
 ) {
+    // WAIT blocks until the replica has caught up (up to its own 10 s);
+    // the client's default 500 ms ran out first on a busy machine.
+    master.set_response_timeout(Duration::from_secs(15));
     let copies: i64 = redis::cmd("WAIT")
         .arg(1)
         .arg(10_000)

@@ -43,12 +43,12 @@ async fn stop(mut courier: CourierProcess) {
     assert!(status.success(), "{status}\n{}", courier.log());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_delivery_before_the_app_accepts_connections() {
-    let fixture = Fixture::redis();
-    let source = fixture.open().await;
-    let id = fixture.send(&source, "hello, late app").await;
-    // A port nothing listens on yet; the app takes it later.
+/// courier started on `fixture` with an app address nothing listens on yet
+/// (the caller's app may take it later), once it says it is waiting; the
+/// directory holds its policy file.
+async fn courier_before_the_app(
+    fixture: &Fixture,
+) -> (std::net::SocketAddr, tempfile::TempDir, CourierProcess) {
     let addr = TcpListener::bind("127.0.0.1:0")
         .await
         .unwrap()
@@ -56,16 +56,24 @@ async fn no_delivery_before_the_app_accepts_connections() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let policy = write_policy(dir.path(), "maxAttempts: 2");
-    let mut courier =
-        CourierProcess::run(&args(&fixture, &format!("http://{addr}/"), &policy, &[]));
-    let metrics = courier.metrics_addr().await;
-    courier.wait_running().await;
+    let mut courier = CourierProcess::run(&args(fixture, &format!("http://{addr}/"), &policy, &[]));
     courier
         .wait_log(
             "waiting for the app to be ready before the first delivery",
             SETTLE,
         )
         .await;
+    (addr, dir, courier)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_delivery_before_the_app_accepts_connections() {
+    let fixture = Fixture::redis();
+    let source = fixture.open().await;
+    let id = fixture.send(&source, "hello, late app").await;
+    let (addr, _dir, mut courier) = courier_before_the_app(&fixture).await;
+    let metrics = courier.metrics_addr().await;
+    courier.wait_running().await;
     tokio::time::sleep(NOT_READY_FOR).await;
     let text = scrape(metrics).await;
     assert_eq!(
@@ -248,21 +256,7 @@ async fn sigterm_while_waiting_for_the_app_exits_at_once() {
     let fixture = Fixture::redis();
     let source = fixture.open().await;
     fixture.send(&source, "never delivered").await;
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let policy = write_policy(dir.path(), "maxAttempts: 2");
-    let mut courier =
-        CourierProcess::run(&args(&fixture, &format!("http://{addr}/"), &policy, &[]));
-    courier
-        .wait_log(
-            "waiting for the app to be ready before the first delivery",
-            SETTLE,
-        )
-        .await;
+    let (_addr, _dir, mut courier) = courier_before_the_app(&fixture).await;
     courier.terminate();
     let status = courier.exit_within(Duration::from_secs(5)).await;
     assert!(status.success(), "{status}\n{}", courier.log());

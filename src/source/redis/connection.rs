@@ -153,6 +153,17 @@ impl Endpoint {
         matches!(self, Self::Cluster(_))
     }
 
+    /// The server a tracking connection (`arrivals.rs`) goes to: the node,
+    /// or the master the Sentinels name now; `None` for a Redis Cluster,
+    /// where the stream's node changes with its slot.
+    pub(super) async fn tracking_node(&self, tls: &Tls) -> Option<RedisResult<ConnectionInfo>> {
+        match self {
+            Self::Node(info) => Some(Ok((**info).clone())),
+            Self::Cluster(_) => None,
+            Self::Sentinel(sentinels) => Some(sentinels.master(tls).await.map(|(_, info)| info)),
+        }
+    }
+
     /// A connection whose replies may take up to `response_timeout`, with
     /// the `--tls-*` files for `rediss` URLs.
     pub(super) async fn connect(

@@ -24,6 +24,7 @@
 //! A single node, a Redis Cluster and a master found through Sentinel are
 //! reached through one [`connection::Connection`] (`connection.rs`).
 
+mod arrivals;
 mod cluster;
 mod connection;
 mod depth;
@@ -49,6 +50,7 @@ use super::{
     Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
 };
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
+use arrivals::Arrivals;
 use connection::{Connection, Endpoint};
 use reader::Reader;
 
@@ -154,7 +156,15 @@ impl RedisSource {
             retry_key: format!("{}.retry", options.queue),
             acks: settle::ack_batcher(&commands, &options.queue, &options.group),
             commands,
-            reader: Mutex::new(Reader::new(reader)),
+            reader: Mutex::new(Reader::new(
+                reader,
+                Arrivals::new(
+                    endpoint,
+                    options.tls.clone(),
+                    options.queue.clone(),
+                    cluster,
+                ),
+            )),
             mover_stop: Arc::new(AtomicBool::new(false)),
             live: Arc::new(std::sync::Mutex::new(options.live())),
             cluster,

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use super::connection::Connection;
 use redis::Value;
 
+use super::arrivals::Arrivals;
 use super::entries::{as_u64, parse_entries, parse_read_reply};
 use super::mover::Throttle;
 use super::poison::Pending;
@@ -20,6 +21,8 @@ const POLL_MAX: Duration = Duration::from_millis(20);
 
 pub(super) struct Reader {
     pub(super) connection: Connection,
+    /// Tells of an entry's arrival, so an empty queue is not polled.
+    arrivals: Arrivals,
     /// After a restart, this consumer's own pending entries come first.
     history_done: bool,
     /// The last history entry handed out: the next history read starts
@@ -31,9 +34,10 @@ pub(super) struct Reader {
 }
 
 impl Reader {
-    pub(super) fn new(connection: Connection) -> Self {
+    pub(super) fn new(connection: Connection, arrivals: Arrivals) -> Self {
         Self {
             connection,
+            arrivals,
             history_done: false,
             history_from: "0".into(),
             last_reclaim: Instant::now(),
@@ -51,7 +55,9 @@ impl RedisSource {
         }
         // A script reads, so that an entry over --max-body is dead-lettered
         // inside Redis instead of loaded; a script cannot block, so an
-        // empty queue is asked again after a pause that grows to POLL_MAX.
+        // empty queue is asked again when an entry arrives (`arrivals.rs`),
+        // or, where nothing tells of arrivals, after a pause that grows to
+        // POLL_MAX.
         let deadline = Instant::now() + RECEIVE_WAIT;
         let mut pause = Duration::from_millis(1);
         loop {
@@ -66,8 +72,10 @@ impl RedisSource {
                     })
                     .collect());
             }
-            tokio::time::sleep(pause.min(deadline - now)).await;
-            pause = (pause * 2).min(POLL_MAX);
+            if !reader.arrivals.wait(deadline).await {
+                tokio::time::sleep(pause.min(deadline - now)).await;
+                pause = (pause * 2).min(POLL_MAX);
+            }
         }
     }
 

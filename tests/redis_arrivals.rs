@@ -29,27 +29,12 @@ async fn text(con: &mut MultiplexedConnection, command: &str, arg: &str) -> Stri
     redis::cmd(command).arg(arg).query_async(con).await.unwrap()
 }
 
-/// The ids of the clients `CLIENT LIST` shows with key tracking on (flag
-/// `t`).
-async fn tracking_clients(con: &mut MultiplexedConnection) -> Vec<String> {
-    text(con, "CLIENT", "LIST")
-        .await
-        .lines()
-        .filter(|line| {
-            line.split(' ')
-                .any(|f| f.strip_prefix("flags=").is_some_and(|v| v.contains('t')))
-        })
-        .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
-        .map(str::to_string)
-        .collect()
-}
-
 /// Waits until exactly one client tracks keys, other than `not`; returns
 /// its id.
 async fn wait_tracking(con: &mut MultiplexedConnection, not: Option<&str>) -> String {
     let mut found = Vec::new();
     wait_for("courier's tracking connection", LIMIT, async || {
-        found = tracking_clients(con).await;
+        found = tracking_clients(&text(con, "CLIENT", "LIST").await);
         found.len() == 1 && Some(found[0].as_str()) != not
     })
     .await;
@@ -204,7 +189,7 @@ async fn a_redis_that_refuses_tracking_is_polled_and_says_so_once() {
         fixture.send(&source, body).await;
         delivered(&app, body).await;
     }
-    assert!(tracking_clients(&mut con).await.is_empty());
+    assert!(tracking_clients(&text(&mut con, "CLIENT", "LIST").await).is_empty());
     let said = courier.log().matches(REFUSED).count();
     assert_eq!(said, 1, "{}", courier.log());
     assert!(courier.running(), "{}", courier.log());

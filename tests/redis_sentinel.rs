@@ -1,7 +1,7 @@
 //! Redis Sentinel (`redis+sentinel://host:port[,host:port]/MASTER_NAME/DB`):
 //! courier asks the Sentinels for the master and follows a failover to the
 //! new one. The test starts its own master, replica and three Sentinels on
-//! free ports in 17110-17129; the shared Redis is never touched.
+//! free ports in 17110-17144; the shared Redis is never touched.
 
 mod common;
 
@@ -11,6 +11,8 @@ use std::time::Duration;
 use common::*;
 
 const MASTER_NAME: &str = "courier";
+/// How long a failover and what follows it may take on a busy machine.
+const SETTLE: Duration = Duration::from_secs(60);
 
 /// A master, its replica and three Sentinels (quorum 2) watching it, with
 /// a 1 s down-after so a failover takes seconds.
@@ -35,8 +37,10 @@ fn free_ports(range: std::ops::RangeInclusive<u16>, n: usize) -> Vec<u16> {
 }
 
 impl SentinelSet {
-    async fn start() -> Self {
-        let ports = free_ports(17110..=17124, 5);
+    /// On free ports in `ports` (a range no other test running at once
+    /// takes).
+    async fn start(ports: std::ops::RangeInclusive<u16>) -> Self {
+        let ports = free_ports(ports, 5);
         let dir = tempfile::tempdir().unwrap();
         let mut set = Self {
             master: ports[0],
@@ -175,7 +179,7 @@ async fn info(port: u16, section: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_mid_drain_loses_nothing() {
     const MESSAGES: usize = 400;
-    let mut set = SentinelSet::start().await;
+    let mut set = SentinelSet::start(17110..=17124).await;
     let app = TestApp::start().await;
     let queue = unique("sentinel");
     let fixture = Fixture::redis_at(&set.url(), &queue);
@@ -210,6 +214,54 @@ async fn a_sentinel_failover_mid_drain_loses_nothing() {
             .contains("role:master"),
         "the replica was promoted"
     );
+}
+
+/// An idle reader is told of arrivals by a tracking connection to the
+/// master; when that master is killed, the connection drops, and the new
+/// one goes to the master the Sentinels name after the failover, where a
+/// message arriving at the idle queue is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tracking_connection_follows_a_failover() {
+    let mut set = SentinelSet::start(17130..=17144).await;
+    let app = TestApp::start().await;
+    let fixture = Fixture::redis_at(&set.url(), &unique("sentinel-idle"));
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let tracking_on = async |port: u16| {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut plain(port).await)
+            .await
+            .unwrap();
+        !tracking_clients(&list).is_empty()
+    };
+    wait_for("tracking on the master", SETTLE, async || {
+        tracking_on(set.master).await
+    })
+    .await;
+    set.kill_master();
+    wait_for("the replica to be promoted", SETTLE, async || {
+        info(set.replica, "replication")
+            .await
+            .contains("role:master")
+    })
+    .await;
+    wait_for("tracking on the new master", SETTLE, async || {
+        tracking_on(set.replica).await
+    })
+    .await;
+    let _: String = redis::cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg(courier::model::PAYLOAD)
+        .arg("after the failover")
+        .query_async(&mut plain(set.replica).await)
+        .await
+        .unwrap();
+    wait_for("the arrival to be delivered", SETTLE, async || {
+        !app.received_body(b"after the failover").is_empty()
+    })
+    .await;
+    running.stop().await;
 }
 
 /// Sentinels that know no master by the URL's name: courier says so, and

@@ -546,6 +546,26 @@ async fn delivers_over_tls(url: &str, tls: Vec<String>) {
     assert_eq!(listed[0]["courier-reason"], "permanent-status");
     let retried = app.received_body(b"script:503,200");
     assert_eq!(retried[1].attempt(), 2, "the retry came back as attempt 2");
+    if let Some(port) = url.strip_prefix("rediss://localhost:") {
+        // An idle reader is told of arrivals over a TLS connection of its
+        // own, which tracks keys (flag t).
+        let port = port.trim_end_matches("/0");
+        wait_for(
+            "a connection tracking keys over TLS",
+            Duration::from_secs(30),
+            async || {
+                let out = redis_cli(&["-p", port, "CLIENT", "LIST"]);
+                !tracking_clients(&String::from_utf8_lossy(&out.stdout)).is_empty()
+            },
+        )
+        .await;
+    }
+    // A Redis reader that falls back to polling says so.
+    assert!(
+        !(url.starts_with("rediss") && courier.log().contains("of new entries")),
+        "{}",
+        courier.log()
+    );
 
     courier.terminate();
     let status = courier.exit_within(Duration::from_secs(15)).await;

@@ -512,6 +512,20 @@ pub async fn get_status(addr: SocketAddr, path: &str) -> u16 {
         .unwrap_or(0)
 }
 
+/// The ids of the clients a Redis `CLIENT LIST` text shows with key
+/// tracking on (flag `t`): courier's idle readers waiting for arrivals.
+pub fn tracking_clients(client_list: &str) -> Vec<String> {
+    client_list
+        .lines()
+        .filter(|line| {
+            line.split(' ')
+                .any(|f| f.strip_prefix("flags=").is_some_and(|v| v.contains('t')))
+        })
+        .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .map(str::to_string)
+        .collect()
+}
+
 /// A metric without labels (`courier_app_up`) from a `/metrics` text.
 pub fn plain_metric(text: &str, name: &str) -> Option<f64> {
     text.lines()

@@ -3,7 +3,10 @@
 //! - The work stream is `--queue`, read by the consumer group `--group` in
 //!   batches on a connection of its own, by a script that dead-letters an
 //!   entry over `--max-body` inside Redis instead of returning it
-//!   (`poison.rs`, `reader.rs`).
+//!   (`poison.rs`, `reader.rs`). An empty queue is read again when Redis
+//!   says the stream was written to, a key-tracking push on a connection of
+//!   its own (`arrivals.rs`); a Redis Cluster, or a server that refuses
+//!   tracking, is polled.
 //! - Acks are pipelined: concurrent acks become one `XACK` with many ids.
 //! - A retry is the message's fields stored in the sorted set
 //!   `<queue>.retry` (score = due time in ms) and the `XACK`, in one script

@@ -26,6 +26,8 @@ static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 static MESSAGE_ID: HeaderName = HeaderName::from_static("courier-message-id");
 static ATTEMPT: HeaderName = HeaderName::from_static("courier-attempt");
 static QUEUE: HeaderName = HeaderName::from_static("courier-queue");
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
@@ -75,6 +77,23 @@ pub struct Envelope<'a> {
     pub message: &'a Message,
     pub queue: &'a str,
     pub attempt: u32,
+    /// Sent in place of the message's own `traceparent` and `tracestate`:
+    /// the delivery span's, so that the app's span nests under it. `None`
+    /// passes the message's own on unchanged.
+    pub trace: Option<&'a TraceHeaders>,
+}
+
+/// The W3C trace context of a delivery attempt's span.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TraceHeaders {
+    pub traceparent: String,
+    pub tracestate: Option<String>,
+}
+
+impl TraceHeaders {
+    fn names(name: &str) -> bool {
+        name.eq_ignore_ascii_case("traceparent") || name.eq_ignore_ascii_case("tracestate")
+    }
 }
 
 impl Envelope<'_> {
@@ -222,7 +241,10 @@ impl Forwarder {
             .ok_or_else(|| "invalid request".to_string())?;
         for (name, value) in &message.headers {
             // An event's attributes are written from the event below.
-            if is_reserved(name) || (event.is_some() && cloudevents::is_attribute_header(name)) {
+            if is_reserved(name)
+                || (event.is_some() && cloudevents::is_attribute_header(name))
+                || (envelope.trace.is_some() && TraceHeaders::names(name))
+            {
                 continue;
             }
             // Names that are not HTTP tokens, and values HTTP cannot carry,
@@ -276,6 +298,19 @@ impl Forwarder {
         let queue = HeaderValue::from_str(envelope.queue)
             .map_err(|_| format!("queue {:?} is not a valid header value", envelope.queue))?;
         headers.insert(QUEUE.clone(), queue);
+        if let Some(trace) = envelope.trace {
+            // The propagator writes only valid W3C values; one that is not a
+            // header value would be dropped like any other.
+            let values = [
+                (&TRACEPARENT, Some(&trace.traceparent)),
+                (&TRACESTATE, trace.tracestate.as_ref()),
+            ];
+            for (name, value) in values {
+                if let Some(Ok(value)) = value.map(|v| HeaderValue::from_str(v)) {
+                    headers.insert(name.clone(), value);
+                }
+            }
+        }
         builder.body(Full::new(body)).map_err(|e| e.to_string())
     }
 
@@ -429,6 +464,7 @@ mod tests {
             message,
             queue: "orders",
             attempt: 1,
+            trace: None,
         }
     }
 
@@ -480,6 +516,56 @@ mod tests {
             matches!(outcome, Outcome::ConnectionLost { .. }),
             "{outcome:?}"
         );
+    }
+
+    #[test]
+    fn a_delivery_span_replaces_the_producers_trace_context() {
+        let forwarder = Forwarder::new("http://127.0.0.1:8080/".parse().unwrap(), 1);
+        let message = Message {
+            headers: vec![
+                ("TraceParent".into(), "00-producer-01".into()),
+                ("tracestate".into(), "shop=producer".into()),
+                ("x-tenant".into(), "7".into()),
+            ],
+            ..small_message()
+        };
+        let values = |request: &Request<Full<Bytes>>, name: &str| -> Vec<String> {
+            request
+                .headers()
+                .get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_string())
+                .collect()
+        };
+        let untraced = forwarder.build(&envelope(&message)).unwrap();
+        assert_eq!(values(&untraced, "traceparent"), ["00-producer-01"]);
+        assert_eq!(values(&untraced, "tracestate"), ["shop=producer"]);
+
+        let span = TraceHeaders {
+            traceparent: "00-courier-01".into(),
+            tracestate: None,
+        };
+        let traced = Envelope {
+            trace: Some(&span),
+            ..envelope(&message)
+        };
+        let request = forwarder.build(&traced).unwrap();
+        assert_eq!(values(&request, "traceparent"), ["00-courier-01"]);
+        assert!(
+            values(&request, "tracestate").is_empty(),
+            "the span's state, none"
+        );
+        assert_eq!(values(&request, "x-tenant"), ["7"]);
+        let span = TraceHeaders {
+            tracestate: Some("shop=producer".into()),
+            ..span
+        };
+        let traced = Envelope {
+            trace: Some(&span),
+            ..envelope(&message)
+        };
+        let request = forwarder.build(&traced).unwrap();
+        assert_eq!(values(&request, "tracestate"), ["shop=producer"]);
     }
 
     #[test]

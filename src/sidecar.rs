@@ -54,6 +54,8 @@ pub struct Sidecar {
     config: RunConfig,
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
+    /// A span per delivery attempt, for the trace export.
+    traced: bool,
 }
 
 impl Sidecar {
@@ -73,7 +75,14 @@ impl Sidecar {
             health: Arc::new(Health::new(config.readiness)),
             config,
             metrics,
+            traced: false,
         }
+    }
+
+    /// Makes a span of every delivery attempt and forwards its
+    /// `traceparent` to the app; the trace export must be running.
+    pub fn traced(self, traced: bool) -> Self {
+        Self { traced, ..self }
     }
 
     /// Binds the telemetry endpoint and returns its address (useful with
@@ -104,6 +113,7 @@ impl Sidecar {
             config,
             metrics,
             health,
+            traced,
         } = self;
         let server_stop = CancellationToken::new();
         let drain = Arc::new(Drain::default());
@@ -123,7 +133,7 @@ impl Sidecar {
                 stop_pulling.cancel();
             }
         });
-        let result = run_sidecar(&config, &metrics, &health, stop_pulling).await;
+        let result = run_sidecar(&config, &metrics, &health, traced, stop_pulling).await;
         drain.finish(match &result {
             Ok(report) => format!(
                 "drained: {} deliveries finished, {} left unsettled for redelivery\n",
@@ -185,6 +195,7 @@ async fn run_sidecar(
     config: &RunConfig,
     metrics: &Arc<Metrics>,
     health: &Arc<Health>,
+    traced: bool,
     shutdown: CancellationToken,
 ) -> anyhow::Result<DrainReport> {
     let opened: Arc<OnceLock<Arc<dyn Source>>> = Arc::default();
@@ -288,6 +299,10 @@ async fn run_sidecar(
         app_health_path: config.app_health_path.clone(),
         app_failure_run: config.app_failure_run,
         dedup_window,
+        traces: traced.then(|| dispatch::Traces {
+            system: config.source.broker().messaging_system,
+            group: config.options.group.clone(),
+        }),
     };
     let report = dispatcher.run(shutdown).await;
     tracing::info!(

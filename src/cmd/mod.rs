@@ -75,7 +75,20 @@ pub fn main() -> ExitCode {
         Command::Demo(_) if cli.log_level == "info" => "error",
         _ => cli.log_level.as_str(),
     };
-    telemetry::init_logging(cli.log_format, level);
+    // Traces follow the standard OTEL_* variables, and only the sidecar
+    // exports them: a bad value stops `run` before anything starts.
+    let trace_settings = match &cli.command {
+        Command::Run(_) => {
+            match telemetry::traces::settings_from_env(|name| std::env::var(name).ok()) {
+                Ok(settings) => settings,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        _ => None,
+    };
     let mut builder = match cli.threads {
         1 => tokio::runtime::Builder::new_current_thread(),
         0 => tokio::runtime::Builder::new_multi_thread(),
@@ -92,7 +105,18 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli.command)) {
+    let traces = match trace_settings
+        .map(|settings| telemetry::traces::Traces::start(&settings, runtime.handle().clone()))
+        .transpose()
+    {
+        Ok(traces) => traces,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    telemetry::init_logging(cli.log_format, level, traces.as_ref());
+    match runtime.block_on(dispatch(cli.command, traces)) {
         Ok(code) => code,
         Err(e) if e.downcast_ref::<UsageError>().is_some() => {
             eprintln!("error: {e}");
@@ -105,9 +129,12 @@ pub fn main() -> ExitCode {
     }
 }
 
-async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+async fn dispatch(
+    command: Command,
+    traces: Option<telemetry::traces::Traces>,
+) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run(args) => run::run(run::config(&args)?).await,
+        Command::Run(args) => run::run(run::config(&args)?, traces).await,
         Command::Send(args) => send::run(args).await,
         Command::Crd => crd::run(),
         #[cfg(feature = "embedded")]

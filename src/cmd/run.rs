@@ -19,6 +19,7 @@ use crate::sidecar::{RunConfig, Sidecar};
 
 use crate::source::{QueueType, SourceOptions, default_consumer_name};
 use crate::telemetry::Readiness;
+use crate::telemetry::traces::Traces;
 
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -170,14 +171,23 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
     })
 }
 
-pub async fn run(config: RunConfig) -> anyhow::Result<ExitCode> {
+/// Runs the sidecar until SIGTERM has drained it; with `traces`, the spans
+/// of the last deliveries are exported before the process exits.
+pub async fn run(config: RunConfig, traces: Option<Traces>) -> anyhow::Result<ExitCode> {
     let shutdown = CancellationToken::new();
     // Listening for signals first: a SIGTERM during start-up drains too.
     let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
-    let (addr, sidecar) = Sidecar::new(config).start(shutdown.clone()).await?;
-    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-    let result = sidecar.await.context("the sidecar task failed")?;
+    let sidecar = Sidecar::new(config).traced(traces.is_some());
+    let result = async {
+        let (addr, sidecar) = sidecar.start(shutdown.clone()).await?;
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        sidecar.await.context("the sidecar task failed")?
+    }
+    .await;
     signals.abort();
+    if let Some(traces) = traces {
+        traces.shutdown().await;
+    }
     result.map(|_| ExitCode::SUCCESS)
 }
 

@@ -7,13 +7,14 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::Shared;
 use super::gate::Evidence;
 use super::limit::Signal;
-use crate::forward::Envelope;
+use super::{Shared, Traces};
+use crate::forward::{Envelope, TraceHeaders};
 use crate::model::{Class, DeadLetterReason, Delivery, Failure, Outcome};
 use crate::policy::{Decision, Policy, Verdict, decide};
 use crate::source::SourceError;
+use crate::telemetry::traces;
 
 impl Shared {
     pub(super) async fn deliver(&self, delivery: Delivery) {
@@ -29,12 +30,42 @@ impl Shared {
         let policy = self.d.policy.current();
         let started_at = SystemTime::now();
         let clock = Instant::now();
-        let outcome = self.offer(&delivery, &policy).await;
+        // Without the trace export, one check of an Option and no span.
+        let span = self
+            .d
+            .traces
+            .as_ref()
+            .map(|traces| self.span(traces, &delivery));
+        let trace = span.as_ref().and_then(|(_, headers)| headers.as_ref());
+        let outcome = self.offer(&delivery, &policy, trace).await;
         let decision = self
             .judge(&outcome, &policy, delivery.attempt, clock.elapsed())
             .await;
+        if let Some((span, _)) = &span {
+            traces::record_result(span, decision.class.as_str(), outcome.status());
+        }
         self.settle(&delivery, &outcome, &decision, &policy, started_at)
             .await;
+    }
+
+    /// The span of this attempt, a child of the producer's trace context,
+    /// and the headers that make it the parent of the app's span.
+    fn span(&self, traces: &Traces, delivery: &Delivery) -> (tracing::Span, Option<TraceHeaders>) {
+        let message = &delivery.message;
+        let attempt = traces::Attempt {
+            system: traces.system,
+            queue: &self.d.queue,
+            group: &traces.group,
+            message_id: &message.id,
+            attempt: delivery.attempt,
+            body_size: message.body.len(),
+        };
+        let (span, propagation) = traces::attempt_span(&attempt, &message.headers);
+        let headers = propagation.traceparent.map(|traceparent| TraceHeaders {
+            traceparent,
+            tracestate: propagation.tracestate,
+        });
+        (span, headers)
     }
 
     fn idempotency_key(&self, delivery: &Delivery) -> String {
@@ -42,11 +73,18 @@ impl Shared {
             message: &delivery.message,
             queue: &self.d.queue,
             attempt: delivery.attempt,
+            trace: None,
         })
     }
 
-    /// Offers the message to the app, unless it cannot be offered at all.
-    pub(super) async fn offer(&self, delivery: &Delivery, policy: &Policy) -> Outcome {
+    /// Offers the message to the app, unless it cannot be offered at all;
+    /// `trace` replaces the message's own trace context.
+    pub(super) async fn offer(
+        &self,
+        delivery: &Delivery,
+        policy: &Policy,
+        trace: Option<&TraceHeaders>,
+    ) -> Outcome {
         if let Some(problem) = &delivery.problem {
             return Outcome::Undeliverable {
                 error: problem.clone(),
@@ -65,6 +103,7 @@ impl Shared {
             message: &delivery.message,
             queue: &self.d.queue,
             attempt: delivery.attempt,
+            trace,
         };
         self.m.in_flight.inc();
         let clock = Instant::now();

@@ -75,6 +75,18 @@ pub struct Dispatcher {
     /// Acked idempotency keys are remembered this long, and a redelivery of
     /// one is acked without reaching the app.
     pub dedup_window: Option<Duration>,
+    /// With the trace export running: a span per delivery attempt, whose
+    /// `traceparent` the app receives.
+    pub traces: Option<Traces>,
+}
+
+/// What every delivery span of this run says besides the message's own.
+#[derive(Debug, Clone)]
+pub struct Traces {
+    /// `messaging.system`, the broker's ([`crate::source::Broker`]).
+    pub system: &'static str,
+    /// `messaging.consumer.group.name`.
+    pub group: String,
 }
 
 /// How the drain went.

@@ -324,6 +324,10 @@ pub type Opening = BoxFuture<'static, Result<Arc<dyn Source>, SourceError>>;
 /// the ones this build has (each is a cargo feature).
 pub struct Broker {
     pub name: &'static str,
+    /// `messaging.system` of the trace spans: the OpenTelemetry
+    /// conventions' name where they define one (`rabbitmq`), else the
+    /// broker's own.
+    pub messaging_system: &'static str,
     pub schemes: &'static [&'static str],
     /// The schemes of `schemes` that connect over TLS (`rediss`); only
     /// these take the `--tls-*` files.

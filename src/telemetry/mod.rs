@@ -1,7 +1,9 @@
 //! Metrics (registered once, here, with the `courier_` prefix), the
-//! `/metrics`, `/healthz` and `/readyz` endpoints, and logging set-up.
+//! `/metrics`, `/healthz` and `/readyz` endpoints, logging set-up, and the
+//! OpenTelemetry trace export ([`traces`]).
 
 mod endpoint;
+pub mod traces;
 
 pub use endpoint::{Drain, EndpointLimits, bind, serve, serve_http, serve_within};
 
@@ -512,20 +514,46 @@ pub enum LogFormat {
 
 /// Installs the global subscriber; `RUST_LOG` overrides `level`. Human
 /// logs are coloured only on a terminal: escape codes in a log file or a
-/// collector's pipe are noise.
-pub fn init_logging(format: LogFormat, level: &str) {
+/// collector's pipe are noise. With `traces`, delivery spans also go to
+/// the trace export (and never into the log).
+pub fn init_logging(format: LogFormat, level: &str, traces: Option<&traces::Traces>) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    // A second init (tests start several sidecars in one process) is fine.
-    let _ = match format {
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-        LogFormat::Human => builder.try_init(),
+    let ansi = std::io::stderr().is_terminal();
+    let Some(traces) = traces else {
+        // Without traces the subscriber is the plain one, as it was before
+        // traces existed: nothing of them is on the delivery path.
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(ansi)
+            .with_writer(std::io::stderr);
+        // A second init (tests start several sidecars in one process) is fine.
+        let _ = match format {
+            LogFormat::Json => builder.json().flatten_event(true).try_init(),
+            LogFormat::Human => builder.try_init(),
+        };
+        return;
     };
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let filter = filter.add_directive(
+        format!("{}=off", traces::TARGET)
+            .parse()
+            .expect("a valid directive"),
+    );
+    let log = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    let log = match format {
+        LogFormat::Json => log.json().flatten_event(true).boxed(),
+        LogFormat::Human => log.boxed(),
+    };
+    let _ = tracing_subscriber::registry()
+        .with(log.with_filter(filter))
+        .with(traces.layer())
+        .try_init();
 }
 
 #[cfg(test)]

@@ -541,12 +541,14 @@ use std::process::{Command as ProcessCommand, ExitStatus, Stdio};
 /// The `courier` binary cargo built for these tests.
 pub const COURIER_BIN: &str = env!("CARGO_BIN_EXE_courier");
 
-/// A command for the built binary that inherits no `COURIER_*`, `RUST_LOG`
-/// or `POD_NAME` from whoever runs the tests: only the flags given count.
+/// A command for the built binary that inherits no `COURIER_*`, `OTEL_*`,
+/// `RUST_LOG` or `POD_NAME` from whoever runs the tests: only the flags
+/// given count, and no trace export starts unless a test asks for one.
 pub fn courier_command() -> ProcessCommand {
     let mut command = ProcessCommand::new(COURIER_BIN);
     for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("COURIER_") {
+        let text = name.to_string_lossy();
+        if text.starts_with("COURIER_") || text.starts_with("OTEL_") {
             command.env_remove(name);
         }
     }
@@ -761,7 +763,13 @@ pub struct CourierProcess {
 impl CourierProcess {
     /// Starts `courier --log-format json run <args>`.
     pub fn run(args: &[String]) -> Self {
+        Self::run_with_env(args, &[])
+    }
+
+    /// [`CourierProcess::run`] with environment variables set.
+    pub fn run_with_env(args: &[String], env: &[(&str, &str)]) -> Self {
         let mut child = courier_command()
+            .envs(env.iter().copied())
             .args(["--log-format", "json", "run"])
             .args(args)
             .stdin(Stdio::null())

@@ -193,6 +193,7 @@ fn dispatcher(source: Arc<MemorySource>, app: SocketAddr, policy: Policy) -> Dis
         app_health_path: None,
         app_failure_run: gate::FAILURE_RUN,
         dedup_window: None,
+        traces: None,
     }
 }
 

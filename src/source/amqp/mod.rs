@@ -163,6 +163,7 @@ fn queue_state(key: &str) -> Arc<QueueState> {
 /// RabbitMQ: `amqp://user:pass@host:port/vhost` (`amqps://` for TLS).
 pub const BROKER: Broker = Broker {
     name: "amqp",
+    messaging_system: "rabbitmq",
     schemes: &["amqp", "amqps"],
     tls_schemes: &["amqps"],
     url_form: "amqp://user:pass@host:port/vhost",

@@ -130,6 +130,7 @@ const MAX_BATCH: usize = 1024;
 /// The built-in queue: `embedded:<dir>`.
 pub const BROKER: Broker = Broker {
     name: "embedded",
+    messaging_system: "embedded",
     schemes: &["embedded"],
     tls_schemes: &[],
     url_form: "embedded:<dir>",

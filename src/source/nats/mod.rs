@@ -90,6 +90,7 @@ pub use dead_letters::dead_letter_stream;
 /// NATS JetStream: `nats://[user:pass@]host:port`.
 pub const BROKER: Broker = Broker {
     name: "nats",
+    messaging_system: "nats",
     schemes: &["nats", "tls"],
     tls_schemes: &["tls"],
     url_form: "nats://host:port",

@@ -62,6 +62,7 @@ use reader::Reader;
 /// Sentinels (`redis+sentinel://`).
 pub const BROKER: Broker = Broker {
     name: "redis",
+    messaging_system: "redis",
     schemes: &[
         "redis",
         "rediss",

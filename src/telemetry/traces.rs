@@ -609,6 +609,63 @@ mod tests {
         );
     }
 
+    /// The W3C context in and out, through the SDK and the layer as
+    /// `courier run` installs them, without an export.
+    #[test]
+    fn the_span_is_the_producers_child_and_names_itself_to_the_app() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+        const SPAN: &str = "00f067aa0ba902b7";
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(
+                Sampling::ParentBased {
+                    root: Root::AlwaysOn,
+                }
+                .sampler(),
+            )
+            .build();
+        let traces = Traces {
+            tracer: provider.tracer("test"),
+            provider,
+        };
+        let subscriber = tracing_subscriber::registry().with(traces.layer());
+        let attempt = Attempt {
+            system: "redis",
+            queue: "orders",
+            group: "courier",
+            message_id: "1-0",
+            attempt: 1,
+            body_size: 2,
+        };
+        tracing::subscriber::with_default(subscriber, || {
+            for (flags, state) in [("01", Some("shop=orders")), ("00", None)] {
+                let mut headers = vec![(
+                    "TraceParent".to_string(),
+                    format!("00-{TRACE}-{SPAN}-{flags}"),
+                )];
+                if let Some(state) = state {
+                    headers.push(("tracestate".into(), state.into()));
+                }
+                let (_span, propagation) = attempt_span(&attempt, &headers);
+                let traceparent = propagation.traceparent.expect("a traceparent");
+                let parts: Vec<&str> = traceparent.split('-').collect();
+                assert_eq!(parts[1], TRACE, "{traceparent}");
+                assert_ne!(parts[2], SPAN, "the span's own id: {traceparent}");
+                assert_eq!(parts[3], flags, "the producer's sampling decision");
+                assert_eq!(propagation.tracestate.as_deref(), state);
+            }
+            let (_span, propagation) = attempt_span(&attempt, &[]);
+            let traceparent = propagation.traceparent.expect("a new trace");
+            assert!(
+                !traceparent.contains(TRACE) && traceparent.ends_with("-01"),
+                "{traceparent}"
+            );
+        });
+        // Without the layer there is no span context to send.
+        let (_span, propagation) = attempt_span(&attempt, &[]);
+        assert_eq!(propagation, Propagation::default());
+    }
+
     #[test]
     fn the_service_is_courier_unless_the_pod_names_it() {
         let named = |pairs: &[(&str, &str)]| !on(pairs).default_service_name;

@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use clap::CommandFactory;
 use courier::cmd::Cli;
 use courier::inject::flags::{ANNOTATED, NOT_ANNOTATIONS, PASSTHROUGH};
+use courier::inject::settings::TRACE_ANNOTATIONS;
 use courier::inject::{Decision, SidecarDefaults, inject_document};
 use serde_json::{Value, json};
 
@@ -69,7 +70,8 @@ fn the_docs_have_a_row_for_every_annotation_and_every_exception() {
     let annotations = PASSTHROUGH
         .iter()
         .map(|p| p.annotation)
-        .chain(ANNOTATED.iter().flat_map(|(_, a)| a.split(", ")));
+        .chain(ANNOTATED.iter().flat_map(|(_, a)| a.split(", ")))
+        .chain(TRACE_ANNOTATIONS.iter().map(|(a, _)| *a));
     for annotation in annotations {
         assert!(
             docs.contains(&format!("| `{annotation}`")),
@@ -162,6 +164,97 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/cloudevents \"json\" is not one of binary, structured, off",
     ] {
         assert!(message.contains(expected), "{expected:?} in {message}");
+    }
+}
+
+/// The sidecar's environment after injecting `given` into the deployment,
+/// or the denial.
+fn sidecar_env(given: Value) -> Result<Vec<Value>, String> {
+    let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
+    match decision {
+        Decision::Inject { .. } => Ok(doc["spec"]["template"]["spec"]["initContainers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .clone()),
+        Decision::Deny(message) => Err(message),
+        other => panic!("expected an injection or a denial, got {other}"),
+    }
+}
+
+/// The trace annotations become the sidecar's `OTEL_*` variables, after
+/// `HOST_IP` (so that `$(HOST_IP)` in the endpoint expands) and with the
+/// pod's name and namespace as resource attributes; without them the
+/// sidecar gets no `OTEL_*` variable at all.
+#[test]
+fn trace_annotations_become_the_sidecars_otel_variables() {
+    let env = sidecar_env(json!({
+        "courier.dev/otel-endpoint": "http://$(HOST_IP):4318",
+        "courier.dev/otel-service-name": "orders-courier",
+        "courier.dev/otel-sampler": "parentbased_traceidratio",
+        "courier.dev/otel-sampler-arg": "0.25",
+    }))
+    .unwrap();
+    let position = |name: &str| {
+        env.iter()
+            .position(|var| var["name"] == name)
+            .unwrap_or_else(|| panic!("{name} in {env:?}"))
+    };
+    for (name, value) in [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://$(HOST_IP):4318"),
+        ("OTEL_SERVICE_NAME", "orders-courier"),
+        ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+        ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),k8s.container.name=courier",
+        ),
+    ] {
+        assert_eq!(env[position(name)]["value"], value, "{name}");
+    }
+    assert_eq!(
+        env[position("HOST_IP")]["valueFrom"]["fieldRef"]["fieldPath"],
+        "status.hostIP"
+    );
+    assert!(position("HOST_IP") < position("OTEL_EXPORTER_OTLP_ENDPOINT"));
+    assert!(position("POD_NAMESPACE") < position("OTEL_RESOURCE_ATTRIBUTES"));
+
+    let untraced = sidecar_env(json!({})).unwrap();
+    assert!(
+        !untraced.iter().any(|var| {
+            let name = var["name"].as_str().unwrap();
+            name.starts_with("OTEL_") || name == "HOST_IP"
+        }),
+        "{untraced:?}"
+    );
+}
+
+/// A trace annotation the sidecar would refuse at start refuses the pod,
+/// naming the annotation and the rule; a sampler needs an endpoint.
+#[test]
+fn a_bad_trace_annotation_refuses_the_pod() {
+    for (given, expected) in [
+        (
+            json!({"courier.dev/otel-endpoint": "collector:4318"}),
+            "courier.dev/otel-endpoint: OTEL_EXPORTER_OTLP_ENDPOINT \"collector:4318\"",
+        ),
+        (
+            json!({"courier.dev/otel-endpoint": "http://collector:4318", "courier.dev/otel-sampler": "sometimes"}),
+            "courier.dev/otel-sampler: OTEL_TRACES_SAMPLER \"sometimes\"",
+        ),
+        (
+            json!({"courier.dev/otel-endpoint": "http://collector:4318", "courier.dev/otel-sampler": "traceidratio", "courier.dev/otel-sampler-arg": "half"}),
+            "courier.dev/otel-sampler-arg: OTEL_TRACES_SAMPLER_ARG \"half\"",
+        ),
+        (
+            json!({"courier.dev/otel-sampler": "always_on"}),
+            "courier.dev/otel-sampler without courier.dev/otel-endpoint",
+        ),
+    ] {
+        let message = sidecar_env(given.clone()).unwrap_err();
+        assert!(
+            message.contains(expected),
+            "{given}: {expected:?} in {message}"
+        );
     }
 }
 

@@ -336,6 +336,20 @@ fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
             var("COURIER_TLS_KEY_FILE", format!("{TLS_MOUNT_PATH}/tls.key"));
         }
     }
+    if !settings.traces.is_empty() {
+        // Defined before the variables that may use it: Kubernetes expands
+        // `$(NAME)` only from variables listed earlier.
+        env.push(
+            json!({"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}),
+        );
+        let attributes = format!(
+            "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),k8s.container.name={CONTAINER_NAME}"
+        );
+        env.push(json!({"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes}));
+        for (name, value) in &settings.traces {
+            env.push(json!({"name": name, "value": value}));
+        }
+    }
 
     let r = &settings.resources;
     let pick = |pairs: [(&str, &Option<String>); 2]| -> Value {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::duration;
 use crate::source::{BROKERS, redact, url_forms};
+use crate::telemetry;
 
 // === Names ===
 
@@ -67,11 +68,32 @@ pub mod annotations {
     /// `true`: the sidecar presents `tls.crt` and `tls.key` of that Secret
     /// (mutual TLS).
     pub const TLS_CLIENT_CERT: &str = "courier.dev/tls-client-cert";
+    /// The OpenTelemetry collector that trace spans go to
+    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`); `$(HOST_IP)` is the node's address.
+    pub const OTEL_ENDPOINT: &str = "courier.dev/otel-endpoint";
+    /// `OTEL_SERVICE_NAME` of the sidecar's spans; `courier` when not given.
+    pub const OTEL_SERVICE_NAME: &str = "courier.dev/otel-service-name";
+    /// `OTEL_TRACES_SAMPLER`, and its ratio `OTEL_TRACES_SAMPLER_ARG`.
+    pub const OTEL_SAMPLER: &str = "courier.dev/otel-sampler";
+    pub const OTEL_SAMPLER_ARG: &str = "courier.dev/otel-sampler-arg";
     pub const CPU_REQUEST: &str = "courier.dev/cpu-request";
     pub const MEMORY_REQUEST: &str = "courier.dev/memory-request";
     pub const CPU_LIMIT: &str = "courier.dev/cpu-limit";
     pub const MEMORY_LIMIT: &str = "courier.dev/memory-limit";
 }
+
+/// The annotations that become the sidecar's OpenTelemetry variables,
+/// annotation → variable; the endpoint turns traces on.
+pub const TRACE_ANNOTATIONS: &[(&str, &str)] = &[
+    (annotations::OTEL_ENDPOINT, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    (annotations::OTEL_SERVICE_NAME, "OTEL_SERVICE_NAME"),
+    (annotations::OTEL_SAMPLER, "OTEL_TRACES_SAMPLER"),
+    (annotations::OTEL_SAMPLER_ARG, "OTEL_TRACES_SAMPLER_ARG"),
+];
+
+/// What a collector on the node is reached by in `courier.dev/otel-endpoint`;
+/// the injector defines it from the downward API.
+pub(super) const HOST_IP: &str = "$(HOST_IP)";
 
 // === Defaults (the injector's flags) ===
 
@@ -154,6 +176,9 @@ pub(super) struct Settings {
     /// Annotations of [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH):
     /// (variable, value), checked.
     pub(super) passthrough: Vec<(&'static str, String)>,
+    /// Annotations of [`TRACE_ANNOTATIONS`]: (variable, value), checked as
+    /// the sidecar checks them; empty when the pod asks for no traces.
+    pub(super) traces: Vec<(&'static str, String)>,
 }
 
 /// The Secret with the broker's CA (`courier.dev/tls-secret`).
@@ -331,6 +356,11 @@ pub(super) fn read_settings(
         }
     }
 
+    let traces = read_traces(&get).unwrap_or_else(|problem| {
+        problems.push(problem);
+        Vec::new()
+    });
+
     match (queue, source) {
         (Some(queue), Some(source)) if problems.is_empty() => Ok(Settings {
             source,
@@ -346,9 +376,53 @@ pub(super) fn read_settings(
             resources,
             tls,
             passthrough,
+            traces,
         }),
         _ => Err(problems),
     }
+}
+
+/// The trace annotations as the sidecar's variables, checked by the rules
+/// `courier run` applies to them ([`telemetry::traces::settings_from_env`]),
+/// with the node's address standing in for `$(HOST_IP)`.
+fn read_traces<'a>(
+    get: &impl Fn(&str) -> Option<&'a str>,
+) -> Result<Vec<(&'static str, String)>, String> {
+    let given: Vec<(&'static str, &'static str, String)> = TRACE_ANNOTATIONS
+        .iter()
+        .filter_map(|&(annotation, var)| Some((annotation, var, get(annotation)?.to_string())))
+        .collect();
+    if given.is_empty() {
+        return Ok(Vec::new());
+    }
+    if !given
+        .iter()
+        .any(|(a, _, _)| *a == annotations::OTEL_ENDPOINT)
+    {
+        let names: Vec<&str> = given.iter().map(|(a, _, _)| *a).collect();
+        return Err(format!(
+            "{} without {}: name the collector, or remove them",
+            names.join(", "),
+            annotations::OTEL_ENDPOINT
+        ));
+    }
+    let checked = telemetry::traces::settings_from_env(|name| {
+        given
+            .iter()
+            .find(|(_, var, _)| *var == name)
+            .map(|(_, _, value)| value.replace(HOST_IP, "10.0.0.1"))
+    });
+    if let Err(problem) = checked {
+        let annotation = given
+            .iter()
+            .find(|(_, var, _)| problem.starts_with(&format!("{var} ")))
+            .map_or(annotations::OTEL_ENDPOINT, |(a, _, _)| *a);
+        return Err(format!("{annotation}: {problem}"));
+    }
+    Ok(given
+        .into_iter()
+        .map(|(_, var, value)| (var, value))
+        .collect())
 }
 
 /// The scheme of a `courier.dev/source` URL must name a broker of this

@@ -172,8 +172,16 @@ impl Run {
     /// Sends each of `bodies` with the producer's trace context, then
     /// starts courier with a fast retry policy and `env`; returns the ids.
     async fn start(bodies: &[String], env: &[(&str, &str)]) -> (Self, Vec<String>) {
+        Self::start_on(Fixture::redis(), bodies, env).await
+    }
+
+    /// [`Run::start`] on the queue of `fixture`.
+    async fn start_on(
+        fixture: Fixture,
+        bodies: &[String],
+        env: &[(&str, &str)],
+    ) -> (Self, Vec<String>) {
         let app = TestApp::start().await;
-        let fixture = Fixture::redis();
         let producer = fixture.producer().await;
         let mut ids = Vec::new();
         for body in bodies {
@@ -224,17 +232,29 @@ impl Run {
 
 // === The tests ===
 
-/// The test: answers 503, 503, 200 make three spans, each a child
-/// of the producer's span in its trace, each with its attempt, result and
-/// status; the app is sent each attempt's own span as its parent. The
-/// batch export waits longer than the test runs, so the spans can arrive
-/// only through the flush at shutdown.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_attempts_export_three_spans_under_the_producers_span() {
+per_source!(
+    [redis => Fixture::redis(), amqp => Fixture::amqp(), nats => Fixture::nats()],
+    [three_attempts_export_three_spans_under_the_producers_span]
+);
+
+/// The test, on every broker that runs here as a service: answers
+/// 503, 503, 200 make three spans, each a child of the producer's span in
+/// its trace, each with its attempt, result and status; the app is sent
+/// each attempt's own span as its parent. The batch export waits longer
+/// than the test runs, so the spans can arrive only through the flush at
+/// shutdown.
+async fn three_attempts_export_three_spans_under_the_producers_span(fixture: Fixture) {
+    let system = match fixture.broker {
+        BrokerKind::Redis => "redis",
+        BrokerKind::Amqp => "rabbitmq",
+        BrokerKind::Nats => "nats",
+        other => panic!("no messaging.system expected for {other:?}"),
+    };
     let receiver = Receiver::start().await;
     let endpoint = receiver.endpoint();
     let body = "script:503,503,200";
-    let (mut run, ids) = Run::start(
+    let (mut run, ids) = Run::start_on(
+        fixture,
         &[body.to_string()],
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
@@ -286,7 +306,7 @@ async fn three_attempts_export_three_spans_under_the_producers_span() {
         assert_eq!(span.kind, SpanKind::Consumer as i32);
         assert_eq!(span.name, format!("process {}", fixture.queue));
         let attrs = attributes(&span.attributes);
-        assert_eq!(attrs["messaging.system"], "redis");
+        assert_eq!(attrs["messaging.system"], system);
         assert_eq!(attrs["messaging.operation.type"], "process");
         assert_eq!(attrs["messaging.destination.name"], fixture.queue);
         assert_eq!(attrs["messaging.consumer.group.name"], "courier");

@@ -217,6 +217,22 @@ impl Run {
         assert!(status.success(), "{status}\n{}", self.courier.log());
     }
 
+    /// The log lines in which the OpenTelemetry SDK warns of, or reports, a
+    /// failed export.
+    fn export_problems(&self) -> Vec<serde_json::Value> {
+        self.courier
+            .log()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|line| {
+                line["target"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("opentelemetry"))
+                    && matches!(line["level"].as_str(), Some("WARN" | "ERROR"))
+            })
+            .collect()
+    }
+
     /// The app received `body` once, with the producer's trace context as
     /// the producer sent it.
     fn assert_untouched(&self, body: &str) {
@@ -268,6 +284,7 @@ async fn three_attempts_export_three_spans_under_the_producers_span(fixture: Fix
     .await;
     run.acked_then_stopped(1).await;
     let (fixture, courier) = (&run.fixture, &run.courier);
+    assert_eq!(run.export_problems(), Vec::<serde_json::Value>::new());
 
     {
         let exports = receiver.exports.lock().unwrap();
@@ -398,6 +415,11 @@ async fn an_unreachable_collector_does_not_stop_deliveries() {
     )
     .await;
     run.acked_then_stopped(MESSAGES).await;
+    assert!(
+        !run.export_problems().is_empty(),
+        "the log says the export fails\n{}",
+        run.courier.log()
+    );
     assert_eq!(run.app.reached(&bodies.into_iter().collect()), MESSAGES);
     for request in run.app.received() {
         let traceparent = request.header("traceparent").unwrap_or_default();

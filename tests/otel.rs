@@ -14,6 +14,7 @@ use common::*;
 use courier::telemetry::serve_http;
 use http::Response;
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
@@ -52,12 +53,17 @@ struct Export {
     request: ExportTraceServiceRequest,
 }
 
+/// The receiver's answer to one request.
+type Answer = std::pin::Pin<Box<dyn std::future::Future<Output = Response<Full<Bytes>>> + Send>>;
+
 /// An OTLP/HTTP receiver on loopback: every request is decoded as a trace
 /// export and kept, and answered as a collector answers.
 struct Receiver {
     addr: SocketAddr,
     exports: Arc<Mutex<Vec<Export>>>,
     stop: CancellationToken,
+    /// Behind TLS, with a certificate of its own CA.
+    tls: bool,
 }
 
 impl Receiver {
@@ -66,6 +72,43 @@ impl Receiver {
     }
 
     async fn start_on(addr: &str) -> Self {
+        let (receiver, listener) = Self::bind(addr, false).await;
+        let handler = receiver.handler();
+        tokio::spawn(serve_http(listener, receiver.stop.clone(), handler));
+        receiver
+    }
+
+    /// The receiver behind TLS: its certificate names 127.0.0.1 and is
+    /// signed by a CA of its own, whose PEM is written to `ca_file`.
+    async fn start_tls(ca_file: &std::path::Path) -> Self {
+        let (receiver, listener) = Self::bind("127.0.0.1:0", true).await;
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_tls(ca_file)));
+        let (handler, stop) = (receiver.handler(), receiver.stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let tcp = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    accepted = listener.accept() => accepted.unwrap().0,
+                };
+                let (acceptor, handler) = (acceptor.clone(), handler.clone());
+                tokio::spawn(async move {
+                    let Ok(stream) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(move |req| {
+                        let answer = handler(req);
+                        async move { Ok::<_, std::convert::Infallible>(answer.await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        receiver
+    }
+
+    async fn bind(addr: &str, tls: bool) -> (Self, TcpListener) {
         let listener = TcpListener::bind(addr)
             .await
             .unwrap_or_else(|e| panic!("the receiver cannot listen on {addr}: {e}"));
@@ -73,11 +116,19 @@ impl Receiver {
             addr: listener.local_addr().unwrap(),
             exports: Arc::default(),
             stop: CancellationToken::new(),
+            tls,
         };
-        let exports = receiver.exports.clone();
-        tokio::spawn(serve_http(listener, receiver.stop.clone(), move |req| {
+        (receiver, listener)
+    }
+
+    /// Decodes and keeps each export, and answers as a collector does.
+    fn handler(
+        &self,
+    ) -> impl Fn(http::Request<Incoming>) -> Answer + Clone + Send + Sync + 'static {
+        let exports = self.exports.clone();
+        move |req| {
             let exports = exports.clone();
-            async move {
+            Box::pin(async move {
                 let path = req.uri().path().to_string();
                 let content_type = req
                     .headers()
@@ -98,13 +149,13 @@ impl Receiver {
                         ExportTraceServiceResponse::default().encode_to_vec(),
                     )))
                     .unwrap()
-            }
-        }));
-        receiver
+            })
+        }
     }
 
     fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Every span exported so far, with its resource's attributes.
@@ -137,6 +188,31 @@ impl Drop for Receiver {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// A server configuration with a certificate for 127.0.0.1 signed by a
+/// fresh CA, whose certificate is written to `ca_file`.
+fn server_tls(ca_file: &std::path::Path) -> rustls::ServerConfig {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "courier test collector CA");
+    let ca_key = KeyPair::generate().unwrap();
+    std::fs::write(ca_file, ca.self_signed(&ca_key).unwrap().pem()).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+    rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], key)
+        .unwrap()
 }
 
 /// Attributes as text: strings as they are, integers in decimal.
@@ -431,21 +507,58 @@ async fn an_unreachable_collector_does_not_stop_deliveries() {
     }
 }
 
+/// An `https://` collector is verified with the CA that
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE` names; without it (the system's roots do
+/// not know that CA) nothing reaches the collector, and deliveries go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_collector_is_verified_with_the_certificate_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    let receiver = Receiver::start_tls(&ca).await;
+    let endpoint = receiver.endpoint();
+    let ca = ca.display().to_string();
+    let (mut run, ids) = Run::start(
+        &["over tls".to_string()],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", &ca),
+        ],
+    )
+    .await;
+    run.acked_then_stopped(1).await;
+    let spans = receiver.spans();
+    assert_eq!(spans.len(), 1, "{}", run.courier.log());
+    assert_eq!(
+        attributes(&spans[0].1.attributes)["messaging.message.id"],
+        ids[0]
+    );
+
+    let unverified = Receiver::start_tls(&dir.path().join("other-ca.pem")).await;
+    let endpoint = unverified.endpoint();
+    let (mut run, _) = Run::start(
+        &["unverified".to_string()],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)],
+    )
+    .await;
+    run.acked_then_stopped(1).await;
+    assert_eq!(
+        unverified.requests(),
+        0,
+        "no export to an unverified collector"
+    );
+    assert!(!run.export_problems().is_empty(), "{}", run.courier.log());
+}
+
 /// Values courier cannot follow stop `run` at start with exit code 2 and
 /// the variable's name.
 #[test]
 fn bad_trace_settings_are_refused_at_start() {
     let fixture = Fixture::redis();
-    for (name, value) in [
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318"),
-        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "not a url"),
-        ("OTEL_TRACES_SAMPLER", "sometimes"),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
-    ] {
+    // `courier run` with the endpoint set and `name=value`: its exit code
+    // and what it wrote.
+    let refused = |name: &str, value: &str| {
         let mut command = courier_command();
-        if name != "OTEL_EXPORTER_OTLP_ENDPOINT" {
-            command.env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318");
-        }
+        command.env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318");
         let output = command
             .env(name, value)
             .args([
@@ -454,16 +567,31 @@ fn bad_trace_settings_are_refused_at_start() {
                 &fixture.source_arg(),
                 "--queue",
                 &fixture.queue,
-                "--listen",
-                "127.0.0.1:0",
             ])
+            .args(["--listen", "127.0.0.1:0"])
             .output()
             .unwrap();
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
         assert_eq!(output.status.code(), Some(2), "{name}={value}: {stderr}");
+        stderr
+    };
+    for (name, value) in [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "not a url"),
+        ("OTEL_TRACES_SAMPLER", "sometimes"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+    ] {
+        let stderr = refused(name, value);
         assert!(
             stderr.starts_with(&format!("error: {name} {value:?}")),
             "{name}={value}: {stderr}"
         );
     }
+    let stderr = refused("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem");
+    assert!(
+        stderr.starts_with(
+            "error: OTEL_EXPORTER_OTLP_CERTIFICATE /nonexistent/ca.pem: cannot read it"
+        ),
+        "{stderr}"
+    );
 }

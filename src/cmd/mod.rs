@@ -78,15 +78,13 @@ pub fn main() -> ExitCode {
     // Traces follow the standard OTEL_* variables, and only the sidecar
     // exports them: a bad value stops `run` before anything starts.
     let trace_settings = match &cli.command {
-        Command::Run(_) => {
-            match telemetry::traces::settings_from_env(|name| std::env::var(name).ok()) {
-                Ok(settings) => settings,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::from(2);
-                }
+        Command::Run(_) => match trace_settings() {
+            Ok(settings) => settings,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
             }
-        }
+        },
         _ => None,
     };
     let mut builder = match cli.threads {
@@ -106,7 +104,9 @@ pub fn main() -> ExitCode {
         }
     };
     let traces = match trace_settings
-        .map(|settings| telemetry::traces::Traces::start(&settings, runtime.handle().clone()))
+        .map(|(settings, tls)| {
+            telemetry::traces::Traces::start(&settings, tls, runtime.handle().clone())
+        })
         .transpose()
     {
         Ok(traces) => traces,
@@ -127,6 +127,22 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The trace export the `OTEL_*` variables ask for, with the TLS
+/// configuration that verifies the collector; `None` when traces are off.
+fn trace_settings()
+-> Result<Option<(telemetry::traces::TraceSettings, rustls::ClientConfig)>, String> {
+    let Some(settings) = telemetry::traces::settings_from_env(|name| std::env::var(name).ok())?
+    else {
+        return Ok(None);
+    };
+    let (name, file) = match &settings.certificate {
+        Some((name, file)) => (*name, Some(file.as_path())),
+        None => ("OTEL_EXPORTER_OTLP_CERTIFICATE", None),
+    };
+    let tls = crate::source::tls::client_config(name, file, "collector")?;
+    Ok(Some((settings, tls)))
 }
 
 async fn dispatch(

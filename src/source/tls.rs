@@ -119,27 +119,7 @@ impl Tls {
     }
 
     fn build(&self) -> Result<ClientConfig, String> {
-        let mut roots = RootCertStore::empty();
-        match &self.ca {
-            Some(ca) => {
-                for cert in certificates("--tls-ca-file", ca)? {
-                    roots.add(cert).map_err(|e| {
-                        format!(
-                            "--tls-ca-file {}: a certificate in it cannot be used as a CA ({e}); give the PEM certificate of the CA that signed the broker's certificate",
-                            ca.path.display()
-                        )
-                    })?;
-                }
-            }
-            None => {
-                roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-            }
-        }
-        let builder =
-            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .map_err(|e| format!("TLS: {e}"))?
-                .with_root_certificates(roots);
+        let builder = verifying("--tls-ca-file", self.ca.as_ref(), "broker")?;
         let Some(client) = &self.client else {
             return Ok(builder.with_no_client_auth());
         };
@@ -209,6 +189,46 @@ impl Tls {
         }
         error
     }
+}
+
+/// A TLS client configuration (the ring provider) that trusts the CA
+/// certificates of the PEM file at `ca`, else the system's roots, and shows
+/// no certificate of its own. `flag` names the file in errors, `server`
+/// what the CA signed (the OpenTelemetry collector's export uses it too).
+pub fn client_config(flag: &str, ca: Option<&Path>, server: &str) -> Result<ClientConfig, String> {
+    let ca = ca.map(|path| read(flag, path)).transpose()?;
+    Ok(verifying(flag, ca.as_ref(), server)?.with_no_client_auth())
+}
+
+/// The configuration up to the client's own certificate: the ring provider
+/// and the roots of `ca` (named `flag`), else the system's.
+fn verifying(
+    flag: &str,
+    ca: Option<&Loaded>,
+    server: &str,
+) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, String> {
+    let mut roots = RootCertStore::empty();
+    match ca {
+        Some(ca) => {
+            for cert in certificates(flag, ca)? {
+                roots.add(cert).map_err(|e| {
+                    format!(
+                        "{flag} {}: a certificate in it cannot be used as a CA ({e}); give the PEM certificate of the CA that signed the {server}'s certificate",
+                        ca.path.display()
+                    )
+                })?;
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    Ok(
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS: {e}"))?
+            .with_root_certificates(roots),
+    )
 }
 
 fn read(flag: &str, path: &Path) -> Result<Loaded, String> {

@@ -8,11 +8,13 @@
 //! hyper client on the runtime, so a collector that is slow or gone costs a
 //! full queue of dropped spans, never a delivery's time.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::Uri;
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -85,6 +87,9 @@ pub struct TraceSettings {
     /// Neither `OTEL_SERVICE_NAME` nor `service.name` in
     /// `OTEL_RESOURCE_ATTRIBUTES`: the service is called `courier`.
     pub default_service_name: bool,
+    /// The PEM file of the CA that signed an `https://` collector's
+    /// certificate, with the variable that named it; else the system's roots.
+    pub certificate: Option<(&'static str, PathBuf)>,
 }
 
 /// Reads the standard variables through `var`; `Ok(None)` when traces are
@@ -153,6 +158,12 @@ pub fn settings_from_env(
         var("OTEL_TRACES_SAMPLER").as_deref(),
         var("OTEL_TRACES_SAMPLER_ARG").as_deref(),
     )?;
+    let certificate = [
+        "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    ]
+    .into_iter()
+    .find_map(|name| Some((name, PathBuf::from(var(name)?.trim()))));
     let named_in_attributes = var("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|attributes| {
         attributes
             .split(',')
@@ -163,21 +174,21 @@ pub fn settings_from_env(
         sampling,
         timeout,
         default_service_name: var("OTEL_SERVICE_NAME").is_none() && !named_in_attributes,
+        certificate,
     }))
 }
 
-/// A collector's URL: plain HTTP with a host (a collector in the pod or on
-/// the node; courier's export client speaks no TLS).
+/// A collector's URL: `http://` or `https://` with a host.
 fn collector_url(text: &str) -> Result<Uri, String> {
     let uri: Uri = text
         .parse()
         .map_err(|_| "not a URL; write it like http://otel-collector:4318".to_string())?;
     match (uri.scheme_str(), uri.host()) {
-        (Some("http"), Some(host)) if !host.is_empty() => Ok(uri),
-        (Some("https"), _) => Err(
-            "courier exports over plain HTTP only; point it at a collector in the pod or on the node (http://…:4318)".into(),
+        (Some("http" | "https"), Some(host)) if !host.is_empty() => Ok(uri),
+        _ => Err(
+            "not an http:// or https:// URL with a host; write it like http://otel-collector:4318"
+                .into(),
         ),
-        _ => Err("not an http:// URL with a host; write it like http://otel-collector:4318".into()),
     }
 }
 
@@ -227,12 +238,13 @@ pub struct Traces {
 
 impl Traces {
     /// Starts the batch export to the collector; the export's requests run
-    /// on `runtime`.
+    /// on `runtime`, and `tls` verifies an `https://` collector.
     pub fn start(
         settings: &TraceSettings,
+        tls: rustls::ClientConfig,
         runtime: tokio::runtime::Handle,
     ) -> Result<Self, String> {
-        let collector = Collector::new(runtime, settings.timeout);
+        let collector = Collector::new(runtime, settings.timeout, tls);
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpBinary)
@@ -392,15 +404,21 @@ pub fn record_result(span: &tracing::Span, result: &'static str, status: Option<
 /// The export's HTTP client: each request runs on courier's runtime, while
 /// the SDK's batch thread waits for it.
 struct Collector {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     runtime: tokio::runtime::Handle,
     timeout: Duration,
 }
 
 impl Collector {
-    fn new(runtime: tokio::runtime::Handle, timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
+    fn new(runtime: tokio::runtime::Handle, timeout: Duration, tls: rustls::ClientConfig) -> Self {
+        let mut tcp = HttpConnector::new();
+        tcp.enforce_http(false);
+        tcp.set_connect_timeout(Some(timeout));
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp);
         Self {
             client: Client::builder(TokioExecutor::new()).build(connector),
             runtime,
@@ -521,16 +539,43 @@ mod tests {
                 "ftp://collector/",
                 "http://",
             ),
-            (
-                "OTEL_EXPORTER_OTLP_ENDPOINT",
-                "https://collector:4318",
-                "plain HTTP",
-            ),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://", "https://"),
         ] {
             let error = read(&[(name, value)]).unwrap_err();
             assert!(error.starts_with(&format!("{name} {value:?}: ")), "{error}");
             assert!(error.contains(says), "{error}");
         }
+    }
+
+    #[test]
+    fn an_https_collector_is_verified_with_the_certificate_variable_or_the_system_roots() {
+        let tls = read(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4318")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(tls.endpoint.to_string(), "https://collector:4318/v1/traces");
+        assert_eq!(tls.certificate, None);
+        let ca = on(&[("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/ca.pem")]);
+        assert_eq!(
+            ca.certificate,
+            Some((
+                "OTEL_EXPORTER_OTLP_CERTIFICATE",
+                PathBuf::from("/etc/ca.pem")
+            ))
+        );
+        let own = on(&[
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/ca.pem"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+                "/etc/traces-ca.pem",
+            ),
+        ]);
+        assert_eq!(
+            own.certificate,
+            Some((
+                "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+                PathBuf::from("/etc/traces-ca.pem")
+            ))
+        );
     }
 
     #[test]

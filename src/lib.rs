@@ -20,7 +20,8 @@
 //! - [`dispatch`]: the one join: concurrency, the app-health gate, settling
 //!   and the graceful drain.
 //! - [`telemetry`]: Prometheus metrics, `/metrics`, `/healthz`, `/readyz`,
-//!   logging set-up. A leaf: it takes labels, not courier's types.
+//!   logging set-up, OpenTelemetry traces ([`telemetry::traces`]). A leaf:
+//!   it takes labels, not courier's types.
 //! - [`sidecar`]: wires one run of the pipeline together.
 //! - [`inject`]: the admission webhook that adds the sidecar to pods.
 //! - [`cmd`]: the commands (`run`, `send`, `demo`, `dlq`, `inject`, `crd`),

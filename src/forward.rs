@@ -72,10 +72,32 @@ pub fn read_directives(headers: &http::HeaderMap) -> Directives {
     }
 }
 
+/// A queue's name with its `courier-queue` header value, made once per
+/// queue: made per delivery it cost a check and a copy of the name each
+/// time (BENCHMARKS.md, the profile).
+pub struct QueueName {
+    name: String,
+    /// `None`: the name cannot be a header value, and every delivery says so.
+    header: Option<HeaderValue>,
+}
+
+impl QueueName {
+    pub fn new(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            header: HeaderValue::from_str(name).ok(),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.name
+    }
+}
+
 /// The request line and headers a message is offered with.
 pub struct Envelope<'a> {
     pub message: &'a Message,
-    pub queue: &'a str,
+    pub queue: &'a QueueName,
     pub attempt: u32,
     /// Sent in place of the message's own `traceparent` and `tracestate`:
     /// the delivery span's, so that the app's span nests under it. `None`
@@ -103,7 +125,16 @@ impl Envelope<'_> {
         match (self.message.header("idempotency-key"), event) {
             (Some(key), _) => key.to_string(),
             (None, Some(event)) => event.key(),
-            (None, None) => format!("{}:{}", self.queue, self.message.id),
+            (None, None) => {
+                // Joined by hand: `format!` cost some 770 instructions a
+                // delivery here (BENCHMARKS.md, the profile).
+                let (queue, id) = (self.queue.as_str(), self.message.id.as_str());
+                let mut key = String::with_capacity(queue.len() + 1 + id.len());
+                key.push_str(queue);
+                key.push(':');
+                key.push_str(id);
+                key
+            }
         }
     }
 }
@@ -287,16 +318,24 @@ impl Forwarder {
                 rendered.body
             }
         };
-        let key = envelope.idempotency_key(event.as_ref());
-        let key = HeaderValue::from_str(&key)
-            .map_err(|_| format!("idempotency key {key:?} is not a valid header value"))?;
+        // Handed over as it is, not copied: the key is made for this request.
+        let key =
+            HeaderValue::from_maybe_shared(Bytes::from(envelope.idempotency_key(event.as_ref())))
+                .map_err(|_| {
+                let key = envelope.idempotency_key(event.as_ref());
+                format!("idempotency key {key:?} is not a valid header value")
+            })?;
         headers.insert(IDEMPOTENCY_KEY.clone(), key);
         let id = HeaderValue::from_str(&message.id)
             .map_err(|_| format!("message id {:?} is not a valid header value", message.id))?;
         headers.insert(MESSAGE_ID.clone(), id);
         headers.insert(ATTEMPT.clone(), HeaderValue::from(envelope.attempt));
-        let queue = HeaderValue::from_str(envelope.queue)
-            .map_err(|_| format!("queue {:?} is not a valid header value", envelope.queue))?;
+        let queue = envelope.queue.header.clone().ok_or_else(|| {
+            format!(
+                "queue {:?} is not a valid header value",
+                envelope.queue.as_str()
+            )
+        })?;
         headers.insert(QUEUE.clone(), queue);
         if let Some(trace) = envelope.trace {
             // The propagator writes only valid W3C values; one that is not a
@@ -459,10 +498,10 @@ mod tests {
         }
     }
 
-    fn envelope(message: &Message) -> Envelope<'_> {
+    fn envelope<'a>(message: &'a Message, queue: &'a QueueName) -> Envelope<'a> {
         Envelope {
             message,
-            queue: "orders",
+            queue,
             attempt: 1,
             trace: None,
         }
@@ -476,7 +515,10 @@ mod tests {
         let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
         let message = small_message();
         let outcome = forwarder
-            .deliver(&envelope(&message), Duration::from_secs(5))
+            .deliver(
+                &envelope(&message, &QueueName::new("orders")),
+                Duration::from_secs(5),
+            )
             .await;
         assert!(
             matches!(&outcome, Outcome::Unreachable { error } if error.contains("onnect")),
@@ -508,7 +550,10 @@ mod tests {
         let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
         let message = small_message();
         let outcome = forwarder
-            .deliver(&envelope(&message), Duration::from_secs(5))
+            .deliver(
+                &envelope(&message, &QueueName::new("orders")),
+                Duration::from_secs(5),
+            )
             .await;
         let seen = app.await.unwrap();
         assert!(seen.starts_with("POST / HTTP/1.1"), "{seen}");

@@ -71,7 +71,7 @@ impl Shared {
     fn idempotency_key(&self, delivery: &Delivery) -> String {
         self.d.forwarder.idempotency_key(&Envelope {
             message: &delivery.message,
-            queue: &self.d.queue,
+            queue: &self.queue,
             attempt: delivery.attempt,
             trace: None,
         })
@@ -101,7 +101,7 @@ impl Shared {
         }
         let envelope = Envelope {
             message: &delivery.message,
-            queue: &self.d.queue,
+            queue: &self.queue,
             attempt: delivery.attempt,
             trace,
         };

@@ -26,7 +26,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::forward::Forwarder;
+use crate::forward::{Forwarder, QueueName};
 use crate::model::{Class, DeadLetterReason, Delivery};
 use crate::policy::LivePolicy;
 use crate::source::Source;
@@ -141,6 +141,7 @@ struct Shared {
     limiter: Arc<Limiter>,
     gate: Gate,
     in_flight: Arc<InFlight>,
+    queue: QueueName,
     m: QueueMetrics,
     read_errors: Counter,
 }
@@ -193,6 +194,7 @@ impl Shared {
             gate: Gate::new(d.app_failure_run, d.app_health_path.is_some()),
             hold: Hold::default(),
             in_flight: Arc::default(),
+            queue: QueueName::new(&d.queue),
             m,
             read_errors,
             d,

@@ -1,7 +1,8 @@
 //! The delivery loop, in steps: wait while the app is held or down, read
-//! up to one round of the concurrency limit, launch a delivery task per
-//! message (offer, judge, settle: [`deliver`]), and on shutdown stop pulling
-//! and let what is in flight finish, up to the drain timeout.
+//! up to one round of the concurrency limit, launch a delivery per message
+//! (offer, judge, settle: [`deliver`]) that runs beside the loop
+//! ([`deliveries`]), and on shutdown stop pulling and let what is in flight
+//! finish, up to the drain timeout.
 //!
 //! Guards around the app: the [`limit`] (how many deliveries may be in
 //! flight, adapted to the app's answers), the [`gate`] (stop pulling while
@@ -9,6 +10,7 @@
 //! in flight are kept claimed ([`in_flight`]) and the app is watched.
 
 mod deliver;
+mod deliveries;
 pub mod gate;
 pub mod hold;
 pub mod in_flight;
@@ -22,7 +24,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use prometheus_client::metrics::counter::Counter;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -32,6 +33,7 @@ use crate::policy::LivePolicy;
 use crate::source::Source;
 use crate::telemetry::{self, Metrics, QueueLabels, QueueMetrics};
 
+use deliveries::Deliveries;
 use gate::{Change, Evidence, Gate};
 use hold::Hold;
 use in_flight::InFlight;
@@ -155,18 +157,22 @@ impl Dispatcher {
             tokio::spawn(shared.clone().watch_app()),
             tokio::spawn(shared.clone().keep_alive()),
         ];
-        let mut tasks = JoinSet::new();
+        let mut deliveries = Deliveries::new();
         let mut reader = Reader::default();
         loop {
-            while tasks.try_join_next().is_some() {}
-            match shared.next(&mut reader, &shutdown).await {
+            match deliveries
+                .alongside(shared.next(&mut reader, &shutdown))
+                .await
+            {
                 Flow::Stop => break,
                 Flow::Again => {}
-                Flow::Launch(slot) => shared.launch(&mut reader.ahead, slot, &mut tasks),
+                Flow::Launch(slot) => shared.launch(&mut reader.ahead, slot, &mut deliveries),
             }
         }
-        shared.give_back(&mut reader.ahead, Instant::now()).await;
-        let report = shared.drain(tasks).await;
+        deliveries
+            .alongside(shared.give_back(&mut reader.ahead, Instant::now()))
+            .await;
+        let report = shared.drain(deliveries).await;
         for helper in helpers {
             helper.abort();
         }
@@ -302,13 +308,13 @@ impl Shared {
         }
     }
 
-    /// A delivery task per message read, as long as slots are free; the
-    /// rest wait in `ahead`.
+    /// A delivery per message read, as long as slots are free; the rest
+    /// wait in `ahead`.
     fn launch(
         self: &Arc<Self>,
         ahead: &mut VecDeque<Delivery>,
         first: Slot,
-        tasks: &mut JoinSet<()>,
+        deliveries: &mut Deliveries,
     ) {
         let mut slot = Some(first);
         while let Some(delivery) = ahead.pop_front() {
@@ -318,10 +324,10 @@ impl Shared {
             };
             let shared = self.clone();
             // Boxed: the delivery's future (the HTTP exchange and the
-            // settlement inside it) is a few KiB, and tokio copies a task's
-            // future by value on spawn, into its cell and again when it
-            // completes; a box is copied once (BENCHMARKS.md, the profile).
-            tasks.spawn(Box::pin(async move {
+            // settlement inside it) is a few KiB, and a task or a poll set
+            // moves its future by value into its own cell; a box is copied
+            // once (BENCHMARKS.md, the profile).
+            deliveries.launch(Box::pin(async move {
                 if !shared.defer_if_held(&delivery).await {
                     shared.deliver(delivery).await;
                 }
@@ -331,21 +337,17 @@ impl Shared {
     }
 
     /// Lets the deliveries in flight finish, up to the drain timeout.
-    async fn drain(&self, mut tasks: JoinSet<()>) -> DrainReport {
-        while tasks.try_join_next().is_some() {}
-        let in_flight = tasks.len();
+    async fn drain(&self, mut deliveries: Deliveries) -> DrainReport {
+        deliveries.catch_up().await;
+        let in_flight = deliveries.len();
         let timeout = self.d.drain_timeout;
         if in_flight > 0 {
             tracing::info!(in_flight, timeout = ?timeout, "draining in-flight deliveries");
         }
-        let drained = tokio::time::timeout(timeout, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
+        let drained = tokio::time::timeout(timeout, deliveries.finish()).await;
         let abandoned = if drained.is_err() {
-            let left = tasks.len();
-            tasks.abort_all();
-            while tasks.join_next().await.is_some() {}
+            let left = deliveries.len();
+            deliveries.abandon().await;
             tracing::warn!(
                 left,
                 "drain timeout reached; unfinished deliveries stay unacked and will be redelivered"

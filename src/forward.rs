@@ -28,6 +28,10 @@ static ATTEMPT: HeaderName = HeaderName::from_static("courier-attempt");
 static QUEUE: HeaderName = HeaderName::from_static("courier-queue");
 static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+/// The app's directives, looked up in every answer: looked up by `&str`,
+/// each name was parsed again every time.
+static RETRY: HeaderName = HeaderName::from_static("courier-retry");
+static DEAD_LETTER: HeaderName = HeaderName::from_static("courier-dead-letter");
 
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
@@ -49,7 +53,7 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
 /// kept as sent, up to [`EXCERPT_LIMIT`] bytes (cut at a character
 /// boundary); a value that is not UTF-8 is read lossily rather than lost.
 pub fn read_directives(headers: &http::HeaderMap) -> Directives {
-    let text = |name: &str| {
+    let text = |name: &HeaderName| {
         headers.get(name).map(|value| {
             let mut text = String::from_utf8_lossy(value.as_bytes()).trim().to_string();
             if text.len() > EXCERPT_LIMIT {
@@ -62,9 +66,9 @@ pub fn read_directives(headers: &http::HeaderMap) -> Directives {
             text
         })
     };
-    let retry = text("courier-retry");
+    let retry = text(&RETRY);
     Directives {
-        dead_letter: text("courier-dead-letter"),
+        dead_letter: text(&DEAD_LETTER),
         retry_never: retry
             .as_deref()
             .is_some_and(|v| v.eq_ignore_ascii_case("never")),

@@ -62,19 +62,21 @@ impl Delivery {
         let mut attempt = 1u32;
         let mut first_attempt_at = None;
         let mut headers = Vec::new();
+        // Names are compared as bytes and only a header's is made text:
+        // reading every name as text first cost a UTF-8 check per field.
         for (name, value) in &fields {
-            let name = String::from_utf8_lossy(name);
             match name.as_ref() {
-                PAYLOAD => body = Some(value.clone()),
-                F_MESSAGE_ID => id = Some(String::from_utf8_lossy(value).into_owned()),
-                F_ATTEMPT => attempt = parse_text(value).unwrap_or(1).max(1),
-                F_FIRST_ATTEMPT_AT => first_attempt_at = parse_time(value),
+                n if n == PAYLOAD.as_bytes() => body = Some(value.clone()),
+                n if n == F_MESSAGE_ID.as_bytes() => {
+                    id = Some(String::from_utf8_lossy(value).into_owned())
+                }
+                n if n == F_ATTEMPT.as_bytes() => attempt = parse_text(value).unwrap_or(1).max(1),
+                n if n == F_FIRST_ATTEMPT_AT.as_bytes() => first_attempt_at = parse_time(value),
                 n if n
-                    .as_bytes()
                     .get(..8)
                     .is_some_and(|p| p.eq_ignore_ascii_case(b"courier-")) => {}
-                _ => headers.push((
-                    name.into_owned(),
+                n => headers.push((
+                    String::from_utf8_lossy(n).into_owned(),
                     String::from_utf8_lossy(value).into_owned(),
                 )),
             }

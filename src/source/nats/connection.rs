@@ -246,7 +246,7 @@ impl NatsSource {
             replicas: info.config.num_replicas.max(1),
             consumer: Arc::default(),
             in_flight: Arc::default(),
-            first_attempts: Mutex::new(HashMap::new()),
+            first_attempts: Mutex::default(),
             held,
             puller: tokio::sync::Mutex::new(None),
             dead_letter_streams: Mutex::new(Vec::new()),

@@ -68,7 +68,6 @@ mod fields;
 mod pull;
 mod settle;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -114,10 +113,12 @@ pub struct NatsSource {
     /// Shared, not cloned per read: its cached info is a deep structure.
     consumer: Arc<tokio::sync::Mutex<Option<Arc<PullConsumer>>>>,
     /// Receipts (reply subjects) in flight, with their stream sequence.
-    in_flight: Arc<Mutex<HashMap<String, u64>>>,
+    /// This map and the next are written twice per message: hashed with
+    /// foldhash, as std's SipHash cost more than the maps' own work.
+    in_flight: Arc<Mutex<foldhash::HashMap<String, u64>>>,
     /// When messages this source retried with `Nak` were first offered, by
     /// stream sequence: a `Nak` cannot carry `courier-first-attempt-at`.
-    first_attempts: Mutex<HashMap<u64, SystemTime>>,
+    first_attempts: Mutex<foldhash::HashMap<u64, SystemTime>>,
     held: Arc<AtomicI64>,
     /// Created on the first read.
     puller: tokio::sync::Mutex<Option<Puller>>,

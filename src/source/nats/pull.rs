@@ -203,15 +203,18 @@ impl NatsSource {
         let mut deliveries = Vec::with_capacity(got.len());
         let mut waiting = Vec::new();
         let mut refused = None;
+        // Only `info` needs the JetStream wrapper, and cloning a context for
+        // each message cost more than reading it: one moves from message to
+        // message.
+        let mut context = self.js.clone();
         for message in got {
-            let message = Message {
-                message,
-                context: self.js.clone(),
-            };
+            let message = Message { message, context };
+            let admitted = self.admit(&message, max_deliveries);
+            context = message.context;
             // One message that cannot be admitted does not cost the others
             // their read: it is left to the server, which hands it out again
             // after AckWait.
-            match self.admit(message, max_deliveries) {
+            match admitted {
                 Ok(Admitted::Deliver(delivery, sequence)) => deliveries.push((delivery, sequence)),
                 Ok(Admitted::Wait(receipt, delay)) => waiting.push((receipt, delay)),
                 Err(e) => {
@@ -250,12 +253,14 @@ impl NatsSource {
     /// Turns a delivery into one for the app (or, handed out too often, one
     /// to dead-letter without offering it), or makes the first delivery of
     /// a waiting copy wait.
-    fn admit(&self, message: Message, max_deliveries: u32) -> Result<Admitted, SourceError> {
+    fn admit(&self, message: &Message, max_deliveries: u32) -> Result<Admitted, SourceError> {
         let info = message.info().map_err(|e| {
             SourceError::Broker(format!("a message without JetStream metadata: {e}"))
         })?;
         let (sequence, delivered) = (info.stream_sequence, info.delivered.max(1) as u32);
-        let Some(receipt) = message.reply.as_ref().map(|r| r.to_string()) else {
+        // `as_str`, not `to_string`: a subject's `Display` went through the
+        // formatting machinery for every message.
+        let Some(receipt) = message.reply.as_ref().map(|r| r.as_str().to_string()) else {
             return Err(SourceError::Broker(
                 "a message without a reply subject".into(),
             ));
@@ -271,7 +276,7 @@ impl NatsSource {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
             return Ok(Admitted::Wait(receipt, delay));
         }
-        let mut fields = replace(fields, F_SUBJECT, message.subject.to_string());
+        let mut fields = replace(fields, F_SUBJECT, message.subject.as_str().to_string());
         let extra = delivered - 1 - u32::from(waits.is_some());
         if field(&fields, F_FIRST_ATTEMPT_AT).is_none() {
             let mut first = self

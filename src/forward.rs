@@ -32,6 +32,9 @@ static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 /// each name was parsed again every time.
 static RETRY: HeaderName = HeaderName::from_static("courier-retry");
 static DEAD_LETTER: HeaderName = HeaderName::from_static("courier-dead-letter");
+/// What is added to a message's own headers: courier's content type, key,
+/// id, attempt and queue, then hyper's host and content length.
+const ADDED_HEADERS: usize = 7;
 
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
@@ -274,6 +277,9 @@ impl Forwarder {
         let headers = builder
             .headers_mut()
             .ok_or_else(|| "invalid request".to_string())?;
+        // Room for all at once: grown header by header, the map reallocated
+        // and rehashed on the way.
+        headers.reserve(message.headers.len() + ADDED_HEADERS);
         for (name, value) in &message.headers {
             // An event's attributes are written from the event below.
             if is_reserved(name)

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+mod batch;
 #[cfg(feature = "embedded")]
 pub mod embedded;
 #[cfg(feature = "nats")]
@@ -27,18 +28,17 @@ pub mod tls;
 mod wire;
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot};
 
 use futures::future::BoxFuture;
 
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
+pub use batch::Batcher;
 pub use redact::{redact, redact_error};
 pub use tls::{Tls, TlsFiles};
 pub use wire::{decode_fields, encode_fields};
@@ -445,64 +445,6 @@ impl fmt::Display for SourceUrl {
 impl fmt::Debug for SourceUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "SourceUrl({}: {})", self.broker.name, self.redacted())
-    }
-}
-
-// === Pipelined settlement ===
-
-type Pending<T> = (T, oneshot::Sender<Result<(), SourceError>>);
-
-/// Collects settlements from many concurrent deliveries and writes them to
-/// the broker in one round trip (one per batch of deliveries ready to
-/// settle, not one per delivery); each caller still learns its own result.
-pub struct Batcher<T> {
-    tx: mpsc::Sender<Pending<T>>,
-}
-
-impl<T: Send + 'static> Batcher<T> {
-    pub fn spawn<F, Fut>(max_batch: usize, flush: F) -> Self
-    where
-        F: Fn(Vec<T>) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<(), SourceError>> + Send,
-    {
-        let (tx, mut rx) = mpsc::channel::<Pending<T>>(max_batch * 4);
-        tokio::spawn(async move {
-            let mut items = Vec::with_capacity(max_batch);
-            let mut waiters = Vec::with_capacity(max_batch);
-            while let Some((item, waiter)) = rx.recv().await {
-                items.push(item);
-                waiters.push(waiter);
-                // The first settlement woke this task ahead of the other
-                // deliveries that are ready to settle (tokio runs a task
-                // woken by another next): let them run first, so the round
-                // trip carries all of them, not one each.
-                tokio::task::yield_now().await;
-                while items.len() < max_batch {
-                    match rx.try_recv() {
-                        Ok((item, waiter)) => {
-                            items.push(item);
-                            waiters.push(waiter);
-                        }
-                        Err(_) => break,
-                    }
-                }
-                let result = flush(std::mem::take(&mut items)).await;
-                for waiter in waiters.drain(..) {
-                    let _ = waiter.send(result.clone());
-                }
-            }
-        });
-        Self { tx }
-    }
-
-    pub async fn submit(&self, item: T) -> Result<(), SourceError> {
-        let (done, wait) = oneshot::channel();
-        self.tx
-            .send((item, done))
-            .await
-            .map_err(|_| SourceError::Broker("the settlement writer has stopped".into()))?;
-        wait.await
-            .map_err(|_| SourceError::Broker("the settlement writer has stopped".into()))?
     }
 }
 

@@ -1,9 +1,8 @@
 //! Reads: pull requests on one subscription, and what a delivery is
 //! turned into before the app sees it.
 
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::BatchConfig;
 use async_nats::jetstream::message::AckKind;
@@ -157,6 +156,59 @@ impl Puller {
     }
 }
 
+/// What a delivery's reply subject says, read as async-nats'
+/// `jetstream::Message::info` reads it (ADR-15): after `$JS.ACK.`, either
+/// `<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<published
+/// ns>.<pending>`, or 9 tokens or more that begin with `<domain>.<account
+/// hash>`. Only what courier uses is parsed: `info` split the subject with a
+/// string searcher and parsed every token, some 2,100 instructions a
+/// message (BENCHMARKS.md, the profile).
+#[derive(Debug, PartialEq, Eq)]
+struct Metadata {
+    sequence: u64,
+    delivered: u64,
+    published: SystemTime,
+}
+
+impl Metadata {
+    fn read(reply: &str) -> Option<Self> {
+        let tokens = reply.strip_prefix("$JS.ACK.")?.as_bytes();
+        let mut token: [&[u8]; 8] = [b""; 8];
+        let (mut count, mut start) = (0, 0);
+        for end in memchr::memchr_iter(b'.', tokens).chain([tokens.len()]) {
+            if let Some(slot) = token.get_mut(count) {
+                *slot = &tokens[start..end];
+            }
+            (count, start) = (count + 1, end + 1);
+        }
+        let delivered_at = match count {
+            7 => 2,
+            n if n >= 9 => 4,
+            _ => return None,
+        };
+        let number = |i: usize| digits(token[delivered_at + i]);
+        Some(Self {
+            delivered: number(0)?,
+            sequence: number(1)?,
+            published: UNIX_EPOCH + Duration::from_nanos(number(3)?),
+        })
+    }
+}
+
+/// A token of decimal digits, as a number.
+fn digits(token: &[u8]) -> Option<u64> {
+    if token.is_empty() {
+        return None;
+    }
+    token.iter().try_fold(0u64, |n, &b| {
+        let digit = b.wrapping_sub(b'0');
+        if digit > 9 {
+            return None;
+        }
+        n.checked_mul(10)?.checked_add(u64::from(digit))
+    })
+}
+
 /// A message from the stream, not a status about a pull request.
 pub(super) fn is_delivery(message: &async_nats::Message) -> bool {
     matches!(message.status, None | Some(StatusCode::OK))
@@ -203,18 +255,11 @@ impl NatsSource {
         let mut deliveries = Vec::with_capacity(got.len());
         let mut waiting = Vec::new();
         let mut refused = None;
-        // Only `info` needs the JetStream wrapper, and cloning a context for
-        // each message cost more than reading it: one moves from message to
-        // message.
-        let mut context = self.js.clone();
         for message in got {
-            let message = Message { message, context };
-            let admitted = self.admit(&message, max_deliveries);
-            context = message.context;
             // One message that cannot be admitted does not cost the others
             // their read: it is left to the server, which hands it out again
             // after AckWait.
-            match admitted {
+            match self.admit(&message, max_deliveries) {
                 Ok(Admitted::Deliver(delivery, sequence)) => deliveries.push((delivery, sequence)),
                 Ok(Admitted::Wait(receipt, delay)) => waiting.push((receipt, delay)),
                 Err(e) => {
@@ -253,18 +298,26 @@ impl NatsSource {
     /// Turns a delivery into one for the app (or, handed out too often, one
     /// to dead-letter without offering it), or makes the first delivery of
     /// a waiting copy wait.
-    fn admit(&self, message: &Message, max_deliveries: u32) -> Result<Admitted, SourceError> {
-        let info = message.info().map_err(|e| {
-            SourceError::Broker(format!("a message without JetStream metadata: {e}"))
-        })?;
-        let (sequence, delivered) = (info.stream_sequence, info.delivered.max(1) as u32);
-        // `as_str`, not `to_string`: a subject's `Display` went through the
-        // formatting machinery for every message.
-        let Some(receipt) = message.reply.as_ref().map(|r| r.as_str().to_string()) else {
+    fn admit(
+        &self,
+        message: &async_nats::Message,
+        max_deliveries: u32,
+    ) -> Result<Admitted, SourceError> {
+        let Some(reply) = message.reply.as_ref() else {
             return Err(SourceError::Broker(
                 "a message without a reply subject".into(),
             ));
         };
+        let Some(metadata) = Metadata::read(reply.as_str()) else {
+            return Err(SourceError::Broker(format!(
+                "a message without JetStream metadata (reply subject {:?})",
+                reply.as_str()
+            )));
+        };
+        let (sequence, delivered) = (metadata.sequence, metadata.delivered.max(1) as u32);
+        // `as_str`, not `to_string`: a subject's `Display` went through the
+        // formatting machinery for every message.
+        let receipt = reply.as_str().to_string();
         // Only a copy courier sealed carries courier's state.
         let fields = self
             .seal
@@ -288,10 +341,7 @@ impl NatsSource {
             } else {
                 // Another replica or an earlier run offered it first: the
                 // time it was stored is the closest bound known.
-                let at = first
-                    .get(&sequence)
-                    .copied()
-                    .unwrap_or_else(|| SystemTime::from(info.published));
+                let at = first.get(&sequence).copied().unwrap_or(metadata.published);
                 fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(at))));
             }
         }
@@ -315,6 +365,44 @@ mod tests {
 
     use super::*;
     use crate::source::SourceOptions;
+
+    #[test]
+    fn reply_subject_rows() {
+        let at = |ns: u64| UNIX_EPOCH + Duration::from_nanos(ns);
+        let rows = [
+            (
+                "$JS.ACK.orders.courier.2.17.9.1764590000123456789.4",
+                Some((17, 2, 1764590000123456789)),
+            ),
+            (
+                "$JS.ACK._.ACCHASH.orders.courier.1.5.5.1764590000000000001.0",
+                Some((5, 1, 1764590000000000001)),
+            ),
+            (
+                "$JS.ACK.hub.ACCHASH.orders.courier.3.8.7.1764590000000000002.1.r4nd0m",
+                Some((8, 3, 1764590000000000002)),
+            ),
+            (
+                "$JS.ACK.hub.ACCHASH.orders.courier.3.8.7.1764590000000000002.1.r4nd0m.more",
+                Some((8, 3, 1764590000000000002)),
+            ),
+            ("$JS.ACK.orders.courier.2.17.9.1764590000123456789", None),
+            ("$JS.ACK.orders.courier.x.17.9.1764590000123456789.4", None),
+            ("$JS.ACK.orders.courier.2.-1.9.1764590000123456789.4", None),
+            ("$JS.ACK.orders.courier.2..9.1764590000123456789.4", None),
+            ("$JS.ACK.orders.courier.2.18446744073709551616.9.1.4", None),
+            ("_INBOX.abc.1", None),
+            ("", None),
+        ];
+        for (reply, want) in rows {
+            let want = want.map(|(sequence, delivered, ns)| Metadata {
+                sequence,
+                delivered,
+                published: at(ns),
+            });
+            assert_eq!(Metadata::read(reply), want, "{reply}");
+        }
+    }
 
     /// Against the NATS server on loopback: a read whose batch holds a
     /// good delivery and then something that is no JetStream delivery
@@ -370,6 +458,29 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].message.body.as_ref(), b"good");
         assert_eq!(source.in_flight.lock().unwrap().len(), 1);
+        // The server's reply subject reads as async-nats reads it.
+        let receipt = got[0].receipt.clone();
+        let delivered = async_nats::jetstream::Message {
+            message: async_nats::Message {
+                subject: queue.clone().into(),
+                reply: Some(receipt.clone().into()),
+                payload: Bytes::new(),
+                headers: None,
+                status: None,
+                description: None,
+                length: 0,
+            },
+            context: source.js.clone(),
+        };
+        let info = delivered.info().unwrap();
+        assert_eq!(
+            Metadata::read(&receipt),
+            Some(Metadata {
+                sequence: info.stream_sequence,
+                delivered: info.delivered as u64,
+                published: SystemTime::from(info.published),
+            })
+        );
         source.settle_ack(&got[0]).await.unwrap();
         assert!(source.in_flight.lock().unwrap().is_empty());
         let _ = source.js.delete_stream(&queue).await;

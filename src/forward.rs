@@ -592,7 +592,8 @@ mod tests {
                 .map(|v| v.to_str().unwrap().to_string())
                 .collect()
         };
-        let untraced = forwarder.build(&envelope(&message)).unwrap();
+        let queue = QueueName::new("orders");
+        let untraced = forwarder.build(&envelope(&message, &queue)).unwrap();
         assert_eq!(values(&untraced, "traceparent"), ["00-producer-01"]);
         assert_eq!(values(&untraced, "tracestate"), ["shop=producer"]);
 
@@ -602,7 +603,7 @@ mod tests {
         };
         let traced = Envelope {
             trace: Some(&span),
-            ..envelope(&message)
+            ..envelope(&message, &queue)
         };
         let request = forwarder.build(&traced).unwrap();
         assert_eq!(values(&request, "traceparent"), ["00-courier-01"]);
@@ -617,7 +618,7 @@ mod tests {
         };
         let traced = Envelope {
             trace: Some(&span),
-            ..envelope(&message)
+            ..envelope(&message, &queue)
         };
         let request = forwarder.build(&traced).unwrap();
         assert_eq!(values(&request, "tracestate"), ["shop=producer"]);

@@ -319,13 +319,20 @@ pub async fn unreachable_app_uses_no_attempts(fixture: Fixture) {
     let source = fixture.open().await;
     let producer = fixture.producer().await;
     let running = Running::start(run_config(&fixture, &first, fast_policy())).await;
-    producer.send("before", &[]).await;
+    // The answer closes its connection, so courier keeps none open to the
+    // app: a request written on a pooled connection while the app goes away
+    // is cut off, a lost connection, which rightly uses an attempt.
+    producer.send("script:200+connection=close", &[]).await;
     wait_for("an ack before the app goes", SETTLE, async || {
         let text = scrape(running.metrics_addr).await;
         metric(&text, "courier_acks_total", &fixture.queue) >= 1.0
     })
     .await;
     first.stop();
+    wait_for("the app's port to refuse connections", SETTLE, async || {
+        tokio::net::TcpStream::connect(first.addr).await.is_err()
+    })
+    .await;
     producer.send("hello", &[]).await;
     wait_for(
         "a few refused deliveries",

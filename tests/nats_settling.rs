@@ -399,3 +399,49 @@ async fn nats_a_body_over_max_body_is_dead_lettered_and_courier_keeps_running() 
         assert_oversized(letter, &ids, BIG, 64 << 10);
     }
 }
+
+/// `Nats-Expected-Stream`, which courier's own `send` publishes with as the
+/// server's precondition, reaches the app on no attempt: a copy courier
+/// publishes (a retry while the app was unreachable) goes without it, so
+/// forwarding it would show the app headers that change between attempts.
+/// The producer's own headers arrive on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_publish_preconditions_reach_the_app_on_no_attempt() {
+    let fixture = Fixture::nats();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let headers = [("order-region".to_string(), "eu".to_string())];
+    let sequence = source
+        .send(Bytes::from_static(b"script:503,200"), &headers)
+        .await
+        .expect("send");
+    let js = jetstream().await;
+    let stored = js
+        .get_stream(&fixture.queue)
+        .await
+        .unwrap()
+        .get_raw_message(sequence.parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        stored
+            .headers
+            .get("Nats-Expected-Stream")
+            .map(|v| v.as_str()),
+        Some(fixture.queue.as_str()),
+        "courier's send stores the precondition with the message"
+    );
+
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let seen = app.received_body(b"script:503,200");
+    assert_eq!(
+        seen.iter().map(Received::attempt).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    for r in &seen {
+        assert_eq!(r.header("nats-expected-stream"), None);
+        assert_eq!(r.header("order-region"), Some("eu"));
+    }
+}

@@ -51,10 +51,26 @@ fn text(name: &HeaderName) -> &str {
     name.as_ref()
 }
 
+/// A `Nats-Expected-*` header: a precondition the server checks when it
+/// stores the message, not part of the message.
+fn is_publish_precondition(name: &HeaderName) -> bool {
+    const PREFIX: &[u8] = b"nats-expected-";
+    let name = text(name).as_bytes();
+    name.len() >= PREFIX.len() && name[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
+}
+
+/// A stored message as fields: its payload and headers, without the
+/// publish preconditions (`Nats-Expected-*`). A copy courier publishes
+/// (a retry while the app was unreachable) goes without any `Nats-*`
+/// header, so keeping them would show the app a header on one attempt that
+/// the later ones lack.
 pub(super) fn from_headers(payload: &Bytes, headers: Option<&HeaderMap>) -> Vec<(Bytes, Bytes)> {
     let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), payload.clone())];
     if let Some(headers) = headers {
-        let mut named: Vec<_> = headers.iter().collect();
+        let mut named: Vec<_> = headers
+            .iter()
+            .filter(|(name, _)| !is_publish_precondition(name))
+            .collect();
         named.sort_by(|(a, _), (b, _)| text(a).cmp(text(b)));
         for (name, values) in named {
             for value in values {
@@ -173,6 +189,22 @@ mod tests {
         assert_eq!(field(&back, "courier-response-excerpt"), Some("a  b"));
         assert_eq!(field(&back, "Nats-Msg-Id"), None);
         assert_eq!(back.len(), 3);
+    }
+
+    #[test]
+    fn publish_preconditions_are_not_read_as_headers() {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Expected-Stream", "orders");
+        headers.insert("nats-expected-last-sequence", "41");
+        headers.insert("Nats-Msg-Id", "order-42");
+        headers.insert("content-type", "application/json");
+        let fields = from_headers(&Bytes::from("{}"), Some(&headers));
+        assert_eq!(field(&fields, "Nats-Expected-Stream"), None);
+        assert_eq!(field(&fields, "nats-expected-last-sequence"), None);
+        assert_eq!(field(&fields, "Nats-Msg-Id"), Some("order-42"));
+        assert_eq!(field(&fields, "content-type"), Some("application/json"));
+        assert_eq!(field(&fields, "payload"), Some("{}"));
+        assert_eq!(fields.len(), 3);
     }
 
     #[test]

@@ -383,7 +383,14 @@ async fn poll_depth(
     let labels = QueueLabels { queue };
     let age_readable = source.capabilities().dead_letter_age;
     loop {
-        match source.depth().await {
+        // A read still under way at shutdown is of no use, and a slow one
+        // (Kafka's reads several partitions' offsets) held the exit past
+        // --drain-timeout.
+        let depth = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            depth = source.depth() => depth,
+        };
+        match depth {
             Ok(depth) => {
                 metrics
                     .dlq_depth

@@ -1025,21 +1025,6 @@ async fn embedded_sigterm_under_load_drains_and_loses_nothing() {
     sigterm_under_load_drains_and_loses_nothing(Fixture::embedded()).await;
 }
 
-/// A line the process logged, read after it exited: the thread that reads
-/// its stderr may still be catching up.
-async fn logged(process: &CourierProcess, message: &str) -> serde_json::Value {
-    let mut found = None;
-    wait_for("the line in the log", Duration::from_secs(10), async || {
-        found = process.log().lines().find_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).ok()?;
-            (value["message"] == message).then_some(value)
-        });
-        found.is_some()
-    })
-    .await;
-    found.unwrap()
-}
-
 // === Retry-After and the concurrency limit ===
 
 /// A 429 with `Retry-After: 2` holds every new delivery to the app for two

@@ -924,3 +924,18 @@ macro_rules! per_source {
         }
     };
 }
+
+/// A line the process logged, read after it exited: the thread that reads
+/// its stderr may still be catching up.
+pub async fn logged(process: &CourierProcess, message: &str) -> serde_json::Value {
+    let mut found = None;
+    wait_for("the line in the log", Duration::from_secs(10), async || {
+        found = process.log().lines().find_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            (value["message"] == message).then_some(value)
+        });
+        found.is_some()
+    })
+    .await;
+    found.unwrap()
+}

@@ -14,7 +14,7 @@
 //! these tests enqueue and inspect it only while no `courier` runs.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::common::*;
 use courier::source::Depth;
@@ -494,17 +494,31 @@ pub async fn drain_timeout_cuts_off_and_redelivers(fixture: Fixture) {
     .await;
     let cut_off = bodies_seen(&app);
     let work_done = app.received()[0].at + WORK;
+    // The same moment on the wall clock, to compare with the log's time.
+    let work_done_at = SystemTime::now() + work_done.saturating_duration_since(Instant::now());
     first.terminate();
     let status = first.exit_within(Duration::from_secs(10)).await;
-    let exited = Instant::now();
     assert!(
         status.success(),
         "exit after SIGTERM: {status}; log:\n{}",
         first.log()
     );
+    // The drain ends at the `stopped` line; closing the broker's clients
+    // after it (librdkafka leaving its group takes a second or more on a
+    // busy machine) is not the drain.
+    let stopped = logged(&first, "stopped").await;
+    assert_eq!(
+        (&stopped["finished"], &stopped["abandoned"]),
+        (&serde_json::json!(0), &serde_json::json!(4)),
+        "the four in flight cut off, none finished: {stopped}"
+    );
+    let stopped_at = stopped["timestamp"]
+        .as_str()
+        .and_then(|t| courier::model::parse_time(t.as_bytes()))
+        .expect("the line's timestamp");
     assert!(
-        exited < work_done,
-        "courier waited for the in-flight work instead of stopping at --drain-timeout"
+        stopped_at < work_done_at,
+        "courier waited for the in-flight work instead of stopping at --drain-timeout: {stopped}"
     );
     assert_eq!(cut_off.len(), 4);
     // Nothing was acked or dead-lettered: the cut-off four are pending, or

@@ -121,8 +121,14 @@ async fn a_message_that_crashes_the_app_is_dead_lettered_after_its_attempts(fixt
     let mut config = run_config_for(&fixture, &app.url(), fast_policy());
     config.app_failure_run = gate_default();
     let running = Running::start(config).await;
+    // Polled while courier may still be declaring the dead-letter queue: a
+    // quorum queue whose process is not up yet answers INTERNAL_ERROR
+    // (noproc), which here means "not yet".
     wait_for("the crashing message dead-lettered", SETTLE, async || {
-        !dead_letters(&source, &fixture).await.is_empty()
+        source
+            .dead_letters(&fixture.dlq(), 10_000)
+            .await
+            .is_ok_and(|letters| !letters.is_empty())
     })
     .await;
     wait_for("every good message delivered", SETTLE, async || {

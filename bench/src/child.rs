@@ -63,6 +63,49 @@ pub fn usage(pid: u32) -> Usage {
     }
 }
 
+/// The process listening on `127.0.0.1:port` (or every address), found
+/// through `/proc/net/tcp*` and the processes' open sockets: the broker
+/// server whose CPU a drain costs too.
+pub fn listener_pid(port: u16) -> Option<u32> {
+    let wanted = format!(":{port:04X}");
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // local_address(1) ... st(3) ... inode(9); 0A is LISTEN.
+            if fields.len() > 9 && fields[1].ends_with(&wanted) && fields[3] == "0A" {
+                inodes.push(format!("socket:[{}]", fields[9]));
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(link) = std::fs::read_link(fd.path())
+                && inodes.iter().any(|i| link.as_os_str() == i.as_str())
+            {
+                return Some(pid);
+            }
+        }
+    }
+    None
+}
+
 /// Every live process of a process group, summed (a prefork worker is a
 /// parent and its children).
 pub fn group_usage(pgid: u32) -> Usage {

@@ -410,10 +410,12 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                     .map_err(err);
                 match &drain {
                     Ok(d) => eprintln!(
-                        "  {:.0} msg/s, peak RSS {} KiB, {:.3} CPU-s per 10k",
+                        "  {:.0} msg/s, peak RSS {} KiB, {:.3} CPU-s per 10k, the broker server {}",
                         d.rate(),
                         d.peak_kib,
-                        d.cpu_per_10k()
+                        d.cpu_per_10k(),
+                        d.broker_cpu_per_10k()
+                            .map_or("not measured".into(), |c| format!("{c:.3}"))
                     ),
                     Err(e) => eprintln!("  not available: {e}"),
                 }

@@ -110,6 +110,12 @@ impl Side {
         median(self.ok().map(Drain::cpu_per_10k).collect())
     }
 
+    /// The broker server's CPU per 10k messages, median of the drains
+    /// that measured it.
+    pub fn broker_cpu_per_10k(&self) -> Option<f64> {
+        median(self.ok().filter_map(Drain::broker_cpu_per_10k).collect())
+    }
+
     fn drain_error(&self) -> Option<&str> {
         self.drains
             .iter()
@@ -165,6 +171,18 @@ impl Row {
 
     pub fn cpu_ratio(&self) -> Option<f64> {
         Some(self.courier.cpu_per_10k()? / self.bare.cpu_per_10k()?)
+    }
+
+    pub fn broker_cpu_ratio(&self) -> Option<f64> {
+        Some(self.courier.broker_cpu_per_10k()? / self.bare.broker_cpu_per_10k()?)
+    }
+
+    /// Consumer and broker server together, courier's over the bare
+    /// loop's: on two shared cores, what bounds the throughput ratio.
+    pub fn both_cpu_ratio(&self) -> Option<f64> {
+        let courier = self.courier.cpu_per_10k()? + self.courier.broker_cpu_per_10k()?;
+        let bare = self.bare.cpu_per_10k()? + self.bare.broker_cpu_per_10k()?;
+        Some(courier / bare)
     }
 
     pub fn instructions_ratio(&self) -> Option<f64> {
@@ -745,6 +763,34 @@ impl Results {
                     .as_ref()
                     .map_or("-".into(), |l| ms(l.max)),
             );
+        }
+        let servers: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| r.courier.broker_cpu_per_10k().is_some())
+            .collect();
+        if !servers.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nThe broker server's CPU over the same drains (the process listening on the broker's port, from the first \
+                 receipt to the last): the consumer's way of reading and settling costs there too, on the same two cores.\n"
+            );
+            let _ = writeln!(
+                md,
+                "| | server CPU-s / 10k msgs, bare loop | courier | × bare | consumer + server, × bare |"
+            );
+            let _ = writeln!(md, "|---|---:|---:|---:|---:|");
+            for row in servers {
+                let _ = writeln!(
+                    md,
+                    "| {}{mark} | {} | {} | {} | {} |",
+                    row.kind.title(),
+                    opt(row.bare.broker_cpu_per_10k(), 3),
+                    opt(row.courier.broker_cpu_per_10k(), 3),
+                    opt(row.broker_cpu_ratio(), 2),
+                    opt(row.both_cpu_ratio(), 2)
+                );
+            }
         }
         let notes = self.notes();
         if !notes.is_empty() {

@@ -40,6 +40,11 @@ pub struct Drain {
     /// Over the drain, courier's peak RSS and CPU from first receipt to last.
     pub peak_kib: u64,
     pub cpu_secs: f64,
+    /// The broker server's CPU seconds over the same window (`None` for
+    /// the embedded queue, or when its process could not be found): what a
+    /// consumer's way of reading costs on the broker's side of the same
+    /// two cores.
+    pub broker_cpu_secs: Option<f64>,
     /// courier's adaptive concurrency limit when the drain ended.
     pub limit_at_end: Option<f64>,
 }
@@ -51,6 +56,10 @@ impl Drain {
 
     pub fn cpu_per_10k(&self) -> f64 {
         self.cpu_secs / self.messages as f64 * 10_000.0
+    }
+
+    pub fn broker_cpu_per_10k(&self) -> Option<f64> {
+        Some(self.broker_cpu_secs? / self.messages as f64 * 10_000.0)
     }
 }
 
@@ -208,15 +217,18 @@ async fn drain_target(ctx: &Ctx, target: &Target, who: Consumer, n: u64) -> anyh
     // Generous: a broken source shows up as a timeout, not a hang.
     let timeout = Duration::from_secs(60).max(Duration::from_secs(n / 200));
     let deadline = Instant::now() + timeout;
-    let mut at_first: Option<Usage> = None;
+    let server = target.port().and_then(crate::child::listener_pid);
+    let server_cpu = || server.map(|pid| crate::child::usage(pid).cpu_secs);
+    let mut at_first: Option<(Usage, Option<f64>)> = None;
     while ctx.app.count() < n && Instant::now() < deadline {
         if at_first.is_none() && ctx.app.count() > 0 {
-            at_first = Some(running.usage());
+            at_first = Some((running.usage(), server_cpu()));
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let wall = started.elapsed();
     let at_last = running.usage();
+    let server_at_last = server_cpu();
     let got = ctx.app.count();
     // A short blocking read of /metrics; the app's runtime has other threads.
     let limit_at_end = running.metric("courier_concurrency_limit");
@@ -239,7 +251,10 @@ async fn drain_target(ctx: &Ctx, target: &Target, who: Consumer, n: u64) -> anyh
         wall,
         prefill,
         peak_kib: at_last.peak_kib,
-        cpu_secs: at_last.cpu_secs - at_first.unwrap_or_default().cpu_secs,
+        cpu_secs: at_last.cpu_secs - at_first.map(|(u, _)| u).unwrap_or_default().cpu_secs,
+        broker_cpu_secs: server_at_last
+            .zip(at_first.and_then(|(_, s)| s))
+            .map(|(last, first)| last - first),
         limit_at_end,
     })
 }

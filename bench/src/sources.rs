@@ -85,13 +85,21 @@ impl Target {
         self.url.strip_prefix("embedded:").map(PathBuf::from)
     }
 
+    /// The broker server's loopback port; `None` for the embedded queue,
+    /// which runs inside the consumer.
+    pub fn port(&self) -> Option<u16> {
+        match self.kind {
+            Kind::Redis => Some(6379),
+            Kind::Amqp => Some(5672),
+            Kind::Nats => Some(4222),
+            Kind::Embedded => None,
+        }
+    }
+
     /// Why this broker cannot be used, if it is not listening.
     pub fn reachable(&self) -> Result<(), String> {
-        let port = match self.kind {
-            Kind::Redis => 6379,
-            Kind::Amqp => 5672,
-            Kind::Nats => 4222,
-            Kind::Embedded => return Ok(()),
+        let Some(port) = self.port() else {
+            return Ok(());
         };
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         TcpStream::connect_timeout(&addr, Duration::from_secs(2))

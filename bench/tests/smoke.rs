@@ -82,6 +82,18 @@ fn smoke_run_measures_every_part_and_writes_the_report() {
     );
 
     let text = std::fs::read_to_string(&report).expect("the report is written");
+    // The broker server's CPU over the Redis drains, for both consumers.
+    let server = text
+        .lines()
+        .find(|l| l.starts_with("| Redis Streams") && l.matches('|').count() == 6)
+        .unwrap_or_else(|| panic!("no server CPU row for Redis in:\n{text}"));
+    let cells: Vec<&str> = server.split('|').map(str::trim).collect();
+    for (at, who) in [(2, "bare loop"), (3, "courier")] {
+        let cpu: f64 = cells[at]
+            .parse()
+            .unwrap_or_else(|_| panic!("no server CPU for the {who} in {server:?}"));
+        assert!(cpu > 0.0, "{server:?}");
+    }
     for part in [
         "courier-bench:begin",
         "Smoke run",

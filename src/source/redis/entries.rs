@@ -52,7 +52,12 @@ pub(super) fn parse_entries(v: Value) -> Vec<Entry> {
                 return None;
             };
             let mut parts = parts.into_iter();
-            let id = String::from_utf8_lossy(&into_bytes(parts.next()?)?).into_owned();
+            let id = match parts.next()? {
+                // An id is ASCII: the reply's own buffer becomes the String.
+                Value::BulkString(b) => String::from_utf8(b)
+                    .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()),
+                other => String::from_utf8_lossy(&as_bytes(&other)?).into_owned(),
+            };
             let Value::Array(flat) = parts.next()? else {
                 return None;
             };

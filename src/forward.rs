@@ -5,19 +5,20 @@
 //! ([`cloudevents`]).
 
 pub mod cloudevents;
+mod pool;
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{CONTENT_TYPE, HOST, HeaderName, HeaderValue, RETRY_AFTER};
+use http::uri::PathAndQuery;
 use http::{Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use crate::model::{Directives, EXCERPT_LIMIT, Message, Outcome};
 use cloudevents::Event;
+use pool::{Failure, Pool};
 
 /// The names of the headers courier sets, made once: inserting by `&str`
 /// parsed and checked each name on every delivery (BENCHMARKS.md, the
@@ -176,22 +177,31 @@ fn is_reserved(name: &str) -> bool {
 /// The pooled keep-alive client to one app URL.
 #[derive(Clone)]
 pub struct Forwarder {
-    client: Client<HttpConnector, Full<Bytes>>,
+    pool: Arc<Pool>,
     app: Uri,
+    /// The app URL's path and query, in the origin form a request line
+    /// carries (`/orders?x=1`).
+    path: Uri,
+    /// The app URL's host and port, as the `Host` header says them.
+    host: HeaderValue,
     cloudevents: cloudevents::Mode,
 }
 
 impl Forwarder {
     pub fn new(app: Uri, pool_size: usize) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(pool_size.max(1))
-            .build(connector);
+        let port = app.port_u16().unwrap_or(80);
+        let name = app.host().unwrap_or("127.0.0.1");
+        let host = app
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str().rsplit('@').next()?).ok())
+            .unwrap_or_else(|| HeaderValue::from_static("localhost"));
         Self {
-            client,
+            pool: Arc::new(Pool::new(name, port, pool_size)),
+            path: app
+                .path_and_query()
+                .and_then(|p| origin_form(p.as_str()))
+                .unwrap_or_else(|| Uri::from_static("/")),
+            host,
             app,
             cloudevents: cloudevents::Mode::default(),
         }
@@ -242,17 +252,26 @@ impl Forwarder {
 
     /// `GET <path>` on the app's host; true on a 2xx within two seconds.
     pub async fn probe(&self, path: &str) -> bool {
-        let mut parts = self.app.clone().into_parts();
-        parts.path_and_query = path.parse().ok();
-        let Ok(uri) = Uri::from_parts(parts) else {
+        let Some(uri) = origin_form(path) else {
             return false;
         };
-        let Ok(request) = Request::get(uri).body(Full::new(Bytes::new())) else {
+        let Ok(request) = Request::get(uri)
+            .header(HOST, self.host.clone())
+            .body(Full::new(Bytes::new()))
+        else {
             return false;
         };
-        let answer =
-            tokio::time::timeout(Duration::from_secs(2), self.client.request(request)).await;
-        matches!(answer, Ok(Ok(response)) if response.status().is_success())
+        let answer = tokio::time::timeout(Duration::from_secs(2), async {
+            let (response, lent) = self.pool.send(request).await.ok()?;
+            let success = response.status().is_success();
+            // Read whole, so the connection can serve deliveries after it.
+            if response.into_body().collect().await.is_ok() {
+                self.pool.give_back(lent);
+            }
+            Some(success)
+        })
+        .await;
+        matches!(answer, Ok(Some(true)))
     }
 
     /// Offers a message to the app and waits for the whole answer, at most
@@ -273,13 +292,14 @@ impl Forwarder {
         let event = self.event(message)?;
         let mut builder = Request::builder()
             .method(Method::POST)
-            .uri(self.app.clone());
+            .uri(self.path.clone());
         let headers = builder
             .headers_mut()
             .ok_or_else(|| "invalid request".to_string())?;
         // Room for all at once: grown header by header, the map reallocated
         // and rehashed on the way.
         headers.reserve(message.headers.len() + ADDED_HEADERS);
+        headers.insert(HOST, self.host.clone());
         for (name, value) in &message.headers {
             // An event's attributes are written from the event below.
             if is_reserved(name)
@@ -364,18 +384,10 @@ impl Forwarder {
     }
 
     async fn exchange(&self, request: Request<Full<Bytes>>) -> Outcome {
-        let response = match self.client.request(request).await {
-            Ok(response) => response,
-            Err(error) if never_sent(&error) => {
-                return Outcome::Unreachable {
-                    error: error_chain(&error),
-                };
-            }
-            Err(error) => {
-                return Outcome::ConnectionLost {
-                    error: error_chain(&error),
-                };
-            }
+        let (response, lent) = match self.pool.send(request).await {
+            Ok(sent) => sent,
+            Err(Failure::NeverSent(error)) => return Outcome::Unreachable { error },
+            Err(Failure::Lost(error)) => return Outcome::ConnectionLost { error },
         };
         let status = response.status().as_u16();
         let (retry_after, retry_after_invalid) = match response.headers().get(RETRY_AFTER) {
@@ -392,7 +404,14 @@ impl Forwarder {
         let mut body = response.into_body();
         let mut excerpt = BytesMut::new();
         let mut read = 0usize;
-        while let Some(frame) = body.frame().await {
+        // Only a connection whose answer was read to its end can carry the
+        // next request; one left mid-body is closed.
+        let mut whole = false;
+        loop {
+            let Some(frame) = body.frame().await else {
+                whole = true;
+                break;
+            };
             let Ok(frame) = frame else { break };
             if let Ok(data) = frame.into_data() {
                 read += data.len();
@@ -402,6 +421,9 @@ impl Forwarder {
                     break;
                 }
             }
+        }
+        if whole {
+            self.pool.give_back(lent);
         }
         Outcome::Answered {
             status,
@@ -413,26 +435,11 @@ impl Forwarder {
     }
 }
 
-/// Whether the request never left courier: no connection could be made, or
-/// the client handed the request back unsent (a pooled connection closed
-/// under it). Anything else failed after the request was written, and the
-/// app may have seen the message. hyper-util has no public test for the
-/// hand-back; its kind is the one its `Display` names.
-fn never_sent(error: &hyper_util::client::legacy::Error) -> bool {
-    error.is_connect() || error.to_string() == "client error (Canceled)"
-}
-
-/// The error with its causes, e.g. `client error (Connect): tcp connect
-/// error: Connection refused`.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+/// `path` (with its query) as the origin form of a request line; `None`
+/// when it is not one.
+fn origin_form(path: &str) -> Option<Uri> {
+    let path = path.parse::<PathAndQuery>().ok()?;
+    path.as_str().starts_with('/').then(|| Uri::from(path))
 }
 
 #[cfg(test)]
@@ -517,19 +524,24 @@ mod tests {
         }
     }
 
+    /// Offers [`small_message`] with a timeout of 5 s.
+    async fn offer(forwarder: &Forwarder) -> Outcome {
+        let message = small_message();
+        forwarder
+            .deliver(
+                &envelope(&message, &QueueName::new("orders")),
+                Duration::from_secs(5),
+            )
+            .await
+    }
+
     #[tokio::test]
     async fn a_refused_connection_is_unreachable() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
-        let message = small_message();
-        let outcome = forwarder
-            .deliver(
-                &envelope(&message, &QueueName::new("orders")),
-                Duration::from_secs(5),
-            )
-            .await;
+        let outcome = offer(&forwarder).await;
         assert!(
             matches!(&outcome, Outcome::Unreachable { error } if error.contains("onnect")),
             "{outcome:?}"
@@ -558,18 +570,90 @@ mod tests {
             String::from_utf8_lossy(&seen).into_owned()
         });
         let forwarder = Forwarder::new(format!("http://{addr}/").parse().unwrap(), 1);
-        let message = small_message();
-        let outcome = forwarder
-            .deliver(
-                &envelope(&message, &QueueName::new("orders")),
-                Duration::from_secs(5),
-            )
-            .await;
+        let outcome = offer(&forwarder).await;
         let seen = app.await.unwrap();
         assert!(seen.starts_with("POST / HTTP/1.1"), "{seen}");
         assert!(
             matches!(outcome, Outcome::ConnectionLost { .. }),
             "{outcome:?}"
+        );
+    }
+
+    /// An app on loopback that answers 200 to every request, keeping each
+    /// connection open (`close_after_answer` false) or closing it after
+    /// its first answer, as an app server's idle timeout does; it counts
+    /// the connections it accepted and checks each request line.
+    async fn counting_app(close_after_answer: bool) -> (Uri, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        while !seen.ends_with(b"{}") {
+                            match stream.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => seen.extend_from_slice(&buf[..n]),
+                            }
+                        }
+                        let text = String::from_utf8_lossy(&seen).into_owned();
+                        assert!(text.starts_with("POST /orders?x=1 HTTP/1.1\r\n"), "{text}");
+                        assert!(
+                            text.to_ascii_lowercase()
+                                .contains(&format!("\r\nhost: {addr}\r\n")),
+                            "{text}"
+                        );
+                        seen.clear();
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if stream.write_all(answer).await.is_err() || close_after_answer {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (
+            format!("http://{addr}/orders?x=1").parse().unwrap(),
+            accepted,
+        )
+    }
+
+    /// Delivers `times` messages one after another to a [`counting_app`],
+    /// `pause` apart, each answered 200; returns the connections it took.
+    async fn connections_for(close_after_answer: bool, times: usize, pause: Duration) -> usize {
+        let (app, accepted) = counting_app(close_after_answer).await;
+        let forwarder = Forwarder::new(app, 4);
+        for _ in 0..times {
+            let outcome = offer(&forwarder).await;
+            assert!(
+                matches!(outcome, Outcome::Answered { status: 200, .. }),
+                "{outcome:?}"
+            );
+            tokio::time::sleep(pause).await;
+        }
+        accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[tokio::test]
+    async fn deliveries_one_after_another_share_one_connection() {
+        assert_eq!(connections_for(false, 3, Duration::ZERO).await, 1);
+    }
+
+    /// The app closed the idle connection: the next delivery goes out on a
+    /// new one and is answered, neither unreachable nor lost.
+    #[tokio::test]
+    async fn a_connection_the_app_closed_while_idle_is_replaced() {
+        assert_eq!(
+            connections_for(true, 2, Duration::from_millis(100)).await,
+            2
         );
     }
 

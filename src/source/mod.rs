@@ -11,6 +11,8 @@ pub mod amqp;
 mod batch;
 #[cfg(feature = "embedded")]
 pub mod embedded;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod redact;
@@ -363,6 +365,8 @@ pub const BROKERS: &[&Broker] = &[
     &nats::BROKER,
     #[cfg(feature = "embedded")]
     &embedded::BROKER,
+    #[cfg(feature = "kafka")]
+    &kafka::BROKER,
 ];
 
 /// The URL forms of every broker in this build, for help and errors.
@@ -465,8 +469,8 @@ mod tests {
             Ok("amqp")
         );
         assert_eq!(broker_of("nats://127.0.0.1:4222"), Ok("nats"));
-        let err = broker_of("kafka://broker:9092").unwrap_err();
-        assert!(err.contains("unknown scheme \"kafka\""), "{err}");
+        let err = broker_of("mqtt://broker:1883").unwrap_err();
+        assert!(err.contains("unknown scheme \"mqtt\""), "{err}");
         assert!(err.contains("redis://host:port/db"), "{err}");
         assert!(broker_of("embedded:").is_err());
         assert!(broker_of("localhost").is_err());
@@ -475,7 +479,7 @@ mod tests {
 
     #[test]
     fn an_unknown_scheme_does_not_echo_the_password() {
-        let err = broker_of("kafka://user:hunter2@broker:9092").unwrap_err();
+        let err = broker_of("mqtt://user:hunter2@broker:1883").unwrap_err();
         assert!(!err.contains("hunter2"), "{err}");
     }
 
@@ -518,8 +522,8 @@ mod tests {
     #[test]
     fn url_errors_show_only_the_redacted_url() {
         for url in [
-            "kafka://user:hunter2@broker:9092",
-            "kafka://:hun@ter2@broker:9092",
+            "mqtt://user:hunter2@broker:9092",
+            "mqtt://:hun@ter2@broker:9092",
             "user:hunter2@broker:9092",
         ] {
             let err = broker_of(url).unwrap_err();

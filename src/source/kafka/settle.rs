@@ -1,0 +1,183 @@
+//! Settling a delivery: ack, retry (a copy in the retry topic), dead
+//! letter; committing the ledgers; producing.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::producer::FutureRecord;
+use rdkafka::{Offset, TopicPartitionList};
+
+use super::connection::{blocking, unavailable};
+use super::fields::{F_RETRY_AT, record_id, to_record};
+use super::{AFTER_FAILED_SETTLE, KafkaSource, Out};
+use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::source::SourceError;
+use crate::source::shared::{replace, without};
+
+impl KafkaSource {
+    /// The hand-out behind a receipt, while it is not settled.
+    fn out_of(&self, delivery: &Delivery) -> Result<Out, SourceError> {
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&delivery.receipt)
+            .cloned()
+            .ok_or_else(|| {
+                SourceError::Invalid(format!(
+                    "delivery {} is not in flight here (settled already?)",
+                    delivery.receipt
+                ))
+            })
+    }
+
+    /// The hand-out is over: when `done`, its offset is settled and the
+    /// commit point moves past it once everything below is settled too;
+    /// else (its settlement could not be written) it is handed out again
+    /// after [`AFTER_FAILED_SETTLE`].
+    async fn finish(&self, delivery: &Delivery, out: Out, done: bool) -> Result<(), SourceError> {
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&delivery.receipt);
+        let commit = {
+            let mut reading = self.reading();
+            let key = (out.topic.clone(), out.partition);
+            let Some(ledger) = reading.ledgers.get_mut(&key) else {
+                // A rebalance took the partition away: its new owner reads
+                // it from the last commit.
+                return Err(SourceError::Unavailable(format!(
+                    "Kafka gave partition {} of {:?} to another consumer; the message is delivered again there",
+                    out.partition, out.topic
+                )));
+            };
+            if !ledger.is_open(out.offset) {
+                false
+            } else if done {
+                ledger.settle(out.offset);
+                reading.version += 1;
+                true
+            } else {
+                reading.again.push_back((
+                    SystemTime::now() + AFTER_FAILED_SETTLE,
+                    delivery.clone(),
+                    out,
+                ));
+                false
+            }
+        };
+        if commit { self.commit().await } else { Ok(()) }
+    }
+
+    pub(super) async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        let out = self.out_of(delivery)?;
+        self.finish(delivery, out, true).await
+    }
+
+    pub(super) async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let out = self.out_of(delivery)?;
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
+        let topic = self.retry_topic.clone();
+        if let Err(e) = self.produce(&topic, out.key.as_deref(), &fields).await {
+            self.finish(delivery, out, false).await?;
+            return Err(e);
+        }
+        self.finish(delivery, out, true).await
+    }
+
+    pub(super) async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let out = self.out_of(delivery)?;
+        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+        let topic = failure.dead_letter_queue.clone();
+        if let Err(e) = self.produce(&topic, out.key.as_deref(), &fields).await {
+            self.finish(delivery, out, false).await?;
+            return Err(e);
+        }
+        self.finish(delivery, out, true).await
+    }
+
+    /// Commits every ledger's point and metadata, once the ones before it
+    /// are done; a commit that finds its changes committed by another
+    /// returns at once.
+    pub(super) async fn commit(&self) -> Result<(), SourceError> {
+        let mut committed = self.committed.lock().await;
+        let (version, wanted) = {
+            let reading = self.reading();
+            if reading.version <= *committed {
+                return Ok(());
+            }
+            let mut wanted = TopicPartitionList::new();
+            for ((topic, partition), ledger) in &reading.ledgers {
+                let mut element = wanted.add_partition(topic, *partition);
+                element
+                    .set_offset(Offset::Offset(ledger.commit_point()))
+                    .map_err(unavailable)?;
+                element.set_metadata(ledger.metadata());
+            }
+            (reading.version, wanted)
+        };
+        if wanted.count() > 0 {
+            let consumer = self.consumer.clone();
+            blocking(move || {
+                consumer
+                    .commit(&wanted, CommitMode::Sync)
+                    .map_err(|e| unavailable(format!("committing offsets: {e}")))
+            })
+            .await?;
+        }
+        *committed = version;
+        Ok(())
+    }
+
+    /// Produces fields to `topic` and waits for the delivery report: the
+    /// record is stored (by every in-sync replica) when this returns Ok.
+    pub(super) async fn produce(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        fields: &[(Bytes, Bytes)],
+    ) -> Result<(i32, i64), SourceError> {
+        let (body, headers) = to_record(fields);
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic)
+            .payload(body.as_ref())
+            .headers(headers);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        let delivered = self
+            .producer
+            .send(record, Duration::from_secs(5))
+            .await
+            .map_err(|(e, _)| {
+                SourceError::Broker(format!("Kafka did not store the record for {topic:?}: {e}"))
+            })?;
+        Ok((delivered.partition, delivered.offset))
+    }
+
+    pub(super) async fn produce_new(
+        &self,
+        body: Bytes,
+        headers: &[(String, String)],
+    ) -> Result<String, SourceError> {
+        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
+        fields.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        let topic = self.options.queue.clone();
+        let (partition, offset) = self.produce(&topic, None, &fields).await?;
+        Ok(record_id(partition, offset))
+    }
+}

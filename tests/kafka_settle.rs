@@ -1,0 +1,221 @@
+//! What is Kafka's own, against the mock cluster (`kafka-mock`) over TCP:
+//! offsets committed in order when deliveries settle out of order, a retry
+//! waiting in the retry topic on a paused partition without a delivery
+//! slot, and courier's own delivery counter (Kafka has none) surviving
+//! restarts so that a poison pill still ends as a dead letter.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use common::*;
+use courier::model::Delivery;
+use courier::source::{self, Source, SourceOptions};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+const SETTLE: Duration = Duration::from_secs(30);
+
+/// A replica of courier's group on `fixture`'s topic, in this process.
+async fn replica(fixture: &Fixture, name: &str, max_deliveries: u32) -> Arc<dyn Source> {
+    let mut options = SourceOptions::new(&fixture.queue);
+    options.consumer = name.into();
+    options.max_deliveries = max_deliveries;
+    source::open(&fixture.url, options).await.expect("open")
+}
+
+/// Reads until `n` deliveries came (a new group's first assignment takes
+/// a few seconds on the mock cluster).
+async fn receive(source: &Arc<dyn Source>, n: usize) -> Vec<Delivery> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + SETTLE;
+    while got.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {n} deliveries came",
+            got.len()
+        );
+        got.extend(source.receive(n - got.len()).await.expect("receive"));
+    }
+    got
+}
+
+/// Reads for `wait` and fails if anything comes.
+async fn nothing_for(source: &Arc<dyn Source>, wait: Duration) {
+    let until = Instant::now() + wait;
+    while Instant::now() < until {
+        let got = source.receive(10).await.expect("receive");
+        assert!(got.is_empty(), "nothing may be delivered yet: {got:?}");
+    }
+}
+
+/// Produces `bodies` to partition 0 of the fixture's topic with the plain
+/// rdkafka producer; returns their offsets.
+async fn produce_to_partition_0(fixture: &Fixture, bodies: &[&str]) -> Vec<i64> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap(fixture))
+        .create()
+        .unwrap();
+    let mut offsets = Vec::new();
+    for body in bodies {
+        let record = FutureRecord::<(), str>::to(&fixture.queue)
+            .partition(0)
+            .payload(body);
+        let delivered = producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
+        offsets.push(delivered.offset);
+    }
+    offsets
+}
+
+/// The offset courier's group committed on partition `partition` of the
+/// fixture's topic, as a plain client reads it.
+async fn committed(fixture: &Fixture, partition: i32) -> Option<i64> {
+    let bootstrap = kafka_bootstrap(fixture);
+    let (topic, group) = (fixture.queue.clone(), format!("courier.{}", fixture.queue));
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .set("group.id", &group)
+            .create()
+            .unwrap();
+        let mut wanted = TopicPartitionList::new();
+        wanted.add_partition(&topic, partition);
+        let got = consumer
+            .committed_offsets(wanted, Duration::from_secs(10))
+            .unwrap();
+        match got.find_partition(&topic, partition).unwrap().offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        }
+    })
+    .await
+    .unwrap()
+}
+
+fn body(delivery: &Delivery) -> &str {
+    std::str::from_utf8(&delivery.message.body).unwrap()
+}
+
+/// Three deliveries of one partition settled last first: the commit stays
+/// at the first until it is settled too, and a replica that dies with the
+/// first unsettled hands out only that one again (attempt 2), not the two
+/// settled after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offsets_are_committed_in_order_when_deliveries_settle_out_of_order() {
+    let fixture = Fixture::kafka();
+    let inspector = fixture.open().await;
+    let offsets = produce_to_partition_0(&fixture, &["a", "b", "c"]).await;
+    let first = replica(&fixture, "replica-a", 7).await;
+    let mut got = receive(&first, 3).await;
+    got.sort_by(|x, y| body(x).cmp(body(y)));
+    first.ack(&got[2]).await.unwrap();
+    first.ack(&got[1]).await.unwrap();
+    assert_eq!(
+        committed(&fixture, 0).await,
+        Some(offsets[0]),
+        "the commit waits for the first"
+    );
+    let depth = inspector.depth().await.unwrap();
+    assert_eq!(
+        (depth.ready, depth.pending),
+        (Some(0), 1),
+        "one handed out, two settled: {depth:?}"
+    );
+    drop(first);
+
+    let second = replica(&fixture, "replica-b", 7).await;
+    let again = receive(&second, 1).await;
+    assert_eq!(body(&again[0]), "a");
+    assert_eq!(again[0].attempt, 2, "the first hand-out counts");
+    assert_eq!(again[0].message.id, got[0].message.id);
+    nothing_for(&second, Duration::from_secs(2)).await;
+    second.ack(&again[0]).await.unwrap();
+    assert_eq!(committed(&fixture, 0).await, Some(offsets[2] + 1));
+    let depth = inspector.depth().await.unwrap();
+    assert_eq!(
+        (depth.ready, depth.pending, depth.retry_backlog),
+        (Some(0), 0, 0)
+    );
+}
+
+/// A retry due in 2 s waits in the retry topic: it is counted as the retry
+/// backlog, not in flight; a message sent meanwhile is delivered at once
+/// (the retry holds no slot and only its retry partition is paused); the
+/// retry comes back when due, not before, as attempt 2 with its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_waits_on_a_paused_partition_and_comes_back_when_due() {
+    const DELAY: Duration = Duration::from_secs(2);
+    let fixture = Fixture::kafka();
+    let inspector = fixture.open().await;
+    let id = fixture.send(&inspector, "retried").await;
+    let reader = replica(&fixture, "replica-a", 7).await;
+    let got = receive(&reader, 1).await;
+    let first_at = SystemTime::now();
+    let due = first_at + DELAY;
+    reader.retry(&got[0], 2, first_at, due).await.unwrap();
+    let scheduled = Instant::now();
+    let depth = inspector.depth().await.unwrap();
+    assert_eq!(
+        (depth.ready, depth.pending, depth.retry_backlog),
+        (Some(0), 0, 1),
+        "{depth:?}"
+    );
+
+    fixture.send(&inspector, "meanwhile").await;
+    let meanwhile = receive(&reader, 1).await;
+    assert_eq!(body(&meanwhile[0]), "meanwhile");
+    assert!(
+        scheduled.elapsed() < DELAY,
+        "the new message came while the retry waited"
+    );
+    reader.ack(&meanwhile[0]).await.unwrap();
+
+    let back = receive(&reader, 1).await;
+    assert!(
+        SystemTime::now() >= due,
+        "the retry came {:?} early",
+        due.duration_since(SystemTime::now()).unwrap_or_default()
+    );
+    assert_eq!(body(&back[0]), "retried");
+    assert_eq!(back[0].attempt, 2);
+    assert_eq!(back[0].message.id, id);
+    reader.ack(&back[0]).await.unwrap();
+    let depth = wait_settled(&inspector, SETTLE).await;
+    assert_eq!(depth.dead_letters, 0);
+}
+
+/// Kafka has no delivery counter; courier's, in the commit's metadata,
+/// survives replicas that die with the message unsettled (as a message
+/// that crashes courier itself would leave it): the hand-out after
+/// `max_deliveries` is marked undeliverable, never offered to the app.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delivery_counter_survives_restarts_and_stops_a_poison_pill() {
+    const MAX_DELIVERIES: u32 = 3;
+    let fixture = Fixture::kafka();
+    let inspector = fixture.open().await;
+    fixture
+        .send(&inspector, Bytes::from_static(b"poison"))
+        .await;
+    for hand_out in 1..=MAX_DELIVERIES {
+        let replica = replica(&fixture, &format!("replica-{hand_out}"), MAX_DELIVERIES).await;
+        let got = receive(&replica, 1).await;
+        assert_eq!(got[0].attempt, hand_out);
+        assert_eq!(got[0].problem, None, "hand-out {hand_out}");
+        // Dies without settling.
+        drop(replica);
+    }
+    let last = replica(&fixture, "replica-last", MAX_DELIVERIES).await;
+    let got = receive(&last, 1).await;
+    let problem = got[0].problem.clone().expect("marked undeliverable");
+    assert!(
+        problem.contains(&format!("handed out {} times", MAX_DELIVERIES + 1)),
+        "{problem}"
+    );
+}

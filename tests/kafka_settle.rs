@@ -219,3 +219,89 @@ async fn the_delivery_counter_survives_restarts_and_stops_a_poison_pill() {
         "{problem}"
     );
 }
+
+/// Produces `(key, body)` records with the plain rdkafka producer.
+async fn produce_keyed(fixture: &Fixture, records: &[(&str, &str)]) {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap(fixture))
+        .create()
+        .unwrap();
+    for (key, body) in records {
+        let record = FutureRecord::to(&fixture.queue).key(*key).payload(*body);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+}
+
+/// `--ordering key` with a retry in the middle: the first message of key
+/// `k` is answered 503 once; the two after it wait for its retry to be
+/// acked, then go one at a time in the order produced, while a message of
+/// another key is delivered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordering_by_key_holds_the_later_messages_behind_a_retry() {
+    let fixture = Fixture::kafka();
+    let app = TestApp::start().await;
+    let inspector = fixture.open().await;
+    let (first, second, third) = (
+        "script:503,200\nk 1",
+        "script:sleep300\nk 2",
+        "script:sleep300\nk 3",
+    );
+    let other = "script:sleep50\nother";
+    produce_keyed(
+        &fixture,
+        &[("k", first), ("k", second), ("k", third), ("o", other)],
+    )
+    .await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.ordering = courier::source::Ordering::Key;
+    config.concurrency = 4;
+    let running = Running::start(config).await;
+    wait_settled(&inspector, SETTLE).await;
+    running.stop().await;
+
+    let of_k: Vec<String> = app
+        .received()
+        .iter()
+        .filter(|r| r.body.starts_with(b"script:") && !r.body.ends_with(b"other"))
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .collect();
+    assert_eq!(
+        of_k,
+        [first, first, second, third],
+        "key k in order, the retry before the later ones"
+    );
+    let retry = &app.received_body(first.as_bytes())[1];
+    let (two, three) = (
+        &app.received_body(second.as_bytes())[0],
+        &app.received_body(third.as_bytes())[0],
+    );
+    assert!(two.at >= retry.at, "the second waited for the retry");
+    assert!(
+        three.at >= two.at + Duration::from_millis(300),
+        "the third waited for the second's answer: {:?} after it",
+        three.at - two.at
+    );
+    let other_seen = &app.received_body(other.as_bytes())[0];
+    assert!(
+        other_seen.at < retry.at,
+        "another key is not held behind the retry"
+    );
+}
+
+/// `--ordering key` on a source that cannot keep it is refused at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordering_by_key_is_refused_where_the_source_cannot_keep_it() {
+    let fixture = Fixture::embedded();
+    let app = TestApp::start().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.ordering = courier::source::Ordering::Key;
+    let sidecar = courier::sidecar::Sidecar::new(config);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (_, handle) = sidecar.start(stop.clone()).await.expect("start");
+    let err = handle.await.unwrap().expect_err("refused");
+    assert!(err.to_string().contains("--ordering key"), "{err}");
+}

@@ -25,6 +25,9 @@
 //!   with the `courier-*` headers, awaited, then the settlement committed.
 //!   A write that fails leaves the message unsettled; it is handed out
 //!   again after [`AFTER_FAILED_SETTLE`].
+//! - With `--ordering key`, a record whose key has a message handed out or
+//!   retrying waits, in offset order, until that one is acked or
+//!   dead-lettered; a retry copy carries the key and keeps it held.
 //! - Dead letters are browsed by reading the dead-letter topic; Kafka
 //!   cannot delete one record, so replay and purge record the letter's id
 //!   in `<dlq>.removed`, and browsing leaves out what is recorded there.
@@ -104,6 +107,12 @@ struct Reading {
     held: HashMap<i32, VecDeque<(SystemTime, OwnedMessage)>>,
     /// Deliveries whose settlement could not be written, due again.
     again: VecDeque<(SystemTime, Delivery, Out)>,
+    /// With `--ordering key`: the keys with a message handed out or
+    /// retrying, each with the later records of that key read meanwhile,
+    /// in offset order.
+    keys: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
+    /// Records whose key came free, to hand out next.
+    unblocked: VecDeque<OwnedMessage>,
     subscribed: bool,
     /// Bumped on every ledger change; what a commit has carried.
     version: u64,
@@ -134,6 +143,7 @@ impl Source for KafkaSource {
             dedup: false,
             byte_bounded_reads: false,
             dead_letter_age: false,
+            key_ordering: true,
         }
     }
 

@@ -1,6 +1,7 @@
 //! Reading: the group's records in, retry copies held until due, and each
 //! hand-out counted in the ledger before the app sees it.
 
+use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};
 
 use futures::FutureExt;
@@ -14,8 +15,8 @@ use super::fields::{F_RETRY_AT, from_record, record_id};
 use super::offsets::{Ledger, Read};
 use super::{KafkaSource, Out, Partition};
 use crate::model::{Delivery, parse_time};
-use crate::source::SourceError;
 use crate::source::shared::{RECEIVE_WAIT, field, without};
+use crate::source::{Ordering, SourceError};
 
 impl KafkaSource {
     /// Up to `max` deliveries: retry copies that came due, then what the
@@ -101,6 +102,12 @@ impl KafkaSource {
             reading
                 .again
                 .retain(|(_, _, out)| out.topic != topic || out.partition != partition);
+            let elsewhere =
+                |m: &OwnedMessage| m.topic() != topic.as_str() || m.partition() != partition;
+            reading.unblocked.retain(elsewhere);
+            for waiting in reading.keys.values_mut() {
+                waiting.retain(elsewhere);
+            }
         }
     }
 
@@ -127,7 +134,13 @@ impl KafkaSource {
         let mut resume = TopicPartitionList::new();
         {
             let mut reading = self.reading();
-            while out.len() + again.len() < max {
+            while out.len() + due.len() < max {
+                match reading.unblocked.pop_front() {
+                    Some(message) => due.push(message),
+                    None => break,
+                }
+            }
+            while out.len() + due.len() + again.len() < max {
                 match reading.again.front() {
                     Some((at, _, _)) if *at <= now => {}
                     _ => break,
@@ -202,6 +215,19 @@ impl KafkaSource {
                 return Ok(());
             }
             reading.version += 1;
+            if let Some(record_key) = self.ordered_key(&message) {
+                let busy = reading.keys.contains_key(record_key);
+                if key.0 == self.retry_topic {
+                    // The copy of the message that holds its key.
+                    reading.keys.entry(record_key.to_vec()).or_default();
+                } else if busy {
+                    let waiting = reading.keys.get_mut(record_key).expect("a busy key");
+                    waiting.push_back(message);
+                    return Ok(());
+                } else {
+                    reading.keys.insert(record_key.to_vec(), VecDeque::new());
+                }
+            }
             if key.0 == self.retry_topic {
                 let due = self.due_of(&message);
                 let waiting = reading.held.contains_key(&key.1);
@@ -292,6 +318,13 @@ impl KafkaSource {
 }
 
 impl KafkaSource {
+    /// The record's key when messages of one key go in order.
+    fn ordered_key<'m>(&self, message: &'m OwnedMessage) -> Option<&'m [u8]> {
+        (self.options.ordering == Ordering::Key)
+            .then(|| message.key())
+            .flatten()
+    }
+
     /// Marks a delivery handed out more than `max_deliveries` times
     /// undeliverable: a poison pill, dead-lettered without the app.
     fn check_deliveries(&self, delivery: &mut Delivery, handed: u32) {

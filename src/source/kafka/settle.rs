@@ -15,6 +15,33 @@ use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
 use crate::source::SourceError;
 use crate::source::shared::{replace, without};
 
+/// How a hand-out ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settled {
+    /// Acked or dead-lettered: the message is done, its key free.
+    Final,
+    /// A retry copy is stored: the offset is settled, the copy holds the key.
+    Retried,
+    /// The write that was to settle it failed: handed out again later.
+    NotWritten,
+}
+
+impl super::Reading {
+    /// The message holding `key` is done: the next record waiting for the
+    /// key is handed out next, or the key is free.
+    fn release(&mut self, key: &[u8]) {
+        let Some(waiting) = self.keys.get_mut(key) else {
+            return;
+        };
+        match waiting.pop_front() {
+            Some(next) => self.unblocked.push_back(next),
+            None => {
+                self.keys.remove(key);
+            }
+        }
+    }
+}
+
 impl KafkaSource {
     /// The hand-out behind a receipt, while it is not settled.
     fn out_of(&self, delivery: &Delivery) -> Result<Out, SourceError> {
@@ -35,13 +62,24 @@ impl KafkaSource {
     /// commit point moves past it once everything below is settled too;
     /// else (its settlement could not be written) it is handed out again
     /// after [`AFTER_FAILED_SETTLE`].
-    async fn finish(&self, delivery: &Delivery, out: Out, done: bool) -> Result<(), SourceError> {
+    async fn finish(
+        &self,
+        delivery: &Delivery,
+        out: Out,
+        settled: Settled,
+    ) -> Result<(), SourceError> {
+        let done = settled != Settled::NotWritten;
         self.out
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&delivery.receipt);
         let commit = {
             let mut reading = self.reading();
+            if settled == Settled::Final
+                && let Some(key) = &out.key
+            {
+                reading.release(key);
+            }
             let key = (out.topic.clone(), out.partition);
             let Some(ledger) = reading.ledgers.get_mut(&key) else {
                 // A rebalance took the partition away: its new owner reads
@@ -71,7 +109,7 @@ impl KafkaSource {
 
     pub(super) async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
         let out = self.out_of(delivery)?;
-        self.finish(delivery, out, true).await
+        self.finish(delivery, out, Settled::Final).await
     }
 
     pub(super) async fn settle_retry(
@@ -86,10 +124,10 @@ impl KafkaSource {
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         let topic = self.retry_topic.clone();
         if let Err(e) = self.produce(&topic, out.key.as_deref(), &fields).await {
-            self.finish(delivery, out, false).await?;
+            self.finish(delivery, out, Settled::NotWritten).await?;
             return Err(e);
         }
-        self.finish(delivery, out, true).await
+        self.finish(delivery, out, Settled::Retried).await
     }
 
     pub(super) async fn settle_dead_letter(
@@ -101,10 +139,10 @@ impl KafkaSource {
         let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
         let topic = failure.dead_letter_queue.clone();
         if let Err(e) = self.produce(&topic, out.key.as_deref(), &fields).await {
-            self.finish(delivery, out, false).await?;
+            self.finish(delivery, out, Settled::NotWritten).await?;
             return Err(e);
         }
-        self.finish(delivery, out, true).await
+        self.finish(delivery, out, Settled::Final).await
     }
 
     /// Commits every ledger's point and metadata, once the ones before it

@@ -176,10 +176,10 @@ impl KafkaSource {
                 }
             }
         }
-        if resume.count() > 0 {
-            if let Err(e) = self.consumer.resume(&resume) {
-                tracing::warn!(error = %e, "cannot resume a Kafka retry partition");
-            }
+        if resume.count() > 0
+            && let Err(e) = self.consumer.resume(&resume)
+        {
+            tracing::warn!(error = %e, "cannot resume a Kafka retry partition");
         }
         for (delivery, held) in again {
             self.out

@@ -96,11 +96,12 @@ impl ClientContext for Quiet {
 
 impl ConsumerContext for Quiet {}
 
-/// The group consumer's context: it notes which partitions a rebalance
-/// took away, so that the source forgets what it held of them.
+/// The group consumer's context: on a rebalance that takes partitions
+/// away it lets their deliveries in flight finish, commits, and forgets
+/// them (`rebalance`).
 #[derive(Default)]
 pub(super) struct Group {
-    pub(super) revoked: Mutex<Vec<(String, i32)>>,
+    pub(super) shared: std::sync::OnceLock<super::rebalance::Shared>,
 }
 
 impl ClientContext for Group {
@@ -114,16 +115,9 @@ impl ClientContext for Group {
 }
 
 impl ConsumerContext for Group {
-    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Revoke(partitions) = rebalance {
-            let mut revoked = self.revoked.lock().unwrap_or_else(|e| e.into_inner());
-            for p in partitions.elements() {
-                revoked.push((p.topic().to_string(), p.partition()));
-            }
-            tracing::info!(
-                partitions = partitions.count(),
-                "Kafka took partitions away (rebalance)"
-            );
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let (Rebalance::Revoke(partitions), Some(shared)) = (rebalance, self.shared.get()) {
+            shared.revoke(consumer, partitions);
         }
     }
 }

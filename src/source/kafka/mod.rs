@@ -47,9 +47,11 @@ mod depth;
 mod fields;
 mod offsets;
 mod read;
+mod rebalance;
 mod settle;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -61,6 +63,7 @@ use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, Sour
 use crate::model::{DeadLetter, Delivery, Failure};
 use connection::{GroupConsumer, Inspector, Producer};
 use offsets::Ledger;
+use rdkafka::consumer::Consumer as _;
 
 pub use connection::check_url;
 
@@ -113,6 +116,11 @@ struct Reading {
     keys: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
     /// Records whose key came free, to hand out next.
     unblocked: VecDeque<OwnedMessage>,
+    /// Receipts handed out and not settled.
+    out: HashMap<String, Out>,
+    /// Commits sent and not answered: a rebalance waits for them, or one
+    /// answered after its own would move the group's offsets back.
+    committing: usize,
     subscribed: bool,
     /// Bumped on every ledger change; what a commit has carried.
     version: u64,
@@ -125,8 +133,8 @@ pub struct KafkaSource {
     options: SourceOptions,
     retry_topic: String,
     reading: Arc<Mutex<Reading>>,
-    /// Receipts handed out and not settled.
-    out: Mutex<HashMap<String, Out>>,
+    /// Tells a rebalance during the stop not to wait for deliveries.
+    closing: Arc<AtomicBool>,
     /// One commit at a time, in order; holds the version it committed.
     committed: tokio::sync::Mutex<u64>,
     live: Mutex<LiveSettings>,
@@ -210,6 +218,7 @@ impl Source for KafkaSource {
     /// producer's queue; leaving the group happens when the source is
     /// dropped, after the drain is reported.
     async fn close(&self) {
+        self.closing.store(true, AtomicOrdering::SeqCst);
         if let Err(e) = self.commit().await {
             tracing::warn!(error = %e, "the last offset commit failed; what it covered is delivered again");
         }
@@ -221,6 +230,13 @@ impl Source for KafkaSource {
                 .map_err(connection::unavailable)
         })
         .await;
+    }
+}
+
+impl Drop for KafkaSource {
+    /// Leaving the group revokes every partition: nothing waits then.
+    fn drop(&mut self) {
+        self.closing.store(true, AtomicOrdering::SeqCst);
     }
 }
 
@@ -261,6 +277,14 @@ impl KafkaSource {
             .await?;
         }
         let seal = connection::seal_of(&producer, &inspector, &options.queue).await?;
+        let reading: Arc<Mutex<Reading>> = Arc::default();
+        let closing = Arc::new(AtomicBool::new(false));
+        let _ = consumer.context().shared.set(rebalance::Shared {
+            reading: reading.clone(),
+            retry_topic: retry_topic.clone(),
+            bound: options.visibility_timeout,
+            closing: closing.clone(),
+        });
         Ok(Self {
             consumer,
             producer,
@@ -268,8 +292,8 @@ impl KafkaSource {
             live: Mutex::new(options.live()),
             options,
             retry_topic,
-            reading: Arc::default(),
-            out: Mutex::default(),
+            reading,
+            closing,
             committed: tokio::sync::Mutex::new(0),
             seal,
         })

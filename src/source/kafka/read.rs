@@ -23,7 +23,6 @@ impl KafkaSource {
     /// group's partitions have, waiting up to [`RECEIVE_WAIT`] for a first.
     pub(super) async fn read_batch(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         self.subscribe()?;
-        self.forget_revoked();
         let mut out = Vec::new();
         self.release_due(&mut out, max);
         let deadline = Instant::now() + RECEIVE_WAIT;
@@ -77,38 +76,6 @@ impl KafkaSource {
             reading.subscribed = true;
         }
         Ok(())
-    }
-
-    /// Forgets what this source held of partitions a rebalance took away:
-    /// their new owner reads them from the last commit.
-    fn forget_revoked(&self) {
-        let revoked: Vec<Partition> = std::mem::take(
-            &mut *self
-                .consumer
-                .context()
-                .revoked
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-        );
-        if revoked.is_empty() {
-            return;
-        }
-        let mut reading = self.reading();
-        for (topic, partition) in revoked {
-            reading.ledgers.remove(&(topic.clone(), partition));
-            if topic == self.retry_topic {
-                reading.held.remove(&partition);
-            }
-            reading
-                .again
-                .retain(|(_, _, out)| out.topic != topic || out.partition != partition);
-            let elsewhere =
-                |m: &OwnedMessage| m.topic() != topic.as_str() || m.partition() != partition;
-            reading.unblocked.retain(elsewhere);
-            for waiting in reading.keys.values_mut() {
-                waiting.retain(elsewhere);
-            }
-        }
     }
 
     /// The earliest time a held retry copy or a failed settlement is due.
@@ -182,10 +149,7 @@ impl KafkaSource {
             tracing::warn!(error = %e, "cannot resume a Kafka retry partition");
         }
         for (delivery, held) in again {
-            self.out
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(delivery.receipt.clone(), held);
+            self.reading().out.insert(delivery.receipt.clone(), held);
             out.push(delivery);
         }
         for message in due {
@@ -304,7 +268,7 @@ impl KafkaSource {
         let id = record_id(partition, offset);
         let mut delivery = Delivery::from_fields(&id, fields, handed - 1, receipt.clone());
         self.check_deliveries(&mut delivery, handed);
-        self.out.lock().unwrap_or_else(|e| e.into_inner()).insert(
+        self.reading().out.insert(
             receipt,
             Out {
                 topic: topic.to_string(),

@@ -45,9 +45,8 @@ impl super::Reading {
 impl KafkaSource {
     /// The hand-out behind a receipt, while it is not settled.
     fn out_of(&self, delivery: &Delivery) -> Result<Out, SourceError> {
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.reading()
+            .out
             .get(&delivery.receipt)
             .cloned()
             .ok_or_else(|| {
@@ -69,12 +68,11 @@ impl KafkaSource {
         settled: Settled,
     ) -> Result<(), SourceError> {
         let done = settled != Settled::NotWritten;
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&delivery.receipt);
         let commit = {
+            // One lock with the ledger: a rebalance that waits for this
+            // hand-out sees it settled in the ledger once it is gone here.
             let mut reading = self.reading();
+            reading.out.remove(&delivery.receipt);
             if settled == Settled::Final
                 && let Some(key) = &out.key
             {
@@ -151,7 +149,7 @@ impl KafkaSource {
     pub(super) async fn commit(&self) -> Result<(), SourceError> {
         let mut committed = self.committed.lock().await;
         let (version, wanted) = {
-            let reading = self.reading();
+            let mut reading = self.reading();
             if reading.version <= *committed {
                 return Ok(());
             }
@@ -163,16 +161,21 @@ impl KafkaSource {
                     .map_err(unavailable)?;
                 element.set_metadata(ledger.metadata());
             }
+            if wanted.count() > 0 {
+                reading.committing += 1;
+            }
             (reading.version, wanted)
         };
         if wanted.count() > 0 {
             let consumer = self.consumer.clone();
-            blocking(move || {
+            let result = blocking(move || {
                 consumer
                     .commit(&wanted, CommitMode::Sync)
                     .map_err(|e| unavailable(format!("committing offsets: {e}")))
             })
-            .await?;
+            .await;
+            self.reading().committing -= 1;
+            result?;
         }
         *committed = version;
         Ok(())

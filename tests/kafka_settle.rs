@@ -364,3 +364,54 @@ async fn a_replica_joining_mid_drain_loses_nothing() {
     let depth = inspector.depth().await.unwrap();
     assert_eq!(depth.dead_letters, 0);
 }
+
+/// A broker of a three-broker cluster fails mid-drain: it leads every
+/// partition of courier's topics and coordinates its group, and the mock
+/// moves leadership and the group to another broker (as Kafka elects a
+/// new leader). The drain goes on; nothing is lost or dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_failing_mid_drain_loses_nothing() {
+    let mock = KafkaMock::start(3);
+    let fixture = Fixture::broker(&mock.url());
+    let group = format!("courier.{}", fixture.queue);
+    let topics = [fixture.queue.clone(), format!("{}.retry", fixture.queue)];
+    let inspector = fixture.open().await;
+    for topic in &topics {
+        for partition in 0..4 {
+            mock.command(&format!("leader {topic} {partition} 1"));
+        }
+    }
+    mock.command(&format!("coordinator {group} 1"));
+    let app = TestApp::start().await;
+    let bodies: Vec<String> = (0..40)
+        .map(|i| format!("script:sleep100\nmessage {i}"))
+        .collect();
+    let producer = fixture.producer().await;
+    for body in &bodies {
+        producer.send(body.clone(), &[]).await;
+    }
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.concurrency = 4;
+    let running = Running::start(config).await;
+    wait_for("the drain to be under way", SETTLE, async || {
+        app.received().len() >= 8
+    })
+    .await;
+    mock.command("down 1");
+    for topic in &topics {
+        for partition in 0..4 {
+            mock.command(&format!("leader {topic} {partition} 2"));
+        }
+    }
+    mock.command(&format!("coordinator {group} 2"));
+    wait_settled(&inspector, Duration::from_secs(90)).await;
+    running.stop().await;
+    for body in &bodies {
+        assert!(
+            !app.received_body(body.as_bytes()).is_empty(),
+            "{body}: lost"
+        );
+    }
+    assert_eq!(inspector.depth().await.unwrap().dead_letters, 0);
+    mock.command("up 1");
+}

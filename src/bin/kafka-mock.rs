@@ -5,7 +5,8 @@
 //! Prints the bootstrap servers (`127.0.0.1:port,...`) on the first line of
 //! stdout and serves until killed. Commands on stdin, one a line, answered
 //! `ok` or `error: ...`: `down <broker>` and `up <broker>` (brokers are
-//! numbered from 1). With `--exit-on-eof` it ends when stdin closes, so a
+//! numbered from 1), `leader <topic> <partition> <broker>` (the mock moves
+//! no leader by itself) and `coordinator <group> <broker>`. With `--exit-on-eof` it ends when stdin closes, so a
 //! test that started it cannot leave it behind.
 //!
 //! `kafka-mock [--brokers N] [--exit-on-eof]`
@@ -15,7 +16,7 @@
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
 
-use rdkafka::mocking::MockCluster;
+use rdkafka::mocking::{MockCluster, MockCoordinator};
 
 fn main() -> ExitCode {
     let mut brokers = 1;
@@ -52,9 +53,23 @@ fn main() -> ExitCode {
                 .parse()
                 .map_err(|_| format!("{id:?} is not a broker number"))
                 .and_then(|id| cluster.broker_up(id).map_err(|e| e.to_string())),
+            ["leader", topic, partition, id] => match (partition.parse(), id.parse()) {
+                (Ok(partition), Ok(id)) => cluster
+                    .partition_leader(topic, partition, Some(id))
+                    .map_err(|e| e.to_string()),
+                _ => Err("write leader <topic> <partition> <broker>".into()),
+            },
+            ["coordinator", group, id] => id
+                .parse()
+                .map_err(|_| format!("{id:?} is not a broker number"))
+                .and_then(|id| {
+                    cluster
+                        .coordinator(MockCoordinator::Group(group.to_string()), id)
+                        .map_err(|e| e.to_string())
+                }),
             [] => continue,
             _ => Err(format!(
-                "unknown command {line:?}; write down <broker> or up <broker>"
+                "unknown command {line:?}; write down <broker>, up <broker>, leader <topic> <partition> <broker> or coordinator <group> <broker>"
             )),
         };
         let _ = match answer {

@@ -20,8 +20,9 @@ use crate::source::{SourceError, SourceOptions};
 /// How long one metadata, offset or watermark request may take.
 pub(super) const REQUEST: Duration = Duration::from_secs(10);
 
-/// The compacted topic that holds courier's seal key of each work topic,
-/// keyed by the topic's name.
+/// The topic that holds courier's seal key of each work topic, keyed by
+/// the topic's name. Its records must outlive the copies they seal: where
+/// you create topics yourself, make it compacted rather than time-limited.
 const SEAL_TOPIC: &str = "courier-seal-keys";
 
 /// Checks a `kafka://host:port[,host:port]` URL at start.

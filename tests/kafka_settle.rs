@@ -415,3 +415,49 @@ async fn a_broker_failing_mid_drain_loses_nothing() {
     assert_eq!(inspector.depth().await.unwrap().dead_letters, 0);
     mock.command("up 1");
 }
+
+/// The poison-pill rule with real crashes: a message during whose delivery
+/// courier is killed (`kill -9`) every time is handed out again after each
+/// restart, counted each time, and once over `maxAttempts + 2` hand-outs it
+/// is dead-lettered as undeliverable without reaching the app again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_kills_courier_every_time_ends_as_a_dead_letter() {
+    let fixture = Fixture::kafka();
+    let app = TestApp::start().await;
+    let inspector = fixture.open().await;
+    let body = "script:sleep20000\nkills courier";
+    let id = fixture.send(&inspector, body).await;
+    let dir = tempfile::tempdir().unwrap();
+    // maxAttempts 1: the limit is 3 hand-outs.
+    let policy = write_policy(dir.path(), "maxAttempts: 1\ntimeout: 25s");
+    for run in 1..=3 {
+        let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "replica"));
+        wait_for("the delivery", Duration::from_secs(60), async || {
+            app.received_body(body.as_bytes()).len() >= run
+        })
+        .await;
+        courier.kill9();
+    }
+    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "replica"));
+    wait_for("the dead letter", Duration::from_secs(60), async || {
+        inspector.depth().await.unwrap().dead_letters == 1
+    })
+    .await;
+    courier.terminate();
+    courier.exit_within(Duration::from_secs(20)).await;
+    assert_eq!(
+        app.received_body(body.as_bytes()).len(),
+        3,
+        "not offered to the app a fourth time"
+    );
+    let letters = inspector.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].field("courier-reason"), Some("undeliverable"));
+    assert_eq!(letters[0].field("courier-message-id"), Some(id.as_str()));
+    assert!(
+        letters[0]
+            .field("courier-error")
+            .is_some_and(|e| e.contains("handed out 4 times")),
+        "{letters:?}"
+    );
+}

@@ -21,6 +21,9 @@
 //!   held in memory and its partition paused until it is, so it holds no
 //!   delivery slot; a restart reads it again from the retry topic. Copies
 //!   behind it in the same partition wait for it (a partition is a queue).
+//!   A retry that uses no attempt (app unreachable, a read-ahead given
+//!   back) stays in the work topic uncommitted, its hand-out uncounted,
+//!   and is handed out again in-process when due.
 //! - A dead letter is produced to `<topic>.dlq` (or the policy's queue)
 //!   with the `courier-*` headers, awaited, then the settlement committed.
 //!   A write that fails leaves the message unsettled; it is handed out

@@ -87,6 +87,14 @@ impl Ledger {
         handed
     }
 
+    /// Takes back the last hand-out of `offset`: it was given back unseen,
+    /// so it does not count.
+    pub(super) fn give_back(&mut self, offset: i64) {
+        if let Some(Entry::Open(handed)) = self.entries.get_mut(&offset) {
+            *handed = handed.saturating_sub(1);
+        }
+    }
+
     /// `offset` is settled; returns whether the commit point moved.
     pub(super) fn settle(&mut self, offset: i64) -> bool {
         let before = self.commit_point();
@@ -262,6 +270,17 @@ mod tests {
         assert_eq!(after.commit_point(), 0);
         after.settle(0);
         assert_eq!(after.commit_point(), 5);
+    }
+
+    #[test]
+    fn a_hand_out_given_back_does_not_count() {
+        let mut ledger = Ledger::resume(None, 0);
+        ledger.read(0);
+        ledger.hand_out(0);
+        ledger.give_back(0);
+        assert_eq!(ledger.metadata(), "1;h=;d=");
+        assert_eq!(ledger.hand_out(0), 1);
+        assert_eq!(ledger.commit_point(), 0);
     }
 
     #[test]

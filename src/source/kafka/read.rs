@@ -107,12 +107,14 @@ impl KafkaSource {
                     None => break,
                 }
             }
-            while out.len() + due.len() + again.len() < max {
-                match reading.again.front() {
-                    Some((at, _, _)) if *at <= now => {}
-                    _ => break,
+            // Failed settlements and give-backs, due in any order.
+            let mut at = 0;
+            while at < reading.again.len() && out.len() + due.len() + again.len() < max {
+                if reading.again[at].0 > now {
+                    at += 1;
+                    continue;
                 }
-                let (_, mut delivery, record) = reading.again.pop_front().expect("a front");
+                let (_, mut delivery, record) = reading.again.remove(at).expect("an entry");
                 let Some(ledger) = reading
                     .ledgers
                     .get_mut(&(record.topic.clone(), record.partition))

@@ -118,6 +118,10 @@ impl KafkaSource {
         at: SystemTime,
     ) -> Result<(), SourceError> {
         let out = self.out_of(delivery)?;
+        if next_attempt == delivery.attempt {
+            self.give_back(delivery, out, first_attempt_at, at);
+            return Ok(());
+        }
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         let topic = self.retry_topic.clone();
@@ -126,6 +130,35 @@ impl KafkaSource {
             return Err(e);
         }
         self.finish(delivery, out, Settled::Retried).await
+    }
+
+    /// A retry that uses no attempt (the app was unreachable, or the
+    /// dispatcher gives back what it read ahead): the record stays in the
+    /// work topic, uncommitted, its hand-out not counted, and is handed out
+    /// again at `at` with the same attempt; a stop or crash before then
+    /// leaves it for the next reader, which hands it out at once.
+    fn give_back(
+        &self,
+        delivery: &Delivery,
+        out: Out,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) {
+        let mut reading = self.reading();
+        reading.out.remove(&delivery.receipt);
+        let Some(ledger) = reading.ledgers.get_mut(&(out.topic.clone(), out.partition)) else {
+            return;
+        };
+        if !ledger.is_open(out.offset) {
+            return;
+        }
+        ledger.give_back(out.offset);
+        reading.version += 1;
+        let mut again = delivery.clone();
+        // Handed out again through `again`, which counts one more attempt.
+        again.attempt = again.attempt.saturating_sub(1);
+        again.first_attempt_at = delivery.first_attempt_at.or(Some(first_attempt_at));
+        reading.again.push_back((at, again, out));
     }
 
     pub(super) async fn settle_dead_letter(

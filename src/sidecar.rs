@@ -247,6 +247,14 @@ async fn run_sidecar(
             abandoned: 0,
         });
     };
+    if config.options.ordering == crate::source::Ordering::Key
+        && !source.capabilities().key_ordering
+    {
+        anyhow::bail!(
+            "--ordering key: the {} source cannot keep the messages of one key in order; use Kafka, or leave --ordering at none",
+            config.source.broker().name
+        );
+    }
     let _ = opened.set(source.clone());
     // A change applied while the source was opening has not reached it.
     source.apply(&dispatch::live::settings_for(

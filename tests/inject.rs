@@ -380,7 +380,7 @@ fn every_bad_annotation_is_named_in_one_denial() {
 fn a_bad_broker_url_denies_the_pod() {
     let mut request = read_json(&fixtures().join("opted-in.review.json"));
     request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
-        json!("kafka://broker:9092");
+        json!("mqtt://broker:1883");
     let r = apply(&request, &answer(&request, &defaults()));
     assert!(!r.allowed());
     assert!(
@@ -394,11 +394,11 @@ fn a_bad_broker_url_denies_the_pod() {
 fn a_bad_broker_url_denial_does_not_echo_the_credentials() {
     let mut request = read_json(&fixtures().join("opted-in.review.json"));
     request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
-        json!("kafka://orders:p@ss/w0rd@broker:9092");
+        json!("mqtt://orders:p@ss/w0rd@broker:9092");
     let r = apply(&request, &answer(&request, &defaults()));
     assert!(!r.allowed());
     let message = r.message();
-    assert!(message.contains("kafka://***@broker:9092"), "{message}");
+    assert!(message.contains("mqtt://***@broker:9092"), "{message}");
     for secret in ["p@ss", "w0rd", "orders:"] {
         assert!(!message.contains(secret), "{secret} in {message}");
     }

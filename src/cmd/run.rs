@@ -17,7 +17,7 @@ use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
 
-use crate::source::{QueueType, SourceOptions, default_consumer_name};
+use crate::source::{Ordering, QueueType, SourceOptions, default_consumer_name};
 use crate::telemetry::Readiness;
 use crate::telemetry::traces::Traces;
 
@@ -94,6 +94,18 @@ pub struct RunArgs {
             .map(|name| name.parse::<QueueType>().expect("one of the names"))
     )]
     pub queue_type: QueueType,
+    /// none: deliveries run as concurrently as --concurrency allows. key:
+    /// messages with the same key (Kafka's record key) are never in flight
+    /// together and go to the app in the order stored; a retry of one holds
+    /// the later ones of its key (Kafka only).
+    #[arg(
+        long,
+        env = "COURIER_ORDERING",
+        default_value = "none",
+        value_parser = PossibleValuesParser::new(Ordering::NAMES)
+            .map(|name| name.parse::<Ordering>().expect("one of the names"))
+    )]
+    pub ordering: Ordering,
     /// How a message that is a CloudEvent (a JSON body with "specversion",
     /// or ce-* headers) is offered to the app: binary (attributes as ce-*
     /// headers, the data as the body), structured (Content-Type:
@@ -145,6 +157,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         visibility_timeout,
         create: args.create,
         queue_type: args.queue_type,
+        ordering: args.ordering,
         max_in_flight: args.concurrency,
         max_deliveries: policy.max_deliveries(),
         max_body: args.max_body,

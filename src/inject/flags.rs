@@ -47,6 +47,12 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         kind: Kind::OneOf(&crate::source::QueueType::NAMES),
     },
     Passthrough {
+        annotation: "courier.dev/ordering",
+        flag: "ordering",
+        env: "COURIER_ORDERING",
+        kind: Kind::OneOf(&crate::source::Ordering::NAMES),
+    },
+    Passthrough {
         annotation: "courier.dev/app-health-path",
         flag: "app-health-path",
         env: "COURIER_APP_HEALTH_PATH",

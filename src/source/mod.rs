@@ -11,6 +11,8 @@ pub mod amqp;
 mod batch;
 #[cfg(feature = "embedded")]
 pub mod embedded;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod redact;
@@ -90,6 +92,9 @@ pub struct Capabilities {
     /// be read without taking the letter off its queue. Without it,
     /// `courier_dlq_oldest_age_seconds` is left out, never reported as 0.
     pub dead_letter_age: bool,
+    /// Messages of one key can be delivered one at a time, in order
+    /// ([`Ordering::Key`]); a source without it refuses `--ordering key`.
+    pub key_ordering: bool,
 }
 
 /// A broker failure, with what the operator should check.
@@ -119,6 +124,9 @@ pub struct SourceOptions {
     pub create: bool,
     /// What `--create` makes where a broker has more than one kind of queue.
     pub queue_type: QueueType,
+    /// `--ordering`: whether messages of one key go to the app one at a
+    /// time, in the order stored ([`Capabilities::key_ordering`]).
+    pub ordering: Ordering,
     /// Deliveries this replica has in flight at most (`--concurrency`);
     /// brokers that push (AMQP) prefetch this many.
     pub max_in_flight: usize,
@@ -134,6 +142,35 @@ pub struct SourceOptions {
     /// `--tls-ca-file`, `--tls-cert-file`, `--tls-key-file`, read and
     /// checked; empty unless the URL's scheme is a TLS one.
     pub tls: Tls,
+}
+
+/// In what order messages reach the app (`--ordering`). `None`: as many at
+/// once as `--concurrency` allows. `Key`: messages with the same key (a
+/// Kafka record key) are never in flight together and go in the order
+/// stored; a retry of one holds the later ones of its key, as a FIFO
+/// consumer expects. Messages without a key are not held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Ordering {
+    #[default]
+    None,
+    Key,
+}
+
+impl Ordering {
+    /// Every value `--ordering` takes, as it is written.
+    pub const NAMES: [&'static str; 2] = ["none", "key"];
+}
+
+impl std::str::FromStr for Ordering {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "none" => Ok(Self::None),
+            "key" => Ok(Self::Key),
+            _ => Err(format!("{text:?} is not an ordering; write none or key")),
+        }
+    }
 }
 
 /// The kind of work queue `--create` makes on a broker that has more than
@@ -208,6 +245,7 @@ impl SourceOptions {
             dead_letter_queue: crate::model::default_dead_letter_queue(queue),
             create: false,
             queue_type: QueueType::default(),
+            ordering: Ordering::default(),
             max_in_flight: 16,
             max_deliveries: 7,
             max_body: 4 << 20,
@@ -363,6 +401,8 @@ pub const BROKERS: &[&Broker] = &[
     &nats::BROKER,
     #[cfg(feature = "embedded")]
     &embedded::BROKER,
+    #[cfg(feature = "kafka")]
+    &kafka::BROKER,
 ];
 
 /// The URL forms of every broker in this build, for help and errors.
@@ -465,8 +505,8 @@ mod tests {
             Ok("amqp")
         );
         assert_eq!(broker_of("nats://127.0.0.1:4222"), Ok("nats"));
-        let err = broker_of("kafka://broker:9092").unwrap_err();
-        assert!(err.contains("unknown scheme \"kafka\""), "{err}");
+        let err = broker_of("mqtt://broker:1883").unwrap_err();
+        assert!(err.contains("unknown scheme \"mqtt\""), "{err}");
         assert!(err.contains("redis://host:port/db"), "{err}");
         assert!(broker_of("embedded:").is_err());
         assert!(broker_of("localhost").is_err());
@@ -475,7 +515,7 @@ mod tests {
 
     #[test]
     fn an_unknown_scheme_does_not_echo_the_password() {
-        let err = broker_of("kafka://user:hunter2@broker:9092").unwrap_err();
+        let err = broker_of("mqtt://user:hunter2@broker:1883").unwrap_err();
         assert!(!err.contains("hunter2"), "{err}");
     }
 
@@ -518,8 +558,8 @@ mod tests {
     #[test]
     fn url_errors_show_only_the_redacted_url() {
         for url in [
-            "kafka://user:hunter2@broker:9092",
-            "kafka://:hun@ter2@broker:9092",
+            "mqtt://user:hunter2@broker:9092",
+            "mqtt://:hun@ter2@broker:9092",
             "user:hunter2@broker:9092",
         ] {
             let err = broker_of(url).unwrap_err();

@@ -28,15 +28,17 @@ pub enum BrokerKind {
     Amqp,
     Nats,
     Embedded,
+    Kafka,
 }
 
 impl BrokerKind {
-    pub const ALL: [BrokerKind; 5] = [
+    pub const ALL: [BrokerKind; 6] = [
         Self::Redis,
         Self::RedisCluster,
         Self::Amqp,
         Self::Nats,
         Self::Embedded,
+        Self::Kafka,
     ];
 
     /// The name `courier::source::Broker::name` gives this broker.
@@ -47,6 +49,7 @@ impl BrokerKind {
             Self::Amqp => Amqp::NAME,
             Self::Nats => Nats::NAME,
             Self::Embedded => Embedded::NAME,
+            Self::Kafka => Kafka::NAME,
         }
     }
 
@@ -78,6 +81,7 @@ impl BrokerKind {
             Self::Amqp => Amqp::fixture(),
             Self::Nats => Nats::fixture(),
             Self::Embedded => Embedded::fixture(),
+            Self::Kafka => Kafka::fixture(),
         }
     }
 
@@ -89,6 +93,7 @@ impl BrokerKind {
             Self::Amqp => Amqp::producer(fixture).await,
             Self::Nats => Nats::producer(fixture).await,
             Self::Embedded => Embedded::producer(fixture).await,
+            Self::Kafka => Kafka::producer(fixture).await,
         }
     }
 
@@ -100,6 +105,7 @@ impl BrokerKind {
             Self::Amqp => Amqp::read_dead_letters(fixture).await,
             Self::Nats => Nats::read_dead_letters(fixture).await,
             Self::Embedded => Embedded::read_dead_letters(fixture).await,
+            Self::Kafka => Kafka::read_dead_letters(fixture).await,
         }
     }
 
@@ -110,7 +116,7 @@ impl BrokerKind {
     pub fn moves_atomically(self) -> bool {
         match self {
             Self::Redis | Self::RedisCluster | Self::Embedded => true,
-            Self::Amqp | Self::Nats => false,
+            Self::Amqp | Self::Nats | Self::Kafka => false,
         }
     }
 
@@ -122,7 +128,7 @@ impl BrokerKind {
     /// its guarantee is a time, so this waits out five such windows.
     pub async fn handed_out_durably(self, handed_out_by: std::time::Instant) {
         match self {
-            Self::Redis | Self::RedisCluster | Self::Amqp | Self::Nats => {}
+            Self::Redis | Self::RedisCluster | Self::Amqp | Self::Nats | Self::Kafka => {}
             Self::Embedded => {
                 tokio::time::sleep_until((handed_out_by + Duration::from_millis(100)).into()).await;
             }
@@ -137,6 +143,7 @@ impl BrokerKind {
             Self::Amqp => Amqp::clean_up(url, queue).await,
             Self::Nats => Nats::clean_up(url, queue).await,
             Self::Embedded => Embedded::clean_up(url, queue).await,
+            Self::Kafka => Kafka::clean_up(url, queue).await,
         }
     }
 }
@@ -165,6 +172,7 @@ pub struct RedisCluster;
 pub struct Amqp;
 pub struct Nats;
 pub struct Embedded;
+pub struct Kafka;
 
 /// Opens `fixture`'s queue with `--create`, so a plain client can publish
 /// to it, and lets go again.
@@ -528,6 +536,127 @@ impl BrokerFixture for Embedded {
     async fn clean_up(_url: &str, _queue: &str) {}
 }
 
+/// The mock cluster this test binary shares (`kafka-mock`), fed and read
+/// with the plain rdkafka clients.
+impl BrokerFixture for Kafka {
+    const NAME: &'static str = "kafka";
+
+    fn fixture() -> Fixture {
+        Fixture::with_cleanup(Self::NAME, &super::shared_kafka().url(), unique("test"))
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        create_queue(fixture).await;
+        let producer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", kafka_bootstrap(fixture))
+            .set("acks", "all")
+            .create()
+            .expect("an rdkafka producer");
+        Producer::Kafka {
+            producer,
+            topic: fixture.queue.clone(),
+        }
+    }
+
+    /// Every record of the dead-letter topic, partition by partition.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let records = kafka_records(&kafka_bootstrap(fixture), &fixture.dlq()).await;
+        records
+            .into_iter()
+            .map(|record| {
+                use rdkafka::message::{Headers, Message};
+                let mut letter = PlainLetter {
+                    body: Bytes::copy_from_slice(record.payload().unwrap_or_default()),
+                    fields: Vec::new(),
+                };
+                if let Some(headers) = record.headers() {
+                    for h in headers.iter() {
+                        letter.fields.push((
+                            h.key.to_string(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        ));
+                    }
+                }
+                letter
+            })
+            .collect()
+    }
+
+    /// The mock cluster lives in memory and ends with the test binary;
+    /// every test's topics have names of their own.
+    async fn clean_up(_url: &str, _queue: &str) {}
+}
+
+/// The bootstrap servers of a Kafka fixture's URL.
+pub fn kafka_bootstrap(fixture: &Fixture) -> String {
+    fixture
+        .url
+        .as_str()
+        .strip_prefix("kafka://")
+        .expect("a kafka:// URL")
+        .to_string()
+}
+
+/// Every record of `topic`, as a plain rdkafka consumer outside any group
+/// reads it from the oldest to the end.
+pub async fn kafka_records(bootstrap: &str, topic: &str) -> Vec<rdkafka::message::OwnedMessage> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::Message;
+    let (bootstrap, topic) = (bootstrap.to_string(), topic.to_string());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .set("group.id", "test-reader")
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("an rdkafka consumer");
+        let timeout = Duration::from_secs(10);
+        let metadata = consumer
+            .fetch_metadata(Some(&topic), timeout)
+            .expect("topic metadata");
+        let mut wanted = rdkafka::TopicPartitionList::new();
+        let mut ends = Vec::new();
+        for t in metadata.topics().iter().filter(|t| t.error().is_none()) {
+            for p in t.partitions() {
+                let (low, high) = consumer
+                    .fetch_watermarks(&topic, p.id(), timeout)
+                    .expect("watermarks");
+                if high > low {
+                    wanted
+                        .add_partition_offset(&topic, p.id(), rdkafka::Offset::Offset(low))
+                        .unwrap();
+                    ends.push((p.id(), high));
+                }
+            }
+        }
+        let mut records = Vec::new();
+        if ends.is_empty() {
+            return records;
+        }
+        consumer.assign(&wanted).expect("assign");
+        let deadline = std::time::Instant::now() + timeout;
+        while !ends.is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "reading {topic} took too long"
+            );
+            let Some(got) = consumer.poll(Duration::from_millis(100)) else {
+                continue;
+            };
+            let record = got.expect("a record").detach();
+            if let Some(at) = ends.iter().position(|(p, _)| *p == record.partition()) {
+                if record.offset() + 1 >= ends[at].1 {
+                    ends.swap_remove(at);
+                }
+                records.push(record);
+            }
+        }
+        records
+    })
+    .await
+    .unwrap()
+}
+
 /// A dead letter as the broker's own client shows it: the body, and every
 /// other field or header by name.
 #[derive(Debug, Clone, Default)]
@@ -564,6 +693,10 @@ pub enum Producer {
         subject: String,
     },
     Embedded(Arc<dyn Source>),
+    Kafka {
+        producer: rdkafka::producer::FutureProducer,
+        topic: String,
+    },
 }
 
 impl Producer {
@@ -571,7 +704,7 @@ impl Producer {
     /// all (NATS headers cannot hold CR or LF, nor spaces in names).
     pub fn carries(&self, name: &str, value: &str) -> bool {
         match self {
-            Self::Redis { .. } | Self::Embedded(_) => true,
+            Self::Redis { .. } | Self::Embedded(_) | Self::Kafka { .. } => true,
             Self::Amqp { .. } => name.len() <= 255,
             Self::Nats { .. } => {
                 name.parse::<async_nats::HeaderName>().is_ok()
@@ -650,6 +783,25 @@ impl Producer {
                     .to_string()
             }
             Self::Embedded(source) => source.send(body, headers).await.expect("send"),
+            Self::Kafka { producer, topic } => {
+                use rdkafka::message::{Header, OwnedHeaders};
+                let mut kafka_headers = OwnedHeaders::new();
+                for (name, value) in headers {
+                    kafka_headers = kafka_headers.insert(Header {
+                        key: name.as_str(),
+                        value: Some(value.as_str()),
+                    });
+                }
+                let record = rdkafka::producer::FutureRecord::<(), [u8]>::to(topic)
+                    .payload(body.as_ref())
+                    .headers(kafka_headers);
+                let delivered = producer
+                    .send(record, Duration::from_secs(10))
+                    .await
+                    .map_err(|(e, _)| e)
+                    .expect("Kafka stores the record");
+                format!("{}-{}", delivered.partition, delivered.offset)
+            }
         }
     }
 
@@ -661,7 +813,7 @@ impl Producer {
             Self::Amqp { connection, .. } => {
                 let _ = connection.close(200, "producer done".into()).await;
             }
-            Self::Redis { .. } | Self::Nats { .. } => {}
+            Self::Redis { .. } | Self::Nats { .. } | Self::Kafka { .. } => {}
         }
     }
 }

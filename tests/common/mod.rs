@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 mod failover;
+mod kafka_mock;
 mod kube_stub;
 mod private_redis;
 #[allow(unused_imports)]
@@ -11,6 +12,8 @@ pub use failover::{
     assert_none_lost, assert_none_twice, dead_letter_bodies, drain_across_a_kill,
     drain_through_a_kill, failover_body, wait_none_lost,
 };
+#[allow(unused_imports)]
+pub use kafka_mock::{KAFKA_MOCK_BIN, KafkaMock, shared_kafka};
 #[allow(unused_imports)]
 pub use kube_stub::KubeStub;
 #[allow(unused_imports)]
@@ -217,8 +220,9 @@ mod brokers;
 // Not every test crate uses every name.
 #[allow(unused_imports)]
 pub use brokers::{
-    Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Nats, PlainLetter, Producer, Redis,
-    RedisCluster, RedisConnection, declare_amqp_quorum, queue_on_another_node,
+    Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Kafka, Nats, PlainLetter, Producer,
+    Redis, RedisCluster, RedisConnection, declare_amqp_quorum, kafka_bootstrap, kafka_records,
+    queue_on_another_node,
 };
 
 /// A source under test, with a fresh queue of its own.
@@ -275,6 +279,11 @@ impl Fixture {
 
     pub fn embedded() -> Self {
         Embedded::fixture()
+    }
+
+    /// A fresh topic on the mock Kafka cluster this test binary shares.
+    pub fn kafka() -> Self {
+        Kafka::fixture()
     }
 
     /// A fresh queue on the broker `kind`.

@@ -111,6 +111,7 @@ suite!(
         amqp => Amqp,
         nats => Nats,
         embedded => Embedded,
+        kafka => Kafka,
     ],
     [
         delivery::classification_table if DeadLetterBrowsing,

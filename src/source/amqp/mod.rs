@@ -243,6 +243,7 @@ impl Source for AmqpSource {
             dedup: false,
             byte_bounded_reads: false,
             dead_letter_age: false,
+            key_ordering: false,
         }
     }
 

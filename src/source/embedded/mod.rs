@@ -230,6 +230,7 @@ impl Source for EmbeddedSource {
             dedup: true,
             byte_bounded_reads: true,
             dead_letter_age: true,
+            key_ordering: false,
         }
     }
 

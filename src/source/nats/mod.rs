@@ -144,6 +144,7 @@ impl Source for NatsSource {
             dedup: false,
             byte_bounded_reads: true,
             dead_letter_age: true,
+            key_ordering: false,
         }
     }
 

@@ -228,6 +228,7 @@ impl Source for RedisSource {
             dedup: true,
             byte_bounded_reads: true,
             dead_letter_age: true,
+            key_ordering: false,
         }
     }
 

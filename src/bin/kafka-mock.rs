@@ -1,0 +1,94 @@
+//! `kafka-mock`: a Kafka cluster in one process, librdkafka's mock cluster
+//! (the real Kafka wire protocol, in memory), for tests and for trying
+//! courier without a Kafka installation.
+//!
+//! Prints the bootstrap servers (`127.0.0.1:port,...`) on the first line of
+//! stdout and serves until killed. Commands on stdin, one a line, answered
+//! `ok` or `error: ...`: `down <broker>` and `up <broker>` (brokers are
+//! numbered from 1), `leader <topic> <partition> <broker>` (the mock moves
+//! no leader by itself) and `coordinator <group> <broker>`. With `--exit-on-eof` it ends when stdin closes, so a
+//! test that started it cannot leave it behind.
+//!
+//! `kafka-mock [--brokers N] [--exit-on-eof]`
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+
+use rdkafka::mocking::{MockCluster, MockCoordinator};
+
+fn main() -> ExitCode {
+    let mut brokers = 1;
+    let mut exit_on_eof = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--brokers" => match args.next().and_then(|n| n.parse().ok()) {
+                Some(n) if n >= 1 => brokers = n,
+                _ => return usage("--brokers takes a number from 1"),
+            },
+            "--exit-on-eof" => exit_on_eof = true,
+            other => return usage(&format!("unknown argument {other:?}")),
+        }
+    }
+    let cluster = match MockCluster::new(brokers) {
+        Ok(cluster) => cluster,
+        Err(e) => {
+            eprintln!("kafka-mock: cannot start the mock cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut stdout = std::io::stdout();
+    let _ = writeln!(stdout, "{}", cluster.bootstrap_servers());
+    let _ = stdout.flush();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let answer = match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["down", id] => id
+                .parse()
+                .map_err(|_| format!("{id:?} is not a broker number"))
+                .and_then(|id| cluster.broker_down(id).map_err(|e| e.to_string())),
+            ["up", id] => id
+                .parse()
+                .map_err(|_| format!("{id:?} is not a broker number"))
+                .and_then(|id| cluster.broker_up(id).map_err(|e| e.to_string())),
+            ["leader", topic, partition, id] => match (partition.parse(), id.parse()) {
+                (Ok(partition), Ok(id)) => cluster
+                    .partition_leader(topic, partition, Some(id))
+                    .map_err(|e| e.to_string()),
+                _ => Err("write leader <topic> <partition> <broker>".into()),
+            },
+            ["coordinator", group, id] => id
+                .parse()
+                .map_err(|_| format!("{id:?} is not a broker number"))
+                .and_then(|id| {
+                    cluster
+                        .coordinator(MockCoordinator::Group(group.to_string()), id)
+                        .map_err(|e| e.to_string())
+                }),
+            [] => continue,
+            _ => Err(format!(
+                "unknown command {line:?}; write down <broker>, up <broker>, leader <topic> <partition> <broker> or coordinator <group> <broker>"
+            )),
+        };
+        let _ = match answer {
+            Ok(()) => writeln!(stdout, "ok"),
+            Err(e) => writeln!(stdout, "error: {e}"),
+        };
+        let _ = stdout.flush();
+    }
+    if exit_on_eof {
+        return ExitCode::SUCCESS;
+    }
+    // Without --exit-on-eof, a closed stdin (`< /dev/null`) does not end
+    // the cluster: it serves until killed.
+    loop {
+        std::thread::park();
+    }
+}
+
+fn usage(why: &str) -> ExitCode {
+    eprintln!("kafka-mock: {why}\nusage: kafka-mock [--brokers N] [--exit-on-eof]");
+    ExitCode::from(2)
+}

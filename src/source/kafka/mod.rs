@@ -1,0 +1,304 @@
+//! Kafka (`kafka://host:port[,host:port]`, rdkafka on librdkafka).
+//!
+//! - `--queue` names the topic, which must exist (with `--create`, courier
+//!   has the cluster create it on first use). `--group` names the readers:
+//!   the Kafka consumer group is `<group>.<topic>` (a Kafka group is
+//!   cluster-wide; sharing one over several topics would rebalance every
+//!   sidecar when any one starts). The group reads the topic and
+//!   `<topic>.retry`. Nothing is committed by librdkafka itself.
+//! - Deliveries of one partition run concurrently and settle in any order.
+//!   The group commits, per partition, the lowest offset not yet settled,
+//!   with metadata that records each unsettled offset's hand-outs (Kafka
+//!   has no delivery counter) and the offsets settled above it
+//!   (`offsets`). Hand-outs are committed before the deliveries are
+//!   returned, so a message that crashes courier is counted, and one
+//!   handed out more than `max_deliveries` times is marked undeliverable;
+//!   a restart skips what was settled out of order. A crash therefore
+//!   redelivers only what was unsettled.
+//! - A retry is a copy produced to `<topic>.retry` with `courier-retry-at`
+//!   and `courier-attempt` (sealed), awaited, and only then is the
+//!   original's settlement committed. A retry copy that is not yet due is
+//!   held in memory and its partition paused until it is, so it holds no
+//!   delivery slot; a restart reads it again from the retry topic. Copies
+//!   behind it in the same partition wait for it (a partition is a queue).
+//!   A retry that uses no attempt (app unreachable, a read-ahead given
+//!   back) stays in the work topic uncommitted, its hand-out uncounted,
+//!   and is handed out again in-process when due.
+//! - A dead letter is produced to `<topic>.dlq` (or the policy's queue)
+//!   with the `courier-*` headers, awaited, then the settlement committed.
+//!   A write that fails leaves the message unsettled; it is handed out
+//!   again after [`AFTER_FAILED_SETTLE`].
+//! - With `--ordering key`, a record whose key has a message handed out or
+//!   retrying waits, in offset order, until that one is acked or
+//!   dead-lettered; a retry copy carries the key and keeps it held.
+//! - Dead letters are browsed by reading the dead-letter topic; Kafka
+//!   cannot delete one record, so replay and purge record the letter's id
+//!   in `<dlq>.removed`, and browsing leaves out what is recorded there.
+//! - Depth: per partition, the high watermark minus the committed offset,
+//!   less what the commit's metadata says is handed out or settled; the
+//!   oldest waiting message's age from the timestamp of the first waiting
+//!   record.
+//!
+//! Files: `connection` (URL, clients, topics, the seal key, reading a
+//! topic), `offsets` (the per-partition ledger and its metadata), `read`
+//! (receiving, holding retries until due), `settle` (ack, retry, dead
+//! letter, commits, produce), `dead_letters`, `depth`, `fields`.
+
+mod connection;
+mod dead_letters;
+mod depth;
+mod fields;
+mod offsets;
+mod read;
+mod rebalance;
+mod settle;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use rdkafka::message::OwnedMessage;
+
+use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
+use crate::model::{DeadLetter, Delivery, Failure};
+use connection::{GroupConsumer, Inspector, Producer};
+use offsets::Ledger;
+use rdkafka::consumer::Consumer as _;
+
+pub use connection::check_url;
+
+/// How long a message whose retry copy or dead letter could not be written
+/// waits before it is handed out again: not at once, since the write that
+/// failed is likely to fail again, and not never, since Kafka would not
+/// hand it out again before a restart.
+const AFTER_FAILED_SETTLE: Duration = Duration::from_secs(5);
+
+/// Kafka: `kafka://host:port[,host:port]`.
+pub const BROKER: Broker = Broker {
+    name: "kafka",
+    messaging_system: "kafka",
+    schemes: &["kafka"],
+    tls_schemes: &[],
+    url_form: "kafka://host:port[,host:port]",
+    check_url,
+    open: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(KafkaSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+};
+
+/// A topic and partition.
+type Partition = (String, i32);
+
+/// A delivery handed out and not settled.
+#[derive(Debug, Clone)]
+struct Out {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+}
+
+/// What the reader keeps between reads.
+#[derive(Default)]
+struct Reading {
+    /// The ledger of each partition read since it was assigned.
+    ledgers: HashMap<Partition, Ledger>,
+    /// Retry copies read before they are due, per retry partition, in
+    /// offset order; the partition is paused while any wait.
+    held: HashMap<i32, VecDeque<(SystemTime, OwnedMessage)>>,
+    /// Deliveries whose settlement could not be written, due again.
+    again: VecDeque<(SystemTime, Delivery, Out)>,
+    /// With `--ordering key`: the keys with a message handed out or
+    /// retrying, each with the later records of that key read meanwhile,
+    /// in offset order.
+    keys: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
+    /// Records whose key came free, to hand out next.
+    unblocked: VecDeque<OwnedMessage>,
+    /// Receipts handed out and not settled.
+    out: HashMap<String, Out>,
+    /// Commits sent and not answered: a rebalance waits for them, or one
+    /// answered after its own would move the group's offsets back.
+    committing: usize,
+    subscribed: bool,
+    /// Bumped on every ledger change; what a commit has carried.
+    version: u64,
+}
+
+pub struct KafkaSource {
+    consumer: Arc<GroupConsumer>,
+    producer: Producer,
+    inspector: Arc<Inspector>,
+    options: SourceOptions,
+    retry_topic: String,
+    reading: Arc<Mutex<Reading>>,
+    /// Tells a rebalance during the stop not to wait for deliveries.
+    closing: Arc<AtomicBool>,
+    /// One commit at a time, in order; holds the version it committed.
+    committed: tokio::sync::Mutex<u64>,
+    live: Mutex<LiveSettings>,
+    seal: super::shared::Seal,
+}
+
+#[async_trait]
+impl Source for KafkaSource {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            per_message_delay: true,
+            out_of_order_acks: true,
+            dead_letter_browsing: true,
+            dedup: false,
+            byte_bounded_reads: false,
+            dead_letter_age: false,
+            key_ordering: true,
+        }
+    }
+
+    async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        self.read_batch(max).await
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.settle_ack(delivery).await
+    }
+
+    async fn retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        self.settle_retry(delivery, next_attempt, first_attempt_at, at)
+            .await
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
+        self.settle_dead_letter(delivery, failure).await
+    }
+
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
+    }
+
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.browse_dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        self.replay_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.purge_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        self.produce_new(body, headers).await
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        dead_letters::check_dead_letter_topic(&settings.dead_letter_queue, &self.options.queue)
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
+    }
+
+    /// Commits what is settled (never past what is not) and waits for the
+    /// producer's queue; leaving the group happens when the source is
+    /// dropped, after the drain is reported.
+    async fn close(&self) {
+        self.closing.store(true, AtomicOrdering::SeqCst);
+        if let Err(e) = self.commit().await {
+            tracing::warn!(error = %e, "the last offset commit failed; what it covered is delivered again");
+        }
+        let producer = self.producer.clone();
+        let _ = connection::blocking(move || {
+            use rdkafka::producer::Producer as _;
+            producer
+                .flush(connection::REQUEST)
+                .map_err(connection::unavailable)
+        })
+        .await;
+    }
+}
+
+impl Drop for KafkaSource {
+    /// Leaving the group revokes every partition: nothing waits then.
+    fn drop(&mut self) {
+        self.closing.store(true, AtomicOrdering::SeqCst);
+    }
+}
+
+impl KafkaSource {
+    fn live(&self) -> LiveSettings {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
+        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::Invalid)?;
+        if options.queue.is_empty() {
+            return Err(SourceError::Invalid(
+                "--queue names the Kafka topic; it cannot be empty".into(),
+            ));
+        }
+        let producer = connection::producer(&bootstrap, &options)?;
+        let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
+        let consumer = Arc::new(connection::consumer(&bootstrap, &options)?);
+        let retry_topic = fields::retry_topic(&options.queue);
+        {
+            let (producer, inspector) = (producer.clone(), inspector.clone());
+            let (topic, retry, create) =
+                (options.queue.clone(), retry_topic.clone(), options.create);
+            connection::blocking(move || {
+                if create {
+                    connection::ensure_topic(&producer, &inspector, &topic)?;
+                } else if connection::partitions(&inspector, &topic)?.is_none() {
+                    return Err(SourceError::Invalid(format!(
+                        "the Kafka topic {topic:?} does not exist; create it, or pass --create"
+                    )));
+                }
+                connection::ensure_topic(&producer, &inspector, &retry).map(drop)
+            })
+            .await?;
+        }
+        let seal = connection::seal_of(&producer, &inspector, &options.queue).await?;
+        let reading: Arc<Mutex<Reading>> = Arc::default();
+        let closing = Arc::new(AtomicBool::new(false));
+        let _ = consumer.context().shared.set(rebalance::Shared {
+            reading: reading.clone(),
+            retry_topic: retry_topic.clone(),
+            bound: options.visibility_timeout,
+            closing: closing.clone(),
+        });
+        Ok(Self {
+            consumer,
+            producer,
+            inspector,
+            live: Mutex::new(options.live()),
+            options,
+            retry_topic,
+            reading,
+            closing,
+            committed: tokio::sync::Mutex::new(0),
+            seal,
+        })
+    }
+}

@@ -267,7 +267,10 @@ mod tests {
     fn a_user_name_in_the_place_of_a_scheme_is_hidden() {
         assert_eq!(redact("token@host:4222"), "***@host:4222");
         assert_eq!(redact("user:hunter2@host"), "***@host");
-        assert_eq!(redact("kafka:user:hunter2@host"), "***@host");
+        // mqtt is no broker of courier's: its name reads as a user name.
+        assert_eq!(redact("mqtt:user:hunter2@host"), "***@host");
+        // A broker's own scheme, missing its slashes, stays readable.
+        assert_eq!(redact("kafka:user:hunter2@host"), "kafka:***@host");
         assert_eq!(redact("kafka://u:hunter2@host"), "kafka://***@host");
     }
 

@@ -33,8 +33,8 @@ static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 /// each name was parsed again every time.
 static RETRY: HeaderName = HeaderName::from_static("courier-retry");
 static DEAD_LETTER: HeaderName = HeaderName::from_static("courier-dead-letter");
-/// What is added to a message's own headers: courier's content type, key,
-/// id, attempt and queue, then hyper's host and content length.
+/// What is added to a message's own headers: the host, courier's content
+/// type, key, id, attempt and queue, then hyper's content length.
 const ADDED_HEADERS: usize = 7;
 
 /// Answer bodies are read (so the connection can be reused) up to this size;

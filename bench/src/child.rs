@@ -63,6 +63,15 @@ pub fn usage(pid: u32) -> Usage {
     }
 }
 
+/// The ids of the processes alive now, from the numbered entries of `/proc`.
+fn live_pids() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+}
+
 /// The process listening on `127.0.0.1:port` (or every address), found
 /// through `/proc/net/tcp*` and the processes' open sockets: the broker
 /// server whose CPU a drain costs too.
@@ -84,14 +93,7 @@ pub fn listener_pid(port: u16) -> Option<u32> {
     if inodes.is_empty() {
         return None;
     }
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for pid in live_pids() {
         let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
             continue;
         };
@@ -110,17 +112,7 @@ pub fn listener_pid(port: u16) -> Option<u32> {
 /// parent and its children).
 pub fn group_usage(pgid: u32) -> Usage {
     let mut total = Usage::default();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return total;
-    };
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for pid in live_pids() {
         if stat(pid).is_some_and(|(pgrp, _)| pgrp == pgid) {
             let u = usage(pid);
             total.rss_kib += u.rss_kib;

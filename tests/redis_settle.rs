@@ -328,6 +328,97 @@ async fn an_unreadable_stored_retry_is_dead_lettered_and_the_rest_move_on() {
     assert_eq!(letters[0].body, Bytes::from("not a stored message"));
 }
 
+/// `ACL SETUSER user ...rules` on the shared Redis.
+async fn acl(con: &mut MultiplexedConnection, user: &str, rules: &[&str]) {
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(user)
+        .arg(rules)
+        .query_async(con)
+        .await
+        .unwrap();
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A due retry is claimed (its score pushed 30 s ahead) before it is
+/// written back; when that write fails, as when a cluster master dies
+/// between the two, the mover writes it again on its next round rather
+/// than leaving it idle until the claim runs out. Here Redis refuses the
+/// user's `XADD` until the retry has been claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_whose_move_failed_is_moved_again_before_its_claim_runs_out() {
+    let mut con = redis().await;
+    let user = unique("mover");
+    acl(
+        &mut con,
+        &user,
+        &["on", ">secret", "~*", "&*", "+@all", "-xadd"],
+    )
+    .await;
+    let url = REDIS_URL.replace("redis://", &format!("redis://{user}:secret@"));
+    let fixture = Fixture::redis_at(&url, &unique("unmoved"));
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let retry_key = format!("{}.retry", fixture.queue);
+    let stored = encode_fields(&[(Bytes::from("payload"), Bytes::from("moved again"))]);
+    let _: () = redis::cmd("ZADD")
+        .arg(&retry_key)
+        .arg(0)
+        .arg(&stored[..])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the retry to be claimed", SETTLE, async || {
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(&retry_key)
+            .arg(&stored[..])
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        score.is_some_and(|s| s as u64 > now_ms() + 20_000)
+    })
+    .await;
+    // A few of the mover's rounds (one each 50 ms) fail meanwhile.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(app.received_body(b"moved again").is_empty());
+    assert_eq!(
+        xlen(&mut con, &fixture.queue).await,
+        0,
+        "nothing written back"
+    );
+
+    acl(&mut con, &user, &["+xadd"]).await;
+    // Well inside the claim's 30 s: without the mover's memory of what it
+    // claimed, the retry waits out the claim.
+    wait_for(
+        "the retry to be delivered before its claim ran out",
+        Duration::from_secs(15),
+        async || !app.received_body(b"moved again").is_empty(),
+    )
+    .await;
+    let depth = wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(depth.retry_backlog, 0);
+    assert_eq!(
+        app.received_body(b"moved again").len(),
+        1,
+        "written back once"
+    );
+    let _: () = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+}
+
 // === Keep in-flight claimed; live settings ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

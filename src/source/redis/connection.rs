@@ -32,6 +32,18 @@ use crate::source::{Tls, redact, redact_error};
 
 /// How long connecting to one node may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How a cluster command is retried inside redis-rs before courier sees the
+/// error. The crate's defaults (16 retries, each wait drawn from 1.28 s up
+/// to a doubling bound) kept one command waiting 30 s and more across a
+/// master's failover, long after the replica had taken over: one in six
+/// runs of `redis_cluster::a_master_killed_mid_drain_loses_nothing`, and
+/// past its 90 s limit under CI's load. Here a command gives up within
+/// about 5 s and courier's own loop, which backs off to at most 5 s, tries
+/// again on the refreshed slot map.
+const CLUSTER_RETRIES: u32 = 6;
+const CLUSTER_RETRY_MIN_WAIT_MS: u64 = 100;
+const CLUSTER_RETRY_MAX_WAIT_MS: u64 = 1_000;
 /// The port of a Sentinel when the URL gives none.
 const SENTINEL_PORT: u16 = 26379;
 
@@ -179,6 +191,9 @@ impl Endpoint {
                 let mut builder = ClusterClientBuilder::new(nodes.clone())
                     .connection_timeout(CONNECT_TIMEOUT)
                     .response_timeout(response_timeout)
+                    .retries(CLUSTER_RETRIES)
+                    .min_retry_wait(CLUSTER_RETRY_MIN_WAIT_MS)
+                    .max_retry_wait(CLUSTER_RETRY_MAX_WAIT_MS)
                     .tcp_settings(nodelay());
                 if let Some(certificates) = tls::certificates(tls) {
                     builder = builder.certs(certificates);

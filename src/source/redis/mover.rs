@@ -8,6 +8,14 @@
 //! becomes an `undeliverable` dead letter with its raw bytes as the body;
 //! one that cannot be written stays claimed until the lease runs out and is
 //! tried again, while the rest of the queue moves on.
+//!
+//! When the whole write fails (the connection dropped, a master died after
+//! the claim reached its replica), the mover keeps what it claimed and
+//! moves it again on its next round while the lease is its own, instead of
+//! leaving those retries idle for the rest of the lease: a cluster failover
+//! held them 30 s. Before writing one again it asks whether it is still in
+//! the set, so a write that went through but whose answer was lost is not
+//! made twice.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -87,6 +95,28 @@ struct Mover {
     queue: String,
     live: Arc<Mutex<LiveSettings>>,
     trouble: Throttle,
+    /// Claimed by this mover, not written back because the write failed.
+    unmoved: Unmoved,
+}
+
+/// Retries this mover claimed and could not write back, and until when the
+/// claim is surely still its own.
+#[derive(Default)]
+struct Unmoved {
+    members: Vec<Vec<u8>>,
+    until: Option<Instant>,
+}
+
+impl Unmoved {
+    /// What is left to move again and until when, forgotten once the lease
+    /// may have run out (another replica may have claimed it since).
+    fn take(&mut self) -> (Vec<Vec<u8>>, Option<Instant>) {
+        let members = std::mem::take(&mut self.members);
+        match self.until.take() {
+            Some(until) if Instant::now() < until => (members, Some(until)),
+            _ => (Vec::new(), None),
+        }
+    }
 }
 
 impl RedisSource {
@@ -97,6 +127,7 @@ impl RedisSource {
             queue: self.options.queue.clone(),
             live: self.live.clone(),
             trouble: Throttle::new(),
+            unmoved: Unmoved::default(),
         };
         let stop: Arc<AtomicBool> = self.mover_stop.clone();
         tokio::spawn(async move {
@@ -121,14 +152,28 @@ impl Mover {
 
     /// Moves up to a batch of due retries; returns how many were due.
     async fn move_due(&mut self) -> Result<usize, redis::RedisError> {
-        let now = now_ms();
-        let due: Vec<Vec<u8>> = Script::new(CLAIM_DUE)
-            .key(&self.retry_key)
-            .arg(now)
-            .arg(MOVE_BATCH)
-            .arg(now + CLAIM_LEASE.as_millis() as u64)
-            .invoke_async(&mut self.con)
-            .await?;
+        let (mut due, mut until) = self.still_claimed().await?;
+        if due.len() < MOVE_BATCH {
+            let now = now_ms();
+            let claimed: Vec<Vec<u8>> = Script::new(CLAIM_DUE)
+                .key(&self.retry_key)
+                .arg(now)
+                .arg(MOVE_BATCH - due.len())
+                .arg(now + CLAIM_LEASE.as_millis() as u64)
+                .invoke_async(&mut self.con)
+                .await
+                .inspect_err(|_| self.keep(&due, until))?;
+            if !claimed.is_empty() {
+                // Half the lease: another replica reads the lease's end
+                // with its own clock, which need not agree with this one.
+                until = until.or(Some(Instant::now() + CLAIM_LEASE / 2));
+            }
+            for member in claimed {
+                if !due.contains(&member) {
+                    due.push(member);
+                }
+            }
+        }
         if due.is_empty() {
             return Ok(0);
         }
@@ -160,13 +205,48 @@ impl Mover {
                 .arg(&self.retry_key)
                 .arg(member.as_slice());
         }
-        let results: Vec<Value> = pipe.query_async(&mut self.con).await?;
+        let results: Vec<Value> = pipe
+            .query_async(&mut self.con)
+            .await
+            .inspect_err(|_| self.keep(&due, until))?;
         if let Some(Value::ServerError(e)) =
             results.iter().find(|v| matches!(v, Value::ServerError(_)))
         {
             self.warn(&format!("{e:?}"));
         }
         Ok(due.len())
+    }
+
+    /// Remembers `due` to be moved again while the claim lasts (`until`).
+    fn keep(&mut self, due: &[Vec<u8>], until: Option<Instant>) {
+        self.unmoved = Unmoved {
+            members: due.to_vec(),
+            until,
+        };
+    }
+
+    /// The retries a failed write left claimed that are still in the set,
+    /// and until when they are this mover's; one no longer there was
+    /// written back after all.
+    async fn still_claimed(
+        &mut self,
+    ) -> Result<(Vec<Vec<u8>>, Option<Instant>), redis::RedisError> {
+        let (unmoved, until) = self.unmoved.take();
+        if unmoved.is_empty() {
+            return Ok((unmoved, None));
+        }
+        let scores: Vec<Option<f64>> = redis::cmd("ZMSCORE")
+            .arg(&self.retry_key)
+            .arg(&unmoved)
+            .query_async(&mut self.con)
+            .await
+            .inspect_err(|_| self.keep(&unmoved, until))?;
+        let still = unmoved
+            .into_iter()
+            .zip(scores)
+            .filter_map(|(member, score)| score.map(|_| member))
+            .collect();
+        Ok((still, until))
     }
 
     /// The dead letter of a stored retry that cannot be read.

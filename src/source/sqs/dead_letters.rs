@@ -1,16 +1,19 @@
 //! Dead-letter queues: their names, and browsing, replaying and purging
 //! the letters in them. SQS has no way to read a message without
 //! receiving it: a listing receives the queue's messages (invisible for
-//! [`BROWSE_VISIBILITY`] so each is seen once) and gives them back.
+//! [`BROWSE_VISIBILITY`] so each is seen once) and gives them back; letters
+//! another listing holds are waited for.
 
 use std::collections::HashSet;
+use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::types::{
     ChangeMessageVisibilityBatchRequestEntry, Message, MessageSystemAttributeName,
+    QueueAttributeName,
 };
 
 use super::attributes::from_message;
-use super::connection::{queue_url, sdk_error};
+use super::connection::{queue_attributes, queue_url, sdk_error};
 use super::settle::F_GROUP;
 use super::{SqsSource, lock};
 use crate::model::DeadLetter;
@@ -18,7 +21,7 @@ use crate::source::SourceError;
 use crate::source::shared::not_there;
 
 /// How long a listing keeps the letters it has seen invisible.
-const BROWSE_VISIBILITY: i32 = 30;
+const BROWSE_VISIBILITY: i32 = 10;
 
 /// The SQS queue of a dead-letter queue as courier names it: queue names
 /// cannot hold dots, so the default `<queue>.dlq` is `<queue>-dlq`, and
@@ -91,6 +94,7 @@ impl SqsSource {
     ) -> Result<Vec<Message>, SourceError> {
         let mut seen = HashSet::new();
         let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(BROWSE_VISIBILITY as u64 + 2);
         while out.len() < limit {
             let got = self
                 .client
@@ -106,24 +110,42 @@ impl SqsSource {
                 .map_err(|e| sdk_error("receiving dead letters", e))?
                 .messages
                 .unwrap_or_default();
+            // Every message of a call is kept, the one looked for or not:
+            // each is invisible now and must be given back.
             let mut new = 0;
+            let mut found = false;
             for message in got {
                 let id = message.message_id().unwrap_or_default().to_string();
                 if seen.insert(id.clone()) {
                     new += 1;
-                    let found = looking_for == Some(id.as_str());
+                    found |= looking_for == Some(id.as_str());
                     out.push(message);
-                    if found {
-                        return Ok(out);
-                    }
                 }
             }
-            if new == 0 {
+            if found {
                 break;
+            }
+            if new == 0 {
+                // Letters another listing or replay holds (one killed
+                // halfway) are invisible for a while yet: wait for them,
+                // not longer than they can be held.
+                if Instant::now() > deadline || self.invisible(url).await? <= out.len() as u64 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
         out.sort_by_key(sent_millis);
         Ok(out)
+    }
+
+    /// How many messages of the queue at `url` are invisible.
+    async fn invisible(&self, url: &str) -> Result<u64, SourceError> {
+        let attributes = queue_attributes(&self.client, url).await?;
+        Ok(attributes
+            .get(&QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0))
     }
 
     /// Makes received messages visible again.

@@ -125,6 +125,9 @@ pub struct SqsSource {
     seal: Seal,
     in_flight: Mutex<HashMap<String, InFlight>>,
     groups: Mutex<Groups>,
+    /// When the messages waiting behind their group were last kept
+    /// invisible.
+    waiting_refreshed: Mutex<std::time::Instant>,
     /// When messages retried in place were first offered, by SQS id: a
     /// visibility change cannot carry `courier-first-attempt-at`.
     first_attempts: Mutex<HashMap<String, SystemTime>>,
@@ -179,6 +182,7 @@ impl SqsSource {
             seal,
             in_flight: Mutex::default(),
             groups: Mutex::default(),
+            waiting_refreshed: Mutex::new(std::time::Instant::now()),
             first_attempts: Mutex::default(),
             uncounted: Mutex::default(),
             due: Mutex::default(),

@@ -85,12 +85,18 @@ impl SqsSource {
             return Ok(out);
         }
         let want = max - out.len();
-        let wait = if out.is_empty() {
+        // A FIFO group's next message may be free to go at any moment (its
+        // earlier one acked): no long poll while some wait here.
+        let waiting = self.fifo && self.refresh_waiting().await;
+        let wait = if out.is_empty() && !waiting {
             RECEIVE_WAIT.as_secs().max(1) as i32
         } else {
             0
         };
         let mut messages = self.receive_call(want, wait).await?;
+        if messages.is_empty() && out.is_empty() && waiting {
+            tokio::time::sleep(RECEIVE_WAIT / 10).await;
+        }
         if messages.len() == PER_CALL.min(want) && want > PER_CALL {
             // A backlog: the rest in parallel, without waiting.
             let rest = want - messages.len();
@@ -269,8 +275,30 @@ impl SqsSource {
             .unwrap_or_default()
     }
 
-    /// Every receipt the source holds: with the app, and waiting behind
-    /// their group.
+    /// FIFO: keeps the messages waiting behind their group invisible,
+    /// every third of the visibility timeout (the dispatcher keeps only
+    /// those with the app alive); whether any wait.
+    async fn refresh_waiting(&self) -> bool {
+        let receipts = self.waiting_receipts();
+        if receipts.is_empty() {
+            return false;
+        }
+        let due = {
+            let mut last = lock(&self.waiting_refreshed);
+            let third = self.live().visibility_timeout / 3;
+            let due = last.elapsed() >= third;
+            if due {
+                *last = std::time::Instant::now();
+            }
+            due
+        };
+        if due && let Err(e) = self.change_visibility_of(&receipts).await {
+            tracing::debug!(error = %e, "messages waiting behind their group may be handed out again");
+        }
+        true
+    }
+
+    /// Every receipt waiting behind its group.
     pub(super) fn waiting_receipts(&self) -> Vec<String> {
         lock(&self.groups)
             .waiting

@@ -441,6 +441,15 @@ impl SqsSource {
                 .collect()
         };
         receipts.extend(self.waiting_receipts());
+        *lock(&self.waiting_refreshed) = std::time::Instant::now();
+        self.change_visibility_of(&receipts).await
+    }
+
+    /// Makes these messages invisible for another visibility timeout.
+    pub(super) async fn change_visibility_of(
+        &self,
+        receipts: &[String],
+    ) -> Result<(), SourceError> {
         let secs = self.visibility_secs();
         let mut failed = None;
         for chunk in receipts.chunks(10) {

@@ -385,3 +385,42 @@ fn https_to_sqs_uses_ring_without_a_panic() {
     assert!(stderr.contains("cannot reach the broker"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// A message SQS handed out more than `maxAttempts + 2` times without a
+/// settlement (consumers that crashed on it) is dead-lettered as
+/// undeliverable by SQS's own `ApproximateReceiveCount`, never offered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_pill_is_dead_lettered_by_the_receive_count() {
+    let fixture = Fixture::sqs();
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let id = producer.send("poison", &[]).await;
+    let client = sqs_client().await;
+    let url = sqs_queue_url(&client, &fixture.queue).await.unwrap();
+    let policy = fast_policy();
+    for _ in 0..policy.max_deliveries() {
+        let got = client
+            .receive_message()
+            .queue_url(&url)
+            .visibility_timeout(0)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(got.messages().len(), 1);
+    }
+    let app = TestApp::start().await;
+    let running = Running::start(run_config(&fixture, &app, policy)).await;
+    wait_for("the dead letter", SETTLE, async || {
+        !fixture.dead_letters(&source).await.is_empty()
+    })
+    .await;
+    running.stop().await;
+    assert!(app.received().is_empty(), "never offered");
+    let letter = fixture.dead_letters(&source).await.remove(0);
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(letter.field("courier-message-id"), Some(id.as_str()));
+    assert!(
+        letter.field("courier-error").unwrap().contains("received 6 times"),
+        "{letter:?}"
+    );
+}

@@ -420,7 +420,10 @@ async fn a_poison_pill_is_dead_lettered_by_the_receive_count() {
     assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
     assert_eq!(letter.field("courier-message-id"), Some(id.as_str()));
     assert!(
-        letter.field("courier-error").unwrap().contains("received 6 times"),
+        letter
+            .field("courier-error")
+            .unwrap()
+            .contains("received 6 times"),
         "{letter:?}"
     );
 }

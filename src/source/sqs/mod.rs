@@ -297,6 +297,17 @@ impl Source for SqsSource {
     async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
         self.keep_invisible(in_flight).await
     }
+
+    /// FIFO messages still waiting behind their group go back to SQS at
+    /// once, not after their visibility timeout.
+    async fn close(&self) {
+        let receipts = self.waiting_receipts();
+        lock(&self.groups).waiting.clear();
+        for receipt in receipts {
+            lock(&self.in_flight).remove(&receipt);
+            let _ = self.change_visibility(&self.queue_url, &receipt, 0).await;
+        }
+    }
 }
 
 impl Drop for SqsSource {

@@ -427,3 +427,84 @@ async fn a_poison_pill_is_dead_lettered_by_the_receive_count() {
         "{letter:?}"
     );
 }
+
+/// A dead letter the dead-letter queue refuses (larger than it takes)
+/// leaves the original in the work queue, handed out again soon; nothing
+/// is lost and nothing half-written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_sqs_refuses_leaves_the_original() {
+    let fixture = Fixture::sqs();
+    let source = fixture.open().await;
+    let client = sqs_client().await;
+    let dlq = courier::source::sqs::dead_letter_queue_name(&fixture.dlq());
+    client
+        .create_queue()
+        .queue_name(&dlq)
+        .attributes(QueueAttributeName::MaximumMessageSize, "1024")
+        .send()
+        .await
+        .unwrap();
+    let producer = fixture.producer().await;
+    let id = producer.send("y".repeat(2000), &[]).await;
+    let delivery = receive_one(&source).await;
+    let now = SystemTime::now();
+    let failure = courier::model::Failure {
+        reason: courier::model::DeadLetterReason::PermanentStatus,
+        status: Some(400),
+        error: None,
+        attempts: 1,
+        first_attempt_at: now,
+        last_attempt_at: now,
+        queue: fixture.queue.clone(),
+        message_id: id.clone(),
+        excerpt: Bytes::new(),
+        policy: "test@1".into(),
+        dead_letter_queue: fixture.dlq(),
+        app_directive: None,
+    };
+    let err = source.dead_letter(&delivery, &failure).await.unwrap_err();
+    assert!(err.to_string().contains("sending to SQS"), "{err}");
+    assert_eq!(counts(&fixture).await, (0, 1, 0), "the original stays");
+    assert!(fixture.dead_letters(&source).await.is_empty());
+    let again = receive_one(&source).await;
+    assert_eq!(again.message.id, id);
+}
+
+/// A replay the work queue refuses leaves the letter in the dead-letter
+/// queue, listed as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_sqs_refuses_leaves_the_letter() {
+    let fixture = Fixture::sqs();
+    let source = fixture.open().await;
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    producer
+        .send(format!("script:400\n{}", "z".repeat(2000)), &[])
+        .await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the dead letter", SETTLE, async || {
+        fixture.dead_letters(&source).await.len() == 1
+    })
+    .await;
+    running.stop().await;
+    let client = sqs_client().await;
+    let url = sqs_queue_url(&client, &fixture.queue).await.unwrap();
+    client
+        .set_queue_attributes()
+        .queue_url(&url)
+        .attributes(QueueAttributeName::MaximumMessageSize, "1024")
+        .send()
+        .await
+        .unwrap();
+    let letter = fixture.dead_letters(&source).await.remove(0);
+    let err = source.replay(&fixture.dlq(), &letter).await.unwrap_err();
+    assert!(err.to_string().contains("sending to SQS"), "{err}");
+    let left = fixture.dead_letters(&source).await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].id, letter.id);
+    assert_eq!(
+        counts(&fixture).await,
+        (0, 0, 0),
+        "nothing reached the work queue"
+    );
+}

@@ -508,3 +508,38 @@ async fn a_replay_sqs_refuses_leaves_the_letter() {
         "nothing reached the work queue"
     );
 }
+
+/// A FIFO queue's dead letters go to `<name>-dlq.fifo` in their group, and
+/// a replay sends them back to that group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_dead_letters_keep_their_group() {
+    let fixture = fifo_fixture();
+    let source = fixture.open().await;
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    producer
+        .send("script:400\nrefused", &[("group".into(), "G7".into())])
+        .await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the dead letter", SETTLE, async || {
+        fixture.dead_letters(&source).await.len() == 1
+    })
+    .await;
+    running.stop().await;
+    let dlq = courier::source::sqs::dead_letter_queue_name(&fixture.dlq());
+    assert!(dlq.ends_with("-dlq.fifo"), "{dlq}");
+    let letter = fixture.dead_letters(&source).await.remove(0);
+    assert_eq!(letter.field("courier-group"), Some("G7"));
+    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+    source.replay(&fixture.dlq(), &letter).await.unwrap();
+    let client = sqs_client().await;
+    let url = sqs_queue_url(&client, &fixture.queue).await.unwrap();
+    let back = sqs_messages(&client, &url).await;
+    assert_eq!(back.len(), 1);
+    let group = back[0]
+        .attributes()
+        .and_then(|a| a.get(&aws_sdk_sqs::types::MessageSystemAttributeName::MessageGroupId))
+        .cloned();
+    assert_eq!(group.as_deref(), Some("G7"));
+    assert!(fixture.dead_letters(&source).await.is_empty());
+}

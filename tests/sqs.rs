@@ -1,9 +1,10 @@
 //! What holds for the SQS source alone, against moto in server mode
 //! (`scripts/moto-server`, one per test binary): FIFO group order with a
-//! retry in the middle, a retry past SQS's 12 h taking the delayed-copy
-//! path, writes SQS refuses (a delete batch's partial failure, a copy too
-//! large to send) losing nothing, the RedrivePolicy warning, and TLS on
-//! ring.
+//! retry in the middle and FIFO dead letters in their group, a retry past
+//! SQS's 12 h taking the delayed-copy path, every write SQS can refuse (a
+//! delete batch's partial failure, a retry copy, a dead letter, a replay)
+//! losing nothing, the poison-pill rule on `ApproximateReceiveCount`, the
+//! RedrivePolicy warning, and TLS on ring.
 
 mod common;
 

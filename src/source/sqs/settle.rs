@@ -46,6 +46,26 @@ pub(super) fn visibility_room(sent_at: SystemTime, now: SystemTime) -> u64 {
     MAX_VISIBILITY.saturating_sub(VISIBILITY_MARGIN + since)
 }
 
+/// What the first receive of a copy that is not yet due does.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Waiting {
+    /// Invisible for this many seconds, then offered.
+    Invisible(u64),
+    /// Sent on as a new copy delayed this many seconds, this one deleted:
+    /// the time still to wait is more than SQS keeps this copy invisible.
+    SendOn(u64),
+}
+
+/// `remaining`: seconds until the copy is due; `room`: seconds SQS may
+/// still keep it invisible ([`visibility_room`]).
+pub(super) fn plan_wait(remaining: u64, room: u64) -> Waiting {
+    if remaining <= room {
+        Waiting::Invisible(remaining)
+    } else {
+        Waiting::SendOn(remaining.min(MAX_DELAY_SECONDS))
+    }
+}
+
 /// Whole seconds, rounded up: a retry is never early.
 pub(super) fn ceil_secs(d: Duration) -> u64 {
     d.as_millis().div_ceil(1000) as u64
@@ -281,24 +301,22 @@ impl SqsSource {
             let id = message.message_id().unwrap_or_default().to_string();
             *lock(&self.uncounted).entry(id).or_default() += 1;
         }
-        if in_process || secs <= room {
-            if let Err(e) = self
-                .change_visibility(&self.queue_url, receipt, secs.min(room))
-                .await
-            {
-                tracing::warn!(error = %e, "a retry copy not yet due could not be put back; it is received again after its visibility timeout");
+        let send_on = match plan_wait(secs, room) {
+            Waiting::Invisible(secs) => {
+                self.put_back(receipt, secs).await;
+                return;
             }
-            return;
-        }
+            // FIFO has no copies: as long as SQS allows, the rest kept in
+            // the process.
+            Waiting::SendOn(_) if in_process => {
+                self.put_back(receipt, room).await;
+                return;
+            }
+            Waiting::SendOn(delay) => delay,
+        };
         let fields = self.seal.seal(fields);
         match self
-            .send_fields(
-                &self.queue_url,
-                false,
-                &fields,
-                secs.min(MAX_DELAY_SECONDS),
-                None,
-            )
+            .send_fields(&self.queue_url, false, &fields, send_on, None)
             .await
         {
             Ok(_) => {
@@ -309,6 +327,13 @@ impl SqsSource {
             Err(e) => {
                 tracing::warn!(error = %e, "a retry copy not yet due could not be sent on; it is received again after its visibility timeout");
             }
+        }
+    }
+
+    /// A copy not yet due, invisible for `secs` more.
+    async fn put_back(&self, receipt: &str, secs: u64) {
+        if let Err(e) = self.change_visibility(&self.queue_url, receipt, secs).await {
+            tracing::warn!(error = %e, "a retry copy not yet due could not be put back; it is received again after its visibility timeout");
         }
     }
 
@@ -505,5 +530,24 @@ mod tests {
         assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
         assert_eq!(ceil_secs(Duration::from_millis(2000)), 2);
         assert_eq!(ceil_secs(Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn a_copy_not_yet_due_waits_or_is_sent_on() {
+        let room = MAX_VISIBILITY - VISIBILITY_MARGIN;
+        assert_eq!(plan_wait(0, room), Waiting::Invisible(0));
+        assert_eq!(plan_wait(5, room), Waiting::Invisible(5));
+        assert_eq!(plan_wait(room, room), Waiting::Invisible(room));
+        // 13 h still to wait: on to a copy delayed the longest SQS takes.
+        assert_eq!(
+            plan_wait(13 * 3600, room),
+            Waiting::SendOn(MAX_DELAY_SECONDS)
+        );
+        assert_eq!(
+            plan_wait(room + 1, room),
+            Waiting::SendOn(MAX_DELAY_SECONDS)
+        );
+        // Little room left on an old copy: sent on with the time still to wait.
+        assert_eq!(plan_wait(10, 0), Waiting::SendOn(10));
     }
 }

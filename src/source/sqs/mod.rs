@@ -120,7 +120,7 @@ pub struct SqsSource {
     queue_url: String,
     fifo: bool,
     live: Mutex<LiveSettings>,
-    /// `maxReceiveCount` of the queue's native RedrivePolicy, as JSON.
+    /// The queue's native RedrivePolicy (JSON), read at start.
     redrive_policy: Option<String>,
     seal: Seal,
     in_flight: Mutex<HashMap<String, InFlight>>,

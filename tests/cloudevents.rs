@@ -323,7 +323,7 @@ async fn off_offers_every_message_as_it_is() {
 
 /// Each broker's own client carries an event: as `ce-*` headers (Redis
 /// fields, AMQP headers with the content type as the property, NATS
-/// headers) and as a structured body; the SDK reads both in binary mode.
+/// headers, SQS message attributes) and as a structured body; the SDK reads both in binary mode.
 async fn a_brokers_own_client_carries_an_event(kind: BrokerKind) {
     let app = SdkApp::start();
     let fixture = Fixture::of(kind);
@@ -363,6 +363,11 @@ async fn amqp_headers_carry_an_event() {
 #[tokio::test]
 async fn nats_headers_carry_an_event() {
     a_brokers_own_client_carries_an_event(BrokerKind::Nats).await;
+}
+
+#[tokio::test]
+async fn sqs_message_attributes_carry_an_event() {
+    a_brokers_own_client_carries_an_event(BrokerKind::Sqs).await;
 }
 
 /// A producer's own Idempotency-Key wins over `<source>:<id>`.

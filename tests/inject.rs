@@ -377,6 +377,15 @@ fn every_bad_annotation_is_named_in_one_denial() {
 }
 
 #[test]
+fn an_sqs_source_is_accepted() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
+        json!("sqs://eu-west-1");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed(), "{}", r.message());
+}
+
+#[test]
 fn a_bad_broker_url_denies_the_pod() {
     let mut request = read_json(&fixtures().join("opted-in.review.json"));
     request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =

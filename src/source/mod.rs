@@ -18,6 +18,8 @@ pub mod nats;
 mod redact;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 // The field edits and the retry-at field serve the brokers that re-store a
 // message (AMQP, NATS), the seal those a producer writes to directly; a
 // build without them leaves those unused.
@@ -403,6 +405,8 @@ pub const BROKERS: &[&Broker] = &[
     &embedded::BROKER,
     #[cfg(feature = "kafka")]
     &kafka::BROKER,
+    #[cfg(feature = "sqs")]
+    &sqs::BROKER,
 ];
 
 /// The URL forms of every broker in this build, for help and errors.

@@ -29,16 +29,18 @@ pub enum BrokerKind {
     Nats,
     Embedded,
     Kafka,
+    Sqs,
 }
 
 impl BrokerKind {
-    pub const ALL: [BrokerKind; 6] = [
+    pub const ALL: [BrokerKind; 7] = [
         Self::Redis,
         Self::RedisCluster,
         Self::Amqp,
         Self::Nats,
         Self::Embedded,
         Self::Kafka,
+        Self::Sqs,
     ];
 
     /// The name `courier::source::Broker::name` gives this broker.
@@ -50,6 +52,7 @@ impl BrokerKind {
             Self::Nats => Nats::NAME,
             Self::Embedded => Embedded::NAME,
             Self::Kafka => Kafka::NAME,
+            Self::Sqs => Sqs::NAME,
         }
     }
 
@@ -82,6 +85,7 @@ impl BrokerKind {
             Self::Nats => Nats::fixture(),
             Self::Embedded => Embedded::fixture(),
             Self::Kafka => Kafka::fixture(),
+            Self::Sqs => Sqs::fixture(),
         }
     }
 
@@ -94,6 +98,7 @@ impl BrokerKind {
             Self::Nats => Nats::producer(fixture).await,
             Self::Embedded => Embedded::producer(fixture).await,
             Self::Kafka => Kafka::producer(fixture).await,
+            Self::Sqs => Sqs::producer(fixture).await,
         }
     }
 
@@ -106,6 +111,7 @@ impl BrokerKind {
             Self::Nats => Nats::read_dead_letters(fixture).await,
             Self::Embedded => Embedded::read_dead_letters(fixture).await,
             Self::Kafka => Kafka::read_dead_letters(fixture).await,
+            Self::Sqs => Sqs::read_dead_letters(fixture).await,
         }
     }
 
@@ -116,7 +122,7 @@ impl BrokerKind {
     pub fn moves_atomically(self) -> bool {
         match self {
             Self::Redis | Self::RedisCluster | Self::Embedded => true,
-            Self::Amqp | Self::Nats | Self::Kafka => false,
+            Self::Amqp | Self::Nats | Self::Kafka | Self::Sqs => false,
         }
     }
 
@@ -128,7 +134,12 @@ impl BrokerKind {
     /// its guarantee is a time, so this waits out five such windows.
     pub async fn handed_out_durably(self, handed_out_by: std::time::Instant) {
         match self {
-            Self::Redis | Self::RedisCluster | Self::Amqp | Self::Nats | Self::Kafka => {}
+            Self::Redis
+            | Self::RedisCluster
+            | Self::Amqp
+            | Self::Nats
+            | Self::Kafka
+            | Self::Sqs => {}
             Self::Embedded => {
                 tokio::time::sleep_until((handed_out_by + Duration::from_millis(100)).into()).await;
             }
@@ -144,6 +155,7 @@ impl BrokerKind {
             Self::Nats => Nats::clean_up(url, queue).await,
             Self::Embedded => Embedded::clean_up(url, queue).await,
             Self::Kafka => Kafka::clean_up(url, queue).await,
+            Self::Sqs => Sqs::clean_up(url, queue).await,
         }
     }
 }
@@ -173,6 +185,7 @@ pub struct Amqp;
 pub struct Nats;
 pub struct Embedded;
 pub struct Kafka;
+pub struct Sqs;
 
 /// Opens `fixture`'s queue with `--create`, so a plain client can publish
 /// to it, and lets go again.
@@ -587,6 +600,150 @@ impl BrokerFixture for Kafka {
     async fn clean_up(_url: &str, _queue: &str) {}
 }
 
+/// The moto server this test binary shares (`scripts/moto-server`), fed
+/// and read with the plain aws-sdk-sqs client.
+impl BrokerFixture for Sqs {
+    const NAME: &'static str = "sqs";
+
+    fn fixture() -> Fixture {
+        Fixture::with_cleanup(Self::NAME, &super::sqs_url(), unique("test"))
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        create_queue(fixture).await;
+        let client = super::sqs_client().await;
+        let url = super::sqs_queue_url(&client, &fixture.queue)
+            .await
+            .expect("the queue exists");
+        Producer::Sqs {
+            client,
+            url,
+            fifo: fixture.queue.ends_with(".fifo"),
+        }
+    }
+
+    /// Every message of `<queue>-dlq`, received and given back, with
+    /// courier's record (the attribute `courier-record`, a JSON object)
+    /// and packed headers (`courier-headers`, JSON pairs) read as fields.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        let client = super::sqs_client().await;
+        let name = courier::source::sqs::dead_letter_queue_name(&fixture.dlq());
+        let Some(url) = super::sqs_queue_url(&client, &name).await else {
+            return Vec::new();
+        };
+        sqs_messages(&client, &url)
+            .await
+            .iter()
+            .map(sqs_plain_letter)
+            .collect()
+    }
+
+    async fn clean_up(_url: &str, queue: &str) {
+        let client = super::sqs_client().await;
+        for name in [
+            queue.to_string(),
+            courier::source::sqs::dead_letter_queue_name(&format!("{queue}.dlq")),
+        ] {
+            if let Some(url) = super::sqs_queue_url(&client, &name).await {
+                let _ = client.delete_queue().queue_url(url).send().await;
+            }
+        }
+    }
+}
+
+/// Every message of the SQS queue at `url`, oldest first: received (each
+/// once, invisible meanwhile) and given back.
+pub async fn sqs_messages(
+    client: &aws_sdk_sqs::Client,
+    url: &str,
+) -> Vec<aws_sdk_sqs::types::Message> {
+    use aws_sdk_sqs::types::MessageSystemAttributeName;
+    let mut out: Vec<aws_sdk_sqs::types::Message> = Vec::new();
+    loop {
+        let got = client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(10)
+            .visibility_timeout(20)
+            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .message_attribute_names("All")
+            .send()
+            .await
+            .expect("receive from SQS")
+            .messages
+            .unwrap_or_default();
+        if got.is_empty() {
+            break;
+        }
+        out.extend(got);
+    }
+    for message in &out {
+        let _ = client
+            .change_message_visibility()
+            .queue_url(url)
+            .receipt_handle(message.receipt_handle().unwrap_or_default())
+            .visibility_timeout(0)
+            .send()
+            .await;
+    }
+    out.sort_by_key(|m| {
+        m.attributes()
+            .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
+            .and_then(|t| t.parse::<u64>().ok())
+    });
+    out
+}
+
+/// An SQS message as fields, read by the documented format.
+pub fn sqs_plain_letter(message: &aws_sdk_sqs::types::Message) -> PlainLetter {
+    use base64::Engine;
+    let attributes = message.message_attributes().cloned().unwrap_or_default();
+    let text = |name: &str| attributes.get(name).and_then(|v| v.string_value());
+    let body = message.body().unwrap_or_default();
+    let body = if text("content-transfer-encoding") == Some("base64") {
+        Bytes::from(
+            base64::engine::general_purpose::STANDARD
+                .decode(body)
+                .expect("base64"),
+        )
+    } else {
+        Bytes::copy_from_slice(body.as_bytes())
+    };
+    let mut letter = PlainLetter {
+        body,
+        fields: Vec::new(),
+    };
+    let mut names: Vec<_> = attributes.keys().collect();
+    names.sort();
+    for name in names {
+        if [
+            "courier-record",
+            "courier-headers",
+            "content-transfer-encoding",
+        ]
+        .contains(&name.as_str())
+        {
+            continue;
+        }
+        let value = attributes[name].string_value().unwrap_or_default();
+        letter.fields.push((name.clone(), value.to_string()));
+    }
+    if let Some(pairs) = text("courier-headers") {
+        let pairs: Vec<(String, String)> = serde_json::from_str(pairs).expect("JSON pairs");
+        letter.fields.extend(pairs);
+    }
+    if let Some(record) = text("courier-record") {
+        let record: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(record).expect("a JSON object");
+        for (name, value) in record {
+            letter
+                .fields
+                .push((name, value.as_str().unwrap_or_default().to_string()));
+        }
+    }
+    letter
+}
+
 /// The bootstrap servers of a Kafka fixture's URL.
 pub fn kafka_bootstrap(fixture: &Fixture) -> String {
     fixture
@@ -697,6 +854,11 @@ pub enum Producer {
         producer: rdkafka::producer::FutureProducer,
         topic: String,
     },
+    Sqs {
+        client: aws_sdk_sqs::Client,
+        url: String,
+        fifo: bool,
+    },
 }
 
 impl Producer {
@@ -705,6 +867,12 @@ impl Producer {
     pub fn carries(&self, name: &str, value: &str) -> bool {
         match self {
             Self::Redis { .. } | Self::Embedded(_) | Self::Kafka { .. } => true,
+            // A message attribute each, as SQS takes them.
+            Self::Sqs { .. } => {
+                courier::source::sqs::attribute_name_ok(name)
+                    && !value.is_empty()
+                    && courier::source::sqs::is_sqs_text(value)
+            }
             Self::Amqp { .. } => name.len() <= 255,
             Self::Nats { .. } => {
                 name.parse::<async_nats::HeaderName>().is_ok()
@@ -802,6 +970,47 @@ impl Producer {
                     .expect("Kafka stores the record");
                 format!("{}-{}", delivered.partition, delivered.offset)
             }
+            Self::Sqs { client, url, fifo } => {
+                use aws_sdk_sqs::types::MessageAttributeValue;
+                use base64::Engine;
+                let attribute = |value: &str| {
+                    MessageAttributeValue::builder()
+                        .data_type("String")
+                        .string_value(value)
+                        .build()
+                        .unwrap()
+                };
+                let text = std::str::from_utf8(&body)
+                    .ok()
+                    .filter(|t| !t.is_empty() && courier::source::sqs::is_sqs_text(t));
+                let mut request = client.send_message().queue_url(url);
+                request = match text {
+                    Some(text) => request.message_body(text),
+                    // What SQS cannot carry goes base64, and says so.
+                    None => request
+                        .message_body(base64::engine::general_purpose::STANDARD.encode(&body))
+                        .message_attributes("content-transfer-encoding", attribute("base64")),
+                };
+                for (name, value) in headers {
+                    request = request.message_attributes(name, attribute(value));
+                }
+                if *fifo {
+                    let group = headers
+                        .iter()
+                        .find(|(n, _)| n == "group")
+                        .map_or("g", |(_, v)| v.as_str());
+                    request = request
+                        .message_group_id(group)
+                        .message_deduplication_id(format!("{:032x}", rand::random::<u128>()));
+                }
+                request
+                    .send()
+                    .await
+                    .expect("SQS takes the message")
+                    .message_id()
+                    .unwrap_or_default()
+                    .to_string()
+            }
         }
     }
 
@@ -813,7 +1022,7 @@ impl Producer {
             Self::Amqp { connection, .. } => {
                 let _ = connection.close(200, "producer done".into()).await;
             }
-            Self::Redis { .. } | Self::Nats { .. } | Self::Kafka { .. } => {}
+            Self::Redis { .. } | Self::Nats { .. } | Self::Kafka { .. } | Self::Sqs { .. } => {}
         }
     }
 }

@@ -6,6 +6,7 @@
 mod failover;
 mod kafka_mock;
 mod kube_stub;
+mod moto;
 mod private_redis;
 #[allow(unused_imports)]
 pub use failover::{
@@ -16,6 +17,8 @@ pub use failover::{
 pub use kafka_mock::{KAFKA_MOCK_BIN, KafkaMock, shared_kafka};
 #[allow(unused_imports)]
 pub use kube_stub::KubeStub;
+#[allow(unused_imports)]
+pub use moto::{Moto, SQS_REGION, shared_moto, sqs_client, sqs_queue_url, sqs_url};
 #[allow(unused_imports)]
 pub use private_redis::PrivateRedis;
 
@@ -221,8 +224,8 @@ mod brokers;
 #[allow(unused_imports)]
 pub use brokers::{
     Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Kafka, Nats, PlainLetter, Producer,
-    Redis, RedisCluster, RedisConnection, declare_amqp_quorum, kafka_bootstrap, kafka_records,
-    queue_on_another_node,
+    Redis, RedisCluster, RedisConnection, Sqs, declare_amqp_quorum, kafka_bootstrap, kafka_records,
+    queue_on_another_node, sqs_messages, sqs_plain_letter,
 };
 
 /// A source under test, with a fresh queue of its own.
@@ -284,6 +287,11 @@ impl Fixture {
     /// A fresh topic on the mock Kafka cluster this test binary shares.
     pub fn kafka() -> Self {
         Kafka::fixture()
+    }
+
+    /// A fresh queue on the moto server this test binary shares.
+    pub fn sqs() -> Self {
+        Sqs::fixture()
     }
 
     /// A fresh queue on the broker `kind`.

@@ -112,6 +112,7 @@ suite!(
         nats => Nats,
         embedded => Embedded,
         kafka => Kafka,
+        sqs => Sqs,
     ],
     [
         delivery::classification_table if DeadLetterBrowsing,

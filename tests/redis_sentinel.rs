@@ -216,26 +216,26 @@ async fn a_sentinel_failover_mid_drain_loses_nothing() {
     );
 }
 
-/// An idle reader is told of arrivals by a tracking connection to the
-/// master; when that master is killed, the connection drops, and the new
-/// one goes to the master the Sentinels name after the failover, where a
-/// message arriving at the idle queue is delivered.
+/// An idle reader waits in a blocking `XREADGROUP` on the master; when that
+/// master is killed, the connection drops, and the new one goes to the
+/// master the Sentinels name after the failover, where a message arriving
+/// at the idle queue is delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_tracking_connection_follows_a_failover() {
+async fn the_waiting_reader_follows_a_failover() {
     let mut set = SentinelSet::start(17130..=17144).await;
     let app = TestApp::start().await;
     let fixture = Fixture::redis_at(&set.url(), &unique("sentinel-idle"));
     let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
-    let tracking_on = async |port: u16| {
+    let waiting_on = async |port: u16| {
         let list: String = redis::cmd("CLIENT")
             .arg("LIST")
             .query_async(&mut plain(port).await)
             .await
             .unwrap();
-        !tracking_clients(&list).is_empty()
+        !waiting_readers(&list).is_empty()
     };
-    wait_for("tracking on the master", SETTLE, async || {
-        tracking_on(set.master).await
+    wait_for("a reader waiting on the master", SETTLE, async || {
+        waiting_on(set.master).await
     })
     .await;
     set.kill_master();
@@ -245,8 +245,8 @@ async fn the_tracking_connection_follows_a_failover() {
             .contains("role:master")
     })
     .await;
-    wait_for("tracking on the new master", SETTLE, async || {
-        tracking_on(set.replica).await
+    wait_for("a reader waiting on the new master", SETTLE, async || {
+        waiting_on(set.replica).await
     })
     .await;
     let _: String = redis::cmd("XADD")

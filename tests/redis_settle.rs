@@ -645,6 +645,109 @@ async fn a_40_mib_entry_is_dead_lettered_without_being_loaded() {
         .unwrap();
 }
 
+/// A 20 MiB entry between two small ones, all three in one read's batch
+/// (one MULTI while the reader waits), with `--max-body 1MiB`: the reader
+/// discards its bytes as they arrive, so courier's memory never holds it
+/// (its peak RSS grows by far less than the entry from what it was after a
+/// first delivery), the small ones are delivered, and the dead letter is
+/// the one the read script wrote: the whole body and the entry's other
+/// fields, reason `undeliverable`, the size in the error, attempt 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_20_mib_entry_in_a_batch_is_discarded_on_the_way_in_and_dead_lettered_whole() {
+    const BIG: usize = 20 << 20;
+    const MAX_BODY: usize = 1 << 20;
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut con = redis().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    let mut courier = courier_command()
+        .args(["run"])
+        .args(run_args(&fixture, &app, &policy, "discarding"))
+        .args(["--max-body", "1MiB"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start courier run");
+    let delivered = async |body: &str| {
+        wait_for(body, SETTLE, async || {
+            !app.received_body(body.as_bytes()).is_empty()
+        })
+        .await
+    };
+    fixture.send(&source, "warm-up").await;
+    delivered("warm-up").await;
+    let warm = peak_rss(courier.id());
+    let (_, id, _): (String, String, String) = redis::pipe()
+        .atomic()
+        .cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg("payload")
+        .arg("small, before it")
+        .cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg("payload")
+        .arg(vec![b'x'; BIG])
+        .arg("content-type")
+        .arg("text/plain")
+        .cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg("payload")
+        .arg("small, after it")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    delivered("small, before it").await;
+    delivered("small, after it").await;
+    wait_for("the dead letter", SETTLE, async || {
+        xlen(&mut con, &fixture.dlq()).await == 1
+    })
+    .await;
+    let peak = peak_rss(courier.id());
+    courier.kill().unwrap();
+    courier.wait().unwrap();
+    eprintln!(
+        "courier's peak RSS: {} KiB after a first delivery, {} KiB in the end",
+        warm >> 10,
+        peak >> 10
+    );
+    assert!(
+        peak - warm < (BIG / 4) as u64,
+        "courier's peak RSS grew by {} KiB",
+        (peak - warm) >> 10
+    );
+    assert!(app.received().iter().all(|r| r.body.len() <= MAX_BODY));
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let letter = &letters[0];
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(letter.field("courier-message-id"), Some(id.as_str()));
+    assert_eq!(letter.field("courier-queue"), Some(fixture.queue.as_str()));
+    assert_eq!(letter.field("courier-attempts"), Some("1"));
+    assert_eq!(letter.field("courier-status"), Some(""));
+    assert_eq!(letter.field("content-type"), Some("text/plain"));
+    assert_eq!(
+        letter.field("courier-error"),
+        Some(format!("the body is {BIG} bytes, over --max-body {MAX_BODY}").as_str())
+    );
+    assert_eq!(letter.body.len(), BIG, "the body is kept");
+    assert_eq!(
+        pending(&mut con, &fixture.queue).await,
+        0,
+        "the big entry is acked with its dead letter"
+    );
+    let _: () = redis::cmd("DEL")
+        .arg(&fixture.queue)
+        .arg(fixture.dlq())
+        .query_async(&mut con)
+        .await
+        .unwrap();
+}
+
 /// Hands entry `id` (the first new one) out `times` times to a consumer that
 /// never settles it, leaving it idle long past any visibility timeout.
 async fn hand_out_unsettled(con: &mut MultiplexedConnection, queue: &str, id: &str, times: u32) {

@@ -547,22 +547,22 @@ async fn delivers_over_tls(url: &str, tls: Vec<String>) {
     let retried = app.received_body(b"script:503,200");
     assert_eq!(retried[1].attempt(), 2, "the retry came back as attempt 2");
     if let Some(port) = url.strip_prefix("rediss://localhost:") {
-        // An idle reader is told of arrivals over a TLS connection of its
-        // own, which tracks keys (flag t).
+        // An idle reader waits in XREADGROUP over a TLS connection of its
+        // own (flag b).
         let port = port.trim_end_matches("/0");
         wait_for(
-            "a connection tracking keys over TLS",
+            "a reader waiting over TLS",
             Duration::from_secs(30),
             async || {
                 let out = redis_cli(&["-p", port, "CLIENT", "LIST"]);
-                !tracking_clients(&String::from_utf8_lossy(&out.stdout)).is_empty()
+                !waiting_readers(&String::from_utf8_lossy(&out.stdout)).is_empty()
             },
         )
         .await;
     }
-    // A Redis reader that falls back to polling says so.
+    // Reading new entries over TLS never failed.
     assert!(
-        !(url.starts_with("rediss") && courier.log().contains("of new entries")),
+        !(url.starts_with("rediss") && courier.log().contains("reading new entries")),
         "{}",
         courier.log()
     );

@@ -529,14 +529,17 @@ pub async fn get_status(addr: SocketAddr, path: &str) -> u16 {
         .unwrap_or(0)
 }
 
-/// The ids of the clients a Redis `CLIENT LIST` text shows with key
-/// tracking on (flag `t`): courier's idle readers waiting for arrivals.
-pub fn tracking_clients(client_list: &str) -> Vec<String> {
+/// The ids of the clients a Redis `CLIENT LIST` text shows blocked (flag
+/// `b`) in `XREADGROUP`: courier's idle readers waiting for arrivals.
+pub fn waiting_readers(client_list: &str) -> Vec<String> {
     client_list
         .lines()
         .filter(|line| {
-            line.split(' ')
-                .any(|f| f.strip_prefix("flags=").is_some_and(|v| v.contains('t')))
+            let mut fields = line.split(' ');
+            fields
+                .clone()
+                .any(|f| f.strip_prefix("flags=").is_some_and(|v| v.contains('b')))
+                && fields.any(|f| f == "cmd=xreadgroup")
         })
         .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
         .map(str::to_string)

@@ -14,6 +14,23 @@ pub(super) fn hash_tag(key: &str) -> Option<&str> {
     (close > 0).then(|| &rest[..close])
 }
 
+/// The hash slot of `key`, as Redis Cluster computes it: CRC16 (XMODEM) of
+/// its hash tag, or of the whole key without one, modulo 16384.
+pub(super) fn slot(key: &str) -> u16 {
+    let hashed = hash_tag(key).unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &byte in hashed.as_bytes() {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = match crc & 0x8000 {
+                0 => crc << 1,
+                _ => (crc << 1) ^ 0x1021,
+            };
+        }
+    }
+    crc % 16384
+}
+
 /// Whether the server is a Redis Cluster node.
 pub(super) async fn is_cluster(con: &mut Connection) -> Result<bool, SourceError> {
     let info: String = redis::cmd("INFO")
@@ -58,6 +75,15 @@ mod tests {
         assert_eq!(hash_tag("{}orders"), None);
         assert_eq!(hash_tag("{orders"), None);
         assert_eq!(hash_tag("{a}{b}"), Some("a"));
+    }
+
+    #[test]
+    fn slots_are_the_ones_redis_computes() {
+        use super::slot;
+        // CLUSTER KEYSLOT's answers.
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("somekey"), 11058);
+        assert_eq!(slot("{orders}.dlq"), slot("orders"));
     }
 
     #[test]

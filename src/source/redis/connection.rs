@@ -27,6 +27,7 @@ use redis::{
     RedisFuture, RedisResult, Value,
 };
 
+use super::read_connection::{Node, ReadError};
 use super::tls;
 use crate::source::{Tls, redact, redact_error};
 
@@ -165,14 +166,46 @@ impl Endpoint {
         matches!(self, Self::Cluster(_))
     }
 
-    /// The server a tracking connection (`arrivals.rs`) goes to: the node,
-    /// or the master the Sentinels name now; `None` for a Redis Cluster,
-    /// where the stream's node changes with its slot.
-    pub(super) async fn tracking_node(&self, tls: &Tls) -> Option<RedisResult<ConnectionInfo>> {
+    /// The server the reader's connection for new entries
+    /// (`read_connection.rs`) goes to, for stream `key`: the node, the
+    /// master the Sentinels name now, or the Redis Cluster node that owns
+    /// the key's hash slot in the slot map `commands` has now.
+    pub(super) async fn read_node(
+        &self,
+        tls: &Tls,
+        key: &str,
+        commands: &mut Connection,
+    ) -> Result<Node, ReadError> {
+        let failed = |e: RedisError| {
+            ReadError::Io(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                e.to_string(),
+            ))
+        };
         match self {
-            Self::Node(info) => Some(Ok((**info).clone())),
-            Self::Cluster(_) => None,
-            Self::Sentinel(sentinels) => Some(sentinels.master(tls).await.map(|(_, info)| info)),
+            Self::Node(info) => Node::of(info),
+            Self::Sentinel(sentinels) => {
+                let (_, info) = sentinels.master(tls).await.map_err(failed)?;
+                Node::of(&info)
+            }
+            Self::Cluster(seeds) => {
+                let slots: Value = redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async(commands)
+                    .await
+                    .map_err(failed)?;
+                let slot = super::cluster::slot(key);
+                let (host, port) = slot_owner(&slots, slot).ok_or_else(|| {
+                    ReadError::Io(std::io::Error::new(
+                        std::io::ErrorKind::NotConnected,
+                        format!("no node of the Redis Cluster serves hash slot {slot} now"),
+                    ))
+                })?;
+                let seed = seeds
+                    .first()
+                    .ok_or_else(|| ReadError::Unsupported("a cluster URL without a node".into()))?;
+                Ok(Node::of(seed)?.at(&host, port))
+            }
         }
     }
 
@@ -219,6 +252,37 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// The master serving `slot` in a `CLUSTER SLOTS` reply:
+/// `[[start, end, [host, port, id, ...], replicas...], ...]`.
+fn slot_owner(slots: &Value, slot: u16) -> Option<(String, u16)> {
+    let Value::Array(ranges) = slots else {
+        return None;
+    };
+    ranges.iter().find_map(|range| {
+        let Value::Array(parts) = range else {
+            return None;
+        };
+        let number = |v: Option<&Value>| match v {
+            Some(Value::Int(n)) => Some(*n),
+            _ => None,
+        };
+        let (start, end) = (number(parts.first())?, number(parts.get(1))?);
+        if !(start..=end).contains(&i64::from(slot)) {
+            return None;
+        }
+        let Some(Value::Array(master)) = parts.get(2) else {
+            return None;
+        };
+        let host = match master.first()? {
+            Value::BulkString(host) => String::from_utf8_lossy(host).into_owned(),
+            Value::SimpleString(host) => host.clone(),
+            _ => return None,
+        };
+        let port = u16::try_from(number(master.get(1))?).ok()?;
+        Some((host, port))
+    })
 }
 
 /// Nagle's algorithm with delayed ACKs holds small commands (an XACK, a

@@ -1,12 +1,11 @@
 //! Redis Streams.
 //!
 //! - The work stream is `--queue`, read by the consumer group `--group` in
-//!   batches on a connection of its own, by a script that dead-letters an
-//!   entry over `--max-body` inside Redis instead of returning it
-//!   (`poison.rs`, `reader.rs`). An empty queue is read again when Redis
-//!   says the stream was written to, a key-tracking push on a connection of
-//!   its own (`arrivals.rs`); a Redis Cluster, or a server that refuses
-//!   tracking, is polled.
+//!   batches with a plain blocking `XREADGROUP` on a socket of its own,
+//!   whose reply courier reads as it arrives (`read_connection.rs`,
+//!   `reply.rs`): an entry over `--max-body` is discarded on the way in,
+//!   never buffered whole, and dead-lettered inside Redis after
+//!   (`poison.rs`, `reader.rs`).
 //! - Acks are pipelined: concurrent acks become one `XACK` with many ids.
 //! - A retry is the message's fields stored in the sorted set
 //!   `<queue>.retry` (score = due time in ms) and the `XACK`, in one script
@@ -27,7 +26,6 @@
 //! A single node, a Redis Cluster and a master found through Sentinel are
 //! reached through one [`connection::Connection`] (`connection.rs`).
 
-mod arrivals;
 mod cluster;
 mod connection;
 mod depth;
@@ -35,7 +33,9 @@ mod entries;
 mod letters;
 mod mover;
 mod poison;
+mod read_connection;
 mod reader;
+mod reply;
 mod settle;
 mod tls;
 
@@ -53,9 +53,8 @@ use super::{
     Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
 };
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
-use arrivals::Arrivals;
 use connection::{Connection, Endpoint};
-use reader::Reader;
+use reader::{NewEntries, Reader};
 
 /// Redis Streams on one server (`redis://host:port/db`, `rediss://` for
 /// TLS), a Redis Cluster (`redis+cluster://`) or the master of a set of
@@ -162,12 +161,7 @@ impl RedisSource {
             commands,
             reader: Mutex::new(Reader::new(
                 reader,
-                Arrivals::new(
-                    endpoint,
-                    options.tls.clone(),
-                    options.queue.clone(),
-                    cluster,
-                ),
+                NewEntries::new(endpoint, options.tls.clone()),
             )),
             mover_stop: Arc::new(AtomicBool::new(false)),
             live: Arc::new(std::sync::Mutex::new(options.live())),

@@ -12,9 +12,8 @@
 use std::sync::LazyLock;
 
 use super::connection::Connection;
-use redis::{Script, Value};
+use redis::Script;
 
-use super::entries::{Entry, parse_entries};
 use super::{RedisSource, broker_error};
 use crate::model::rfc3339;
 use crate::source::SourceError;
@@ -152,34 +151,39 @@ end
 return moved
 ";
 
-/// Reads up to ARGV[3] new entries for consumer ARGV[2] of group ARGV[1]
-/// (`XREADGROUP` without waiting: a script cannot block) and dead-letters
-/// the ones over ARGV[4] bytes instead of returning them. KEYS[1] the
-/// stream, KEYS[2] the dead-letter stream; ARGV[5] now (RFC 3339), ARGV[6]
-/// the widest entry to keep whole, ARGV[7] and ARGV[8] the seal's HMAC
-/// pads. A dead-letter key of another type
-/// leaves large entries to be returned, and refused by the dispatcher.
-const READ: &str = r"
-local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
-if not reply then return {} end
-local budget, widest = tonumber(ARGV[4]), tonumber(ARGV[6])
-local can = nil
-local out = {}
-for _, entry in ipairs(reply[1][2]) do
-  local err = too_large(entry[2], budget)
-  if err and can == nil then can = writable(KEYS[2]) end
-  if err and can then
-    dead_letter(ARGV[1], entry[1], entry[2], err, 0, ARGV[5], widest, ARGV[7], ARGV[8])
+/// Dead-letters the new entries ARGV[7..] that the reader found over
+/// ARGV[2] bytes and discarded on the way in (`reply.rs`): each is read
+/// again here, inside Redis, and written to the dead-letter stream whole
+/// with its `XACK`, as an entry over the limit always was. KEYS[1] the
+/// stream, KEYS[2] the dead-letter stream; ARGV[1] the group, ARGV[3] now
+/// (RFC 3339), ARGV[4] the widest entry to keep whole, ARGV[5] and ARGV[6]
+/// the seal's HMAC pads. An entry deleted since is acked. A dead-letter
+/// key of another type writes nothing: the entries stay pending, and are
+/// handed out again when reclaimed. Returns how many it dead-lettered.
+const OVERSIZED: &str = r"
+if not writable(KEYS[2]) then return 0 end
+local budget, widest = tonumber(ARGV[2]), tonumber(ARGV[4])
+local moved = 0
+for i = 7, #ARGV do
+  local id = ARGV[i]
+  local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
+  if not entry then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
   else
-    out[#out + 1] = entry
+    local err = too_large(entry[2], budget)
+    if err then
+      dead_letter(ARGV[1], id, entry[2], err, 0, ARGV[3], widest, ARGV[5], ARGV[6])
+      moved = moved + 1
+    end
   end
 end
-return out
+return moved
 ";
 
 static PENDING_SCRIPT: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{SHARED}\n{PENDING}")));
-static READ_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(&format!("{SHARED}\n{READ}")));
+static OVERSIZED_SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{SHARED}\n{OVERSIZED}")));
 
 /// Which pending entries to look at.
 pub(super) struct Pending<'a> {
@@ -221,30 +225,29 @@ impl RedisSource {
             .map_err(broker_error)
     }
 
-    /// Up to `max` new entries, none over `--max-body`: larger ones are
-    /// dead-lettered inside Redis.
-    pub(super) async fn read_bounded(
-        &self,
-        con: &mut Connection,
-        max: usize,
-    ) -> Result<Vec<Entry>, SourceError> {
+    /// Dead-letters new entries the reader found over `--max-body`
+    /// (`ids`), inside Redis; returns how many.
+    pub(super) async fn dead_letter_oversized(&self, ids: &[&str]) -> Result<u64, SourceError> {
         let live = self.live();
         let (inner, outer) = self.seal.pads();
-        let reply: Value = READ_SCRIPT
+        let mut invocation = OVERSIZED_SCRIPT.prepare_invoke();
+        invocation
             .key(&self.options.queue)
             .key(&live.dead_letter_queue)
             .arg(&self.options.group)
-            .arg(&self.options.consumer)
-            .arg(max)
             .arg(self.options.max_body)
             .arg(rfc3339(std::time::SystemTime::now()))
             .arg(WIDEST)
             .arg(&inner)
-            .arg(&outer)
-            .invoke_async(con)
+            .arg(&outer);
+        for id in ids {
+            invocation.arg(*id);
+        }
+        let mut con = self.commands.clone();
+        invocation
+            .invoke_async(&mut con)
             .await
-            .map_err(broker_error)?;
-        Ok(parse_entries(reply))
+            .map_err(broker_error)
     }
 }
 

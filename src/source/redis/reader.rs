@@ -3,26 +3,30 @@
 
 use std::time::{Duration, Instant};
 
-use super::connection::Connection;
+use super::connection::{Connection, Endpoint};
 use redis::Value;
 
-use super::arrivals::Arrivals;
 use super::entries::{as_u64, parse_entries, parse_read_reply};
 use super::mover::Throttle;
 use super::poison::Pending;
+use super::read_connection::{ReadConnection, ReadError, TlsConfig};
+use super::reply::{Batch, Oversized, Reply};
 use super::{RedisSource, broker_error};
 use crate::model::Delivery;
 use crate::source::SourceError;
 use crate::source::shared::RECEIVE_WAIT;
 
-/// The longest pause between two reads of an empty queue: the most a new
-/// message waits to be picked up by an idle reader.
-const POLL_MAX: Duration = Duration::from_millis(20);
+/// How long a reply to a blocking read may take beyond its wait before the
+/// connection is given up.
+const REPLY_SLACK: Duration = Duration::from_secs(10);
+/// MOVED and ASK redirections followed in one read, at most.
+const REDIRECTS: usize = 5;
 
 pub(super) struct Reader {
+    /// For history and reclaims, whose replies the redis client reads.
     pub(super) connection: Connection,
-    /// Tells of an entry's arrival, so an empty queue is not polled.
-    arrivals: Arrivals,
+    /// For new entries: see `read_connection.rs`.
+    new_entries: NewEntries,
     /// After a restart, this consumer's own pending entries come first.
     history_done: bool,
     /// The last history entry handed out: the next history read starts
@@ -31,18 +35,71 @@ pub(super) struct Reader {
     last_reclaim: Instant,
     /// Failures of the poison-pill check, logged at most once an interval.
     trouble: Throttle,
+    /// Failures to dead-letter entries over `--max-body`, logged at most
+    /// once an interval.
+    oversized_trouble: Throttle,
+}
+
+/// Where new entries are read, and the connection there while it is
+/// sound.
+pub(super) struct NewEntries {
+    endpoint: Endpoint,
+    tls: TlsConfig,
+    /// Taken out for each read and put back only when its reply was read
+    /// whole: a read cut short leaves none, and the next read connects.
+    connection: Option<ReadConnection>,
+    /// A Redis Cluster named another node with MOVED: the next connection
+    /// goes there.
+    moved_to: Option<(String, u16)>,
+}
+
+impl NewEntries {
+    pub(super) fn new(endpoint: Endpoint, tls: crate::source::Tls) -> Self {
+        Self {
+            endpoint,
+            tls: TlsConfig::new(tls),
+            connection: None,
+            moved_to: None,
+        }
+    }
 }
 
 impl Reader {
-    pub(super) fn new(connection: Connection, arrivals: Arrivals) -> Self {
+    pub(super) fn new(connection: Connection, new_entries: NewEntries) -> Self {
         Self {
             connection,
-            arrivals,
+            new_entries,
             history_done: false,
             history_from: "0".into(),
             last_reclaim: Instant::now(),
             trouble: Throttle::new(),
+            oversized_trouble: Throttle::new(),
         }
+    }
+}
+
+/// A redirection in a Redis Cluster error reply.
+#[derive(Debug, PartialEq, Eq)]
+enum Redirect {
+    Moved(String, u16),
+    Ask(String, u16),
+}
+
+/// `MOVED 3999 127.0.0.1:6381`, `ASK 3999 127.0.0.1:6381`.
+fn redirect(text: &str) -> Option<Redirect> {
+    let mut words = text.split_whitespace();
+    let kind = words.next()?;
+    let _slot = words.next()?;
+    let (host, port) = words.next()?.rsplit_once(':')?;
+    let port = port.parse().ok()?;
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    match kind {
+        "MOVED" => Some(Redirect::Moved(host, port)),
+        "ASK" => Some(Redirect::Ask(host, port)),
+        _ => None,
     }
 }
 
@@ -53,28 +110,171 @@ impl RedisSource {
         if !redelivered.is_empty() {
             return Ok(redelivered);
         }
-        // A script reads, so that an entry over --max-body is dead-lettered
-        // inside Redis instead of loaded; a script cannot block, so an
-        // empty queue is asked again when an entry arrives (`arrivals.rs`),
-        // or, where nothing tells of arrivals, after a pause that grows to
-        // POLL_MAX.
-        let deadline = Instant::now() + RECEIVE_WAIT;
-        let mut pause = Duration::from_millis(1);
+        let batch = self.read_new(&mut reader.new_entries, max).await?;
+        if !batch.oversized.is_empty() {
+            self.settle_oversized(&mut reader, &batch.oversized).await;
+        }
+        Ok(batch
+            .entries
+            .into_iter()
+            .map(|(id, fields)| Delivery::from_fields(&id, self.seal.open(fields), 0, id.clone()))
+            .collect())
+    }
+
+    /// Up to `max` new entries, waiting up to `RECEIVE_WAIT` for a first
+    /// one (`XREADGROUP ... BLOCK`): the entries within `--max-body`, and
+    /// the ids of those over it, whose bytes were discarded as they came.
+    /// A connection failure is tried once more on a new connection (to the
+    /// server that holds the stream then), and MOVED and ASK are followed.
+    async fn read_new(&self, new: &mut NewEntries, max: usize) -> Result<Batch, SourceError> {
+        let packed = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(&self.options.group)
+            .arg(&self.options.consumer)
+            .arg("COUNT")
+            .arg(max)
+            .arg("BLOCK")
+            .arg(RECEIVE_WAIT.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(&self.options.queue)
+            .arg(">")
+            .get_packed_command();
+        let mut redirects = 0;
+        let mut failures = 0;
+        let mut ask: Option<(String, u16)> = None;
         loop {
-            let mut con = reader.connection.clone();
-            let entries = self.read_bounded(&mut con, max).await?;
-            let now = Instant::now();
-            if !entries.is_empty() || now >= deadline {
-                return Ok(entries
-                    .into_iter()
-                    .map(|(id, fields)| {
-                        Delivery::from_fields(&id, self.seal.open(fields), 0, id.clone())
-                    })
-                    .collect());
+            let read = match ask.take() {
+                Some((host, port)) => self.read_asking(new, &host, port, &packed).await,
+                None => self.read_once(new, &packed).await,
+            };
+            let text = match read {
+                Ok(Reply::Batch(batch)) => return Ok(batch),
+                Ok(Reply::Error(text)) => text,
+                Err(ReadError::Io(error)) => {
+                    failures += 1;
+                    if failures < 2 {
+                        continue;
+                    }
+                    return Err(SourceError::Unavailable(format!(
+                        "reading new entries: {error}"
+                    )));
+                }
+                Err(ReadError::Unsupported(text)) => return Err(SourceError::Invalid(text)),
+                Err(other) => {
+                    return Err(SourceError::Broker(format!("reading new entries: {other}")));
+                }
+            };
+            match redirect(&text) {
+                Some(Redirect::Moved(host, port)) if redirects < REDIRECTS => {
+                    redirects += 1;
+                    new.connection = None;
+                    new.moved_to = Some((host, port));
+                }
+                Some(Redirect::Ask(host, port)) if redirects < REDIRECTS => {
+                    redirects += 1;
+                    ask = Some((host, port));
+                }
+                _ => {
+                    // A master made a replica by a failover: the next read
+                    // asks where the stream is now.
+                    if text.starts_with("READONLY") {
+                        new.connection = None;
+                    }
+                    return Err(SourceError::Broker(text));
+                }
             }
-            if !reader.arrivals.wait(deadline).await {
-                tokio::time::sleep(pause.min(deadline - now)).await;
-                pause = (pause * 2).min(POLL_MAX);
+        }
+    }
+
+    /// One `XREADGROUP` on the connection for new entries, connecting first
+    /// when there is none.
+    async fn read_once(&self, new: &mut NewEntries, packed: &[u8]) -> Result<Reply, ReadError> {
+        let mut connection = match new.connection.take() {
+            Some(connection) => connection,
+            None => {
+                let mut commands = self.commands.clone();
+                let mut node = new
+                    .endpoint
+                    .read_node(new.tls.tls(), &self.options.queue, &mut commands)
+                    .await?;
+                if let Some((host, port)) = new.moved_to.take() {
+                    node = node.at(&host, port);
+                }
+                ReadConnection::open(&node, &new.tls).await?
+            }
+        };
+        let reply = self.read_on(&mut connection, packed, false).await?;
+        new.connection = Some(connection);
+        Ok(reply)
+    }
+
+    /// `ASKING` and `XREADGROUP` on a connection of their own to the node a
+    /// slot is being migrated to, which is closed after.
+    async fn read_asking(
+        &self,
+        new: &mut NewEntries,
+        host: &str,
+        port: u16,
+        packed: &[u8],
+    ) -> Result<Reply, ReadError> {
+        let mut commands = self.commands.clone();
+        let node = new
+            .endpoint
+            .read_node(new.tls.tls(), &self.options.queue, &mut commands)
+            .await?
+            .at(host, port);
+        let mut connection = ReadConnection::open(&node, &new.tls).await?;
+        self.read_on(&mut connection, packed, true).await
+    }
+
+    async fn read_on(
+        &self,
+        connection: &mut ReadConnection,
+        packed: &[u8],
+        asking: bool,
+    ) -> Result<Reply, ReadError> {
+        let limit = RECEIVE_WAIT + REPLY_SLACK;
+        match tokio::time::timeout(
+            limit,
+            connection.read_group(packed, asking, self.options.max_body),
+        )
+        .await
+        {
+            Ok(reply) => reply,
+            Err(_) => Err(ReadError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no whole reply to XREADGROUP within {limit:?}"),
+            ))),
+        }
+    }
+
+    /// Dead-letters the new entries found over `--max-body`, inside Redis.
+    /// A failure is logged: the entries stay pending and are reclaimed
+    /// later, when the poison-pill check dead-letters them.
+    async fn settle_oversized(&self, reader: &mut Reader, oversized: &[Oversized]) {
+        let ids: Vec<&str> = oversized.iter().map(|o| o.id.as_str()).collect();
+        match self.dead_letter_oversized(&ids).await {
+            Ok(n) if n as usize == ids.len() => tracing::warn!(
+                queue = %self.options.queue,
+                dead_letters = n,
+                ids = ?ids,
+                "dead-lettered entries over --max-body without loading them (undeliverable)"
+            ),
+            Ok(n) => {
+                if let Some(times) = reader.oversized_trouble.due() {
+                    tracing::warn!(
+                        queue = %self.options.queue,
+                        dead_letters = n,
+                        over = ?oversized,
+                        times,
+                        "entries over --max-body could not all be dead-lettered (is the dead-letter key a stream?); they stay pending until reclaimed"
+                    );
+                }
+            }
+            Err(error) => {
+                if let Some(times) = reader.oversized_trouble.due() {
+                    tracing::warn!(%error, queue = %self.options.queue, times, "dead-lettering entries over --max-body failed; they stay pending until reclaimed");
+                }
             }
         }
     }
@@ -230,5 +430,27 @@ impl RedisSource {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Redirect, redirect};
+
+    #[test]
+    fn cluster_redirections_name_the_node() {
+        assert_eq!(
+            redirect("MOVED 3999 127.0.0.1:6381"),
+            Some(Redirect::Moved("127.0.0.1".into(), 6381))
+        );
+        assert_eq!(
+            redirect("ASK 3999 [::1]:7000"),
+            Some(Redirect::Ask("::1".into(), 7000))
+        );
+        assert_eq!(redirect("NOGROUP No such key 'q' or consumer group"), None);
+        assert_eq!(
+            redirect("READONLY You can't write against a read only replica."),
+            None
+        );
     }
 }

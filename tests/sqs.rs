@@ -188,6 +188,20 @@ async fn receive_one(source: &Arc<dyn Source>) -> courier::source::Delivery {
     got.remove(0)
 }
 
+/// Makes the queue `queue` refuse messages over 1 KiB from now on, so that
+/// a write of a 2,000-byte body fails the way a refused one does on SQS.
+async fn refuse_bodies_over_1_kib(queue: &str) {
+    let client = sqs_client().await;
+    let url = sqs_queue_url(&client, queue).await.unwrap();
+    client
+        .set_queue_attributes()
+        .queue_url(&url)
+        .attributes(QueueAttributeName::MaximumMessageSize, "1024")
+        .send()
+        .await
+        .unwrap();
+}
+
 /// A retry copy SQS refuses (here larger than the queue now takes) leaves
 /// the original in the queue, handed out again, and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,15 +212,7 @@ async fn a_copy_sqs_refuses_leaves_the_original() {
     let body = "x".repeat(2000);
     let id = producer.send(body.clone(), &[]).await;
     let delivery = receive_one(&source).await;
-    let client = sqs_client().await;
-    let url = sqs_queue_url(&client, &fixture.queue).await.unwrap();
-    client
-        .set_queue_attributes()
-        .queue_url(&url)
-        .attributes(QueueAttributeName::MaximumMessageSize, "1024")
-        .send()
-        .await
-        .unwrap();
+    refuse_bodies_over_1_kib(&fixture.queue).await;
     let now = SystemTime::now();
     let err = source
         .retry(&delivery, 2, now, now + Duration::from_secs(13 * 3600))
@@ -488,15 +494,7 @@ async fn a_replay_sqs_refuses_leaves_the_letter() {
     })
     .await;
     running.stop().await;
-    let client = sqs_client().await;
-    let url = sqs_queue_url(&client, &fixture.queue).await.unwrap();
-    client
-        .set_queue_attributes()
-        .queue_url(&url)
-        .attributes(QueueAttributeName::MaximumMessageSize, "1024")
-        .send()
-        .await
-        .unwrap();
+    refuse_bodies_over_1_kib(&fixture.queue).await;
     let letter = fixture.dead_letters(&source).await.remove(0);
     let err = source.replay(&fixture.dlq(), &letter).await.unwrap_err();
     assert!(err.to_string().contains("sending to SQS"), "{err}");

@@ -7,14 +7,11 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use aws_sdk_sqs::types::{
-    ChangeMessageVisibilityBatchRequestEntry, Message, MessageSystemAttributeName,
-    QueueAttributeName,
-};
+use aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
 
 use super::attributes::from_message;
 use super::connection::{queue_attributes, queue_url, sdk_error};
-use super::settle::F_GROUP;
+use super::settle::{F_GROUP, set_visibility};
 use super::{SqsSource, lock};
 use crate::model::DeadLetter;
 use crate::source::SourceError;
@@ -150,29 +147,13 @@ impl SqsSource {
 
     /// Makes received messages visible again.
     async fn give_back(&self, url: &str, messages: &[Message]) {
-        for chunk in messages.chunks(10) {
-            let entries: Vec<_> = chunk
-                .iter()
-                .enumerate()
-                .filter_map(|(i, m)| {
-                    ChangeMessageVisibilityBatchRequestEntry::builder()
-                        .id(i.to_string())
-                        .receipt_handle(m.receipt_handle().unwrap_or_default())
-                        .visibility_timeout(0)
-                        .build()
-                        .ok()
-                })
-                .collect();
-            if let Err(e) = self
-                .client
-                .change_message_visibility_batch()
-                .queue_url(url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-            {
-                tracing::debug!(error = %sdk_error("giving dead letters back", e), "they are visible again after 30 s");
-            }
+        let receipts = messages
+            .iter()
+            .map(|m| m.receipt_handle().unwrap_or_default());
+        if let Err(e) =
+            set_visibility(&self.client, url, receipts, 0, "giving dead letters back").await
+        {
+            tracing::debug!(error = %e, "they are visible again after 30 s");
         }
     }
 

@@ -475,34 +475,53 @@ impl SqsSource {
         &self,
         receipts: &[String],
     ) -> Result<(), SourceError> {
-        let secs = self.visibility_secs();
-        let mut failed = None;
-        for chunk in receipts.chunks(10) {
-            let entries: Vec<_> = chunk
-                .iter()
-                .enumerate()
-                .filter_map(|(i, receipt)| {
-                    ChangeMessageVisibilityBatchRequestEntry::builder()
-                        .id(i.to_string())
-                        .receipt_handle(receipt)
-                        .visibility_timeout(secs)
-                        .build()
-                        .ok()
-                })
-                .collect();
-            if let Err(e) = self
-                .client
-                .change_message_visibility_batch()
-                .queue_url(&self.queue_url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-            {
-                failed = Some(sdk_error("keeping messages invisible", e));
-            }
-        }
-        failed.map_or(Ok(()), Err)
+        set_visibility(
+            &self.client,
+            &self.queue_url,
+            receipts.iter().map(String::as_str),
+            self.visibility_secs(),
+            "keeping messages invisible",
+        )
+        .await
     }
+}
+
+/// Sets the visibility timeout of the messages with these receipt handles
+/// in `queue_url` to `secs`, in `ChangeMessageVisibilityBatch` calls of
+/// ten; every call is made, and the last failure, if any, is returned.
+pub(super) async fn set_visibility(
+    client: &Client,
+    queue_url: &str,
+    receipts: impl Iterator<Item = &str>,
+    secs: i32,
+    what: &str,
+) -> Result<(), SourceError> {
+    let receipts: Vec<&str> = receipts.collect();
+    let mut failed = None;
+    for chunk in receipts.chunks(10) {
+        let entries: Vec<_> = chunk
+            .iter()
+            .enumerate()
+            .filter_map(|(i, receipt)| {
+                ChangeMessageVisibilityBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(*receipt)
+                    .visibility_timeout(secs)
+                    .build()
+                    .ok()
+            })
+            .collect();
+        if let Err(e) = client
+            .change_message_visibility_batch()
+            .queue_url(queue_url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+        {
+            failed = Some(sdk_error(what, e));
+        }
+    }
+    failed.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

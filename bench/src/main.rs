@@ -264,11 +264,16 @@ fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("building courier (cargo build --release -p courier --bin courier)...");
-    let status = Command::new(cargo)
+    let mut build = Command::new(cargo);
+    build
         .args(["build", "--release", "-p", "courier", "--bin", "courier"])
-        .current_dir(repo_root())
-        .status()
-        .context("cannot run cargo")?;
+        .current_dir(repo_root());
+    for (name, _) in std::env::vars_os() {
+        if set_by_cargo_run(&name.to_string_lossy()) {
+            build.env_remove(&name);
+        }
+    }
+    let status = build.status().context("cannot run cargo")?;
     if !status.success() {
         bail!("building courier failed");
     }
@@ -280,6 +285,24 @@ fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
         dir.parent().unwrap_or(dir).join("release")
     };
     Ok(dir.join("courier"))
+}
+
+/// Whether `cargo run` sets the variable `name` for this harness, so that
+/// it must not reach the nested `cargo build`. Build scripts (ring's among
+/// them) ask to be rerun when `CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR` and
+/// the like change, and cargo compares them with its own environment: with
+/// the harness's values the nested build reran them and recompiled ring and
+/// everything above it, which the next `cargo run` then undid (about 6
+/// minutes each way on 2 cores). `CARGO_PROFILE_*`, `CARGO_HOME` and
+/// `CARGO_TARGET_DIR` are the user's and pass through.
+fn set_by_cargo_run(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_MANIFEST_")
+        || name.starts_with("CARGO_BIN_")
+        || matches!(
+            name,
+            "CARGO_CRATE_NAME" | "CARGO_PRIMARY_PACKAGE" | "OUT_DIR"
+        )
 }
 
 fn body(bytes: usize) -> Bytes {

@@ -16,6 +16,8 @@ pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod redact;
+#[cfg(feature = "pubsub")]
+pub mod pubsub;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "sqs")]
@@ -407,6 +409,8 @@ pub const BROKERS: &[&Broker] = &[
     &kafka::BROKER,
     #[cfg(feature = "sqs")]
     &sqs::BROKER,
+    #[cfg(feature = "pubsub")]
+    &pubsub::BROKER,
 ];
 
 /// The URL forms of every broker in this build, for help and errors.

@@ -87,7 +87,6 @@ async fn a_retry_past_600_s_is_held_once_then_published_afresh() {
     let copies = pubsub_messages(&watch).await;
     assert_eq!(copies.len(), 1);
     let copy = &copies[0];
-    let first = app.received()[0].at;
     assert_eq!(attribute(copy, "courier-attempt"), "2");
     assert_eq!(attribute(copy, "courier-message-id"), id);
     assert!(!attribute(copy, "courier-seal").is_empty());

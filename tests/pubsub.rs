@@ -134,18 +134,29 @@ async fn a_retry_past_600_s_is_held_once_then_published_afresh() {
         .iter()
         .find(|c| c.message_id != copy.message_id)
         .unwrap();
-    assert_eq!(attribute(fresh, "courier-attempt"), "2", "the hold used no attempt");
+    assert_eq!(
+        attribute(fresh, "courier-attempt"),
+        "2",
+        "the hold used no attempt"
+    );
     assert_eq!(
         attribute(fresh, "courier-retry-at"),
         attribute(copy, "courier-retry-at")
     );
     assert_eq!(attribute(fresh, "courier-message-id"), id);
-    wait_for("the old copy acked, the fresh one held", SETTLE, async || {
-        let depth = inspector.depth().await.unwrap();
-        depth.ready == Some(0) && depth.retry_backlog == 1
-    })
+    wait_for(
+        "the old copy acked, the fresh one held",
+        SETTLE,
+        async || {
+            let depth = inspector.depth().await.unwrap();
+            depth.ready == Some(0) && depth.retry_backlog == 1
+        },
+    )
     .await;
-    assert!(pubsub_messages(&retry).await.is_empty(), "the fresh copy is held");
+    assert!(
+        pubsub_messages(&retry).await.is_empty(),
+        "the fresh copy is held"
+    );
     assert_eq!(app.received().len(), 1, "nothing delivered early");
     running.stop().await;
 }
@@ -220,7 +231,10 @@ async fn a_delivery_cap_below_max_attempts_is_warned_about() {
             .count()
     };
     courier.wait_running().await;
-    wait_for("the warning at start", SETTLE, async || warnings(&courier, 7) == 1).await;
+    wait_for("the warning at start", SETTLE, async || {
+        warnings(&courier, 7) == 1
+    })
+    .await;
     assert!(courier.log().contains("after 5 delivery attempts"));
     write_policy(dir.path(), "maxAttempts: 4");
     tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -280,7 +294,11 @@ async fn send_and_dlq_commands() {
     let source = fixture.open().await;
     let sent = courier_send(
         &fixture,
-        &["--header", "content-type=text/plain", "script:422,200\nsent"],
+        &[
+            "--header",
+            "content-type=text/plain",
+            "script:422,200\nsent",
+        ],
     );
     assert!(sent.status.success(), "{sent:?}");
     let purged = courier_send(&fixture, &["script:422\npurged"]);
@@ -300,12 +318,7 @@ async fn send_and_dlq_commands() {
         courier_command()
             .args(["dlq"])
             .args(args)
-            .args([
-                "--source",
-                &fixture.source_arg(),
-                "--queue",
-                &fixture.queue,
-            ])
+            .args(["--source", &fixture.source_arg(), "--queue", &fixture.queue])
             .output()
             .expect("run courier dlq")
     };

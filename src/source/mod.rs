@@ -15,9 +15,9 @@ pub mod embedded;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
-mod redact;
 #[cfg(feature = "pubsub")]
 pub mod pubsub;
+mod redact;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "sqs")]

@@ -20,7 +20,8 @@ use tonic::transport::Channel;
 pub const PUBSUB_PROJECT: &str = "courier-test";
 
 /// The emulator's launcher, as the Cloud SDK installs it.
-const EMULATOR: &str = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator";
+const EMULATOR: &str =
+    "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator";
 
 /// A running emulator; it ends when this process closes its stdin, which
 /// also happens when this process dies.

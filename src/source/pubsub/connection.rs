@@ -70,8 +70,9 @@ pub(super) fn status_error(what: &str, status: &Status) -> SourceError {
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => {
             SourceError::Unavailable(text)
         }
-        Code::InvalidArgument | Code::NotFound | Code::PermissionDenied
-        | Code::Unauthenticated => SourceError::Invalid(text),
+        Code::InvalidArgument | Code::NotFound | Code::PermissionDenied | Code::Unauthenticated => {
+            SourceError::Invalid(text)
+        }
         _ => SourceError::Broker(text),
     }
 }
@@ -237,7 +238,11 @@ impl Names {
     /// The topic dead letters go to: the policy's dead-letter queue when it
     /// names one of its own, else the work subscription's dead-letter topic
     /// when it has one, else `<queue>.dlq`.
-    pub fn dead_letter_topic(&self, dead_letter_queue: &str, subscriptions: Option<&str>) -> String {
+    pub fn dead_letter_topic(
+        &self,
+        dead_letter_queue: &str,
+        subscriptions: Option<&str>,
+    ) -> String {
         let queue = self.work.rsplit('/').next().unwrap_or_default();
         let default = crate::model::default_dead_letter_queue(queue);
         match subscriptions {
@@ -296,7 +301,9 @@ pub(super) async fn work_subscription(
     }
     let queue = names.work.rsplit('/').next().unwrap_or_default();
     let dead_letters = names.topic(&crate::model::default_dead_letter_queue(queue));
-    client.ensure_topic(&names.work_topic, HashMap::new()).await?;
+    client
+        .ensure_topic(&names.work_topic, HashMap::new())
+        .await?;
     client.ensure_topic(&dead_letters, HashMap::new()).await?;
     let mut subscription = subscription_of(&names.work, &names.work_topic, 60);
     subscription.dead_letter_policy = Some(DeadLetterPolicy {
@@ -433,7 +440,11 @@ pub(super) fn check_dead_letter_queue(dead_letter_queue: &str, work: &str) -> Re
 /// message to its dead-letter topic before courier used up the policy's
 /// attempts: Pub/Sub counts every delivery, and its forward carries none of
 /// courier's record.
-pub fn delivery_cap_warning(max_delivery_attempts: i32, topic: &str, max_attempts: u32) -> Option<String> {
+pub fn delivery_cap_warning(
+    max_delivery_attempts: i32,
+    topic: &str,
+    max_attempts: u32,
+) -> Option<String> {
     // Pub/Sub reads 0 as its default, 5.
     let cap = if max_delivery_attempts <= 0 {
         5

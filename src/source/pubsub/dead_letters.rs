@@ -33,9 +33,7 @@ impl PubSubSource {
             return Ok(topic);
         }
         if self.client.get_topic(&topic).await?.is_none() {
-            self.client
-                .ensure_topic(&topic, Default::default())
-                .await?;
+            self.client.ensure_topic(&topic, Default::default()).await?;
         }
         ensure_browsing(&self.client, &topic).await?;
         lock(&self.known_dead_letter_topics).insert(topic.clone());
@@ -132,7 +130,9 @@ impl PubSubSource {
         let Some(browsing) = self.browsing_of(dead_letter_queue).await? else {
             return Ok(Vec::new());
         };
-        let mut messages = self.pull_all(&browsing, usize::MAX, None, BROWSE_LEASE).await?;
+        let mut messages = self
+            .pull_all(&browsing, usize::MAX, None, BROWSE_LEASE)
+            .await?;
         self.give_back(&browsing, &messages).await;
         messages.truncate(limit);
         Ok(messages.iter().map(Self::letter).collect())
@@ -191,7 +191,8 @@ impl PubSubSource {
         let (browsing, received) = self.find(dead_letter_queue, &letter.id).await?;
         let fields = self.seal.seal(Self::letter(&received).fields_for_replay());
         if let Err(e) = self.publish(&self.names.work_topic, &fields).await {
-            self.give_back(&browsing, std::slice::from_ref(&received)).await;
+            self.give_back(&browsing, std::slice::from_ref(&received))
+                .await;
             return Err(e);
         }
         // Published: an ack that fails now leaves the letter in both

@@ -44,7 +44,11 @@ impl PubSubSource {
     /// second counter seeking the shared shadow meanwhile would make both
     /// count short). A snapshot of that name older than [`STALE_LOCK`] is
     /// one a counter that died left behind, and is taken over.
-    async fn lock_by_snapshot(&self, subscription: &str, snapshot: &str) -> Result<(), SourceError> {
+    async fn lock_by_snapshot(
+        &self,
+        subscription: &str,
+        snapshot: &str,
+    ) -> Result<(), SourceError> {
         let started = std::time::Instant::now();
         loop {
             let request = self
@@ -55,7 +59,13 @@ impl PubSubSource {
                     ..CreateSnapshotRequest::default()
                 })
                 .await?;
-            match self.client.subscriber.clone().create_snapshot(request).await {
+            match self
+                .client
+                .subscriber
+                .clone()
+                .create_snapshot(request)
+                .await
+            {
                 Ok(_) => return Ok(()),
                 Err(s) if s.code() == tonic::Code::AlreadyExists => {
                     if started.elapsed() > STALE_LOCK {
@@ -81,7 +91,12 @@ impl PubSubSource {
                 snapshot: snapshot.to_string(),
             })
             .await
-            && let Err(s) = self.client.subscriber.clone().delete_snapshot(request).await
+            && let Err(s) = self
+                .client
+                .subscriber
+                .clone()
+                .delete_snapshot(request)
+                .await
         {
             tracing::debug!(error = %status_error("deleting a snapshot", &s), snapshot, "a depth snapshot is left; the next count takes it over");
         }
@@ -91,7 +106,10 @@ impl PubSubSource {
     async fn count(&self, subscription: &str) -> Result<Count, SourceError> {
         let shadow = Names::shadow(subscription);
         let short = subscription.rsplit('/').next().unwrap_or_default();
-        let snapshot = format!("projects/{}/snapshots/{short}.courier-depth", self.names.project);
+        let snapshot = format!(
+            "projects/{}/snapshots/{short}.courier-depth",
+            self.names.project
+        );
         self.lock_by_snapshot(subscription, &snapshot).await?;
         let counted = async {
             let request = self
@@ -107,7 +125,9 @@ impl PubSubSource {
                 .seek(request)
                 .await
                 .map_err(|s| status_error(&format!("seeking {shadow} to count it"), &s))?;
-            let messages = self.pull_all(&shadow, usize::MAX, None, COUNT_LEASE).await?;
+            let messages = self
+                .pull_all(&shadow, usize::MAX, None, COUNT_LEASE)
+                .await?;
             let oldest = messages
                 .iter()
                 .filter_map(|r| {

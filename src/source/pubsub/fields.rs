@@ -69,10 +69,7 @@ pub(super) fn from_message(message: &PubsubMessage) -> Vec<(Bytes, Bytes)> {
     let mut names: Vec<&String> = message.attributes.keys().collect();
     names.sort();
     let mut fields = Vec::with_capacity(names.len() + 1);
-    fields.push((
-        Bytes::from_static(PAYLOAD.as_bytes()),
-        message.data.clone(),
-    ));
+    fields.push((Bytes::from_static(PAYLOAD.as_bytes()), message.data.clone()));
     for name in names {
         fields.push((
             Bytes::copy_from_slice(name.as_bytes()),

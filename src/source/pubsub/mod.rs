@@ -123,7 +123,8 @@ impl PubSubSource {
         let mut names = names;
         names.work_topic = work.topic.clone();
         let live = options.live();
-        let dead_letters = names.dead_letter_topic(&live.dead_letter_queue, dead_letter_topic.as_deref());
+        let dead_letters =
+            names.dead_letter_topic(&live.dead_letter_queue, dead_letter_topic.as_deref());
         let seal = connection::prepare(&client, &names, &dead_letters).await?;
         let source = Self {
             work_acks: settle::ack_batcher(&client, &names.work),
@@ -155,8 +156,10 @@ impl PubSubSource {
 
     /// The topic dead letters go to now.
     fn dead_letters(&self) -> String {
-        self.names
-            .dead_letter_topic(&self.live().dead_letter_queue, self.dead_letter_topic.as_deref())
+        self.names.dead_letter_topic(
+            &self.live().dead_letter_queue,
+            self.dead_letter_topic.as_deref(),
+        )
     }
 
     /// The policy's maxAttempts is `max_deliveries - 2`.

@@ -31,7 +31,10 @@ const PER_PULL: usize = 1000;
 enum Admitted {
     Deliver(Delivery),
     /// A copy not yet due, received for the first time: leased until due.
-    Hold { ack_id: String, secs: u64 },
+    Hold {
+        ack_id: String,
+        secs: u64,
+    },
     /// A copy not yet due that was held once already (or cannot be held as
     /// long as it must wait): published afresh with the same due time and
     /// the attempts it has used, the old one acked.
@@ -69,7 +72,11 @@ impl PubSubSource {
     }
 
     /// One unary pull of up to `max` from `subscription`, answered at once.
-    async fn pull(&self, subscription: &str, max: usize) -> Result<Vec<ReceivedMessage>, SourceError> {
+    async fn pull(
+        &self,
+        subscription: &str,
+        max: usize,
+    ) -> Result<Vec<ReceivedMessage>, SourceError> {
         #[allow(deprecated)]
         let request = PullRequest {
             subscription: subscription.to_string(),
@@ -216,7 +223,8 @@ impl PubSubSource {
             // publish is the closest bound known.
             fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(published))));
         }
-        let mut delivery = Delivery::from_fields(&message.message_id, fields, extra, received.ack_id);
+        let mut delivery =
+            Delivery::from_fields(&message.message_id, fields, extra, received.ack_id);
         // A poison pill: every delivery of it (but a copy's hold) ended
         // without a settlement. Pub/Sub's own counter says so.
         let handed_out = (delivery_attempt.max(0) as u32).saturating_sub(u32::from(held));

@@ -56,7 +56,7 @@ impl PubSubSource {
 
     /// Which subscription a receipt is of; a receipt this process did not
     /// hand out is refused.
-    fn from_of(&self, receipt: &str) -> Result<Sub, SourceError> {
+    fn subscription_of_receipt(&self, receipt: &str) -> Result<Sub, SourceError> {
         lock(&self.in_flight)
             .get(receipt)
             .copied()
@@ -64,7 +64,7 @@ impl PubSubSource {
     }
 
     pub(super) async fn settle_ack(&self, receipt: &str) -> Result<(), SourceError> {
-        let from = self.from_of(receipt)?;
+        let from = self.subscription_of_receipt(receipt)?;
         let batcher = match from {
             Sub::Work => &self.work_acks,
             Sub::Retry => &self.retry_acks,
@@ -94,7 +94,12 @@ impl PubSubSource {
             .publish(request)
             .await
             .map_err(|s| status_error(&format!("publishing to {topic}"), &s))?;
-        Ok(out.into_inner().message_ids.into_iter().next().unwrap_or_default())
+        Ok(out
+            .into_inner()
+            .message_ids
+            .into_iter()
+            .next()
+            .unwrap_or_default())
     }
 
     /// Every retry, and every give-back, is a sealed copy on the retry
@@ -107,7 +112,7 @@ impl PubSubSource {
         first_attempt_at: SystemTime,
         at: SystemTime,
     ) -> Result<(), SourceError> {
-        self.from_of(&delivery.receipt)?;
+        self.subscription_of_receipt(&delivery.receipt)?;
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         if let Err(e) = self.publish(&self.names.retry_topic, &fields).await {
@@ -126,8 +131,10 @@ impl PubSubSource {
         delivery: &Delivery,
         failure: &Failure,
     ) -> Result<(), SourceError> {
-        self.from_of(&delivery.receipt)?;
-        let topic = self.dead_letter_topic_of(&failure.dead_letter_queue).await?;
+        self.subscription_of_receipt(&delivery.receipt)?;
+        let topic = self
+            .dead_letter_topic_of(&failure.dead_letter_queue)
+            .await?;
         let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
         // Acked only once the dead-letter topic took it.
         if let Err(e) = self.publish(&topic, &fields).await {
@@ -146,7 +153,11 @@ impl PubSubSource {
         };
         let subscription = self.subscription(from).to_string();
         let _ = self
-            .modify_deadline(&subscription, vec![receipt.to_string()], AFTER_FAILED_SETTLE)
+            .modify_deadline(
+                &subscription,
+                vec![receipt.to_string()],
+                AFTER_FAILED_SETTLE,
+            )
             .await;
     }
 
@@ -192,7 +203,9 @@ impl PubSubSource {
             }
         }
         let secs = self.lease_secs();
-        let work = self.modify_deadline(&self.names.work.clone(), work, secs).await;
+        let work = self
+            .modify_deadline(&self.names.work.clone(), work, secs)
+            .await;
         let retry = self
             .modify_deadline(&self.names.retry.clone(), retry, secs)
             .await;

@@ -9,6 +9,7 @@ mod kube_stub;
 mod moto;
 mod private_redis;
 mod pubsub_emulator;
+mod server_process;
 #[allow(unused_imports)]
 pub use failover::{
     assert_none_lost, assert_none_twice, dead_letter_bodies, drain_across_a_kill,

@@ -4,11 +4,9 @@
 //! (and so for every courier it starts) before the first client is made.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
     DeadLetterPolicy, Subscription, Topic, publisher_client::PublisherClient,
@@ -23,8 +21,8 @@ pub const PUBSUB_PROJECT: &str = "courier-test";
 const EMULATOR: &str =
     "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator";
 
-/// A running emulator; it ends when this process closes its stdin, which
-/// also happens when this process dies.
+/// A running emulator; it ends with this process
+/// ([`super::server_process::start_server`]).
 pub struct PubSubEmulator {
     _child: Child,
     pub port: u16,
@@ -32,36 +30,13 @@ pub struct PubSubEmulator {
 
 impl PubSubEmulator {
     pub fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        // The shell ends the emulator (the launcher execs java) once stdin
-        // closes.
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "'{EMULATOR}' --host=127.0.0.1 --port={port} >/dev/null 2>&1 & emulator=$!; echo started; cat >/dev/null; kill $emulator"
-            ))
-            .env("JAVA_OPTS", "-Xmx384m -XX:TieredStopAtLevel=1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the Pub/Sub emulator");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("the emulator wrapper starts");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "the Pub/Sub emulator did not start answering on 127.0.0.1:{port} ({EMULATOR})"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        // The launcher execs java, so the shell's kill reaches the JVM.
+        let (child, port) = super::server_process::start_server(
+            &format!("'{EMULATOR}' --host=127.0.0.1 --port={{port}}"),
+            &[("JAVA_OPTS", "-Xmx384m -XX:TieredStopAtLevel=1")],
+            &format!("the Pub/Sub emulator ({EMULATOR})"),
+            Duration::from_secs(120),
+        );
         Self {
             _child: child,
             port,

@@ -3,7 +3,8 @@
 //! published afresh, a retry copy Pub/Sub refuses leaving the original, the
 //! warning about a dead-letter policy below `maxAttempts`, a subscription
 //! without a dead-letter policy (a warning, attempts from courier's
-//! record), `courier send` and `courier dlq`, and the depth gauges.
+//! record), `courier send` and `courier dlq`, the depth gauges, and the
+//! poison-pill rule on `delivery_attempt`.
 
 mod common;
 
@@ -391,4 +392,49 @@ async fn depth_gauges_on_metrics() {
         "Pub/Sub cannot tell a waiting message from one with an app: {seen}"
     );
     running.stop().await;
+}
+
+/// A message Pub/Sub delivered more than `maxAttempts + 2` times without a
+/// settlement (here nacked by the plain client, as crashed sidecars would
+/// leave it) is marked for the `undeliverable` dead letter without being
+/// offered: the poison-pill rule reads `delivery_attempt`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_pill_is_judged_by_delivery_attempt() {
+    use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PullRequest;
+    let fixture = Fixture::pubsub();
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    producer.send("poison", &[]).await;
+    let work = pubsub_subscription(&fixture.queue);
+    let (_, mut subscriber) = pubsub_clients().await;
+    // SourceOptions' default limit is 7 deliveries.
+    let mut nacked = 0;
+    while nacked < 7 {
+        #[allow(deprecated)]
+        let got = subscriber
+            .pull(PullRequest {
+                subscription: work.clone(),
+                return_immediately: true,
+                max_messages: 1,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .received_messages;
+        for received in got {
+            subscriber
+                .modify_ack_deadline(ModifyAckDeadlineRequest {
+                    subscription: work.clone(),
+                    ack_ids: vec![received.ack_id],
+                    ack_deadline_seconds: 0,
+                })
+                .await
+                .unwrap();
+            nacked += 1;
+        }
+    }
+    let delivery = receive_one(&source).await;
+    let problem = delivery.problem.clone().expect("a poison pill");
+    assert!(problem.contains("delivered 8 times"), "{problem}");
+    assert_eq!(delivery.attempt, 8, "each unsettled delivery counted");
 }

@@ -18,7 +18,7 @@ use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
     CreateSnapshotRequest, DeleteSnapshotRequest, SeekRequest, seek_request,
 };
 
-use super::connection::{Names, status_error};
+use super::connection::{Client, Names, status_error};
 use super::fields::{from_message, publish_time};
 use super::{PubSubSource, Sub, lock};
 use crate::model::{F_LAST_ATTEMPT_AT, parse_time};
@@ -29,7 +29,29 @@ use crate::source::{Depth, SourceError};
 const COUNT_LEASE: u64 = 60;
 
 /// A count's snapshot older than this was left by a counter that died.
-const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(30);
+const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Deletes a count's snapshot when the count is dropped before it did.
+struct Unlock {
+    client: Option<Client>,
+    snapshot: String,
+}
+
+impl Drop for Unlock {
+    fn drop(&mut self) {
+        let (Some(client), Ok(runtime)) =
+            (self.client.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let snapshot = std::mem::take(&mut self.snapshot);
+        runtime.spawn(async move {
+            if let Ok(request) = client.request(DeleteSnapshotRequest { snapshot }).await {
+                let _ = client.subscriber.clone().delete_snapshot(request).await;
+            }
+        });
+    }
+}
 
 /// What a count found.
 struct Count {
@@ -111,6 +133,12 @@ impl PubSubSource {
             self.names.project
         );
         self.lock_by_snapshot(subscription, &snapshot).await?;
+        // A count cut short (its task aborted at a stop) still lets go of
+        // the lock, so the next counter does not wait for it to go stale.
+        let mut unlock = Unlock {
+            client: Some(self.client.clone()),
+            snapshot: snapshot.clone(),
+        };
         let counted = async {
             let request = self
                 .client
@@ -159,6 +187,7 @@ impl PubSubSource {
             })
         }
         .await;
+        unlock.client = None;
         self.delete_snapshot(&snapshot).await;
         counted
     }

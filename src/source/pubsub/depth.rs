@@ -28,8 +28,13 @@ use crate::source::{Depth, SourceError};
 /// How long the shadow keeps what it pulled while counting.
 const COUNT_LEASE: u64 = 60;
 
-/// A count's snapshot older than this was left by a counter that died.
-const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(15);
+/// A count's snapshot still there after this long was left by a counter
+/// that died: a count takes a few round trips, tens of milliseconds, and a
+/// replica waiting longer would hold up its depth (and a restarted one its
+/// start-up checks) for a dead one. A count of a large backlog can take
+/// longer and then be overtaken; the two counts may then each come out
+/// short, once.
+const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Deletes a count's snapshot when the count is dropped before it did.
 struct Unlock {

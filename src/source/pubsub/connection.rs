@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
-    DeadLetterPolicy, GetSubscriptionRequest, GetTopicRequest, Subscription, Topic,
-    UpdateTopicRequest, publisher_client::PublisherClient, subscriber_client::SubscriberClient,
+    AcknowledgeRequest, DeadLetterPolicy, GetSubscriptionRequest, GetTopicRequest, PullRequest,
+    ReceivedMessage, Subscription, Topic, UpdateTopicRequest, publisher_client::PublisherClient,
+    subscriber_client::SubscriberClient,
 };
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
@@ -146,6 +147,50 @@ impl Client {
             request.metadata_mut().insert("authorization", value);
         }
         Ok(request)
+    }
+
+    /// One unary pull of up to `max` (at most 1000) from `subscription`,
+    /// answered at once: without `return_immediately` the emulator waits for
+    /// messages, and a pull cut short would leave what it took leased to
+    /// nobody.
+    pub async fn pull(
+        &self,
+        subscription: &str,
+        max: usize,
+    ) -> Result<Vec<ReceivedMessage>, SourceError> {
+        #[allow(deprecated)]
+        let request = PullRequest {
+            subscription: subscription.to_string(),
+            return_immediately: true,
+            max_messages: max.clamp(1, 1000) as i32,
+        };
+        let request = self.request(request).await?;
+        let out = self
+            .subscriber
+            .clone()
+            .pull(request)
+            .await
+            .map_err(|s| status_error(&format!("pulling from {subscription}"), &s))?;
+        Ok(out.into_inner().received_messages)
+    }
+
+    pub async fn acknowledge(
+        &self,
+        subscription: &str,
+        ack_ids: Vec<String>,
+    ) -> Result<(), SourceError> {
+        let request = self
+            .request(AcknowledgeRequest {
+                subscription: subscription.to_string(),
+                ack_ids,
+            })
+            .await?;
+        self.subscriber
+            .clone()
+            .acknowledge(request)
+            .await
+            .map(drop)
+            .map_err(|s| status_error(&format!("acknowledging in {subscription}"), &s))
     }
 
     pub async fn get_subscription(&self, name: &str) -> Result<Option<Subscription>, SourceError> {

@@ -7,9 +7,9 @@
 
 use std::collections::HashSet;
 
-use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{PullRequest, ReceivedMessage};
+use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::ReceivedMessage;
 
-use super::connection::{Names, ensure_browsing, status_error};
+use super::connection::{Names, ensure_browsing};
 use super::fields::{from_message, publish_time};
 use super::{PubSubSource, lock};
 use crate::model::DeadLetter;
@@ -66,24 +66,7 @@ impl PubSubSource {
         let mut seen = HashSet::new();
         let mut out = Vec::new();
         while out.len() < limit {
-            #[allow(deprecated)]
-            let request = self
-                .client
-                .request(PullRequest {
-                    subscription: subscription.to_string(),
-                    return_immediately: true,
-                    max_messages: 1000,
-                })
-                .await?;
-            let got = self
-                .client
-                .subscriber
-                .clone()
-                .pull(request)
-                .await
-                .map_err(|s| status_error(&format!("pulling from {subscription}"), &s))?
-                .into_inner()
-                .received_messages;
+            let got = self.client.pull(subscription, 1000).await?;
             if got.is_empty() {
                 break;
             }
@@ -165,22 +148,9 @@ impl PubSubSource {
         browsing: &str,
         received: &ReceivedMessage,
     ) -> Result<(), SourceError> {
-        let request = self
-            .client
-            .request(
-                googleapis_tonic_google_pubsub_v1::google::pubsub::v1::AcknowledgeRequest {
-                    subscription: browsing.to_string(),
-                    ack_ids: vec![received.ack_id.clone()],
-                },
-            )
-            .await?;
         self.client
-            .subscriber
-            .clone()
-            .acknowledge(request)
+            .acknowledge(browsing, vec![received.ack_id.clone()])
             .await
-            .map(drop)
-            .map_err(|s| status_error("removing a dead letter", &s))
     }
 
     pub(super) async fn replay_dead_letter(

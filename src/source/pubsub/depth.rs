@@ -175,16 +175,7 @@ impl PubSubSource {
             // until the next count seeks again.
             let ids: Vec<String> = messages.iter().map(|m| m.ack_id.clone()).collect();
             for chunk in ids.chunks(1000) {
-                let request = self
-                    .client
-                    .request(
-                        googleapis_tonic_google_pubsub_v1::google::pubsub::v1::AcknowledgeRequest {
-                            subscription: shadow.clone(),
-                            ack_ids: chunk.to_vec(),
-                        },
-                    )
-                    .await?;
-                let _ = self.client.subscriber.clone().acknowledge(request).await;
+                let _ = self.client.acknowledge(&shadow, chunk.to_vec()).await;
             }
             Ok::<_, SourceError>(Count {
                 messages: messages.len() as u64,

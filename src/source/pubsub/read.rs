@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
-    ModifyAckDeadlineRequest, PullRequest, ReceivedMessage,
+    ModifyAckDeadlineRequest, ReceivedMessage,
 };
 
 use super::connection::{MAX_HOLD_SECS, MIN_LEASE_SECS, status_error};
@@ -23,9 +23,6 @@ use crate::source::shared::{F_RETRY_AT, RECEIVE_WAIT, field, replace};
 
 /// How often an empty queue is asked again within one receive.
 const POLL: Duration = Duration::from_millis(50);
-
-/// Pub/Sub returns at most this many messages a pull.
-const PER_PULL: usize = 1000;
 
 /// What one pulled message becomes.
 enum Admitted {
@@ -71,31 +68,6 @@ impl PubSubSource {
         ceil_secs(self.live().visibility_timeout).clamp(MIN_LEASE_SECS, MAX_HOLD_SECS)
     }
 
-    /// One unary pull of up to `max` from `subscription`, answered at once.
-    async fn pull(
-        &self,
-        subscription: &str,
-        max: usize,
-    ) -> Result<Vec<ReceivedMessage>, SourceError> {
-        #[allow(deprecated)]
-        let request = PullRequest {
-            subscription: subscription.to_string(),
-            // Without it the emulator waits for messages; a pull cut short
-            // would leave what it took leased to nobody.
-            return_immediately: true,
-            max_messages: max.clamp(1, PER_PULL) as i32,
-        };
-        let request = self.client.request(request).await?;
-        let out = self
-            .client
-            .subscriber
-            .clone()
-            .pull(request)
-            .await
-            .map_err(|s| status_error("pulling from Pub/Sub", &s))?;
-        Ok(out.into_inner().received_messages)
-    }
-
     /// Sets the ack deadline of these messages of `subscription`.
     pub(super) async fn modify_deadline(
         &self,
@@ -132,10 +104,10 @@ impl PubSubSource {
             // sized to what is still free, so nothing is pulled that would
             // have to be given back (a give-back of a copy is a delivery
             // Pub/Sub counts).
-            let copies = self.pull(&self.names.retry, max).await?;
+            let copies = self.client.pull(&self.names.retry, max).await?;
             self.admit_all(Sub::Retry, copies, &mut out).await;
             if out.len() < max {
-                let work = self.pull(&self.names.work, max - out.len()).await?;
+                let work = self.client.pull(&self.names.work, max - out.len()).await?;
                 self.admit_all(Sub::Work, work, &mut out).await;
             }
             if !out.is_empty() || tokio::time::Instant::now() >= deadline {

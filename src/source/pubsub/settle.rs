@@ -6,7 +6,7 @@
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{AcknowledgeRequest, PublishRequest};
+use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PublishRequest;
 
 use super::connection::{Client, status_error};
 use super::fields::to_message;
@@ -28,21 +28,7 @@ pub(super) fn ack_batcher(client: &Client, subscription: &str) -> Batcher<String
     Batcher::spawn(512, move |ack_ids: Vec<String>| {
         let client = client.clone();
         let subscription = subscription.clone();
-        async move {
-            let request = client
-                .request(AcknowledgeRequest {
-                    subscription,
-                    ack_ids,
-                })
-                .await?;
-            client
-                .subscriber
-                .clone()
-                .acknowledge(request)
-                .await
-                .map(drop)
-                .map_err(|s| status_error("acknowledging", &s))
-        }
+        async move { client.acknowledge(&subscription, ack_ids).await }
     })
 }
 

@@ -456,10 +456,11 @@ esac
 exec '{kubectl}' "$@"
 "#,
             courier_dir = courier_dir.display(),
-            // SQS credentials and endpoint: a pod's come from its own
-            // environment (IRSA, a Secret), here from the test's moto.
+            // SQS credentials and endpoint, the Pub/Sub emulator: a pod's
+            // come from its own environment (IRSA, Workload Identity, a
+            // Secret), here from the test's moto and emulator.
             aws = std::env::vars()
-                .filter(|(name, _)| name.starts_with("AWS_"))
+                .filter(|(name, _)| name.starts_with("AWS_") || name == "PUBSUB_EMULATOR_HOST")
                 .map(|(name, value)| format!("{name}='{value}'"))
                 .collect::<Vec<_>>()
                 .join(" "),

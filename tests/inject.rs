@@ -386,6 +386,15 @@ fn an_sqs_source_is_accepted() {
 }
 
 #[test]
+fn a_pubsub_source_is_accepted() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =
+        json!("pubsub://my-project");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed(), "{}", r.message());
+}
+
+#[test]
 fn a_bad_broker_url_denies_the_pod() {
     let mut request = read_json(&fixtures().join("opted-in.review.json"));
     request["request"]["object"]["metadata"]["annotations"]["courier.dev/source"] =

@@ -17,12 +17,13 @@ pub struct UsageError(pub String);
 #[derive(Debug, Clone, Args)]
 pub struct SourceArgs {
     /// Broker URL: redis://host:port/db, amqp://user:pass@host:port/vhost, nats://host:port,
-    /// kafka://host:port[,host:port], sqs://REGION or embedded:<dir> (the brokers of this build;
-    /// an unknown scheme's error lists them); rediss://, amqps:// and tls:// (NATS) over TLS.
+    /// kafka://host:port[,host:port], sqs://REGION, pubsub://PROJECT or embedded:<dir> (the
+    /// brokers of this build; an unknown scheme's error lists them); rediss://, amqps:// and
+    /// tls:// (NATS) over TLS.
     #[arg(long, env = "COURIER_SOURCE")]
     pub source: String,
     /// Queue to consume: the Redis stream key, the RabbitMQ queue, the NATS stream, the Kafka
-    /// topic, the SQS queue name or URL, the embedded queue name.
+    /// topic, the SQS queue name or URL, the Pub/Sub subscription, the embedded queue name.
     #[arg(long, env = "COURIER_QUEUE")]
     pub queue: String,
     /// PEM file of the CA that signed the broker's certificate, for rediss://, amqps:// and NATS

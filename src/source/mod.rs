@@ -15,6 +15,8 @@ pub mod embedded;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "pubsub")]
+pub mod pubsub;
 mod redact;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -407,6 +409,8 @@ pub const BROKERS: &[&Broker] = &[
     &kafka::BROKER,
     #[cfg(feature = "sqs")]
     &sqs::BROKER,
+    #[cfg(feature = "pubsub")]
+    &pubsub::BROKER,
 ];
 
 /// The URL forms of every broker in this build, for help and errors.

@@ -30,10 +30,11 @@ pub enum BrokerKind {
     Embedded,
     Kafka,
     Sqs,
+    PubSub,
 }
 
 impl BrokerKind {
-    pub const ALL: [BrokerKind; 7] = [
+    pub const ALL: [BrokerKind; 8] = [
         Self::Redis,
         Self::RedisCluster,
         Self::Amqp,
@@ -41,6 +42,7 @@ impl BrokerKind {
         Self::Embedded,
         Self::Kafka,
         Self::Sqs,
+        Self::PubSub,
     ];
 
     /// The name `courier::source::Broker::name` gives this broker.
@@ -53,6 +55,7 @@ impl BrokerKind {
             Self::Embedded => Embedded::NAME,
             Self::Kafka => Kafka::NAME,
             Self::Sqs => Sqs::NAME,
+            Self::PubSub => PubSub::NAME,
         }
     }
 
@@ -86,6 +89,7 @@ impl BrokerKind {
             Self::Embedded => Embedded::fixture(),
             Self::Kafka => Kafka::fixture(),
             Self::Sqs => Sqs::fixture(),
+            Self::PubSub => PubSub::fixture(),
         }
     }
 
@@ -99,6 +103,7 @@ impl BrokerKind {
             Self::Embedded => Embedded::producer(fixture).await,
             Self::Kafka => Kafka::producer(fixture).await,
             Self::Sqs => Sqs::producer(fixture).await,
+            Self::PubSub => PubSub::producer(fixture).await,
         }
     }
 
@@ -112,6 +117,7 @@ impl BrokerKind {
             Self::Embedded => Embedded::read_dead_letters(fixture).await,
             Self::Kafka => Kafka::read_dead_letters(fixture).await,
             Self::Sqs => Sqs::read_dead_letters(fixture).await,
+            Self::PubSub => PubSub::read_dead_letters(fixture).await,
         }
     }
 
@@ -122,7 +128,7 @@ impl BrokerKind {
     pub fn moves_atomically(self) -> bool {
         match self {
             Self::Redis | Self::RedisCluster | Self::Embedded => true,
-            Self::Amqp | Self::Nats | Self::Kafka | Self::Sqs => false,
+            Self::Amqp | Self::Nats | Self::Kafka | Self::Sqs | Self::PubSub => false,
         }
     }
 
@@ -139,7 +145,8 @@ impl BrokerKind {
             | Self::Amqp
             | Self::Nats
             | Self::Kafka
-            | Self::Sqs => {}
+            | Self::Sqs
+            | Self::PubSub => {}
             Self::Embedded => {
                 tokio::time::sleep_until((handed_out_by + Duration::from_millis(100)).into()).await;
             }
@@ -156,6 +163,7 @@ impl BrokerKind {
             Self::Embedded => Embedded::clean_up(url, queue).await,
             Self::Kafka => Kafka::clean_up(url, queue).await,
             Self::Sqs => Sqs::clean_up(url, queue).await,
+            Self::PubSub => PubSub::clean_up(url, queue).await,
         }
     }
 }
@@ -186,6 +194,7 @@ pub struct Nats;
 pub struct Embedded;
 pub struct Kafka;
 pub struct Sqs;
+pub struct PubSub;
 
 /// Opens `fixture`'s queue with `--create`, so a plain client can publish
 /// to it, and lets go again.
@@ -651,6 +660,108 @@ impl BrokerFixture for Sqs {
     }
 }
 
+/// The Pub/Sub emulator this test binary shares, fed and read with the
+/// plain gRPC client. The subscription is made by that client, as an
+/// operator would, with a dead-letter policy (100 delivery attempts) to
+/// `<queue>.dlq`, so that Pub/Sub counts deliveries.
+impl BrokerFixture for PubSub {
+    const NAME: &'static str = "pubsub";
+
+    fn fixture() -> Fixture {
+        let fixture = Fixture::with_cleanup(Self::NAME, &super::pubsub_url(), unique("test"));
+        let queue = fixture.queue.clone();
+        // A runtime of its own: fixtures are made outside and inside
+        // runtimes alike.
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(super::create_pubsub_subscription(&queue, Some(100)))
+        })
+        .join()
+        .expect("create the subscription");
+        fixture
+    }
+
+    async fn producer(fixture: &Fixture) -> Producer {
+        let (publisher, _) = super::pubsub_clients().await;
+        Producer::PubSub {
+            publisher,
+            topic: super::pubsub_topic(&fixture.queue),
+        }
+    }
+
+    /// Every message of the browsing subscription `<queue>.dlq` (courier's
+    /// reader of the dead-letter topic), pulled and given back; the
+    /// attributes are the fields.
+    async fn read_dead_letters(fixture: &Fixture) -> Vec<PlainLetter> {
+        pubsub_messages(&super::pubsub_subscription(&fixture.dlq()))
+            .await
+            .iter()
+            .map(|m| {
+                let mut names: Vec<&String> = m.attributes.keys().collect();
+                names.sort();
+                PlainLetter {
+                    body: m.data.clone(),
+                    fields: names
+                        .into_iter()
+                        .map(|n| (n.clone(), m.attributes[n].clone()))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// The emulator lives in memory and ends with the test binary; every
+    /// test's subscriptions have names of their own.
+    async fn clean_up(_url: &str, _queue: &str) {}
+}
+
+/// Every message of the Pub/Sub subscription `name` (a full name), oldest
+/// first: pulled with the plain client (each once, leased meanwhile) and
+/// given back. Empty when the subscription does not exist.
+pub async fn pubsub_messages(
+    name: &str,
+) -> Vec<googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PubsubMessage> {
+    use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+        ModifyAckDeadlineRequest, PullRequest,
+    };
+    let (_, mut subscriber) = super::pubsub_clients().await;
+    let mut out = Vec::new();
+    let mut ack_ids = Vec::new();
+    loop {
+        #[allow(deprecated)]
+        let request = PullRequest {
+            subscription: name.to_string(),
+            return_immediately: true,
+            max_messages: 1000,
+        };
+        let Ok(got) = subscriber.pull(request).await else {
+            break;
+        };
+        let got = got.into_inner().received_messages;
+        if got.is_empty() {
+            break;
+        }
+        for received in got {
+            ack_ids.push(received.ack_id);
+            out.extend(received.message);
+        }
+    }
+    if !ack_ids.is_empty() {
+        let _ = subscriber
+            .modify_ack_deadline(ModifyAckDeadlineRequest {
+                subscription: name.to_string(),
+                ack_ids,
+                ack_deadline_seconds: 0,
+            })
+            .await;
+    }
+    out.sort_by_key(|m| m.publish_time.map(|t| (t.seconds, t.nanos)));
+    out
+}
+
 /// Every message of the SQS queue at `url`, oldest first: received (each
 /// once, invisible meanwhile) and given back.
 pub async fn sqs_messages(
@@ -859,6 +970,12 @@ pub enum Producer {
         url: String,
         fifo: bool,
     },
+    PubSub {
+        publisher: googleapis_tonic_google_pubsub_v1::google::pubsub::v1::publisher_client::PublisherClient<
+            tonic::transport::Channel,
+        >,
+        topic: String,
+    },
 }
 
 impl Producer {
@@ -874,6 +991,8 @@ impl Producer {
                     && courier::source::sqs::is_sqs_text(value)
             }
             Self::Amqp { .. } => name.len() <= 255,
+            // An attribute each, as Pub/Sub takes them.
+            Self::PubSub { .. } => courier::source::pubsub::attribute_ok(name, value),
             Self::Nats { .. } => {
                 name.parse::<async_nats::HeaderName>().is_ok()
                     && value.parse::<async_nats::HeaderValue>().is_ok()
@@ -1011,6 +1130,27 @@ impl Producer {
                     .unwrap_or_default()
                     .to_string()
             }
+            Self::PubSub { publisher, topic } => {
+                use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+                    PublishRequest, PubsubMessage,
+                };
+                let message = PubsubMessage {
+                    data: body,
+                    attributes: headers.iter().cloned().collect(),
+                    ..PubsubMessage::default()
+                };
+                publisher
+                    .clone()
+                    .publish(PublishRequest {
+                        topic: topic.clone(),
+                        messages: vec![message],
+                    })
+                    .await
+                    .expect("Pub/Sub takes the message")
+                    .into_inner()
+                    .message_ids
+                    .remove(0)
+            }
         }
     }
 
@@ -1022,7 +1162,11 @@ impl Producer {
             Self::Amqp { connection, .. } => {
                 let _ = connection.close(200, "producer done".into()).await;
             }
-            Self::Redis { .. } | Self::Nats { .. } | Self::Kafka { .. } | Self::Sqs { .. } => {}
+            Self::Redis { .. }
+            | Self::Nats { .. }
+            | Self::Kafka { .. }
+            | Self::Sqs { .. }
+            | Self::PubSub { .. } => {}
         }
     }
 }

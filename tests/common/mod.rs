@@ -8,6 +8,8 @@ mod kafka_mock;
 mod kube_stub;
 mod moto;
 mod private_redis;
+mod pubsub_emulator;
+mod server_process;
 #[allow(unused_imports)]
 pub use failover::{
     assert_none_lost, assert_none_twice, dead_letter_bodies, drain_across_a_kill,
@@ -21,6 +23,11 @@ pub use kube_stub::KubeStub;
 pub use moto::{Moto, SQS_REGION, shared_moto, sqs_client, sqs_queue_url, sqs_url};
 #[allow(unused_imports)]
 pub use private_redis::PrivateRedis;
+#[allow(unused_imports)]
+pub use pubsub_emulator::{
+    PUBSUB_PROJECT, PubSubEmulator, create_pubsub_subscription, pubsub_clients,
+    pubsub_subscription, pubsub_topic, pubsub_url, shared_pubsub,
+};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -224,8 +231,8 @@ mod brokers;
 #[allow(unused_imports)]
 pub use brokers::{
     Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Kafka, Nats, PlainLetter, Producer,
-    Redis, RedisCluster, RedisConnection, Sqs, declare_amqp_quorum, kafka_bootstrap, kafka_records,
-    queue_on_another_node, sqs_messages, sqs_plain_letter,
+    PubSub, Redis, RedisCluster, RedisConnection, Sqs, declare_amqp_quorum, kafka_bootstrap,
+    kafka_records, pubsub_messages, queue_on_another_node, sqs_messages, sqs_plain_letter,
 };
 
 /// A source under test, with a fresh queue of its own.
@@ -292,6 +299,11 @@ impl Fixture {
     /// A fresh queue on the moto server this test binary shares.
     pub fn sqs() -> Self {
         Sqs::fixture()
+    }
+
+    /// A fresh subscription on the Pub/Sub emulator this test binary shares.
+    pub fn pubsub() -> Self {
+        PubSub::fixture()
     }
 
     /// A fresh queue on the broker `kind`.

@@ -4,12 +4,10 @@
 //! this process (and so for every courier it starts) before the first
 //! client is made.
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The region of every test queue.
 pub const SQS_REGION: &str = "us-east-1";
@@ -23,37 +21,14 @@ pub struct Moto {
 
 impl Moto {
     pub fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/moto-server");
-        // The shell ends moto (by its process id) once stdin closes.
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "'{}' -p {port} >&2 & moto=$!; echo started; cat >/dev/null; kill $moto",
-                script.display()
-            ))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start scripts/moto-server");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("the moto wrapper starts");
         // The first run installs moto in .venv-moto.
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "moto did not start answering on 127.0.0.1:{port} (scripts/moto-server)"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let (child, port) = super::server_process::start_server(
+            &format!("'{}' -p {{port}}", script.display()),
+            &[],
+            "moto (scripts/moto-server)",
+            Duration::from_secs(300),
+        );
         Self {
             _child: child,
             port,

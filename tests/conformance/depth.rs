@@ -1,8 +1,8 @@
 //! `courier_queue_depth` and `courier_queue_oldest_age_seconds` as an
 //! operator reads them on `/metrics`: messages waiting behind a slow app
 //! show as depth and a growing age, and both fall to zero once the app has
-//! caught up. RabbitMQ and SQS cannot tell the age: there the series is
-//! absent.
+//! caught up. RabbitMQ, SQS and Pub/Sub cannot tell the age: there the
+//! series is absent.
 
 use std::time::Duration;
 
@@ -30,8 +30,12 @@ pub async fn waiting_messages_show_as_depth_and_age(fixture: Fixture) {
     config.concurrency = 1;
     let running = Running::start(config).await;
     let queue = fixture.queue.clone();
-    // SQS tells no age without receiving the message (CloudWatch has it).
-    let age_told = !matches!(fixture.broker, BrokerKind::Amqp | BrokerKind::Sqs);
+    // SQS tells no age without receiving the message (CloudWatch has it);
+    // Pub/Sub cannot tell a message waiting from one with an app.
+    let age_told = !matches!(
+        fixture.broker,
+        BrokerKind::Amqp | BrokerKind::Sqs | BrokerKind::PubSub
+    );
 
     let mut seen = String::new();
     wait_for(

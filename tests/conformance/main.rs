@@ -113,6 +113,7 @@ suite!(
         embedded => Embedded,
         kafka => Kafka,
         sqs => Sqs,
+        pubsub => PubSub,
     ],
     [
         delivery::classification_table if DeadLetterBrowsing,

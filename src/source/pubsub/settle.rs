@@ -1,0 +1,200 @@
+//! Settling a delivery: ack (concurrent acks in one `Acknowledge`), retry
+//! and give-back (a sealed copy on the retry topic, then the ack), dead
+//! letter (a publish to the dead-letter topic, then the ack); sending; and
+//! keeping what the app has leased.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PublishRequest;
+
+use super::connection::{Client, status_error};
+use super::fields::to_message;
+use super::{PubSubSource, Sub, lock};
+use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::source::shared::{F_RETRY_AT, replace, without};
+use crate::source::{Batcher, SourceError};
+
+/// How long a message whose retry copy or dead letter Pub/Sub did not take
+/// stays leased before it is delivered again: not at once, since the
+/// publish that failed is likely to fail again, and not a whole lease, so
+/// that a passing fault costs little. Pub/Sub's shortest deadline.
+const AFTER_FAILED_SETTLE: u64 = 10;
+
+/// Concurrent acks of one subscription become one `Acknowledge`.
+pub(super) fn ack_batcher(client: &Client, subscription: &str) -> Batcher<String> {
+    let client = client.clone();
+    let subscription = subscription.to_string();
+    Batcher::spawn(512, move |ack_ids: Vec<String>| {
+        let client = client.clone();
+        let subscription = subscription.clone();
+        async move { client.acknowledge(&subscription, ack_ids).await }
+    })
+}
+
+impl PubSubSource {
+    fn subscription(&self, from: Sub) -> &str {
+        match from {
+            Sub::Work => &self.names.work,
+            Sub::Retry => &self.names.retry,
+        }
+    }
+
+    /// Which subscription a receipt is of; a receipt this process did not
+    /// hand out is refused.
+    fn subscription_of_receipt(&self, receipt: &str) -> Result<Sub, SourceError> {
+        lock(&self.in_flight)
+            .get(receipt)
+            .copied()
+            .ok_or_else(|| SourceError::Invalid("the message is not in flight here".into()))
+    }
+
+    pub(super) async fn settle_ack(&self, receipt: &str) -> Result<(), SourceError> {
+        let from = self.subscription_of_receipt(receipt)?;
+        let batcher = match from {
+            Sub::Work => &self.work_acks,
+            Sub::Retry => &self.retry_acks,
+        };
+        let result = batcher.submit(receipt.to_string()).await;
+        lock(&self.in_flight).remove(receipt);
+        result
+    }
+
+    /// Publishes fields as one message to `topic`; Pub/Sub's id of it.
+    pub(super) async fn publish(
+        &self,
+        topic: &str,
+        fields: &[(Bytes, Bytes)],
+    ) -> Result<String, SourceError> {
+        let request = self
+            .client
+            .request(PublishRequest {
+                topic: topic.to_string(),
+                messages: vec![to_message(fields)],
+            })
+            .await?;
+        let out = self
+            .client
+            .publisher
+            .clone()
+            .publish(request)
+            .await
+            .map_err(|s| status_error(&format!("publishing to {topic}"), &s))?;
+        Ok(out
+            .into_inner()
+            .message_ids
+            .into_iter()
+            .next()
+            .unwrap_or_default())
+    }
+
+    /// Every retry, and every give-back, is a sealed copy on the retry
+    /// topic with the attempt and the due time; the original is acked only
+    /// once Pub/Sub took the copy.
+    pub(super) async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        self.subscription_of_receipt(&delivery.receipt)?;
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
+        if let Err(e) = self.publish(&self.names.retry_topic, &fields).await {
+            self.unsettled(&delivery.receipt).await;
+            return Err(e);
+        }
+        let result = self.settle_ack(&delivery.receipt).await;
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, id = %delivery.message.id, "the retry copy is stored but the original was not acked: the message comes back once more");
+        }
+        result
+    }
+
+    pub(super) async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        self.subscription_of_receipt(&delivery.receipt)?;
+        let topic = self
+            .dead_letter_topic_of(&failure.dead_letter_queue)
+            .await?;
+        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+        // Acked only once the dead-letter topic took it.
+        if let Err(e) = self.publish(&topic, &fields).await {
+            self.unsettled(&delivery.receipt).await;
+            return Err(e);
+        }
+        self.settle_ack(&delivery.receipt).await
+    }
+
+    /// The write that was to settle this delivery failed: the message stays
+    /// where it is and is delivered again after [`AFTER_FAILED_SETTLE`] (if
+    /// even that change is lost, after its lease).
+    async fn unsettled(&self, receipt: &str) {
+        let Some(from) = lock(&self.in_flight).remove(receipt) else {
+            return;
+        };
+        let subscription = self.subscription(from).to_string();
+        let _ = self
+            .modify_deadline(
+                &subscription,
+                vec![receipt.to_string()],
+                AFTER_FAILED_SETTLE,
+            )
+            .await;
+    }
+
+    pub(super) async fn send_new(
+        &self,
+        body: Bytes,
+        headers: &[(String, String)],
+    ) -> Result<String, SourceError> {
+        if body.is_empty() && headers.is_empty() {
+            return Err(SourceError::Invalid(
+                "Pub/Sub takes no message without a body and without attributes".into(),
+            ));
+        }
+        if let Some((name, _)) = headers
+            .iter()
+            .find(|(n, v)| !super::fields::attribute_ok(n, v))
+        {
+            return Err(SourceError::Invalid(format!(
+                "Pub/Sub cannot carry the header {name:?}: an attribute's name is 1 to 256 bytes not starting with goog, its value at most 1024 bytes"
+            )));
+        }
+        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
+        fields.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        self.publish(&self.names.work_topic, &fields).await
+    }
+
+    /// Keeps the deliveries with the app leased for another visibility
+    /// timeout.
+    pub(super) async fn keep_leased(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        let (mut work, mut retry) = (Vec::new(), Vec::new());
+        {
+            let held = lock(&self.in_flight);
+            for delivery in in_flight {
+                match held.get(&delivery.receipt) {
+                    Some(Sub::Work) => work.push(delivery.receipt.clone()),
+                    Some(Sub::Retry) => retry.push(delivery.receipt.clone()),
+                    None => {}
+                }
+            }
+        }
+        let secs = self.lease_secs();
+        let work = self
+            .modify_deadline(&self.names.work.clone(), work, secs)
+            .await;
+        let retry = self
+            .modify_deadline(&self.names.retry.clone(), retry, secs)
+            .await;
+        work.and(retry)
+    }
+}

@@ -19,14 +19,19 @@ use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
 };
 
 use super::connection::{Client, Names, status_error};
-use super::fields::{from_message, publish_time};
+use super::fields::publish_time;
 use super::{PubSubSource, Sub, lock};
 use crate::model::{F_LAST_ATTEMPT_AT, parse_time};
-use crate::source::shared::field;
 use crate::source::{Depth, SourceError};
 
-/// How long the shadow keeps what it pulled while counting.
-const COUNT_LEASE: u64 = 60;
+/// Messages pulled from a shadow at once while counting, at most
+/// (Pub/Sub's most).
+const COUNT_BATCH: usize = 1000;
+/// About how many bytes of bodies one pull of a count may bring: a pull
+/// has no byte limit of its own, and its messages are in memory at once.
+const COUNT_BYTES: usize = 1 << 20;
+/// The first pull of a count, before the size of its messages is known.
+const FIRST_COUNT_BATCH: usize = 16;
 
 /// A count's snapshot still there after this long was left by a counter
 /// that died: a count takes a few round trips, tens of milliseconds, and a
@@ -158,34 +163,62 @@ impl PubSubSource {
                 .seek(request)
                 .await
                 .map_err(|s| status_error(&format!("seeking {shadow} to count it"), &s))?;
-            let messages = self
-                .pull_all(&shadow, usize::MAX, None, COUNT_LEASE)
-                .await?;
-            let oldest = messages
-                .iter()
-                .filter_map(|r| {
-                    let message = r.message.as_ref()?;
-                    let fields = from_message(message);
-                    field(&fields, F_LAST_ATTEMPT_AT)
-                        .and_then(|t| parse_time(t.as_bytes()))
-                        .or_else(|| publish_time(message))
-                })
-                .min();
-            // Acked in the shadow, so that nothing of it stays leased
-            // until the next count seeks again.
-            let ids: Vec<String> = messages.iter().map(|m| m.ack_id.clone()).collect();
-            for chunk in ids.chunks(1000) {
-                let _ = self.client.acknowledge(&shadow, chunk.to_vec()).await;
-            }
-            Ok::<_, SourceError>(Count {
-                messages: messages.len() as u64,
-                oldest,
-            })
+            self.count_shadow(&shadow).await
         }
         .await;
         unlock.client = None;
         self.delete_snapshot(&snapshot).await;
         counted
+    }
+
+    /// Counts what the shadow holds after its seek a batch at a time,
+    /// each batch acked in the shadow before the next pull: a count holds
+    /// one pull's messages in memory (sized to about [`COUNT_BYTES`] from
+    /// the messages of the pull before), not the backlog (a million retries
+    /// waiting would otherwise be a million bodies in courier's memory at
+    /// every scrape), and what it acked does not come back to be counted
+    /// twice.
+    async fn count_shadow(&self, shadow: &str) -> Result<Count, SourceError> {
+        let mut count = Count {
+            messages: 0,
+            oldest: None,
+        };
+        let mut batch = FIRST_COUNT_BATCH;
+        loop {
+            let got = self.client.pull(shadow, batch).await?;
+            if got.is_empty() {
+                return Ok(count);
+            }
+            count.messages += got.len() as u64;
+            let bytes: usize = got
+                .iter()
+                .filter_map(|r| r.message.as_ref())
+                .map(|m| {
+                    m.data.len()
+                        + m.attributes
+                            .iter()
+                            .map(|(k, v)| k.len() + v.len())
+                            .sum::<usize>()
+                })
+                .sum();
+            batch = (COUNT_BYTES / (bytes / got.len()).max(1)).clamp(1, COUNT_BATCH);
+            let oldest = got
+                .iter()
+                .filter_map(|r| {
+                    let message = r.message.as_ref()?;
+                    message
+                        .attributes
+                        .get(F_LAST_ATTEMPT_AT)
+                        .and_then(|t| parse_time(t.as_bytes()))
+                        .or_else(|| publish_time(message))
+                })
+                .min();
+            count.oldest = count.oldest.into_iter().chain(oldest).min();
+            let ids = got.into_iter().map(|m| m.ack_id).collect();
+            // A batch not acked here comes back to the shadow's next seek
+            // anyway; this count goes on.
+            let _ = self.client.acknowledge(shadow, ids).await;
+        }
     }
 
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {

@@ -440,17 +440,7 @@ async fn a_depth_count_holds_one_pull_not_the_backlog() {
     })
     .await;
     let peak = peak_rss(courier.id());
-    eprintln!(
-        "courier's peak RSS: {} KiB after a first delivery, {} KiB after counting",
-        warm >> 10,
-        peak >> 10
-    );
-    assert!(
-        peak - warm < (LETTERS * SIZE / 4) as u64,
-        "courier's peak RSS grew by {} KiB counting {} MiB of letters",
-        (peak - warm) >> 10,
-        (LETTERS * SIZE) >> 20
-    );
+    assert_rss_grew_less(warm, peak, LETTERS * SIZE / 4, "counting 50 MiB of letters");
 }
 
 /// A message Pub/Sub delivered more than `maxAttempts + 2` times without a

@@ -715,6 +715,23 @@ pub fn peak_rss(pid: u32) -> u64 {
         * 1024
 }
 
+/// The memory a bounded read or count may take: courier's peak RSS grew by
+/// less than `bound` bytes from `warm`, its peak after a first delivery (an
+/// absolute bound would measure the binary's own size, ~40 MiB in a debug
+/// build). Both figures are printed, so a passing run shows its margin.
+pub fn assert_rss_grew_less(warm: u64, peak: u64, bound: usize, holding: &str) {
+    eprintln!(
+        "courier's peak RSS: {} KiB after a first delivery, {} KiB after {holding}",
+        warm >> 10,
+        peak >> 10
+    );
+    assert!(
+        peak - warm < bound as u64,
+        "courier's peak RSS grew by {} KiB after {holding}",
+        (peak - warm) >> 10
+    );
+}
+
 /// Bodies over `--max-body` through the built binary (its memory is its
 /// own): sends `bodies` and a small message after them, runs `courier run`
 /// with `extra` flags until the small one is delivered and each big one is

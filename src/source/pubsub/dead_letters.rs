@@ -54,24 +54,24 @@ impl PubSubSource {
             .map(|_| browsing))
     }
 
-    /// Every message of `subscription` not leased elsewhere, each once,
-    /// leased until given back; stops early at the one `looking_for`.
-    pub(super) async fn pull_all(
+    /// Every letter of the browsing subscription not leased elsewhere,
+    /// each once, leased for [`BROWSE_LEASE`] until given back; stops early
+    /// at the one `looking_for`. Oldest first.
+    async fn pull_all(
         &self,
         subscription: &str,
-        limit: usize,
         looking_for: Option<&str>,
-        lease: u64,
     ) -> Result<Vec<ReceivedMessage>, SourceError> {
         let mut seen = HashSet::new();
         let mut out = Vec::new();
-        while out.len() < limit {
+        loop {
             let got = self.client.pull(subscription, 1000).await?;
             if got.is_empty() {
                 break;
             }
             let ids: Vec<String> = got.iter().map(|m| m.ack_id.clone()).collect();
-            self.modify_deadline(subscription, ids, lease).await?;
+            self.modify_deadline(subscription, ids, BROWSE_LEASE)
+                .await?;
             let mut found = false;
             for received in got {
                 let id = received
@@ -113,9 +113,7 @@ impl PubSubSource {
         let Some(browsing) = self.browsing_of(dead_letter_queue).await? else {
             return Ok(Vec::new());
         };
-        let mut messages = self
-            .pull_all(&browsing, usize::MAX, None, BROWSE_LEASE)
-            .await?;
+        let mut messages = self.pull_all(&browsing, None).await?;
         self.give_back(&browsing, &messages).await;
         messages.truncate(limit);
         Ok(messages.iter().map(Self::letter).collect())
@@ -130,9 +128,7 @@ impl PubSubSource {
         let Some(browsing) = self.browsing_of(dead_letter_queue).await? else {
             return Err(not_there(dead_letter_queue, id));
         };
-        let mut messages = self
-            .pull_all(&browsing, usize::MAX, Some(id), BROWSE_LEASE)
-            .await?;
+        let mut messages = self.pull_all(&browsing, Some(id)).await?;
         let at = messages
             .iter()
             .position(|m| m.message.as_ref().is_some_and(|m| m.message_id == id));

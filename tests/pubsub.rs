@@ -238,8 +238,20 @@ async fn a_delivery_cap_below_max_attempts_is_warned_about() {
     })
     .await;
     assert!(courier.log().contains("after 5 delivery attempts"));
+    let addr = courier.metrics_addr().await;
+    let generation = async |n: u32| {
+        scrape(addr)
+            .await
+            .lines()
+            .any(|l| l.starts_with("courier_policy_generation{") && l.ends_with(&format!(" {n}")))
+    };
     write_policy(dir.path(), "maxAttempts: 4");
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Applied (and not warned about) before the next edit, so the count of
+    // 0 below means something.
+    wait_for("the edit to 4 attempts to apply", SETTLE, async || {
+        generation(2).await
+    })
+    .await;
     write_policy(dir.path(), "maxAttempts: 9");
     wait_for("the warning on the policy change", SETTLE, async || {
         warnings(&courier, 9) == 1

@@ -37,6 +37,11 @@ pub struct RunConfig {
     pub concurrency: usize,
     pub listen: SocketAddr,
     pub drain_timeout: Duration,
+    /// The secret `/drain` requires (`COURIER_DRAIN_TOKEN`); none: loopback only.
+    pub drain_token: Option<String>,
+    /// A `/drain` that no SIGTERM follows within this ends, and pulling
+    /// starts again (`--drain-resume-after`).
+    pub drain_resume_after: Duration,
     pub max_body: usize,
     pub depth_interval: Duration,
     pub app_health_path: Option<String>,
@@ -87,8 +92,8 @@ impl Sidecar {
 
     /// Binds the telemetry endpoint and returns its address (useful with
     /// port 0), then runs until `shutdown` and drains. A `/drain` call
-    /// drains earlier: nothing is pulled after it, and the run still ends
-    /// only at `shutdown`.
+    /// drains earlier: nothing is pulled after it until `shutdown` ends the
+    /// run, or until `drain_resume_after` passes without one.
     pub async fn start(
         self,
         shutdown: CancellationToken,
@@ -116,7 +121,7 @@ impl Sidecar {
             traced,
         } = self;
         let server_stop = CancellationToken::new();
-        let drain = Arc::new(Drain::default());
+        let drain = Arc::new(Drain::new(config.drain_token.clone()));
         let server = tokio::spawn(telemetry::serve(
             listener,
             metrics.clone(),
@@ -124,29 +129,12 @@ impl Sidecar {
             drain.clone(),
             server_stop.clone(),
         ));
-        // Pulling stops at SIGTERM or at the first /drain, whichever comes first.
-        let stop_pulling = shutdown.child_token();
-        let asked = tokio::spawn({
-            let (drain, stop_pulling) = (drain.clone(), stop_pulling.clone());
-            async move {
-                drain.asked().await;
-                stop_pulling.cancel();
-            }
-        });
-        let result = run_sidecar(&config, &metrics, &health, traced, stop_pulling).await;
+        let result =
+            run_sidecar(&config, &metrics, &health, traced, &drain, shutdown.clone()).await;
         drain.finish(match &result {
-            Ok(report) => format!(
-                "drained: {} deliveries finished, {} left unsettled for redelivery\n",
-                report.finished, report.abandoned
-            ),
+            Ok(report) => report.to_string(),
             Err(e) => format!("stopped: {e:#}\n"),
         });
-        // After a /drain the process waits, pulling nothing, for its SIGTERM:
-        // exiting early would restart the container under a terminating pod.
-        if result.is_ok() {
-            shutdown.cancelled().await;
-        }
-        asked.abort();
         server_stop.cancel();
         let _ = server.await;
         result
@@ -196,6 +184,7 @@ async fn run_sidecar(
     metrics: &Arc<Metrics>,
     health: &Arc<Health>,
     traced: bool,
+    drain: &Arc<Drain>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<DrainReport> {
     let opened: Arc<OnceLock<Arc<dyn Source>>> = Arc::default();
@@ -312,7 +301,11 @@ async fn run_sidecar(
             group: config.options.group.clone(),
         }),
     };
-    let report = dispatcher.run(shutdown).await;
+    let drains = dispatch::Drains {
+        drain: drain.clone(),
+        resume_after: config.drain_resume_after,
+    };
+    let report = dispatcher.run_with(shutdown, Some(drains)).await;
     tracing::info!(
         finished = report.finished,
         abandoned = report.abandoned,

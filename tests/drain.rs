@@ -2,7 +2,9 @@
 //! SIGTERM: against a real Redis and a real HTTP app, slow deliveries are in
 //! flight when it is called; it answers only after each was delivered and
 //! acked, concurrent and repeated calls get the same answer, `/readyz` says
-//! draining, nothing is pulled afterwards, and nothing is lost.
+//! draining, nothing is pulled afterwards, and nothing is lost. Only the
+//! holder of the pod's secret may drain, and a drain that no SIGTERM
+//! follows (the app container alone restarted) ends: courier pulls again.
 
 mod common;
 
@@ -19,8 +21,13 @@ const SLOW_MS: u64 = 1500;
 
 /// A GET on the sidecar's endpoint: the status and the body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    get_with(addr, path, "").await
+}
+
+/// A GET with extra header lines (each ending in CRLF).
+async fn get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut out = String::new();
     stream.read_to_string(&mut out).await.unwrap();
@@ -138,7 +145,7 @@ async fn drain_returns_after_the_deliveries_in_flight_are_acked_and_pulls_nothin
 }
 
 /// A drain asked before the source is open (the broker unreachable) is done
-/// at once, and courier never starts pulling afterwards.
+/// at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_before_the_start_answers_at_once() {
     let mut fixture = Fixture::redis();
@@ -158,5 +165,114 @@ async fn a_drain_before_the_start_answers_at_once() {
     let (status, body) = get(running.metrics_addr, "/readyz").await;
     assert_eq!(status, 503);
     assert!(body.contains("draining"), "{body}");
+    running.stop().await;
+}
+
+const TOKEN: &str = "cdt_0123456789abcdef0123456789abcdef";
+
+/// Found at 21da363: anyone who could reach the port stopped consumption
+/// for good with one GET. With the pod's secret configured, a call without
+/// it or with a wrong one is refused, changes nothing (courier still
+/// delivers, `/readyz` stays 200), and only the secret drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_without_the_pods_secret_is_refused_and_changes_nothing() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.drain_token = Some(TOKEN.into());
+    let running = Running::start(config).await;
+    let source = fixture.open().await;
+    wait_for("ready", SETTLE, async || {
+        get(running.metrics_addr, "/readyz").await.0 == 200
+    })
+    .await;
+
+    let (status, body) = get(running.metrics_addr, "/drain").await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("Authorization: Bearer"), "{body}");
+    let wrong = "Authorization: Bearer cdt_ffffffffffffffffffffffffffffffff\r\n";
+    let (status, body) = get_with(running.metrics_addr, "/drain", wrong).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (401, "/drain: the bearer token is wrong\n")
+    );
+    let (status, _) = get_with(
+        running.metrics_addr,
+        "/drain",
+        "Authorization: Basic eDp5\r\n",
+    )
+    .await;
+    assert_eq!(status, 401);
+
+    assert_eq!(get(running.metrics_addr, "/readyz").await.0, 200);
+    fixture.send(&source, "after the refused drains").await;
+    wait_for("the message to reach the app", SETTLE, async || {
+        !app.received_body(b"after the refused drains").is_empty()
+    })
+    .await;
+    let metrics = running.metrics.encode();
+    assert!(metrics.contains("courier_draining 0"), "{metrics}");
+
+    let right = format!("Authorization: Bearer {TOKEN}\r\n");
+    let (status, body) = get_with(running.metrics_addr, "/drain", &right).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.starts_with("drained: "), "{body}");
+    assert_eq!(get(running.metrics_addr, "/readyz").await.0, 503);
+    let (status, body) = get(running.metrics_addr, "/healthz").await;
+    assert_eq!(status, 200, "alive while draining");
+    assert!(body.contains("draining"), "{body}");
+    assert!(running.metrics.encode().contains("courier_draining 1"));
+    running.stop().await;
+}
+
+/// Found at 21da363: Kubernetes runs the app's preStop (the drain) also
+/// when it restarts the app container alone, after a failed liveness
+/// probe; no SIGTERM reaches courier then, and the pod stopped consuming
+/// for good while it looked healthy. Now a drain with no SIGTERM within
+/// `--drain-resume-after` ends: courier pulls again, is ready again, and a
+/// second drain works as the first did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_no_sigterm_follows_ends_and_courier_pulls_again() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.drain_resume_after = Duration::from_secs(3);
+    let running = Running::start(config).await;
+    let source = fixture.open().await;
+    wait_for("ready", SETTLE, async || {
+        get(running.metrics_addr, "/readyz").await.0 == 200
+    })
+    .await;
+
+    for round in 0..2 {
+        let (status, body) = get(running.metrics_addr, "/drain").await;
+        assert_eq!(status, 200, "round {round}: {body}");
+        let drained = Instant::now();
+        let body = format!("sent while drained, round {round}");
+        fixture.send(&source, body.clone()).await;
+        // Held while the drain lasts...
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(
+            app.received_body(body.as_bytes()).is_empty(),
+            "round {round}: delivered during the drain"
+        );
+        assert_eq!(get(running.metrics_addr, "/readyz").await.0, 503);
+        // ...and delivered once it ends.
+        wait_for("the held message to be delivered", SETTLE, async || {
+            !app.received_body(body.as_bytes()).is_empty()
+        })
+        .await;
+        assert!(
+            drained.elapsed() >= Duration::from_secs(3),
+            "round {round}: pulled again {:?} after the drain, before --drain-resume-after",
+            drained.elapsed()
+        );
+        wait_for("ready again", SETTLE, async || {
+            get(running.metrics_addr, "/readyz").await.0 == 200
+        })
+        .await;
+        assert!(running.metrics.encode().contains("courier_draining 0"));
+    }
+    wait_settled(&source, SETTLE).await;
     running.stop().await;
 }

@@ -36,13 +36,15 @@ fn preview(args: &[&str]) -> Output {
     command.output().expect("courier runs")
 }
 
+/// What the preview printed, its `/drain` secrets masked (each run makes
+/// new ones, as each admission does).
 fn stdout(output: &Output) -> String {
     assert!(
         output.status.success(),
         "courier inject failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    String::from_utf8(output.stdout.clone()).unwrap()
+    inject::mask_drain_tokens(&String::from_utf8(output.stdout.clone()).unwrap())
 }
 
 fn yaml(text: &str) -> Value {
@@ -81,7 +83,7 @@ fn webhook_pod(defaults: &SidecarDefaults, deployment: &Value) -> Value {
     let patch: json_patch::Patch = serde_json::from_slice(&raw).unwrap();
     let mut pod = review["request"]["object"].clone();
     json_patch::patch(&mut pod, &patch).unwrap();
-    pod
+    serde_json::from_str(&inject::mask_drain_tokens(&pod.to_string())).unwrap()
 }
 
 fn chart_defaults_with(values: &Path) -> SidecarDefaults {

@@ -128,8 +128,14 @@ fn review_fixture(name: &str) -> Reviewed {
 }
 
 /// The patched pod must equal `<name>.expected.json`.
+/// The pod with its `/drain` secret (new for every admission) masked.
+fn masked(pod: &Value) -> Value {
+    serde_json::from_str(&courier::inject::mask_drain_tokens(&pod.to_string())).unwrap()
+}
+
 fn assert_expected(name: &str, pod: &Value) {
     let path = fixtures().join(format!("{name}.expected.json"));
+    let pod = &masked(pod);
     if std::env::var_os("COURIER_BLESS").is_some() {
         std::fs::write(&path, serde_json::to_string_pretty(pod).unwrap() + "\n").unwrap();
     }
@@ -197,15 +203,45 @@ fn opted_in_pod_gets_the_sidecar_as_a_container() {
     assert_eq!(annotations["prometheus.io/scrape"], "true");
     assert_eq!(annotations["prometheus.io/port"], "9464");
     assert_eq!(annotations["prometheus.io/path"], "/metrics");
+    let token = env["COURIER_DRAIN_TOKEN"]
+        .as_str()
+        .expect("a /drain secret");
+    assert!(token.starts_with("cdt_") && token.len() == 36, "{token}");
     assert_eq!(
         r.pod["spec"]["containers"][0]["lifecycle"]["preStop"],
-        json!({"httpGet": {"path": "/drain", "port": 9464, "scheme": "HTTP"}}),
-        "the app container drains courier before its SIGTERM"
+        json!({"httpGet": {
+            "path": "/drain",
+            "port": 9464,
+            "scheme": "HTTP",
+            "httpHeaders": [{"name": "Authorization", "value": format!("Bearer {token}")}],
+        }}),
+        "the app container drains courier before its SIGTERM, with the sidecar's secret"
     );
     assert_eq!(
         r.pod["spec"]["terminationGracePeriodSeconds"], 60,
         "the app's 30s, then the default 25s drain and 5s"
     );
+    assert_eq!(
+        env["COURIER_DRAIN_RESUME_AFTER"],
+        json!("65s"),
+        "a drain no SIGTERM followed within the grace period and 5s ends"
+    );
+}
+
+/// Each pod gets a secret of its own: knowing one pod's (it is in that
+/// pod's spec) drains no other.
+#[test]
+fn every_admission_makes_a_new_drain_secret() {
+    let tokens: std::collections::BTreeSet<String> = (0..20)
+        .map(|_| {
+            let r = review_fixture("opted-in");
+            env_of(&r.sidecar())["COURIER_DRAIN_TOKEN"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(tokens.len(), 20, "{tokens:?}");
 }
 
 #[test]
@@ -961,14 +997,33 @@ fn an_app_pre_stop_of_its_own_is_kept_with_a_warning() {
         warnings.iter().any(
             |w| w.contains("container app has a preStop hook of its own")
                 && w.contains("GET http://127.0.0.1:9464/drain")
+                && w.contains("Authorization: Bearer $COURIER_DRAIN_TOKEN")
         ),
         "{warnings:?}"
+    );
+    // The hook of its own can send the secret: the sidecar's, in its env.
+    let sidecar = pod["spec"]["initContainers"]
+        .as_array()
+        .into_iter()
+        .chain(containers.as_array())
+        .flatten()
+        .find(|c| c["name"] == "courier")
+        .unwrap();
+    let token = env_of(sidecar)["COURIER_DRAIN_TOKEN"].clone();
+    assert_eq!(
+        containers[0]["env"],
+        json!([{"name": "COURIER_DRAIN_TOKEN", "value": token}])
     );
     assert_eq!(
         containers[1]["lifecycle"],
         json!({
             "postStart": {"exec": {"command": ["/bin/warm"]}},
-            "preStop": {"httpGet": {"path": "/drain", "port": 9464, "scheme": "HTTP"}},
+            "preStop": {"httpGet": {
+                "path": "/drain",
+                "port": 9464,
+                "scheme": "HTTP",
+                "httpHeaders": [{"name": "Authorization", "value": format!("Bearer {}", token.as_str().unwrap())}],
+            }},
         })
     );
     assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 40);

@@ -146,6 +146,8 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         concurrency: 16,
         listen: "127.0.0.1:0".parse()?,
         drain_timeout: Duration::from_secs(5),
+        drain_token: None,
+        drain_resume_after: Duration::from_secs(90),
         max_body: 4 << 20,
         depth_interval: Duration::from_secs(1),
         app_health_path: None,

@@ -49,6 +49,19 @@ pub struct RunArgs {
     /// On SIGTERM or GET /drain, how long in-flight deliveries may finish.
     #[arg(long, env = "COURIER_DRAIN_TIMEOUT", default_value = "25s", value_parser = duration::parse_flag)]
     pub drain_timeout: Duration,
+    /// The secret GET /drain must present as `Authorization: Bearer <token>`
+    /// (the injector makes one per pod and gives it to the preStop hook).
+    /// Without one, only loopback callers may drain.
+    #[arg(long, env = "COURIER_DRAIN_TOKEN", hide_env_values = true)]
+    pub drain_token: Option<String>,
+    /// A file holding the /drain secret (a mounted Secret); instead of --drain-token.
+    #[arg(long, env = "COURIER_DRAIN_TOKEN_FILE", conflicts_with = "drain_token")]
+    pub drain_token_file: Option<std::path::PathBuf>,
+    /// A /drain that no SIGTERM follows within this ends and courier pulls
+    /// again: Kubernetes runs the app's preStop hook also when it restarts the
+    /// app container alone, and then the pod goes on.
+    #[arg(long, env = "COURIER_DRAIN_RESUME_AFTER", default_value = "90s", value_parser = duration::parse_flag)]
+    pub drain_resume_after: Duration,
     /// Largest body offered to the app; larger ones are dead-lettered as undeliverable.
     #[arg(long, env = "COURIER_MAX_BODY", default_value = "4MiB", value_parser = parse_size)]
     pub max_body: usize,
@@ -128,6 +141,25 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
             args.listen
         ))
     })?;
+    let drain_token = match &args.drain_token_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| {
+                    UsageError(format!(
+                        "--drain-token-file {}: cannot read it: {e}",
+                        path.display()
+                    ))
+                })?
+                .trim()
+                .to_string(),
+        ),
+        None => args.drain_token.as_deref().map(|t| t.trim().to_string()),
+    };
+    if drain_token.as_deref().is_some_and(str::is_empty) {
+        return Err(UsageError(
+            "the /drain token (--drain-token, COURIER_DRAIN_TOKEN or --drain-token-file) is empty; give a secret, or leave it unset to allow loopback callers only".into(),
+        ));
+    }
     let policy = match &args.policy_file {
         Some(path) => policy::file::load(path).map_err(|e| UsageError(e.to_string()))?,
         None => Policy::default(),
@@ -174,6 +206,8 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         concurrency: args.concurrency,
         listen,
         drain_timeout: args.drain_timeout,
+        drain_token,
+        drain_resume_after: args.drain_resume_after,
         max_body: args.max_body,
         depth_interval: args.depth_interval,
         app_health_path: args.app_health_path.clone(),
@@ -193,7 +227,7 @@ pub async fn run(config: RunConfig, traces: Option<Traces>) -> anyhow::Result<Ex
     let sidecar = Sidecar::new(config).traced(traces.is_some());
     let result = async {
         let (addr, sidecar) = sidecar.start(shutdown.clone()).await?;
-        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        tracing::info!(%addr, "serving /metrics, /healthz, /readyz and /drain");
         sidecar.await.context("the sidecar task failed")?
     }
     .await;

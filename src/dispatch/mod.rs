@@ -148,31 +148,84 @@ struct Shared {
     read_errors: Counter,
 }
 
+impl std::fmt::Display for DrainReport {
+    /// What `/drain` answers.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "drained: {} deliveries finished, {} left unsettled for redelivery",
+            self.finished, self.abandoned
+        )
+    }
+}
+
+/// `/drain` calls, and how long a finished drain waits for the SIGTERM that
+/// should follow it before courier pulls again.
+pub struct Drains {
+    pub drain: Arc<telemetry::Drain>,
+    /// A drain no SIGTERM followed within this: Kubernetes ran the app's
+    /// `preStop` to restart the app container alone (a failed liveness or
+    /// startup probe), and the pod goes on.
+    pub resume_after: Duration,
+}
+
 impl Dispatcher {
     /// Runs until `shutdown`, then drains.
     pub async fn run(self, shutdown: CancellationToken) -> DrainReport {
+        self.run_with(shutdown, None).await
+    }
+
+    /// [`Dispatcher::run`], and a `/drain` stops pulling and settles what
+    /// is in flight before `shutdown`; with no `shutdown` within
+    /// `resume_after` of its end, pulling starts again.
+    pub async fn run_with(
+        self,
+        shutdown: CancellationToken,
+        drains: Option<Drains>,
+    ) -> DrainReport {
         let shared = Arc::new(Shared::new(self));
-        shared.wait_for_app(&shutdown).await;
-        let helpers = [
-            tokio::spawn(shared.clone().watch_app()),
-            tokio::spawn(shared.clone().keep_alive()),
-        ];
-        let mut deliveries = Deliveries::new();
-        let mut reader = Reader::default();
-        loop {
-            match deliveries
-                .alongside(shared.next(&mut reader, &shutdown))
-                .await
-            {
-                Flow::Stop => break,
-                Flow::Again => {}
-                Flow::Launch(slot) => shared.launch(&mut reader.ahead, slot, &mut deliveries),
+        let mut helpers = Vec::new();
+        let report = loop {
+            // This round stops at SIGTERM or at the round's first /drain.
+            let stop = shutdown.child_token();
+            let linked = drains.as_ref().map(|d| {
+                let (asked, stop) = (d.drain.start_pulling(), stop.clone());
+                tokio::spawn(async move {
+                    asked.cancelled().await;
+                    stop.cancel();
+                })
+            });
+            shared.wait_for_app(&stop).await;
+            if helpers.is_empty() {
+                helpers.push(tokio::spawn(shared.clone().watch_app()));
+                helpers.push(tokio::spawn(shared.clone().keep_alive()));
             }
-        }
-        deliveries
-            .alongside(shared.give_back(&mut reader.ahead, Instant::now()))
-            .await;
-        let report = shared.drain(deliveries).await;
+            let report = shared.pull_until(&stop).await;
+            if let Some(linked) = linked {
+                linked.abort();
+            }
+            let Some(drains) = drains.as_ref().filter(|_| !shutdown.is_cancelled()) else {
+                break report;
+            };
+            drains.drain.finish(report.to_string());
+            tracing::info!(
+                finished = report.finished,
+                abandoned = report.abandoned,
+                resume_after = %crate::duration::format(drains.resume_after),
+                "/drain: done; pulling nothing until SIGTERM"
+            );
+            tokio::select! {
+                _ = shutdown.cancelled() => break report,
+                _ = tokio::time::sleep(drains.resume_after) => {}
+            }
+            tracing::warn!(
+                waited = %crate::duration::format(drains.resume_after),
+                "no SIGTERM followed the /drain (the app container was restarted, not the pod): pulling again"
+            );
+            drains.drain.resume();
+            shared.d.health.set_draining(false);
+            shared.d.metrics.draining.set(0);
+        };
         for helper in helpers {
             helper.abort();
         }
@@ -182,6 +235,24 @@ impl Dispatcher {
 }
 
 impl Shared {
+    /// Reads and delivers until `stop`, then gives back what was read ahead
+    /// and lets what is in flight finish.
+    async fn pull_until(self: &Arc<Self>, stop: &CancellationToken) -> DrainReport {
+        let mut deliveries = Deliveries::new();
+        let mut reader = Reader::default();
+        loop {
+            match deliveries.alongside(self.next(&mut reader, stop)).await {
+                Flow::Stop => break,
+                Flow::Again => {}
+                Flow::Launch(slot) => self.launch(&mut reader.ahead, slot, &mut deliveries),
+            }
+        }
+        deliveries
+            .alongside(self.give_back(&mut reader.ahead, Instant::now()))
+            .await;
+        self.drain(deliveries).await
+    }
+
     fn new(d: Dispatcher) -> Self {
         let m = d.metrics.for_queue(
             &d.queue,

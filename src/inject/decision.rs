@@ -102,9 +102,48 @@ impl fmt::Display for Decision {
     }
 }
 
-/// Decides what to do with a pod being created. Pure: the same pod and
-/// defaults give the same decision and the same patch.
+/// Decides what to do with a pod being created, with a new `/drain` secret
+/// for it ([`decide_with_token`]).
 pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
+    decide_with_token(pod, defaults, &new_drain_token())
+}
+
+/// A secret for one pod's `/drain`: 128 random bits, with a prefix that
+/// tells a reader (or a secret scanner) what it is.
+pub fn new_drain_token() -> String {
+    format!("cdt_{:032x}", rand::random::<u128>())
+}
+
+/// `text` with every drain secret [`new_drain_token`] makes written as
+/// `cdt_` and 32 zeros: two injections of the same pod differ only in
+/// their secrets, and a comparison (or a stored expectation) needs that
+/// difference gone.
+pub fn mask_drain_tokens(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("cdt_") {
+        out.push_str(&rest[..at + 4]);
+        let after = &rest[at + 4..];
+        let hex = after
+            .bytes()
+            .take_while(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+            .count();
+        if hex == 32 {
+            out.push_str(&"0".repeat(32));
+            rest = &after[32..];
+        } else {
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Decides what to do with a pod being created. Pure: the same pod,
+/// defaults and token give the same decision and the same patch. The
+/// sidecar requires `drain_token` on `/drain`, and the app containers'
+/// `preStop` hooks send it.
+pub fn decide_with_token(pod: &Pod, defaults: &SidecarDefaults, drain_token: &str) -> Decision {
     let labels = pod.metadata.labels.as_ref();
     let opted_in = labels
         .and_then(|l| l.get(INJECT_LABEL))
@@ -187,16 +226,14 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
         container["volumeMounts"] = Value::Array(mounts);
     }
 
-    if settings.native {
-        container["restartPolicy"] = json!("Always");
-        match &spec.init_containers {
-            Some(list) if !list.is_empty() => ops.push(add("/spec/initContainers/-", container)),
-            _ => ops.push(add("/spec/initContainers", json!([container]))),
-        }
-    } else {
-        ops.push(add("/spec/containers/-", container));
-    }
-    let hooked = add_drain_hooks(spec, settings.metrics_port, &mut ops, &mut warnings);
+    let mut hooks = Vec::new();
+    let hooked = add_drain_hooks(
+        spec,
+        settings.metrics_port,
+        drain_token,
+        &mut hooks,
+        &mut warnings,
+    );
     let drain = settings.drain.unwrap_or(DEFAULT_DRAIN);
     let drain_seconds = (drain + GRACE_MARGIN).as_secs_f64().ceil() as i64;
     let grace = spec
@@ -209,6 +246,26 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
     } else {
         drain_seconds
     };
+    // A pod being deleted sends the sidecar its SIGTERM within the grace
+    // period of the drain; a drain that outlasts it came from a restart
+    // of the app container alone, and courier pulls again.
+    let resume_after = grace.max(needed) + GRACE_MARGIN.as_secs() as i64;
+    if let Some(env) = container["env"].as_array_mut() {
+        env.push(json!({"name": "COURIER_DRAIN_TOKEN", "value": drain_token}));
+        env.push(
+            json!({"name": "COURIER_DRAIN_RESUME_AFTER", "value": format!("{resume_after}s")}),
+        );
+    }
+    if settings.native {
+        container["restartPolicy"] = json!("Always");
+        match &spec.init_containers {
+            Some(list) if !list.is_empty() => ops.push(add("/spec/initContainers/-", container)),
+            _ => ops.push(add("/spec/initContainers", json!([container]))),
+        }
+    } else {
+        ops.push(add("/spec/containers/-", container));
+    }
+    ops.extend(hooks);
     if grace < needed {
         ops.push(add("/spec/terminationGracePeriodSeconds", json!(needed)));
     }
@@ -237,28 +294,41 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
 }
 
 /// Gives every app container a `preStop` hook that GETs the sidecar's
-/// `/drain`, so courier stops pulling and settles what is in flight before
-/// the app gets SIGTERM. It needs nothing in the app's image (the kubelet
-/// makes the request, to the pod's IP). A container with a `preStop` of its
-/// own keeps it, with a warning: replacing it could break the app's
-/// shutdown, and a hook has one action. True when a hook was added.
+/// `/drain` with the pod's drain secret, so courier stops pulling and
+/// settles what is in flight before the app gets SIGTERM. It needs nothing
+/// in the app's image (the kubelet makes the request, to the pod's IP). A
+/// container with a `preStop` of its own keeps it, with a warning, and gets
+/// the secret as `COURIER_DRAIN_TOKEN` to send from that hook: replacing
+/// the hook could break the app's shutdown, and a hook has one action.
+/// True when a hook was added.
 fn add_drain_hooks(
     spec: &k8s_openapi::api::core::v1::PodSpec,
     metrics_port: u16,
+    drain_token: &str,
     ops: &mut Vec<Value>,
     warnings: &mut Vec<String>,
 ) -> bool {
     let hook = json!({
-        "httpGet": {"path": DRAIN_PATH, "port": metrics_port, "scheme": "HTTP"},
+        "httpGet": {
+            "path": DRAIN_PATH,
+            "port": metrics_port,
+            "scheme": "HTTP",
+            "httpHeaders": [{"name": "Authorization", "value": format!("Bearer {drain_token}")}],
+        },
     });
     let mut hooked = false;
     for (i, container) in spec.containers.iter().enumerate() {
         let lifecycle = container.lifecycle.as_ref();
         if lifecycle.is_some_and(|l| l.pre_stop.is_some()) {
             warnings.push(format!(
-                "courier: container {} has a preStop hook of its own, kept; courier drains only at its SIGTERM, while the app may be stopping. Call GET http://127.0.0.1:{metrics_port}{DRAIN_PATH} first in that hook to drain before the app stops",
+                "courier: container {} has a preStop hook of its own, kept; courier drains only at its SIGTERM, while the app may be stopping. To drain before the app stops, call GET http://127.0.0.1:{metrics_port}{DRAIN_PATH} with the header \"Authorization: Bearer $COURIER_DRAIN_TOKEN\" first in that hook (the variable is added to the container)",
                 container.name
             ));
+            let token = json!({"name": "COURIER_DRAIN_TOKEN", "value": drain_token});
+            ops.push(match &container.env {
+                Some(env) if !env.is_empty() => add(&format!("/spec/containers/{i}/env/-"), token),
+                _ => add(&format!("/spec/containers/{i}/env"), json!([token])),
+            });
             continue;
         }
         let op = match lifecycle {

@@ -3,8 +3,9 @@
 //!
 //! A pod opts in with the label `courier.dev/inject: "true"` (the webhook
 //! configuration selects on it, so other pods never reach us) and says where
-//! to consume from with `courier.dev/*` annotations. [`decide`] is a pure
-//! function from the pod to a [`Decision`]: inject (with a JSON Patch), skip
+//! to consume from with `courier.dev/*` annotations. [`decide_with_token`]
+//! is a pure function from the pod (and its new `/drain` secret) to a
+//! [`Decision`]: inject (with a JSON Patch), skip
 //! (with the reason), or deny (with a message naming what is missing). The
 //! HTTPS server around it reloads its certificate when the files change, so
 //! a rotated Secret needs no restart.
@@ -30,7 +31,9 @@ pub mod settings;
 pub mod tls;
 pub mod values;
 
-pub use decision::{Decision, Skip, decide, inject_document};
+pub use decision::{
+    Decision, Skip, decide, decide_with_token, inject_document, mask_drain_tokens, new_drain_token,
+};
 pub use review::review;
 pub use server::{InjectConfig, serve};
 pub use settings::{

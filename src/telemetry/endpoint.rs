@@ -40,39 +40,92 @@ impl Default for EndpointLimits {
     }
 }
 
-/// What `/drain` asks of the sidecar, and its answer: asked by the first
-/// call, answered to every call (those waiting and any later one) once the
-/// deliveries in flight are settled. The pod's `preStop` hook calls it, so
-/// the app gets SIGTERM only after courier stopped sending it work.
+/// What `/drain` asks of the sidecar, who may ask it, and its answer.
+///
+/// The pod's `preStop` hook calls it, so the app gets SIGTERM only after
+/// courier stopped sending it work. A drain goes in rounds: asked by the
+/// first call of a round, answered to every call (those waiting and any
+/// later one) once the deliveries in flight are settled. Kubernetes also
+/// runs `preStop` when it restarts only the app container (a failed
+/// liveness probe), and then no SIGTERM follows: the dispatcher ends the
+/// round after a bound and pulls again ([`Drain::resume`]).
 pub struct Drain {
-    asked: CancellationToken,
+    /// The secret a caller must present (`Authorization: Bearer …`); with
+    /// none, only loopback peers may call.
+    token: Option<String>,
+    round: std::sync::Mutex<Round>,
     done: watch::Sender<Option<String>>,
+}
+
+struct Round {
+    asked: CancellationToken,
+    /// Deliveries are being pulled, so a drain has something to wait for.
+    pulling: bool,
 }
 
 impl Default for Drain {
     fn default() -> Self {
-        Self {
-            asked: CancellationToken::new(),
-            done: watch::channel(None).0,
-        }
+        Self::new(None)
     }
 }
 
+/// The answer to a drain asked while nothing was pulled (the source still
+/// opening, or the app still starting).
+pub const IDLE_DRAIN: &str = "drained: 0 deliveries finished, 0 left unsettled for redelivery\n";
+
 impl Drain {
-    /// Stop pulling; repeated calls change nothing.
-    pub fn ask(&self) {
-        self.asked.cancel();
+    /// A drain that requires `token` from every caller; `None`: loopback only.
+    pub fn new(token: Option<String>) -> Self {
+        Self {
+            token: token.filter(|t| !t.is_empty()),
+            round: std::sync::Mutex::new(Round {
+                asked: CancellationToken::new(),
+                pulling: false,
+            }),
+            done: watch::channel(None).0,
+        }
     }
 
-    /// Resolves once a drain was asked for.
-    pub async fn asked(&self) {
-        self.asked.cancelled().await;
+    fn round(&self) -> std::sync::MutexGuard<'_, Round> {
+        self.round.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stop pulling; repeated calls change nothing. Asked while nothing is
+    /// pulled, the round is answered at once.
+    pub fn ask(&self) {
+        let round = self.round();
+        round.asked.cancel();
+        if !round.pulling && self.done.borrow().is_none() {
+            self.done.send_replace(Some(IDLE_DRAIN.into()));
+        }
+    }
+
+    /// Whether the current round was asked for.
+    pub fn is_asked(&self) -> bool {
+        self.round().asked.is_cancelled()
+    }
+
+    /// The dispatcher starts pulling: the token that a drain of this round
+    /// cancels (already cancelled when one was asked before).
+    pub fn start_pulling(&self) -> CancellationToken {
+        let mut round = self.round();
+        round.pulling = true;
+        round.asked.clone()
     }
 
     /// The deliveries in flight are settled (or given up at the drain
-    /// timeout); `summary` is what every `/drain` call answers.
+    /// timeout); `summary` is what every `/drain` call of this round answers.
     pub fn finish(&self, summary: String) {
+        self.round().pulling = false;
         self.done.send_replace(Some(summary));
+    }
+
+    /// Ends the round: the next call drains again.
+    pub fn resume(&self) {
+        let mut round = self.round();
+        round.asked = CancellationToken::new();
+        round.pulling = false;
+        self.done.send_replace(None);
     }
 
     async fn finished(&self) -> String {
@@ -82,6 +135,60 @@ impl Drain {
             Err(_) => "stopped\n".into(),
         }
     }
+
+    /// Who may drain: with a token, whoever presents it (`Authorization:
+    /// Bearer <token>`, as the injected preStop hook sends it); without
+    /// one, loopback peers only, since the port is usually open to the
+    /// cluster for scraping.
+    fn allows(
+        &self,
+        peer: std::net::IpAddr,
+        headers: &http::HeaderMap,
+    ) -> Result<(), (StatusCode, String)> {
+        let Some(token) = &self.token else {
+            let loopback = match peer {
+                std::net::IpAddr::V4(v4) => v4.is_loopback(),
+                std::net::IpAddr::V6(v6) => {
+                    v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+                }
+            };
+            return if loopback {
+                Ok(())
+            } else {
+                Err((
+                    StatusCode::FORBIDDEN,
+                    "/drain is served to loopback callers only; to drain from elsewhere, set COURIER_DRAIN_TOKEN (or --drain-token-file) and send it as Authorization: Bearer <token>\n".into(),
+                ))
+            };
+        };
+        let presented = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match presented {
+            Some(given) if same_secret(given.as_bytes(), token.as_bytes()) => Ok(()),
+            Some(_) => Err((
+                StatusCode::UNAUTHORIZED,
+                "/drain: the bearer token is wrong\n".into(),
+            )),
+            None => Err((
+                StatusCode::UNAUTHORIZED,
+                "/drain needs Authorization: Bearer <the pod's COURIER_DRAIN_TOKEN>\n".into(),
+            )),
+        }
+    }
+}
+
+/// Compares two secrets in time that depends on their lengths only, so
+/// that timing a wrong guess tells nothing of the right one's bytes.
+fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
 }
 
 /// Serves `/metrics`, `/healthz`, `/readyz` and `/drain` until `shutdown`,
@@ -116,10 +223,10 @@ pub async fn serve_within(
 ) {
     let open = Arc::new(Semaphore::new(limits.max_connections));
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => return,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a connection to the metrics endpoint failed");
                     continue;
@@ -143,7 +250,7 @@ pub async fn serve_within(
             let service = service_fn(move |req: Request<Incoming>| {
                 let (metrics, health, drain) = (metrics.clone(), health.clone(), drain.clone());
                 async move {
-                    let response = respond(&req, &metrics, &health, &drain).await;
+                    let response = respond(&req, peer.ip(), &metrics, &health, &drain).await;
                     Ok::<_, std::convert::Infallible>(response)
                 }
             });
@@ -198,6 +305,7 @@ where
 
 async fn respond(
     req: &Request<Incoming>,
+    peer: std::net::IpAddr,
     metrics: &Metrics,
     health: &Health,
     drain: &Drain,
@@ -226,6 +334,12 @@ async fn respond(
             .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
             .body(Full::new(Bytes::from(metrics.encode_prometheus_text())))
             .unwrap_or_default(),
+        // Alive while draining: a failed liveness probe would restart
+        // courier in the middle of settling what is in flight.
+        "/healthz" if health.draining() => text(
+            StatusCode::OK,
+            "ok; draining: not pulling, finishing the deliveries in flight\n".into(),
+        ),
         "/healthz" => text(StatusCode::OK, "ok\n".into()),
         "/readyz" => match health.not_ready() {
             None => text(StatusCode::OK, "ready\n".into()),
@@ -236,10 +350,15 @@ async fn respond(
         },
         // GET as well as POST: a preStop httpGet hook can only GET.
         "/drain" if matches!(*req.method(), http::Method::GET | http::Method::POST) => {
-            if !health.draining() {
-                tracing::info!("/drain: stopping pulls and finishing the deliveries in flight");
+            if let Err((status, why)) = drain.allows(peer, req.headers()) {
+                tracing::warn!(%peer, status = status.as_u16(), "/drain refused");
+                return text(status, why);
             }
-            health.set_draining();
+            if !drain.is_asked() {
+                tracing::info!(%peer, "/drain: stopping pulls and finishing the deliveries in flight");
+            }
+            health.set_draining(true);
+            metrics.draining.set(1);
             drain.ask();
             text(StatusCode::OK, drain.finished().await)
         }
@@ -297,6 +416,46 @@ mod tests {
         let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         String::from_utf8_lossy(&read_to_close(&mut stream).await).into_owned()
+    }
+
+    /// Without a secret only loopback may drain: the port is usually open
+    /// to the whole cluster for scraping. With one, everyone needs it.
+    #[test]
+    fn who_may_drain() {
+        let none = http::HeaderMap::new();
+        let open = Drain::new(None);
+        for peer in ["127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1"] {
+            assert!(open.allows(peer.parse().unwrap(), &none).is_ok(), "{peer}");
+        }
+        for peer in ["10.1.2.3", "192.168.0.7", "::ffff:10.0.0.1", "fd00::1"] {
+            let refused = open.allows(peer.parse().unwrap(), &none).unwrap_err();
+            assert_eq!(refused.0, StatusCode::FORBIDDEN, "{peer}");
+            assert!(refused.1.contains("COURIER_DRAIN_TOKEN"), "{}", refused.1);
+        }
+        let locked = Drain::new(Some("s3cret".into()));
+        let mut right = http::HeaderMap::new();
+        right.insert(
+            http::header::AUTHORIZATION,
+            "Bearer s3cret".parse().unwrap(),
+        );
+        let mut wrong = http::HeaderMap::new();
+        wrong.insert(
+            http::header::AUTHORIZATION,
+            "Bearer s3cres".parse().unwrap(),
+        );
+        let mut short = http::HeaderMap::new();
+        short.insert(http::header::AUTHORIZATION, "Bearer s3c".parse().unwrap());
+        for peer in ["127.0.0.1", "10.1.2.3"] {
+            let peer = peer.parse().unwrap();
+            assert!(locked.allows(peer, &right).is_ok());
+            for headers in [&none, &wrong, &short] {
+                assert_eq!(
+                    locked.allows(peer, headers).unwrap_err().0,
+                    StatusCode::UNAUTHORIZED
+                );
+            }
+        }
+        assert!(Drain::new(Some(String::new())).token.is_none());
     }
 
     #[tokio::test]

@@ -5,7 +5,7 @@
 mod endpoint;
 pub mod traces;
 
-pub use endpoint::{Drain, EndpointLimits, bind, serve, serve_http, serve_within};
+pub use endpoint::{Drain, EndpointLimits, IDLE_DRAIN, bind, serve, serve_http, serve_within};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -72,6 +72,8 @@ pub struct Metrics {
     /// Absent where the broker cannot tell (RabbitMQ), never a made-up 0.
     pub queue_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     pub app_up: Gauge,
+    /// 1 from a `/drain` until SIGTERM or the drain's end.
+    pub draining: Gauge,
     pub policy_ready: Gauge,
     pub policy_generation: Family<PolicyLabels, Gauge>,
     pub policy_reloads: Family<ResultLabels, Counter>,
@@ -106,6 +108,7 @@ impl Metrics {
             queue_depth: Family::default(),
             queue_oldest_age: Family::default(),
             app_up: Gauge::default(),
+            draining: Gauge::default(),
             policy_ready: Gauge::default(),
             policy_generation: Family::default(),
             policy_reloads: Family::default(),
@@ -178,6 +181,11 @@ impl Metrics {
             "app_up",
             "1 when the app answered the last delivery",
             m.app_up.clone(),
+        );
+        registry.register(
+            "draining",
+            "1 while a /drain holds courier from pulling (until SIGTERM, or until it ends with no SIGTERM)",
+            m.draining.clone(),
         );
         registry.register(
             "policy_ready",
@@ -447,9 +455,10 @@ impl Health {
         self.app_down.store(!up, Ordering::SeqCst);
     }
 
-    /// A drain was asked for (`/drain`): never ready again.
-    pub fn set_draining(&self) {
-        self.draining.store(true, Ordering::SeqCst);
+    /// A drain was asked for (`/drain`): not ready until it ends, which
+    /// only a drain that no SIGTERM followed does.
+    pub fn set_draining(&self, draining: bool) {
+        self.draining.store(draining, Ordering::SeqCst);
     }
 
     pub fn draining(&self) -> bool {

@@ -436,6 +436,8 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         concurrency: 8,
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_timeout: Duration::from_secs(5),
+        drain_token: None,
+        drain_resume_after: Duration::from_secs(90),
         max_body: 1 << 20,
         depth_interval: Duration::from_millis(200),
         app_health_path: None,

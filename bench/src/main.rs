@@ -15,7 +15,7 @@
 //!   backlog.
 //! - [`report`]: the table, `BENCHMARKS.md` and the targets.
 //!
-//! `cargo run --release -p courier-bench -- all` runs everything and
+//! `cargo run --profile dist -p courier-bench -- all` runs everything and
 //! rewrites the generated part of `BENCHMARKS.md` (it refuses a tree with
 //! uncommitted changes unless `--allow-dirty`, which marks every row);
 //! `--smoke` is the tiny run the test suite makes.
@@ -126,7 +126,7 @@ struct Options {
     /// Skip the retry-backlog run.
     #[arg(long)]
     no_backlog: bool,
-    /// The courier binary [default: built with `cargo build --release`, next to this one].
+    /// The courier binary [default: built with `cargo build --profile dist`, beside this one].
     #[arg(long)]
     courier: Option<PathBuf>,
     /// Where to write the report [default: BENCHMARKS.md at the repository root; none with --smoke].
@@ -256,17 +256,25 @@ fn machine(courier: &Path) -> Machine {
     }
 }
 
-/// The courier binary: the one given, else `cargo build --release` and the
-/// binary next to this one.
+/// The courier binary: the one given, else built with the `dist` profile
+/// (thin LTO, as the published image is) beside this one's target folder.
 fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
     if let Some(path) = &options.courier {
         return Ok(path.clone());
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("building courier (cargo build --release -p courier --bin courier)...");
+    eprintln!("building courier (cargo build --profile dist -p courier --bin courier)...");
     let mut build = Command::new(cargo);
     build
-        .args(["build", "--release", "-p", "courier", "--bin", "courier"])
+        .args([
+            "build",
+            "--profile",
+            "dist",
+            "-p",
+            "courier",
+            "--bin",
+            "courier",
+        ])
         .current_dir(repo_root());
     for (name, _) in std::env::vars_os() {
         if set_by_cargo_run(&name.to_string_lossy()) {
@@ -279,12 +287,8 @@ fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
     }
     let exe = std::env::current_exe()?;
     let dir = exe.parent().context("no directory")?;
-    let dir = if dir.ends_with("release") {
-        dir.to_path_buf()
-    } else {
-        dir.parent().unwrap_or(dir).join("release")
-    };
-    Ok(dir.join("courier"))
+    // This harness runs from target/<its profile>/; courier's is target/dist/.
+    Ok(dir.parent().unwrap_or(dir).join("dist").join("courier"))
 }
 
 /// Whether `cargo run` sets the variable `name` for this harness, so that

@@ -130,11 +130,11 @@ pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
     };
     let mut options = SourceOptions::new(&args.source.queue);
     options.tls = tls;
-    let source = source::open(&url, options)
+    let source = source::open_admin(&url, options)
         .await
         .with_context(|| format!("cannot open --source {url}"))?;
     let id = source.send(body, &headers).await?;
-    source.close().await;
+    source.flush().await;
     println!("{id}");
     Ok(ExitCode::SUCCESS)
 }

@@ -273,8 +273,76 @@ pub fn default_consumer_name() -> String {
         .unwrap_or_else(|| "courier".into())
 }
 
+/// What the operator commands (`courier dlq`, `courier send`) use: the
+/// dead letters of a queue, and a way to enqueue. An admin handle
+/// ([`open_admin`]) is only this: opening one creates nothing on the broker
+/// (no group, consumer, queue, stream, topic, subscription or seal key) and
+/// starts no background task; only the writes below change the broker.
 #[async_trait]
-pub trait Source: Send + Sync + 'static {
+pub trait DeadLetterStore: Send + Sync + 'static {
+    /// Dead letters, oldest first. Reads only.
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError>;
+    /// Writes a dead letter back to the work queue
+    /// ([`DeadLetter::fields_for_replay`]), then removes it from the
+    /// dead-letter queue: a replay cut short leaves the message in both
+    /// queues, never in neither.
+    async fn replay(&self, dead_letter_queue: &str, letter: &DeadLetter)
+    -> Result<(), SourceError>;
+    /// Deletes a dead letter.
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError>;
+    /// Enqueues a message; returns its id. Writes the message and nothing
+    /// else.
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError>;
+    /// Waits until what was written is on the broker (a producer's queue
+    /// flushed); call it before the process exits.
+    async fn flush(&self) {}
+}
+
+/// A consumer's dead letters are those of the store on its connection:
+/// one impl here instead of a delegation per broker.
+pub trait WithStore {
+    fn store(&self) -> &dyn DeadLetterStore;
+}
+
+#[async_trait]
+impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.store().dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        self.store().replay(dead_letter_queue, letter).await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.store().purge(dead_letter_queue, letter).await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        self.store().send(body, headers).await
+    }
+
+    async fn flush(&self) {
+        self.store().flush().await
+    }
+}
+
+/// A consumer: what the dispatcher and the sidecar use. A consumer is also
+/// a [`DeadLetterStore`] on the same connection.
+#[async_trait]
+pub trait Source: DeadLetterStore {
     /// Up to `max` deliveries; waits about a second when there are none and
     /// may then return an empty list.
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError>;
@@ -293,22 +361,6 @@ pub trait Source: Send + Sync + 'static {
     /// as the broker allows.
     async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError>;
     async fn depth(&self) -> Result<Depth, SourceError>;
-    /// Dead letters, oldest first.
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError>;
-    /// Writes a dead letter back to the work queue
-    /// ([`DeadLetter::fields_for_replay`]), then removes it from the
-    /// dead-letter queue: a replay cut short leaves the message in both
-    /// queues, never in neither.
-    async fn replay(&self, dead_letter_queue: &str, letter: &DeadLetter)
-    -> Result<(), SourceError>;
-    /// Deletes a dead letter.
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError>;
-    /// Enqueues a message; returns its id.
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError>;
     /// What this broker can do; the dispatcher and the conformance suite
     /// follow it instead of asking which broker this is.
     fn capabilities(&self) -> Capabilities;
@@ -360,6 +412,9 @@ pub trait Source: Send + Sync + 'static {
 /// A source being opened.
 pub type Opening = BoxFuture<'static, Result<Arc<dyn Source>, SourceError>>;
 
+/// An admin handle being opened ([`DeadLetterStore`]).
+pub type AdminOpening = BoxFuture<'static, Result<Arc<dyn DeadLetterStore>, SourceError>>;
+
 /// One broker courier can consume from: the URL schemes that name it, how
 /// such a URL is checked before anything starts, and how a source is
 /// opened. Each broker folder defines its own `BROKER`; [`BROKERS`] lists
@@ -379,6 +434,8 @@ pub struct Broker {
     /// Refuses a URL this broker cannot use, saying what to write instead.
     pub check_url: fn(&str) -> Result<(), String>,
     pub open: fn(SourceUrl, SourceOptions) -> Opening,
+    /// Opens an admin handle: connects, and creates nothing.
+    pub admin: fn(SourceUrl, SourceOptions) -> AdminOpening,
 }
 
 impl fmt::Debug for Broker {
@@ -427,6 +484,18 @@ pub fn url_forms() -> String {
 pub async fn open(url: &SourceUrl, options: SourceOptions) -> Result<Arc<dyn Source>, SourceError> {
     let tls = options.tls.clone();
     (url.broker.open)(url.clone(), options)
+        .await
+        .map_err(|e| tls.explain(e))
+}
+
+/// Opens the admin handle of a `--source` URL, for the operator commands:
+/// it creates nothing on the broker and moves nothing ([`DeadLetterStore`]).
+pub async fn open_admin(
+    url: &SourceUrl,
+    options: SourceOptions,
+) -> Result<Arc<dyn DeadLetterStore>, SourceError> {
+    let tls = options.tls.clone();
+    (url.broker.admin)(url.clone(), options)
         .await
         .map_err(|e| tls.explain(e))
 }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 mod failover;
+mod inventory;
 mod kafka_mock;
 mod kube_stub;
 mod moto;
@@ -15,6 +16,8 @@ pub use failover::{
     assert_none_lost, assert_none_twice, dead_letter_bodies, drain_across_a_kill,
     drain_through_a_kill, failover_body, wait_none_lost,
 };
+#[allow(unused_imports)]
+pub use inventory::{inventory, remove as remove_queue, work_queue_item};
 #[allow(unused_imports)]
 pub use kafka_mock::{KAFKA_MOCK_BIN, KafkaMock, shared_kafka};
 #[allow(unused_imports)]

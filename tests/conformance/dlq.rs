@@ -2,6 +2,7 @@
 //! sidecar and a real app, then listed, shown, replayed and purged with the
 //! built binary, as an operator would.
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -375,4 +376,40 @@ pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
     }
     let lost = missing(&left);
     assert!(lost.is_empty(), "messages {lost:?} are in neither queue");
+}
+
+/// Found at 21da363 (issue 27): `courier dlq list` on a queue that did not
+/// exist created, on Redis, the stream, the group `courier` and a seal key,
+/// and `courier send` did the same: both opened a consumer. The operator
+/// commands open an admin handle now: the read-only ones leave the broker
+/// exactly as they found it, whatever they answer, and a send adds its
+/// message and nothing else (no group, no seal key).
+pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
+    let mut absent = fixture.clone();
+    absent.queue = unique("absent");
+    let before = inventory(&absent).await;
+    for args in [
+        &["dlq", "list"][..],
+        &["dlq", "list", "--output", "json"],
+        &["dlq", "show", "--id", "1-0"],
+        &["dlq", "show", "--all"],
+    ] {
+        let out = courier(&absent, args);
+        assert_eq!(
+            inventory(&absent).await,
+            before,
+            "courier {args:?} changed the broker: {}",
+            stderr(&out)
+        );
+    }
+    let out = courier(&absent, &["send", "only this"]);
+    assert!(out.status.success(), "courier send: {}", stderr(&out));
+    let after = inventory(&absent).await;
+    let added: BTreeSet<String> = after.difference(&before).cloned().collect();
+    let allowed = BTreeSet::from([work_queue_item(&absent)]);
+    assert!(
+        added.is_subset(&allowed),
+        "courier send made more than its message: {added:?}"
+    );
+    remove_queue(&absent).await;
 }

@@ -8,7 +8,7 @@ use super::{Filter, Selection};
 use crate::cmd::args::UsageError;
 use crate::model::{DeadLetter, DeadLetterReason, dead_letter_age};
 use crate::policy::CodeMatch;
-use crate::source::Source;
+use crate::source::DeadLetterStore;
 
 impl Filter {
     fn check(&self) -> Result<Option<CodeMatch>, UsageError> {
@@ -74,7 +74,7 @@ pub(super) fn age(letter: &DeadLetter, now: SystemTime) -> Option<Duration> {
 /// The dead letters a command acts on: the ids given, or those matching
 /// the filters.
 pub(super) async fn select(
-    source: &Arc<dyn Source>,
+    source: &Arc<dyn DeadLetterStore>,
     dlq: &str,
     filter: &Filter,
     ids: &[String],

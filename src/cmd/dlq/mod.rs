@@ -17,7 +17,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use super::args::{SourceArgs, UsageError};
 use crate::duration;
 use crate::model::default_dead_letter_queue;
-use crate::source::{self, Source, SourceOptions};
+use crate::source::{self, DeadLetterStore, SourceOptions};
 
 mod filter;
 mod show;
@@ -128,7 +128,7 @@ pub enum Output {
     Json,
 }
 
-async fn open(target: &Target) -> anyhow::Result<(Arc<dyn Source>, String)> {
+async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, String)> {
     let (url, tls) = target.source.parse()?;
     let queue = &target.source.queue;
     let dlq = target
@@ -138,7 +138,7 @@ async fn open(target: &Target) -> anyhow::Result<(Arc<dyn Source>, String)> {
     let mut options = SourceOptions::new(queue);
     options.dead_letter_queue = dlq.clone();
     options.tls = tls;
-    let source = source::open(&url, options)
+    let source = source::open_admin(&url, options)
         .await
         .with_context(|| format!("cannot open --source {url}"))?;
     Ok((source, dlq))
@@ -168,14 +168,14 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                     Output::Json => writeln!(out, "{}", to_json(letter))?,
                 }
             }
-            source.close().await;
+            source.flush().await;
             Ok(ExitCode::SUCCESS)
         }
         DlqAction::Show { target, id, output } => {
             let (source, dlq) = open(&target).await?;
             let (letters, missing) =
                 select(&source, &dlq, &Filter::default(), std::slice::from_ref(&id)).await?;
-            source.close().await;
+            source.flush().await;
             let Some(letter) = letters.first() else {
                 eprintln!(
                     "error: no dead letter {} in {dlq}",
@@ -244,7 +244,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                     letters.len(),
                     target.source.queue
                 )?;
-                source.close().await;
+                source.flush().await;
                 return Ok(report_missing(&missing));
             }
             let pause = rate.map(|r| Duration::from_secs_f64(1.0 / r));
@@ -264,7 +264,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                     Err(e) => failures.push(format!("{}: {e}", letter.id)),
                 }
             }
-            source.close().await;
+            source.flush().await;
             writeln!(
                 out,
                 "{moved} dead letters replayed to {}",
@@ -282,7 +282,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             let (source, dlq) = open(&target).await?;
             let (letters, missing) = select(&source, &dlq, &filter, &selection.ids).await?;
             if !yes {
-                source.close().await;
+                source.flush().await;
                 return Err(UsageError(format!(
                     "purge would delete {} dead letters from {dlq}; add --yes to delete them",
                     letters.len()
@@ -297,7 +297,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                     Err(e) => failures.push(format!("{}: {e}", letter.id)),
                 }
             }
-            source.close().await;
+            source.flush().await;
             writeln!(out, "{deleted} dead letters deleted from {dlq}")?;
             Ok(report_failures(&failures, &missing))
         }

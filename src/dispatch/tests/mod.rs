@@ -25,7 +25,7 @@ mod steps;
 use super::*;
 use crate::model::{DeadLetter, Failure, Outcome};
 use crate::policy::{GateState, Jitter, Policy};
-use crate::source::{Capabilities, Depth, SourceError};
+use crate::source::{Capabilities, DeadLetterStore, Depth, SourceError};
 
 // === An in-memory source ===
 
@@ -133,6 +133,21 @@ impl Source for MemorySource {
         Ok(Depth::default())
     }
 
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        let mut ids: Vec<String> = in_flight.iter().map(|d| d.message.id.clone()).collect();
+        ids.sort();
+        self.state().kept_alive.push(ids);
+        Ok(())
+    }
+}
+
+/// `send` enqueues, for the tests; the dispatcher uses none of these.
+#[async_trait]
+impl DeadLetterStore for MemorySource {
     async fn dead_letters(&self, _: &str, _: usize) -> Result<Vec<DeadLetter>, SourceError> {
         Ok(Vec::new())
     }
@@ -151,17 +166,6 @@ impl Source for MemorySource {
         s.ready
             .push_back(delivery(&id, &String::from_utf8_lossy(&body)));
         Ok(id)
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::default()
-    }
-
-    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
-        let mut ids: Vec<String> = in_flight.iter().map(|d| d.message.id.clone()).collect();
-        ids.sort();
-        self.state().kept_alive.push(ids);
-        Ok(())
     }
 }
 

@@ -91,7 +91,9 @@ use lapin::uri::AMQPUri;
 use self::convert::message_for;
 use self::queues::QueueKind;
 use self::session::Session;
-use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
+use super::{
+    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+};
 use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
 
 /// How long opening a connection may take.
@@ -171,6 +173,12 @@ pub const BROKER: Broker = Broker {
     open: |url, options| {
         Box::pin(async move {
             Ok(Arc::new(AmqpSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(AmqpSource::connect(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -293,6 +301,32 @@ impl Source for AmqpSource {
         self.read_depth().await
     }
 
+    /// Stops consuming and gives back, without counting an attempt, what
+    /// was prefetched and never offered to the app; then closes.
+    async fn close(&self) {
+        self.shut_down().await
+    }
+
+    /// A live policy change: depth reads the new dead-letter queue, and the
+    /// poison-pill limit follows `maxAttempts`. The visibility timeout has
+    /// no meaning here: a delivery stays with this consumer as long as its
+    /// channel is open.
+    fn apply(&self, settings: &LiveSettings) {
+        *self
+            .dead_letter_queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = settings.dead_letter_queue.clone();
+        self.max_deliveries
+            .store(settings.max_deliveries, Ordering::SeqCst);
+    }
+
+    fn connected(&self) -> bool {
+        self.current().is_some_and(|s| s.healthy())
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for AmqpSource {
     async fn dead_letters(
         &self,
         dead_letter_queue: &str,
@@ -338,27 +372,8 @@ impl Source for AmqpSource {
         Ok(id)
     }
 
-    /// Stops consuming and gives back, without counting an attempt, what
-    /// was prefetched and never offered to the app; then closes.
-    async fn close(&self) {
-        self.shut_down().await
-    }
-
-    /// A live policy change: depth reads the new dead-letter queue, and the
-    /// poison-pill limit follows `maxAttempts`. The visibility timeout has
-    /// no meaning here: a delivery stays with this consumer as long as its
-    /// channel is open.
-    fn apply(&self, settings: &LiveSettings) {
-        *self
-            .dead_letter_queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = settings.dead_letter_queue.clone();
-        self.max_deliveries
-            .store(settings.max_deliveries, Ordering::SeqCst);
-    }
-
-    fn connected(&self) -> bool {
-        self.current().is_some_and(|s| s.healthy())
+    async fn flush(&self) {
+        Source::close(self).await
     }
 }
 

@@ -45,8 +45,8 @@ use tokio::sync::oneshot;
 
 use super::shared::{self, RECEIVE_WAIT};
 use super::{
-    Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions, SourceUrl,
-    decode_fields, encode_fields,
+    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    SourceUrl, decode_fields, encode_fields,
 };
 use crate::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
 
@@ -139,6 +139,12 @@ pub const BROKER: Broker = Broker {
         Box::pin(async move {
             let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
             Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
+            Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -319,26 +325,6 @@ impl Source for EmbeddedSource {
         .await
     }
 
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.list_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
     /// Not fsynced on its own, like an ack (see [`FLUSH_EVERY`]): a key lost
     /// in a crash only lets a redelivery reach the app.
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
@@ -385,6 +371,40 @@ impl Source for EmbeddedSource {
         .await
     }
 
+    /// Writes what receives and acks did in memory, durably, so that a clean
+    /// stop redelivers nothing that was acked.
+    async fn close(&self) {
+        if let Err(e) = self
+            .call(|reply| Call::Change(Change::Flush { reply }))
+            .await
+        {
+            tracing::warn!(error = %e, "embedded queue: the last commit failed; unsettled messages will be delivered again");
+        }
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for EmbeddedSource {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.list_dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        self.replay_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.purge_dead_letter(dead_letter_queue, letter).await
+    }
+
     /// Refuses a message over [`RECORD_LIMIT`], which could never be
     /// handed out. Only courier writes the file, and this is the one way a
     /// producer's message gets in: its `courier-*` headers are dropped here,
@@ -418,15 +438,8 @@ impl Source for EmbeddedSource {
         Ok(seq.to_string())
     }
 
-    /// Writes what receives and acks did in memory, durably, so that a clean
-    /// stop redelivers nothing that was acked.
-    async fn close(&self) {
-        if let Err(e) = self
-            .call(|reply| Call::Change(Change::Flush { reply }))
-            .await
-        {
-            tracing::warn!(error = %e, "embedded queue: the last commit failed; unsettled messages will be delivered again");
-        }
+    async fn flush(&self) {
+        Source::close(self).await
     }
 }
 

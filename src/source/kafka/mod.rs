@@ -62,7 +62,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use rdkafka::message::OwnedMessage;
 
-use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
+use super::{
+    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+};
 use crate::model::{DeadLetter, Delivery, Failure};
 use connection::{GroupConsumer, Inspector, Producer};
 use offsets::Ledger;
@@ -87,6 +89,12 @@ pub const BROKER: Broker = Broker {
     open: |url, options| {
         Box::pin(async move {
             Ok(Arc::new(KafkaSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(KafkaSource::connect(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -185,30 +193,6 @@ impl Source for KafkaSource {
         self.read_depth().await
     }
 
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.produce_new(body, headers).await
-    }
-
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {
         dead_letters::check_dead_letter_topic(&settings.dead_letter_queue, &self.options.queue)
     }
@@ -233,6 +217,37 @@ impl Source for KafkaSource {
                 .map_err(connection::unavailable)
         })
         .await;
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for KafkaSource {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.browse_dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        self.replay_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.purge_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        self.produce_new(body, headers).await
+    }
+
+    async fn flush(&self) {
+        Source::close(self).await
     }
 }
 

@@ -79,7 +79,9 @@ use async_nats::jetstream::context::Context;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
+use super::{
+    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+};
 use crate::model::{DeadLetter, Delivery, Failure};
 use pull::Puller;
 
@@ -97,6 +99,12 @@ pub const BROKER: Broker = Broker {
     open: |url, options| {
         Box::pin(async move {
             Ok(Arc::new(NatsSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(NatsSource::connect(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -175,30 +183,6 @@ impl Source for NatsSource {
         self.read_depth().await
     }
 
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.publish_new(body, headers).await
-    }
-
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {
         dead_letters::check_dead_letter_subject(
             &settings.dead_letter_queue,
@@ -229,6 +213,37 @@ impl Source for NatsSource {
 
     fn connected(&self) -> bool {
         self.client.connection_state() == State::Connected
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for NatsSource {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.browse_dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        self.replay_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.purge_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        self.publish_new(body, headers).await
+    }
+
+    async fn flush(&self) {
+        Source::close(self).await
     }
 }
 

@@ -50,7 +50,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{
-    Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    Batcher, Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError,
+    SourceOptions,
 };
 use crate::model::{DeadLetter, Delivery, Failure};
 use crate::source::shared::Seal;
@@ -73,6 +74,14 @@ pub const BROKER: Broker = Broker {
     open: |url, options| {
         Box::pin(async move {
             Ok(Arc::new(PubSubSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(
+                Arc::new(PubSubSource::connect(url.as_str(), options).await?)
+                    as Arc<dyn DeadLetterStore>,
+            )
         })
     },
 };
@@ -222,6 +231,27 @@ impl Source for PubSubSource {
         self.read_depth().await
     }
 
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        connection::check_dead_letter_queue(&settings.dead_letter_queue, &self.options.queue)
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        let before = std::mem::replace(&mut *lock(&self.live), settings.clone());
+        if before.max_deliveries != settings.max_deliveries {
+            self.warn_about_cap(settings.max_deliveries);
+        }
+    }
+
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        self.keep_leased(in_flight).await
+    }
+
+    /// Held copies stay leased: their lease ends at their due time anyway.
+    async fn close(&self) {}
+}
+
+#[async_trait]
+impl DeadLetterStore for PubSubSource {
     async fn dead_letters(
         &self,
         dead_letter_queue: &str,
@@ -246,21 +276,7 @@ impl Source for PubSubSource {
         self.send_new(body, headers).await
     }
 
-    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
-        connection::check_dead_letter_queue(&settings.dead_letter_queue, &self.options.queue)
+    async fn flush(&self) {
+        Source::close(self).await
     }
-
-    fn apply(&self, settings: &LiveSettings) {
-        let before = std::mem::replace(&mut *lock(&self.live), settings.clone());
-        if before.max_deliveries != settings.max_deliveries {
-            self.warn_about_cap(settings.max_deliveries);
-        }
-    }
-
-    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
-        self.keep_leased(in_flight).await
-    }
-
-    /// Held copies stay leased: their lease ends at their due time anyway.
-    async fn close(&self) {}
 }

@@ -28,9 +28,9 @@
 
 mod cluster;
 mod connection;
+mod dead_letters;
 mod depth;
 mod entries;
-mod letters;
 mod mover;
 mod poison;
 mod read_connection;
@@ -44,16 +44,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use redis::Value;
 use tokio::sync::Mutex;
 
 use super::shared::{RECEIVE_WAIT, Seal};
 use super::{
-    Batcher, Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    Batcher, Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError,
+    SourceOptions, WithStore,
 };
-use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
+use crate::model::{Delivery, Failure};
 use connection::{Connection, Endpoint};
+use dead_letters::RedisStore;
 use reader::{NewEntries, Reader};
 
 /// Redis Streams on one server (`redis://host:port/db`, `rediss://` for
@@ -78,6 +79,12 @@ pub const BROKER: Broker = Broker {
             Ok(Arc::new(RedisSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
         })
     },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(RedisStore::open(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
+        })
+    },
 };
 
 pub struct RedisSource {
@@ -95,7 +102,8 @@ pub struct RedisSource {
     retry_key: String,
     mover_stop: Arc<AtomicBool>,
     /// Proves which copies courier stored (`<queue>.courier-key`).
-    seal: Seal,
+    seal: Arc<Seal>,
+    store: RedisStore,
 }
 
 fn broker_error(e: redis::RedisError) -> SourceError {
@@ -106,28 +114,37 @@ fn broker_error(e: redis::RedisError) -> SourceError {
     }
 }
 
+/// A connection to `endpoint` whose replies may take `timeout`.
+async fn connect_to(
+    endpoint: &Endpoint,
+    url: &str,
+    options: &SourceOptions,
+    timeout: Duration,
+) -> Result<Connection, SourceError> {
+    endpoint.connect(timeout, &options.tls).await.map_err(|e| {
+        let text = format!("{}: {}", super::redact(url), super::redact_error(url, &e));
+        // A client the TLS files cannot make is bad configuration, not an
+        // outage.
+        match e.kind() {
+            redis::ErrorKind::InvalidClientConfig => SourceError::Invalid(text),
+            _ => SourceError::Unavailable(text),
+        }
+    })
+}
+
 impl RedisSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let endpoint = Endpoint::parse(url).map_err(SourceError::Invalid)?;
-        // A client the TLS files cannot make is bad configuration, not an
-        // outage.
-        let unavailable = |e: redis::RedisError| {
-            let text = format!("{}: {}", super::redact(url), super::redact_error(url, &e));
-            match e.kind() {
-                redis::ErrorKind::InvalidClientConfig => SourceError::Invalid(text),
-                _ => SourceError::Unavailable(text),
-            }
-        };
-        let commands = endpoint
-            .connect(Duration::from_secs(10), &options.tls)
-            .await
-            .map_err(unavailable)?;
+        let commands = connect_to(&endpoint, url, &options, Duration::from_secs(10)).await?;
         // Reads get a connection of their own, whose replies may take as
         // long as a read waits.
-        let reader = endpoint
-            .connect(RECEIVE_WAIT + Duration::from_secs(10), &options.tls)
-            .await
-            .map_err(unavailable)?;
+        let reader = connect_to(
+            &endpoint,
+            url,
+            &options,
+            RECEIVE_WAIT + Duration::from_secs(10),
+        )
+        .await?;
         let mut con = commands.clone();
         let cluster = endpoint.is_cluster() || cluster::is_cluster(&mut con).await?;
         if cluster
@@ -153,8 +170,13 @@ impl RedisSource {
         {
             return Err(broker_error(e));
         }
-        let seal = seal_of(&mut con, &options.queue).await?;
+        let seal = Arc::new(seal_of(&mut con, &options.queue).await?);
         let source = Self {
+            store: RedisStore {
+                queue: options.queue.clone(),
+                commands: commands.clone(),
+                seal: tokio::sync::OnceCell::new_with(Some(seal.clone())),
+            },
             seal,
             retry_key: format!("{}.retry", options.queue),
             acks: settle::ack_batcher(&commands, &options.queue, &options.group),
@@ -253,39 +275,6 @@ impl Source for RedisSource {
         self.read_depth().await
     }
 
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.list_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(&self.options.queue)
-            .arg("*")
-            .arg(PAYLOAD)
-            .arg(body.as_ref());
-        for (name, value) in headers {
-            xadd.arg(name).arg(value);
-        }
-        let mut con = self.commands.clone();
-        xadd.query_async(&mut con).await.map_err(broker_error)
-    }
-
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
         let mut con = self.commands.clone();
         redis::cmd("SET")
@@ -328,6 +317,12 @@ impl Source for RedisSource {
 
     async fn close(&self) {
         self.mover_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl WithStore for RedisSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }
 

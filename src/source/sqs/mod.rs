@@ -62,7 +62,9 @@ use aws_sdk_sqs::types::QueueAttributeName;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::{Broker, Capabilities, Depth, LiveSettings, Source, SourceError, SourceOptions};
+use super::{
+    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+};
 use crate::model::{DeadLetter, Delivery, Failure};
 use crate::source::shared::Seal;
 
@@ -81,6 +83,12 @@ pub const BROKER: Broker = Broker {
     open: |url, options| {
         Box::pin(async move {
             Ok(Arc::new(SqsSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(SqsSource::connect(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -256,30 +264,6 @@ impl Source for SqsSource {
         self.read_depth().await
     }
 
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.send_new(body, headers).await
-    }
-
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {
         dead_letters::check_dead_letter_queue(
             &settings.dead_letter_queue,
@@ -307,6 +291,37 @@ impl Source for SqsSource {
             lock(&self.in_flight).remove(&receipt);
             let _ = self.change_visibility(&self.queue_url, &receipt, 0).await;
         }
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for SqsSource {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.browse_dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        self.replay_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.purge_dead_letter(dead_letter_queue, letter).await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        self.send_new(body, headers).await
+    }
+
+    async fn flush(&self) {
+        Source::close(self).await
     }
 }
 

@@ -1,13 +1,22 @@
-//! Browsing the dead-letter stream: list, replay, purge.
+//! The dead-letter store: list, replay and purge the dead-letter stream,
+//! and send to the work stream. Opened alone (`courier dlq`, `courier
+//! send`), it creates nothing: no group, no stream, and the seal key only
+//! when a replay needs it.
 
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
 use redis::Value;
+use tokio::sync::OnceCell;
 
+use super::broker_error;
+use super::connection::{Connection, Endpoint};
 use super::entries::parse_entries;
 use super::settle::xadd;
-use super::{RedisSource, broker_error};
-use crate::model::DeadLetter;
-use crate::source::SourceError;
-use crate::source::shared::not_there;
+use crate::model::{DeadLetter, PAYLOAD};
+use crate::source::shared::{Seal, not_there};
+use crate::source::{DeadLetterStore, SourceError, SourceOptions};
 
 /// Runs right after the `XADD` that writes a replayed letter back to the
 /// work stream, in the same MULTI, and removes the letter. The `XADD` is a
@@ -28,8 +37,43 @@ if newest[1] then redis.call('XDEL', KEYS[1], newest[1][1]) end
 return 0
 ";
 
-impl RedisSource {
-    pub(super) async fn list_dead_letters(
+/// The work stream's dead letters, on the command connection.
+pub(super) struct RedisStore {
+    pub(super) queue: String,
+    pub(super) commands: Connection,
+    /// The queue's seal: the consumer's, or read (and made if missing)
+    /// when an admin handle first replays.
+    pub(super) seal: OnceCell<Arc<Seal>>,
+}
+
+impl RedisStore {
+    /// An admin handle: one connection, nothing written.
+    pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let endpoint = Endpoint::parse(url).map_err(SourceError::Invalid)?;
+        let commands =
+            super::connect_to(&endpoint, url, &options, std::time::Duration::from_secs(10)).await?;
+        Ok(Self {
+            queue: options.queue,
+            commands,
+            seal: OnceCell::new(),
+        })
+    }
+
+    async fn seal(&self) -> Result<&Seal, SourceError> {
+        let seal = self
+            .seal
+            .get_or_try_init(|| async {
+                let mut con = self.commands.clone();
+                super::seal_of(&mut con, &self.queue).await.map(Arc::new)
+            })
+            .await?;
+        Ok(seal)
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for RedisStore {
+    async fn dead_letters(
         &self,
         dead_letter_queue: &str,
         limit: usize,
@@ -50,23 +94,21 @@ impl RedisSource {
             .collect())
     }
 
-    pub(super) async fn replay_letter(
+    async fn replay(
         &self,
         dead_letter_queue: &str,
         letter: &DeadLetter,
     ) -> Result<(), SourceError> {
+        let sealed = self.seal().await?.seal(letter.fields_for_replay());
         let mut con = self.commands.clone();
         let (moved,): (i64,) = redis::pipe()
             .atomic()
-            .add_command(xadd(
-                &self.options.queue,
-                &self.seal.seal(letter.fields_for_replay()),
-            ))
+            .add_command(xadd(&self.queue, &sealed))
             .ignore()
             .cmd("EVAL")
             .arg(REMOVE_LETTER)
             .arg(2)
-            .arg(&self.options.queue)
+            .arg(&self.queue)
             .arg(dead_letter_queue)
             .arg(&letter.id)
             .query_async(&mut con)
@@ -78,11 +120,7 @@ impl RedisSource {
         Ok(())
     }
 
-    pub(super) async fn purge_letter(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
         let mut con = self.commands.clone();
         let deleted: i64 = redis::cmd("XDEL")
             .arg(dead_letter_queue)
@@ -94,5 +132,18 @@ impl RedisSource {
             return Err(not_there(dead_letter_queue, &letter.id));
         }
         Ok(())
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&self.queue)
+            .arg("*")
+            .arg(PAYLOAD)
+            .arg(body.as_ref());
+        for (name, value) in headers {
+            xadd.arg(name).arg(value);
+        }
+        let mut con = self.commands.clone();
+        xadd.query_async(&mut con).await.map_err(broker_error)
     }
 }

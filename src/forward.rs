@@ -36,6 +36,11 @@ static DEAD_LETTER: HeaderName = HeaderName::from_static("courier-dead-letter");
 /// What is added to a message's own headers: the host, courier's content
 /// type, key, id, attempt and queue, then hyper's content length.
 const ADDED_HEADERS: usize = 7;
+/// The most headers (the message's own and a CloudEvent's attributes)
+/// offered to the app; a message with more is undeliverable. http's
+/// `HeaderMap` panics past about 24,000 entries, and HTTP servers refuse
+/// far fewer (hyper takes 100 by default, nginx 8 KiB of them).
+pub const MAX_HEADERS: usize = 1000;
 
 /// Answer bodies are read (so the connection can be reused) up to this size;
 /// beyond it the connection is dropped instead of reading a huge body.
@@ -289,6 +294,9 @@ impl Forwarder {
 
     fn build(&self, envelope: &Envelope<'_>) -> Result<Request<Full<Bytes>>, String> {
         let message = envelope.message;
+        if message.headers.len() > MAX_HEADERS {
+            return Err(too_many_headers(message.headers.len()));
+        }
         let event = self.event(message)?;
         let mut builder = Request::builder()
             .method(Method::POST)
@@ -329,6 +337,9 @@ impl Forwarder {
             }
             Some(event) => {
                 let rendered = event.render(self.cloudevents, &message.body);
+                if headers.len() + rendered.headers.len() > MAX_HEADERS {
+                    return Err(too_many_headers(headers.len() + rendered.headers.len()));
+                }
                 for (name, value) in &rendered.headers {
                     let name = HeaderName::from_bytes(name.as_bytes())
                         .map_err(|_| format!("CloudEvent: {name:?} is not a header name"))?;
@@ -442,6 +453,13 @@ fn origin_form(path: &str) -> Option<Uri> {
     path.as_str().starts_with('/').then(|| Uri::from(path))
 }
 
+/// Why a message with `count` headers is not offered.
+fn too_many_headers(count: usize) -> String {
+    format!(
+        "the message has {count} headers (its own and a CloudEvent's attributes); courier offers at most {MAX_HEADERS} to the app"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -513,6 +531,46 @@ mod tests {
             body: Bytes::from_static(b"{}"),
             headers: Vec::new(),
         }
+    }
+
+    /// Found at 21da363: about 24,600 headers, or as many attributes of a
+    /// CloudEvent in structured mode, made http's HeaderMap panic while
+    /// the request was built. Past the cap the message is undeliverable,
+    /// with a reason, and nothing panics.
+    #[test]
+    fn more_headers_than_the_cap_is_undeliverable_not_a_panic() {
+        let forwarder = Forwarder::new("http://127.0.0.1:9/".parse().unwrap(), 1);
+        let queue = QueueName::new("q");
+        let many = Message {
+            headers: (0..30_000).map(|i| (format!("h{i}"), "v".into())).collect(),
+            ..small_message()
+        };
+        let error = forwarder.build(&envelope(&many, &queue)).unwrap_err();
+        assert!(
+            error.contains("30000 headers") && error.contains("at most 1000"),
+            "{error}"
+        );
+
+        let attributes: String = (0..30_000).map(|i| format!(",\"a{i}\":\"v\"")).collect();
+        let event = Message {
+            body: Bytes::from(format!(
+                "{{\"specversion\":\"1.0\",\"id\":\"e1\",\"source\":\"/s\",\"type\":\"t\"{attributes}}}"
+            )),
+            ..small_message()
+        };
+        let error = forwarder.build(&envelope(&event, &queue)).unwrap_err();
+        assert!(
+            error.contains("headers") && error.contains("at most 1000"),
+            "{error}"
+        );
+
+        let at_the_cap = Message {
+            headers: (0..MAX_HEADERS)
+                .map(|i| (format!("h{i}"), "v".into()))
+                .collect(),
+            ..small_message()
+        };
+        assert!(forwarder.build(&envelope(&at_the_cap, &queue)).is_ok());
     }
 
     fn envelope<'a>(message: &'a Message, queue: &'a QueueName) -> Envelope<'a> {

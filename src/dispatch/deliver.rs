@@ -17,7 +17,7 @@ use crate::source::SourceError;
 use crate::telemetry::traces;
 
 impl Shared {
-    pub(super) async fn deliver(&self, delivery: Delivery) {
+    pub(super) async fn deliver(&self, delivery: Arc<Delivery>) {
         self.m.received.inc();
         if self.d.dedup_window.is_some()
             && delivery.problem.is_none()
@@ -25,7 +25,6 @@ impl Shared {
         {
             return;
         }
-        let delivery = Arc::new(delivery);
         let _in_flight = self.in_flight.register(&delivery);
         let policy = self.d.policy.current();
         let started_at = SystemTime::now();
@@ -105,10 +104,11 @@ impl Shared {
             attempt: delivery.attempt,
             trace,
         };
-        self.m.in_flight.inc();
+        // A guard, so that a delivery that panics does not stay counted.
+        let in_flight = scopeguard(&self.m.in_flight);
         let clock = Instant::now();
         let outcome = self.d.forwarder.deliver(&envelope, policy.timeout).await;
-        self.m.in_flight.dec();
+        drop(in_flight);
         self.m.duration.observe(clock.elapsed().as_secs_f64());
         outcome
     }
@@ -261,6 +261,28 @@ impl Shared {
         Ok(())
     }
 
+    /// A delivery panicked (a bug of courier's, or of a library's, on this
+    /// message): dead-lettered as undeliverable with the panic's message,
+    /// so it neither waits unsettled for the broker's redelivery (a Kafka
+    /// offset held open, a FIFO group kept busy) nor panics again on every
+    /// redelivery. An operator can replay it once courier is fixed.
+    pub(super) async fn after_panic(&self, delivery: &Delivery, what: String) {
+        let outcome = Outcome::Undeliverable {
+            error: format!(
+                "courier failed while delivering it (a panic: {what}); replay it once courier is fixed"
+            ),
+        };
+        let policy = self.d.policy.current();
+        let decision = Decision {
+            class: Class::Undeliverable,
+            verdict: Verdict::DeadLetter {
+                reason: DeadLetterReason::Undeliverable,
+            },
+        };
+        self.settle(delivery, &outcome, &decision, &policy, SystemTime::now())
+            .await;
+    }
+
     /// A redelivery of a message acked within the window: ack it again
     /// without offering it to the app.
     async fn already_acked(&self, delivery: &Delivery) -> bool {
@@ -286,4 +308,25 @@ impl Shared {
         }
         true
     }
+}
+
+/// What a panic said, when it said it as text.
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into())
+}
+
+/// Increments `gauge` now and decrements it when dropped, on a panic too.
+fn scopeguard(gauge: &prometheus_client::metrics::gauge::Gauge) -> impl Drop + '_ {
+    struct Counted<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+    impl Drop for Counted<'_> {
+        fn drop(&mut self) {
+            self.0.dec();
+        }
+    }
+    gauge.inc();
+    Counted(gauge)
 }

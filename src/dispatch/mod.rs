@@ -23,6 +23,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use futures::FutureExt;
 use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -400,7 +401,14 @@ impl Shared {
             // once (BENCHMARKS.md, the profile).
             deliveries.launch(Box::pin(async move {
                 if !shared.defer_if_held(&delivery).await {
-                    shared.deliver(delivery).await;
+                    let delivery = Arc::new(delivery);
+                    let delivered = std::panic::AssertUnwindSafe(shared.deliver(delivery.clone()))
+                        .catch_unwind()
+                        .await;
+                    if let Err(panic) = delivered {
+                        let what = deliver::panic_message(panic.as_ref());
+                        shared.after_panic(&delivery, what).await;
+                    }
                 }
                 drop(taken);
             }));
@@ -531,7 +539,7 @@ impl Shared {
         let slot = self.limiter.acquire().await;
         if let Some(deliveries) = self.receive(1, reader).await {
             for delivery in deliveries {
-                self.deliver(delivery).await;
+                self.deliver(Arc::new(delivery)).await;
             }
         }
         drop(slot);

@@ -59,6 +59,40 @@ pub async fn an_idempotency_key_http_cannot_carry_is_undeliverable(fixture: Fixt
     );
 }
 
+/// Found at 21da363: a CloudEvent in structured mode (parsed by default)
+/// with about 24,600 attributes, or a message with as many headers, made
+/// building the request panic, and nothing settled the message. Past
+/// courier's cap of 1,000 headers it is undeliverable, with the count in
+/// the reason, never offered, and the next message flows. 1,500 attributes
+/// fit every broker's size limit (at 21da363 they reached the app as 1,500
+/// `ce-*` headers, which it refused with 431).
+pub async fn more_headers_than_the_cap_is_undeliverable(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let attributes: String = (0..1500).map(|i| format!(",\"x{i}\":{i}")).collect();
+    let event = format!(
+        "{{\"specversion\":\"1.0\",\"id\":\"wide-1\",\"source\":\"/tests\",\"type\":\"wide\"{attributes}}}"
+    );
+    producer.send(event.clone(), &[]).await;
+    producer.send("after the wide one", &[]).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert!(
+        app.received_body(event.as_bytes()).is_empty() && app.received().len() == 1,
+        "only the next message reaches the app"
+    );
+    assert_eq!(app.received_body(b"after the wide one").len(), 1);
+    let letter = only_dead_letter(&source, &fixture).await;
+    assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
+    let error = letter.field("courier-error").unwrap_or_default();
+    assert!(
+        error.contains("headers") && error.contains("at most 1000"),
+        "{error}"
+    );
+}
+
 /// `Retry-After: soon` is not a delay: it is ignored (the policy's own
 /// backoff applies), counted in `courier_retry_after_invalid_total`, and the
 /// message is delivered on the next attempt.

@@ -95,6 +95,56 @@ async fn a_message_that_crashes_the_app_uses_its_attempts_and_is_dead_lettered()
     );
 }
 
+/// Found at 21da363: a delivery that panicked was caught and forgotten, its
+/// message left unsettled (a Kafka offset held open until a restart, an SQS
+/// FIFO group busy for good) to panic again at every redelivery. Now it is
+/// dead-lettered as undeliverable with the panic's message, once, and the
+/// other messages flow; on one thread and on several.
+#[tokio::test]
+async fn a_delivery_that_panics_is_dead_lettered_once() {
+    a_panic_is_settled().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_that_panics_on_a_task_of_its_own_is_dead_lettered_once() {
+    a_panic_is_settled().await;
+}
+
+async fn a_panic_is_settled() {
+    let app = crashing_app().await;
+    let source = MemorySource::with(&["ok 1", "panic in the ack", "ok 2"]);
+    let shutdown = CancellationToken::new();
+    let d = dispatcher(source.clone(), app, fast_policy(3));
+    let metrics = d.metrics.clone();
+    let run = tokio::spawn(d.run(shutdown.clone()));
+    wait_until("two acks and a dead letter", || {
+        let s = source.state();
+        s.acked.len() == 2 && s.dead.len() == 1
+    })
+    .await;
+    // Nothing more comes of it: no second dead letter, no retry.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shutdown.cancel();
+    run.await.unwrap();
+    let s = source.state();
+    assert_eq!(s.dead.len(), 1);
+    assert!(s.retried.is_empty(), "{:?}", s.retried);
+    let (id, failure) = &s.dead[0];
+    assert_eq!(id, "1-0");
+    assert_eq!(failure.reason, DeadLetterReason::Undeliverable);
+    let error = failure.error.clone().unwrap_or_default();
+    assert!(error.contains("a test panic on 1-0"), "{error}");
+    let text = metrics.encode();
+    assert!(
+        text.contains(r#"courier_dead_letters_total{queue="orders",reason="undeliverable"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"courier_in_flight{queue="orders"} 0"#),
+        "{text}"
+    );
+}
+
 /// An app that does not listen yet (still starting) is sent nothing, not
 /// even a refused delivery: nothing is read from the broker, courier is not
 /// ready, and once the app listens everything arrives at attempt 1. A

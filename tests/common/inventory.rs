@@ -12,6 +12,7 @@ use super::{BrokerKind, Fixture, RedisConnection};
 pub async fn inventory(fixture: &Fixture) -> BTreeSet<String> {
     match fixture.broker {
         BrokerKind::Redis | BrokerKind::RedisCluster => redis(fixture).await,
+        BrokerKind::Amqp => amqp(fixture).await,
         other => panic!("no inventory for {other:?} yet"),
     }
 }
@@ -21,6 +22,7 @@ pub async fn inventory(fixture: &Fixture) -> BTreeSet<String> {
 pub fn work_queue_item(fixture: &Fixture) -> String {
     match fixture.broker {
         BrokerKind::Redis | BrokerKind::RedisCluster => format!("stream:{}", fixture.queue),
+        BrokerKind::Amqp => format!("queue:{}", fixture.queue),
         other => panic!("no inventory for {other:?} yet"),
     }
 }
@@ -67,6 +69,47 @@ async fn redis(fixture: &Fixture) -> BTreeSet<String> {
     found
 }
 
+/// The delay tiers courier declares for a RabbitMQ work queue
+/// (`src/source/amqp/tiers.rs`), as their queue names end.
+const AMQP_TIERS: [&str; 24] = [
+    "10ms", "20ms", "50ms", "100ms", "200ms", "500ms", "1s", "2s", "4s", "8s", "15s", "30s", "1m",
+    "2m", "4m", "8m", "15m", "30m", "1h", "2h", "4h", "8h", "12h", "24h",
+];
+
+/// A passive declare of every queue courier derives from the queue name
+/// (the queue, `.dlq`, each `.retry.<tier>`, `.courier-key`), with the
+/// number of consumers on each; one that is missing closes its channel,
+/// so each declare has a channel of its own.
+async fn amqp(fixture: &Fixture) -> BTreeSet<String> {
+    use lapin::options::QueueDeclareOptions;
+    let connection = lapin::Connection::connect(fixture.url.as_str(), Default::default())
+        .await
+        .expect("connect to RabbitMQ");
+    let q = &fixture.queue;
+    let mut names = vec![q.clone(), format!("{q}.dlq"), format!("{q}.courier-key")];
+    names.extend(AMQP_TIERS.iter().map(|tier| format!("{q}.retry.{tier}")));
+    let mut found = BTreeSet::new();
+    for name in names {
+        let channel = connection.create_channel().await.expect("open a channel");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        if let Ok(queue) = channel
+            .queue_declare(name.as_str().into(), passive, Default::default())
+            .await
+        {
+            found.insert(format!("queue:{name}"));
+            if queue.consumer_count() > 0 {
+                found.insert(format!("consumers:{name}/{}", queue.consumer_count()));
+            }
+            let _ = channel.close(200, "looked".into()).await;
+        }
+    }
+    let _ = connection.close(200, "done".into()).await;
+    found
+}
+
 /// The `name` of one entry of `XINFO GROUPS` (a map in RESP3, a flat
 /// list in RESP2).
 fn group_name(group: &::redis::Value) -> Option<String> {
@@ -91,6 +134,10 @@ fn group_name(group: &::redis::Value) -> Option<String> {
 /// Deletes what a test made of `fixture`'s queue outside the fixture's own
 /// clean-up (a queue that only the test's `courier send` created).
 pub async fn remove(fixture: &Fixture) {
+    fixture
+        .broker
+        .clean_up(&fixture.source_arg(), &fixture.queue)
+        .await;
     if let BrokerKind::Redis | BrokerKind::RedisCluster = fixture.broker {
         let mut con = RedisConnection::open(&fixture.source_arg())
             .await
@@ -99,5 +146,34 @@ pub async fn remove(fixture: &Fixture) {
             .arg(&fixture.queue)
             .query_async(&mut con)
             .await;
+    }
+}
+
+impl Fixture {
+    /// Makes this fixture's work queue alone with the broker's own client,
+    /// as an operator does before courier runs: nothing of courier's (no
+    /// group, seal key, dead-letter queue). Where a write makes the queue
+    /// (a Redis stream), there is nothing to make.
+    pub async fn make_work_queue(&self) {
+        match self.broker {
+            BrokerKind::Redis | BrokerKind::RedisCluster => {}
+            BrokerKind::Amqp => {
+                use lapin::options::QueueDeclareOptions;
+                let connection = lapin::Connection::connect(self.url.as_str(), Default::default())
+                    .await
+                    .expect("connect to RabbitMQ");
+                let channel = connection.create_channel().await.expect("open a channel");
+                channel
+                    .queue_declare(
+                        self.queue.as_str().into(),
+                        QueueDeclareOptions::durable(),
+                        Default::default(),
+                    )
+                    .await
+                    .expect("declare the work queue");
+                let _ = connection.close(200, "done".into()).await;
+            }
+            other => panic!("no inventory for {other:?} yet"),
+        }
     }
 }

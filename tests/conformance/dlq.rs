@@ -383,7 +383,12 @@ pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
 /// and `courier send` did the same: both opened a consumer. The operator
 /// commands open an admin handle now: the read-only ones leave the broker
 /// exactly as they found it, whatever they answer, and a send adds its
-/// message and nothing else (no group, no seal key).
+/// message and nothing else (no group, no seal key). A send to a queue that
+/// does not exist makes at most the work queue, where the broker makes it
+/// on a write (a Redis stream); where the queue must be made beforehand it
+/// is refused, names the queue and makes nothing. A send to a work queue
+/// made beforehand with the broker's own client, as an operator does, adds
+/// only the message, which no inventory lists.
 pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
     let mut absent = fixture.clone();
     absent.queue = unique("absent");
@@ -403,13 +408,45 @@ pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
         );
     }
     let out = courier(&absent, &["send", "only this"]);
-    assert!(out.status.success(), "courier send: {}", stderr(&out));
-    let after = inventory(&absent).await;
-    let added: BTreeSet<String> = after.difference(&before).cloned().collect();
-    let allowed = BTreeSet::from([work_queue_item(&absent)]);
+    let added: BTreeSet<String> = inventory(&absent)
+        .await
+        .difference(&before)
+        .cloned()
+        .collect();
+    let allowed = match out.status.success() {
+        true => BTreeSet::from([work_queue_item(&absent)]),
+        false => BTreeSet::new(),
+    };
     assert!(
         added.is_subset(&allowed),
-        "courier send made more than its message: {added:?}"
+        "courier send to a queue that does not exist made {added:?} (it {}): {}",
+        match out.status.success() {
+            true => "succeeded",
+            false => "failed",
+        },
+        stderr(&out)
+    );
+    assert!(
+        out.status.success() || stderr(&out).contains(&absent.queue),
+        "a refused send does not name the queue: {}",
+        stderr(&out)
     );
     remove_queue(&absent).await;
+
+    let mut bare = fixture.clone();
+    bare.queue = unique("bare");
+    bare.make_work_queue().await;
+    let before = inventory(&bare).await;
+    let out = courier(&bare, &["send", "only this"]);
+    assert!(out.status.success(), "courier send: {}", stderr(&out));
+    let added: BTreeSet<String> = inventory(&bare)
+        .await
+        .difference(&before)
+        .cloned()
+        .collect();
+    assert!(
+        added.is_subset(&BTreeSet::from([work_queue_item(&bare)])),
+        "courier send made more than its message: {added:?}"
+    );
+    remove_queue(&bare).await;
 }

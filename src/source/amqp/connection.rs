@@ -18,10 +18,12 @@ use lapin::{BasicProperties, Connection, ConnectionProperties, ErrorKind};
 use tokio::sync::mpsc;
 
 use super::convert::fields_of;
+use super::dead_letters::AmqpStore;
 use super::errors::{broker_error, lost, short};
 use super::queues::QueueKind;
+use super::seal::read_seal;
 use super::session::Session;
-use super::{AmqpSource, CONNECT_TIMEOUT, FRAME_MAX, new_id, queue_state};
+use super::{AmqpSource, CONNECT_TIMEOUT, FRAME_MAX, QueueState, new_id, queue_state};
 use crate::model::Delivery;
 use crate::source::shared::RECEIVE_WAIT;
 use crate::source::{SourceError, SourceOptions, Tls};
@@ -44,8 +46,20 @@ fn tls_config(tls: &Tls) -> OwnedTLSConfig {
     }
 }
 
-impl AmqpSource {
-    pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+/// Where a connection goes and what it is called: shared by a consumer and
+/// the dead-letter store on it. Opening a session with it declares nothing.
+pub(super) struct Link {
+    pub(super) uri: AMQPUri,
+    pub(super) redacted: String,
+    /// The connection name's consumer and queue, for the management UI.
+    name: String,
+    tls: Tls,
+    pub(super) state: Arc<QueueState>,
+    pub(super) generation: AtomicU64,
+}
+
+impl Link {
+    pub(super) fn parse(url: &str, options: &SourceOptions) -> Result<Self, SourceError> {
         let mut uri = AMQPUri::from_str(url).map_err(|e| {
             SourceError::Invalid(format!(
                 "--source {}: {}",
@@ -63,64 +77,21 @@ impl AmqpSource {
             "{}:{}/{}/{}",
             uri.authority.host, uri.authority.port, uri.vhost, options.queue
         );
-        let source = Self {
+        Ok(Self {
             uri,
             redacted: crate::source::redact(url),
+            name: format!("courier {} ({})", options.consumer, options.queue),
+            tls: options.tls.clone(),
             state: queue_state(&key),
-            session: Mutex::new(None),
-            connecting: tokio::sync::Mutex::new(()),
             generation: AtomicU64::new(0),
-            consuming: AtomicBool::new(false),
-            properties: Mutex::new(HashMap::new()),
-            dead_letter_queue: Mutex::new(options.dead_letter_queue.clone()),
-            max_deliveries: AtomicU32::new(options.max_deliveries),
-            kind: Mutex::new(None),
-            cursor: tokio::sync::Mutex::new(None),
-            seal: std::sync::OnceLock::new(),
-            options,
-        };
-        let session = source.session().await?;
-        let seal = source.read_seal(&session).await?;
-        let _ = source.seal.set(seal);
-        Ok(source)
+        })
     }
 
-    pub(super) fn current(&self) -> Option<Arc<Session>> {
-        self.session
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// The live session, opening a new one when the last was lost.
-    pub(super) async fn session(&self) -> Result<Arc<Session>, SourceError> {
-        if let Some(s) = self.current().filter(|s| s.healthy()) {
-            return Ok(s);
-        }
-        let _one_at_a_time = self.connecting.lock().await;
-        if let Some(s) = self.current() {
-            if s.healthy() {
-                return Ok(s);
-            }
-            s.retire();
-            *self.session.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            tracing::warn!(source = %self.redacted, queue = %self.options.queue, "the connection to RabbitMQ was lost; reconnecting");
-        }
-        let session = Arc::new(self.open_session().await?);
-        *self.session.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
-        if self.consuming.load(Ordering::SeqCst)
-            && let Err(e) = self.start_consuming(&session).await
-        {
-            session.retire();
-            return Err(e);
-        }
-        Ok(session)
-    }
-
-    pub(super) async fn open_session(&self) -> Result<Session, SourceError> {
-        let properties = ConnectionProperties::default().with_connection_name(
-            format!("courier {} ({})", self.options.consumer, self.options.queue).into(),
-        );
+    /// A new connection with its consumer and publisher channels; it
+    /// declares nothing.
+    pub(super) async fn open(&self) -> Result<Session, SourceError> {
+        let properties =
+            ConnectionProperties::default().with_connection_name(self.name.clone().into());
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| SourceError::Unavailable(format!("{}: {e}", self.redacted)))?;
         let connection = tokio::time::timeout(
@@ -128,7 +99,7 @@ impl AmqpSource {
             Connection::connect_uri_with_config(
                 self.uri.clone(),
                 properties,
-                tls_config(&self.options.tls),
+                tls_config(&self.tls),
                 runtime,
             ),
         )
@@ -152,7 +123,7 @@ impl AmqpSource {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(broker_error)?;
-        let session = Session {
+        Ok(Session {
             generation: self.generation.fetch_add(1, Ordering::SeqCst) + 1,
             connection,
             consume,
@@ -165,24 +136,10 @@ impl AmqpSource {
             outstanding: Arc::default(),
             broken: Arc::default(),
             state: self.state.clone(),
-        };
-        if let Err(e) = session
-            .require(
-                &self.options.queue,
-                self.options
-                    .create
-                    .then(|| QueueKind::from(self.options.queue_type)),
-                &self.uri.vhost,
-            )
-            .await
-        {
-            session.retire();
-            return Err(e);
-        }
-        Ok(session)
+        })
     }
 
-    pub(super) fn connect_error(&self, e: lapin::Error) -> SourceError {
+    fn connect_error(&self, e: lapin::Error) -> SourceError {
         let user = &self.uri.authority.userinfo.username;
         match e.kind() {
             ErrorKind::ProtocolError(p)
@@ -206,6 +163,96 @@ impl AmqpSource {
             }
             _ => SourceError::Unavailable(format!("{}: {e}", self.redacted)),
         }
+    }
+}
+
+impl AmqpSource {
+    pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let link = Arc::new(Link::parse(url, &options)?);
+        let session = Arc::new(link.open().await?);
+        let opened = async {
+            session
+                .require(
+                    &options.queue,
+                    options.create.then(|| QueueKind::from(options.queue_type)),
+                    &link.uri.vhost,
+                )
+                .await?;
+            read_seal(&session, &options.queue).await
+        }
+        .await;
+        let seal = match opened {
+            Ok(seal) => Arc::new(seal),
+            Err(e) => {
+                session.retire();
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            store: AmqpStore::new(link.clone(), &options.queue, Some(seal.clone())),
+            link,
+            session: Mutex::new(Some(session)),
+            connecting: tokio::sync::Mutex::new(()),
+            consuming: AtomicBool::new(false),
+            properties: Mutex::new(HashMap::new()),
+            dead_letter_queue: Mutex::new(options.dead_letter_queue.clone()),
+            max_deliveries: AtomicU32::new(options.max_deliveries),
+            kind: Mutex::new(None),
+            seal,
+            options,
+        })
+    }
+
+    pub(super) fn current(&self) -> Option<Arc<Session>> {
+        self.session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The live session, opening a new one when the last was lost.
+    pub(super) async fn session(&self) -> Result<Arc<Session>, SourceError> {
+        if let Some(s) = self.current().filter(|s| s.healthy()) {
+            return Ok(s);
+        }
+        let _one_at_a_time = self.connecting.lock().await;
+        if let Some(s) = self.current() {
+            if s.healthy() {
+                return Ok(s);
+            }
+            s.retire();
+            *self.session.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            tracing::warn!(source = %self.link.redacted, queue = %self.options.queue, "the connection to RabbitMQ was lost; reconnecting");
+        }
+        let session = Arc::new(self.open_session().await?);
+        *self.session.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
+        if self.consuming.load(Ordering::SeqCst)
+            && let Err(e) = self.start_consuming(&session).await
+        {
+            session.retire();
+            return Err(e);
+        }
+        Ok(session)
+    }
+
+    /// A session on which the work queue exists (declared with
+    /// `--create`).
+    pub(super) async fn open_session(&self) -> Result<Session, SourceError> {
+        let session = self.link.open().await?;
+        if let Err(e) = session
+            .require(
+                &self.options.queue,
+                self.options
+                    .create
+                    .then(|| QueueKind::from(self.options.queue_type)),
+                &self.link.uri.vhost,
+            )
+            .await
+        {
+            session.retire();
+            return Err(e);
+        }
+        Ok(session)
     }
 
     /// Starts the consumer and the task that moves its deliveries to the
@@ -395,7 +442,7 @@ impl AmqpSource {
     /// Stops consuming and gives back, without counting an attempt, what
     /// was prefetched and never offered to the app; then closes.
     pub(super) async fn shut_down(&self) {
-        self.close_cursor().await;
+        self.store.close().await;
         let Some(session) = self.current() else {
             return;
         };

@@ -1,5 +1,6 @@
-//! Dead letters: written with confirm, browsed without taking them, and
-//! replayed or purged one by one without scanning the queue again for each.
+//! The dead-letter store: browse, replay and purge the dead-letter queue,
+//! and send to the work queue; and the consumer's dead-lettering, written
+//! with confirm.
 //!
 //! AMQP can only read a queue by handing its messages out. Listing gets
 //! them without ack on a channel of its own and closes it, which puts them
@@ -8,26 +9,38 @@
 //! letters (`courier dlq replay --reason ...`) reads each letter once, not
 //! the queue once per letter. Letters the cursor holds are invisible to
 //! others until it is closed: when it holds nothing, when a listing
-//! starts, when a lookup fails and when the source closes.
+//! starts, when a lookup fails and when the store is flushed.
+//!
+//! Opened alone (`courier dlq`, `courier send`), the store has a connection
+//! of its own and declares nothing: only passive declares and `basic.get`,
+//! which on a missing queue answer "not found". A send needs the work queue
+//! to exist; the seal key's queue is read (and made) by the first replay.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use async_trait::async_trait;
+use bytes::Bytes;
 use lapin::Channel;
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::protocol::AMQPSoftError;
+use tokio::sync::{Mutex, OnceCell};
 
+use super::connection::Link;
 use super::convert::{dead_letter_of, message_for};
 use super::errors::{broker_error, is_soft, short};
+use super::seal::read_seal;
+use super::session::Session;
 use super::{AmqpSource, new_id};
-use crate::model::{DeadLetter, Delivery, F_MESSAGE_ID, Failure};
-use crate::source::SourceError;
-use crate::source::shared::{F_RETRY_AT, not_there, without};
+use crate::model::{DeadLetter, Delivery, F_MESSAGE_ID, Failure, PAYLOAD};
+use crate::source::shared::{F_RETRY_AT, Seal, not_there, without};
+use crate::source::{DeadLetterStore, SourceError, SourceOptions};
 
 /// A channel reading one dead-letter queue from the head, with the letters
 /// it read and that were not asked for yet, in queue order.
-pub(super) struct Cursor {
+struct Cursor {
     queue: String,
     channel: Channel,
     held: Vec<(String, AmqpDelivery)>,
@@ -65,10 +78,64 @@ impl Cursor {
     }
 }
 
-impl AmqpSource {
+/// The dead letters of one work queue, on a connection of the store's own
+/// (opened at once by an admin handle, on first use by a consumer's).
+pub(super) struct AmqpStore {
+    link: Arc<Link>,
+    queue: String,
+    session: Mutex<Option<Arc<Session>>>,
+    /// Replay and purge read the dead-letter queue through this.
+    cursor: Mutex<Option<Cursor>>,
+    /// The queue's seal: the consumer's, or read (and made if missing)
+    /// when an admin handle first replays.
+    seal: OnceCell<Arc<Seal>>,
+}
+
+impl AmqpStore {
+    pub(super) fn new(link: Arc<Link>, queue: &str, seal: Option<Arc<Seal>>) -> Self {
+        Self {
+            link,
+            queue: queue.to_string(),
+            session: Mutex::new(None),
+            cursor: Mutex::new(None),
+            seal: OnceCell::new_with(seal),
+        }
+    }
+
+    /// An admin handle: one connection, nothing declared.
+    pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let store = Self::new(Arc::new(Link::parse(url, &options)?), &options.queue, None);
+        store.session().await?;
+        Ok(store)
+    }
+
+    /// The live session, opening a new one when there is none or the last
+    /// was lost.
+    async fn session(&self) -> Result<Arc<Session>, SourceError> {
+        let mut slot = self.session.lock().await;
+        if let Some(session) = slot.as_ref().filter(|s| s.healthy()) {
+            return Ok(session.clone());
+        }
+        if let Some(lost) = slot.take() {
+            lost.retire();
+        }
+        let session = Arc::new(self.link.open().await?);
+        *slot = Some(session.clone());
+        Ok(session)
+    }
+
+    /// The work queue, which a replay and a send write to: it must exist.
+    async fn work_queue(&self) -> Result<Arc<Session>, SourceError> {
+        let session = self.session().await?;
+        session
+            .require(&self.queue, None, &self.link.uri.vhost)
+            .await?;
+        Ok(session)
+    }
+
     /// Gets up to `limit` messages of a queue without acking them, on a
     /// channel of their own; closing it puts them back where they were.
-    pub(super) async fn browse(
+    async fn browse(
         &self,
         queue: &str,
         limit: usize,
@@ -99,14 +166,26 @@ impl AmqpSource {
     }
 
     /// Closes the cursor, which puts back what it held.
-    pub(super) async fn close_cursor(&self) {
+    async fn close_cursor(&self) {
         if let Some(cursor) = self.cursor.lock().await.take() {
             cursor.close().await;
         }
     }
 
+    /// Puts back what the cursor holds and closes the store's connection.
+    pub(super) async fn close(&self) {
+        self.close_cursor().await;
+        if let Some(session) = self.session.lock().await.take() {
+            session.retire();
+            let _ = session
+                .connection
+                .close(200, "courier is done".into())
+                .await;
+        }
+    }
+
     /// Finds a dead letter by id, lets `then` act on it, and acks it.
-    pub(super) async fn take_dead_letter<F, Fut>(
+    async fn take_dead_letter<F, Fut>(
         &self,
         dead_letter_queue: &str,
         id: &str,
@@ -153,7 +232,77 @@ impl AmqpSource {
         }
         result
     }
+}
 
+#[async_trait]
+impl DeadLetterStore for AmqpStore {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.close_cursor().await;
+        let (channel, got) = self.browse(dead_letter_queue, limit).await?;
+        let letters = got.iter().map(dead_letter_of).collect();
+        let _ = channel.close(200, "listed".into()).await;
+        Ok(letters)
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        let session = self.work_queue().await?;
+        let seal = self
+            .seal
+            .get_or_try_init(|| async { read_seal(&session, &self.queue).await.map(Arc::new) })
+            .await?;
+        self.take_dead_letter(dead_letter_queue, &letter.id, |found| async {
+            let stored = dead_letter_of(&found);
+            let fields = seal.seal(stored.fields_for_replay());
+            let id = stored
+                .field(F_MESSAGE_ID)
+                .map(str::to_string)
+                .unwrap_or_else(new_id);
+            let (body, properties) = message_for(&fields, Some(&found.properties), &id);
+            session.publish(&self.queue, &body, properties).await?;
+            Ok(found)
+        })
+        .await
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        self.take_dead_letter(dead_letter_queue, &letter.id, |found| async { Ok(found) })
+            .await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        let session = self.work_queue().await?;
+        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
+        fields.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        let id = new_id();
+        let (body, properties) = message_for(&fields, None, &id);
+        let properties = properties.with_timestamp(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs(),
+        );
+        session.publish(&self.queue, &body, properties).await?;
+        Ok(id)
+    }
+
+    async fn flush(&self) {
+        self.close().await
+    }
+}
+
+impl AmqpSource {
     /// Publishes the dead letter with confirm, then acks the delivery; when
     /// either cannot be done the delivery is handed back, never acked away.
     pub(super) async fn write_dead_letter(
@@ -185,52 +334,6 @@ impl AmqpSource {
                 Err(handed_back(e))
             }
         }
-    }
-
-    pub(super) async fn list_dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.close_cursor().await;
-        let (channel, got) = self.browse(dead_letter_queue, limit).await?;
-        let letters = got.iter().map(dead_letter_of).collect();
-        let _ = channel.close(200, "listed".into()).await;
-        Ok(letters)
-    }
-
-    pub(super) async fn replay_letter(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        let session = self.session().await?;
-        session
-            .require(&self.options.queue, None, &self.uri.vhost)
-            .await?;
-        self.take_dead_letter(dead_letter_queue, &letter.id, |found| async {
-            let stored = dead_letter_of(&found);
-            let fields = self.seal().seal(stored.fields_for_replay());
-            let id = stored
-                .field(F_MESSAGE_ID)
-                .map(str::to_string)
-                .unwrap_or_else(new_id);
-            let (body, properties) = message_for(&fields, Some(&found.properties), &id);
-            session
-                .publish(&self.options.queue, &body, properties)
-                .await?;
-            Ok(found)
-        })
-        .await
-    }
-
-    pub(super) async fn purge_letter(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.take_dead_letter(dead_letter_queue, &letter.id, |found| async { Ok(found) })
-            .await
     }
 }
 

@@ -85,6 +85,7 @@ impl AmqpSource {
         // way from the work queue to the consumer, are in no count.)
         self.probe_tiers(&session).await?;
         let tiers: Vec<u64> = self
+            .link
             .state
             .tiers
             .lock()
@@ -98,7 +99,8 @@ impl AmqpSource {
             match session.passive_count(&name).await? {
                 Some(n) => retry_backlog += u64::from(n),
                 None => {
-                    self.state
+                    self.link
+                        .state
                         .tiers
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -112,7 +114,7 @@ impl AmqpSource {
                 .await?
                 .unwrap_or(0),
         );
-        let (pending, on_their_way) = self.state.held_and_on_their_way();
+        let (pending, on_their_way) = self.link.state.held_and_on_their_way();
         let retry_backlog = retry_backlog.max(on_their_way);
         // A dead-letter queue that does not exist yet holds nothing; it is
         // declared with the first dead letter, of the work queue's type.
@@ -135,10 +137,11 @@ impl AmqpSource {
 
     /// Adds the tiers that exist to the known ones, once a process.
     async fn probe_tiers(&self, session: &Session) -> Result<(), SourceError> {
-        if self.state.tiers_probed.load(Ordering::SeqCst) {
+        if self.link.state.tiers_probed.load(Ordering::SeqCst) {
             return Ok(());
         }
         let known = self
+            .link
             .state
             .tiers
             .lock()
@@ -147,14 +150,15 @@ impl AmqpSource {
         for &ms in TIERS_MS.iter().filter(|ms| !known.contains(ms)) {
             let name = tier_queue(&self.options.queue, Duration::from_millis(ms));
             if session.passive_count(&name).await?.is_some() {
-                self.state
+                self.link
+                    .state
                     .tiers
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(ms);
             }
         }
-        self.state.tiers_probed.store(true, Ordering::SeqCst);
+        self.link.state.tiers_probed.store(true, Ordering::SeqCst);
         Ok(())
     }
 }

@@ -8,8 +8,11 @@
 //! - One connection with three channels: a consumer channel (manual acks,
 //!   prefetch = `--concurrency`), a publisher channel in confirm mode, and an
 //!   admin channel for declares. Frames are at most 16 KiB (lapin's buffers
-//!   are 64 frames). Consuming starts on the first `receive`, so
-//!   `courier send` and `courier dlq` never take messages.
+//!   are 64 frames). Consuming starts on the first `receive`.
+//! - `courier dlq` and `courier send` open the dead-letter store alone
+//!   (`AmqpStore`, `dead_letters.rs`): a connection that declares nothing
+//!   and starts no consumer; a consumer's store has a connection of its own,
+//!   opened on first use.
 //! - An ack is one `basic.ack` frame without a broker reply, written as soon
 //!   as the app answered: acks from concurrent deliveries are pipelined by
 //!   the connection's writer. `multiple` acks are never used: deliveries
@@ -79,22 +82,23 @@ mod tiers;
 
 use std::collections::{BTreeSet, HashMap};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use lapin::BasicProperties;
 use lapin::uri::AMQPUri;
 
-use self::convert::message_for;
+use self::connection::Link;
+use self::dead_letters::AmqpStore;
 use self::queues::QueueKind;
 use self::session::Session;
 use super::{
     Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    WithStore,
 };
-use crate::model::{DeadLetter, Delivery, Failure, PAYLOAD};
+use crate::model::{Delivery, Failure};
 
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -177,20 +181,16 @@ pub const BROKER: Broker = Broker {
     },
     admin: |url, options| {
         Box::pin(async move {
-            Ok(Arc::new(AmqpSource::connect(url.as_str(), options).await?)
-                as Arc<dyn DeadLetterStore>)
+            Ok(Arc::new(AmqpStore::open(url.as_str(), options).await?) as Arc<dyn DeadLetterStore>)
         })
     },
 };
 
 pub struct AmqpSource {
-    uri: AMQPUri,
-    redacted: String,
+    link: Arc<Link>,
     options: SourceOptions,
-    state: Arc<QueueState>,
     session: Mutex<Option<Arc<Session>>>,
     connecting: tokio::sync::Mutex<()>,
-    generation: AtomicU64,
     /// Set by the first `receive`: this source consumes, and keeps doing so
     /// on every new connection.
     consuming: AtomicBool,
@@ -203,10 +203,10 @@ pub struct AmqpSource {
     max_deliveries: AtomicU32,
     /// The work queue's type, once known.
     kind: Mutex<Option<QueueKind>>,
-    /// Replay and purge read the dead-letter queue through this.
-    cursor: tokio::sync::Mutex<Option<dead_letters::Cursor>>,
     /// Proves which copies courier stored; read at connect.
-    seal: OnceLock<super::shared::Seal>,
+    seal: Arc<super::shared::Seal>,
+    /// The dead letters, on a connection of their own.
+    store: AmqpStore,
 }
 
 impl AmqpSource {
@@ -230,7 +230,7 @@ impl AmqpSource {
     }
 
     fn seal(&self) -> &super::shared::Seal {
-        self.seal.get().expect("the seal key is read at connect")
+        &self.seal
     }
 
     fn dead_letter_queue(&self) -> String {
@@ -325,55 +325,9 @@ impl Source for AmqpSource {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for AmqpSource {
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.list_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        let session = self.session().await?;
-        session
-            .require(&self.options.queue, None, &self.uri.vhost)
-            .await?;
-        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(
-            headers
-                .iter()
-                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
-        );
-        let id = new_id();
-        let (body, properties) = message_for(&fields, None, &id);
-        let properties = properties.with_timestamp(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs(),
-        );
-        session
-            .publish(&self.options.queue, &body, properties)
-            .await?;
-        Ok(id)
-    }
-
-    async fn flush(&self) {
-        Source::close(self).await
+impl WithStore for AmqpSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }
 

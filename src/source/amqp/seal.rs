@@ -6,40 +6,38 @@ use lapin::BasicProperties;
 use lapin::options::BasicGetOptions;
 use lapin::types::FieldTable;
 
-use super::AmqpSource;
 use super::errors::{broker_error, short};
 use super::session::Session;
 use crate::source::SourceError;
 use crate::source::shared::Seal;
 
-impl AmqpSource {
-    /// The queue's seal key, made on first use. Replicas starting together
-    /// may each publish one; every replica reads after it published, and
-    /// takes the first in the queue, so they agree.
-    pub(super) async fn read_seal(&self, session: &Session) -> Result<Seal, SourceError> {
-        let queue = format!("{}.courier-key", self.options.queue);
-        session.declare(&queue, FieldTable::default()).await?;
-        let secret = match peek(session, &queue).await? {
-            Some(secret) => secret,
-            None => {
-                let secret = Seal::new_secret();
-                let persistent = BasicProperties::default().with_delivery_mode(2);
-                session
-                    .publish(&queue, secret.as_bytes(), persistent)
-                    .await?;
-                peek(session, &queue).await?.ok_or_else(|| {
-                    SourceError::Broker(format!(
-                        "the seal key published to {queue:?} is not there; is another program consuming that queue? It holds courier's key for proving which copies it stored"
-                    ))
-                })?
-            }
-        };
-        Seal::new(&secret).map_err(|e| {
-            SourceError::Broker(format!(
-                "the first message in {queue:?} is not a seal key courier wrote ({e}); purge that queue and courier makes a new one"
-            ))
-        })
-    }
+/// The seal key of `work_queue`, made on first use (a consumer's start, or
+/// the first replay of an admin handle, which writes anyway). Replicas
+/// starting together may each publish one; every replica reads after it
+/// published, and takes the first in the queue, so they agree.
+pub(super) async fn read_seal(session: &Session, work_queue: &str) -> Result<Seal, SourceError> {
+    let queue = format!("{work_queue}.courier-key");
+    session.declare(&queue, FieldTable::default()).await?;
+    let secret = match peek(session, &queue).await? {
+        Some(secret) => secret,
+        None => {
+            let secret = Seal::new_secret();
+            let persistent = BasicProperties::default().with_delivery_mode(2);
+            session
+                .publish(&queue, secret.as_bytes(), persistent)
+                .await?;
+            peek(session, &queue).await?.ok_or_else(|| {
+                SourceError::Broker(format!(
+                    "the seal key published to {queue:?} is not there; is another program consuming that queue? It holds courier's key for proving which copies it stored"
+                ))
+            })?
+        }
+    };
+    Seal::new(&secret).map_err(|e| {
+        SourceError::Broker(format!(
+            "the first message in {queue:?} is not a seal key courier wrote ({e}); purge that queue and courier makes a new one"
+        ))
+    })
 }
 
 /// The first message of `queue`, left where it is: it is got without ack

@@ -60,7 +60,8 @@ impl AmqpSource {
                     let kind = self.work_queue_kind(session, original).await?;
                     let args = kind.tier_arguments(tier, &self.options.queue);
                     session.declare(&name, args).await?;
-                    self.state
+                    self.link
+                        .state
                         .tiers
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -74,7 +75,7 @@ impl AmqpSource {
         let (body, properties) = message_for(&fields, original, message_id);
         session.publish(&target, &body, properties).await?;
         if let Some(tier) = tier {
-            self.state.retry_out(message_id, tier);
+            self.link.state.retry_out(message_id, tier);
         }
         session.ack(tag).await
     }
@@ -134,7 +135,7 @@ impl AmqpSource {
             return Ok(None);
         }
         self.learn_tiers(props);
-        self.state.retry_back(&message_id);
+        self.link.state.retry_back(&message_id);
         // A quorum queue counts every return; a classic one only flags that
         // there was at least one.
         let returns = match header_u32(props, DELIVERY_COUNT) {
@@ -198,7 +199,8 @@ impl AmqpSource {
                 .iter()
                 .find(|ms| duration::format(Duration::from_millis(**ms)) == tier)
             {
-                self.state
+                self.link
+                    .state
                     .tiers
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

@@ -605,3 +605,59 @@ fn the_demo_runs_the_whole_loop_at_its_default_size() {
         .unwrap_or_else(|| panic!("no summary line in:\n{stdout}"));
     assert!(seconds < 30.0, "the demo took {seconds}s:\n{stdout}");
 }
+
+/// Found at 21da363: `--log-level debug` with a NATS URL printed the
+/// password (async-nats logs its connect options: `password: Some("…")`),
+/// and the `courier.dev/log-level` annotation exposed that per pod. At
+/// trace level, from every library, no line holds a password or a token of
+/// the source URL, nor the drain secret; the lines that would are still
+/// there, with `***`.
+#[test]
+fn no_log_line_at_trace_level_holds_a_secret() {
+    let runs = [
+        ("nats://alice:n4ts-pa55word@127.0.0.1:4222", "n4ts-pa55word"),
+        ("nats://t0ken-0f-nats@127.0.0.1:4222", "t0ken-0f-nats"),
+        (
+            "redis://bob:r3dis-pa55word@127.0.0.1:6379/0",
+            "r3dis-pa55word",
+        ),
+    ];
+    for (url, secret) in runs {
+        let mut child = courier_command()
+            .args([
+                "run",
+                "--source",
+                url,
+                "--queue",
+                &unique("leak"),
+                "--create",
+                "--app",
+                "http://127.0.0.1:1/",
+                "--listen",
+                "127.0.0.1:0",
+                "--log-level",
+                "trace",
+            ])
+            .env("COURIER_DRAIN_TOKEN", "cdt_d0-not-log-this-drain-secret")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start courier");
+        std::thread::sleep(Duration::from_secs(3));
+        let _ = child.kill();
+        let output = child.wait_with_output().expect("courier's output");
+        let log = String::from_utf8_lossy(&output.stderr);
+        assert!(log.lines().count() > 1, "{url}: too little logged: {log}");
+        for leaked in [secret, "d0-not-log-this-drain-secret"] {
+            assert!(
+                !log.contains(leaked),
+                "{url}: {leaked:?} is in the log:\n{}",
+                log.lines()
+                    .filter(|l| l.contains(leaked))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+        assert!(log.contains("***"), "{url}: nothing was hidden: {log}");
+    }
+}

@@ -42,6 +42,15 @@ impl SourceArgs {
     /// The broker URL and the TLS files it connects with, checked: every
     /// `--tls-*` file read and parsed, and given only with a TLS scheme.
     pub fn parse(&self) -> Result<(SourceUrl, Tls), UsageError> {
+        // Before anything connects: a library may log what it connects with.
+        for secret in crate::source::secrets_of(&self.source) {
+            crate::telemetry::hide_in_logs(&secret);
+        }
+        for name in ["AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"] {
+            if let Ok(secret) = std::env::var(name) {
+                crate::telemetry::hide_in_logs(&secret);
+            }
+        }
         let url = parse_source(&self.source)?;
         check_queue(&self.queue)?;
         let files = TlsFiles {

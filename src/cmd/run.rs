@@ -155,6 +155,9 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         ),
         None => args.drain_token.as_deref().map(|t| t.trim().to_string()),
     };
+    if let Some(token) = &drain_token {
+        crate::telemetry::hide_in_logs(token);
+    }
     if drain_token.as_deref().is_some_and(str::is_empty) {
         return Err(UsageError(
             "the /drain token (--drain-token, COURIER_DRAIN_TOKEN or --drain-token-file) is empty; give a secret, or leave it unset to allow loopback callers only".into(),

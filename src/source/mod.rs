@@ -45,7 +45,7 @@ use futures::future::BoxFuture;
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
 pub use batch::Batcher;
-pub use redact::{redact, redact_error};
+pub use redact::{redact, redact_error, secrets_of};
 pub use tls::{Tls, TlsFiles};
 pub use wire::{decode_fields, encode_fields};
 

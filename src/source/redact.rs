@@ -42,6 +42,21 @@ pub fn redact_error(url: &str, error: impl fmt::Display) -> String {
     }
 }
 
+/// What [`redact`] hides of `url`, each part as written and percent-decoded:
+/// the texts a log line must never show, whoever writes it
+/// ([`crate::telemetry::hide_in_logs`]).
+pub fn secrets_of(url: &str) -> Vec<String> {
+    let mut secrets = Vec::new();
+    for secret in Redacted::of(url).hidden {
+        let decoded = percent_decode(&secret);
+        if decoded != secret {
+            secrets.push(decoded);
+        }
+        secrets.push(secret);
+    }
+    secrets
+}
+
 /// Query parameter names that hold a credential, as parts of the name.
 const SECRET_PARAMETERS: &[&str] = &["pass", "pwd", "token", "secret", "key", "cred"];
 

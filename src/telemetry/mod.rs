@@ -521,6 +521,77 @@ pub enum LogFormat {
     Json,
 }
 
+/// Texts no log line may show (a broker's password, the drain secret),
+/// whatever wrote the line: courier's own code redacts what it logs, but a
+/// library logging its connect options at debug (async-nats prints the
+/// password) does not.
+static SECRETS: std::sync::RwLock<Vec<String>> = std::sync::RwLock::new(Vec::new());
+
+/// Shorter than this, a "secret" would blank ordinary words out of every
+/// line; such a credential is weak anyway, and courier's own messages
+/// still redact it.
+const SHORTEST_SECRET: usize = 4;
+
+/// From now on every log line shows `***` where it would show `secret`,
+/// also as JSON or Rust's debug format escapes it.
+pub fn hide_in_logs(secret: &str) {
+    if secret.len() < SHORTEST_SECRET {
+        return;
+    }
+    let escaped = format!("{secret:?}");
+    let forms = [
+        secret.to_string(),
+        escaped[1..escaped.len() - 1].to_string(),
+    ];
+    let mut secrets = SECRETS.write().unwrap_or_else(|e| e.into_inner());
+    for form in forms {
+        if !secrets.contains(&form) {
+            secrets.push(form);
+        }
+    }
+    // Longest first, so that a secret containing another is hidden whole.
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+}
+
+/// `line` with every registered secret replaced by `***`.
+fn without_secrets(line: &[u8]) -> Option<Vec<u8>> {
+    let secrets = SECRETS.read().unwrap_or_else(|e| e.into_inner());
+    if secrets.is_empty() {
+        return None;
+    }
+    let mut text = String::from_utf8_lossy(line).into_owned();
+    let mut changed = false;
+    for secret in secrets.iter() {
+        if text.contains(secret.as_str()) {
+            text = text.replace(secret.as_str(), "***");
+            changed = true;
+        }
+    }
+    changed.then(|| text.into_bytes())
+}
+
+/// Standard error, through [`without_secrets`]. The fmt layer writes each
+/// event with one `write_all` of the whole formatted line.
+struct Redacting;
+
+impl std::io::Write for Redacting {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match without_secrets(buf) {
+            Some(clean) => std::io::stderr().write_all(&clean)?,
+            None => std::io::stderr().write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+fn redacting_stderr() -> Redacting {
+    Redacting
+}
+
 /// Installs the global subscriber; `RUST_LOG` overrides `level`. Human
 /// logs are coloured only on a terminal: escape codes in a log file or a
 /// collector's pipe are noise. With `traces`, delivery spans also go to
@@ -536,7 +607,7 @@ pub fn init_logging(format: LogFormat, level: &str, traces: Option<&traces::Trac
         let builder = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_ansi(ansi)
-            .with_writer(std::io::stderr);
+            .with_writer(redacting_stderr);
         // A second init (tests start several sidecars in one process) is fine.
         let _ = match format {
             LogFormat::Json => builder.json().flatten_event(true).try_init(),
@@ -554,7 +625,7 @@ pub fn init_logging(format: LogFormat, level: &str, traces: Option<&traces::Trac
     );
     let log = tracing_subscriber::fmt::layer()
         .with_ansi(ansi)
-        .with_writer(std::io::stderr);
+        .with_writer(redacting_stderr);
     let log = match format {
         LogFormat::Json => log.json().flatten_event(true).boxed(),
         LogFormat::Human => log.boxed(),
@@ -568,6 +639,21 @@ pub fn init_logging(format: LogFormat, level: &str, traces: Option<&traces::Trac
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_registered_secret_never_reaches_a_log_line() {
+        hide_in_logs("hunter2-\"quoted\"");
+        hide_in_logs("abc");
+        let line =
+            br#"connect options: password: Some("hunter2-\"quoted\""), raw hunter2-"quoted" abc"#;
+        let clean = String::from_utf8(without_secrets(line).unwrap()).unwrap();
+        assert!(!clean.contains("hunter2"), "{clean}");
+        assert_eq!(
+            clean,
+            r#"connect options: password: Some("***"), raw *** abc"#
+        );
+        assert!(without_secrets(b"nothing secret here").is_none());
+    }
 
     #[test]
     fn classic_text_names_counter_families_after_their_samples() {

@@ -13,6 +13,7 @@ pub async fn inventory(fixture: &Fixture) -> BTreeSet<String> {
     match fixture.broker {
         BrokerKind::Redis | BrokerKind::RedisCluster => redis(fixture).await,
         BrokerKind::Amqp => amqp(fixture).await,
+        BrokerKind::Nats => nats(fixture).await,
         other => panic!("no inventory for {other:?} yet"),
     }
 }
@@ -23,6 +24,7 @@ pub fn work_queue_item(fixture: &Fixture) -> String {
     match fixture.broker {
         BrokerKind::Redis | BrokerKind::RedisCluster => format!("stream:{}", fixture.queue),
         BrokerKind::Amqp => format!("queue:{}", fixture.queue),
+        BrokerKind::Nats => format!("stream:{}", fixture.queue),
         other => panic!("no inventory for {other:?} yet"),
     }
 }
@@ -110,6 +112,38 @@ async fn amqp(fixture: &Fixture) -> BTreeSet<String> {
     found
 }
 
+/// The work stream and the dead-letter stream (`<queue>_dlq`) with their
+/// consumers, and the queue's key in the seal bucket `courier-seal-keys`.
+async fn nats(fixture: &Fixture) -> BTreeSet<String> {
+    use futures::TryStreamExt;
+    let client = async_nats::connect(fixture.url.as_str())
+        .await
+        .expect("connect to NATS");
+    let js = async_nats::jetstream::new(client);
+    let q = &fixture.queue;
+    let mut found = BTreeSet::new();
+    for name in [q.clone(), format!("{q}_dlq")] {
+        let Ok(stream) = js.get_stream(&name).await else {
+            continue;
+        };
+        found.insert(format!("stream:{name}"));
+        let consumers: Vec<String> = stream
+            .consumer_names()
+            .try_collect()
+            .await
+            .expect("the stream's consumers");
+        for consumer in consumers {
+            found.insert(format!("consumer:{name}/{consumer}"));
+        }
+    }
+    if let Ok(bucket) = js.get_key_value("courier-seal-keys").await
+        && let Ok(Some(_)) = bucket.entry(q).await
+    {
+        found.insert(format!("key:courier-seal-keys/{q}"));
+    }
+    found
+}
+
 /// The `name` of one entry of `XINFO GROUPS` (a map in RESP3, a flat
 /// list in RESP2).
 fn group_name(group: &::redis::Value) -> Option<String> {
@@ -172,6 +206,20 @@ impl Fixture {
                     .await
                     .expect("declare the work queue");
                 let _ = connection.close(200, "done".into()).await;
+            }
+            BrokerKind::Nats => {
+                let client = async_nats::connect(self.url.as_str())
+                    .await
+                    .expect("connect to NATS");
+                async_nats::jetstream::new(client)
+                    .create_stream(async_nats::jetstream::stream::Config {
+                        name: self.queue.clone(),
+                        subjects: vec![self.queue.clone()],
+                        retention: async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
+                        ..Default::default()
+                    })
+                    .await
+                    .expect("create the work stream");
             }
             other => panic!("no inventory for {other:?} yet"),
         }

@@ -108,3 +108,8 @@ async fn redis_cluster_read_only_commands_leave_the_broker_as_found() {
 async fn amqp_read_only_commands_leave_the_broker_as_found() {
     crate::dlq::read_only_commands_leave_the_broker_as_found(Fixture::amqp()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_read_only_commands_leave_the_broker_as_found() {
+    crate::dlq::read_only_commands_leave_the_broker_as_found(BrokerKind::Nats.fixture()).await;
+}

@@ -7,10 +7,12 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use async_nats::Client;
 use async_nats::jetstream;
 use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::context::Context;
 use async_nats::jetstream::context::{
     ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
     GetStreamError, GetStreamErrorKind,
@@ -23,7 +25,7 @@ use async_nats::jetstream::stream::{
 use async_nats::{ConnectErrorKind, ConnectOptions, ServerAddr};
 
 use super::NatsSource;
-use super::dead_letters::dead_letter_stream;
+use super::dead_letters::{NatsStore, dead_letter_stream};
 use super::fields::seal_of;
 use crate::model::Delivery;
 use crate::source::redact::{percent_decode, redact, redact_error};
@@ -155,31 +157,32 @@ pub(super) fn held_counter(key: &str) -> Arc<AtomicI64> {
         .clone()
 }
 
-impl NatsSource {
-    pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let redacted = redact(url);
-        check_stream_name(&options.queue)?;
-        let servers =
-            server_addrs(url).map_err(|e| SourceError::Invalid(format!("--source {e}")))?;
-        let credentials = servers
-            .iter()
-            .find(|addr| addr.username().is_some())
-            .map(|addr| (addr.username(), addr.password()));
-        // async-nats does not read credentials from the URL itself.
-        let connect = match credentials.unwrap_or((None, None)) {
-            (Some(user), Some(pass)) => {
-                ConnectOptions::with_user_and_password(percent_decode(user), percent_decode(pass))
-            }
-            (Some(token), None) => ConnectOptions::with_token(percent_decode(token)),
-            _ => ConnectOptions::new(),
-        };
-        // `tls://` verifies against --tls-ca-file and presents the client
-        // certificate of the flags; without flags, against the system's roots.
-        let connect = match options.tls.client_config() {
-            Some(config) => connect.tls_client_config(config),
-            None => connect,
-        };
-        let client = connect
+/// A client connected to the servers of `url`; nothing is created.
+pub(super) async fn connect_client(
+    url: &str,
+    options: &SourceOptions,
+) -> Result<Client, SourceError> {
+    let redacted = redact(url);
+    let servers = server_addrs(url).map_err(|e| SourceError::Invalid(format!("--source {e}")))?;
+    let credentials = servers
+        .iter()
+        .find(|addr| addr.username().is_some())
+        .map(|addr| (addr.username(), addr.password()));
+    // async-nats does not read credentials from the URL itself.
+    let connect = match credentials.unwrap_or((None, None)) {
+        (Some(user), Some(pass)) => {
+            ConnectOptions::with_user_and_password(percent_decode(user), percent_decode(pass))
+        }
+        (Some(token), None) => ConnectOptions::with_token(percent_decode(token)),
+        _ => ConnectOptions::new(),
+    };
+    // `tls://` verifies against --tls-ca-file and presents the client
+    // certificate of the flags; without flags, against the system's roots.
+    let connect = match options.tls.client_config() {
+        Some(config) => connect.tls_client_config(config),
+        None => connect,
+    };
+    connect
             .require_tls(servers.iter().any(ServerAddr::tls_required))
             .name(format!("courier {} ({})", options.consumer, options.queue))
             .ping_interval(Duration::from_secs(10))
@@ -198,7 +201,61 @@ impl NatsSource {
                     redact_error(url, &e)
                 )),
                 _ => SourceError::Unavailable(format!("{redacted}: {e}")),
-            })?;
+            })
+}
+
+/// What courier uses of the work stream's configuration.
+#[derive(Clone)]
+pub(super) struct WorkStream {
+    /// Where `send` publishes: the first subject without wildcards.
+    pub(super) send_subject: Option<String>,
+    pub(super) subjects: Vec<String>,
+    pub(super) replicas: usize,
+}
+
+impl WorkStream {
+    fn of(config: &StreamConfig) -> Self {
+        Self {
+            send_subject: config
+                .subjects
+                .iter()
+                .find(|s| !s.split('.').any(|t| t == "*" || t == ">"))
+                .cloned(),
+            subjects: config.subjects.clone(),
+            replicas: config.num_replicas.max(1),
+        }
+    }
+
+    /// The stream `queue`, read; a missing one is an error that says how
+    /// to create it.
+    pub(super) async fn read(
+        js: &Context,
+        queue: &str,
+        redacted: &str,
+    ) -> Result<Self, SourceError> {
+        match js.get_stream(queue).await {
+            Ok(mut stream) => Ok(Self::of(&stream.info().await.map_err(unavailable)?.config)),
+            Err(e) => Err(stream_error(e, queue, redacted)),
+        }
+    }
+}
+
+/// The work stream could not be read: missing, or JetStream is off.
+fn stream_error(e: GetStreamError, queue: &str, redacted: &str) -> SourceError {
+    if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) {
+        return SourceError::Invalid(format!(
+            "stream {queue:?} does not exist on {redacted}; create it (nats stream add {queue} --subjects {queue}), or start `courier run` with --create to create a work-queue stream capturing subject {queue:?}"
+        ));
+    }
+    SourceError::Unavailable(format!(
+        "{redacted}: cannot read stream {queue:?} ({e}); is JetStream enabled (nats-server -js)?"
+    ))
+}
+
+impl NatsSource {
+    pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        check_stream_name(&options.queue)?;
+        let client = connect_client(url, &options).await?;
         let js = jetstream::new(client.clone());
         let info = match js.get_stream(&options.queue).await {
             Ok(mut stream) => stream.info().await.map_err(unavailable)?.clone(),
@@ -216,34 +273,30 @@ impl NatsSource {
                 let mut stream = js.get_stream(&options.queue).await.map_err(unavailable)?;
                 stream.info().await.map_err(unavailable)?.clone()
             }
-            Err(e) if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) => {
-                return Err(SourceError::Invalid(format!(
-                    "stream {:?} does not exist on {redacted}; create it (nats stream add {} --subjects {}), or start `courier run` with --create to create a work-queue stream capturing subject {:?}",
-                    options.queue, options.queue, options.queue, options.queue
-                )));
-            }
-            Err(e) => {
-                return Err(SourceError::Unavailable(format!(
-                    "{redacted}: cannot read stream {:?} ({e}); is JetStream enabled (nats-server -js)?",
-                    options.queue
-                )));
-            }
+            Err(e) => return Err(stream_error(e, &options.queue, &redact(url))),
         };
-        let send_subject = info
-            .config
-            .subjects
-            .iter()
-            .find(|s| !s.split('.').any(|t| t == "*" || t == ">"))
-            .cloned();
-        let held = held_counter(&format!("{}/{}/{}", redacted, options.queue, options.group));
-        let seal = seal_of(&js, &options.queue, info.config.num_replicas.max(1)).await?;
+        let work = WorkStream::of(&info.config);
+        let held = held_counter(&format!(
+            "{}/{}/{}",
+            redact(url),
+            options.queue,
+            options.group
+        ));
+        let seal = Arc::new(seal_of(&js, &options.queue, work.replicas).await?);
         Ok(Self {
+            store: NatsStore::new(
+                client.clone(),
+                &options.queue,
+                &redact(url),
+                Some(work.clone()),
+                Some(seal.clone()),
+            ),
             seal,
             client,
             js,
-            send_subject,
-            work_subjects: info.config.subjects.clone(),
-            replicas: info.config.num_replicas.max(1),
+            send_subject: work.send_subject,
+            work_subjects: work.subjects,
+            replicas: work.replicas,
             consumer: Arc::default(),
             in_flight: Arc::default(),
             first_attempts: Mutex::default(),

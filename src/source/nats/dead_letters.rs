@@ -1,15 +1,26 @@
-//! Dead-letter streams: their names, and browsing, replaying and purging
-//! the letters in them.
+//! Dead-letter streams: their names, and the dead-letter store that
+//! browses, replays and purges the letters in them and sends to the work
+//! stream. Opened alone (`courier dlq`, `courier send`), the store connects
+//! and creates nothing: no stream, no durable consumer, no seal key. It
+//! reads the work stream's subjects when a send or replay first needs
+//! them, and the seal key (made when missing) on the first replay.
 
+use std::sync::Arc;
+
+use async_nats::Client;
 use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::StreamMessage;
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::OnceCell;
 
-use super::NatsSource;
-use super::connection::{js_code, unavailable};
-use super::fields::{F_SUBJECT, from_headers};
-use crate::model::DeadLetter;
-use crate::source::SourceError;
-use crate::source::shared::not_there;
+use super::connection::{WorkStream, check_stream_name, connect_client, js_code, unavailable};
+use super::fields::{F_SUBJECT, from_headers, seal_of};
+use super::settle::publish_once;
+use crate::model::{DeadLetter, PAYLOAD};
+use crate::source::shared::{Seal, not_there};
+use crate::source::{DeadLetterStore, SourceError, SourceOptions};
 
 /// The stream that holds a dead-letter subject: stream names cannot hold
 /// `.`, `*`, `>`, `/`, `\` or whitespace, so each becomes `_`.
@@ -65,12 +76,57 @@ fn captures(filter: &str, subject: &[&str]) -> bool {
     at == subject.len()
 }
 
-impl NatsSource {
-    pub(super) async fn stored(
-        &self,
-        stream: &str,
-        id: &str,
-    ) -> Result<Option<StreamMessage>, SourceError> {
+/// The dead letters of one work stream, and sends to it.
+pub(super) struct NatsStore {
+    client: Client,
+    js: Context,
+    queue: String,
+    redacted: String,
+    /// The work stream's subjects, read on first use.
+    work: OnceCell<WorkStream>,
+    /// The stream's seal: the consumer's, or read (and made if missing)
+    /// when an admin handle first replays.
+    seal: OnceCell<Arc<Seal>>,
+}
+
+impl NatsStore {
+    pub(super) fn new(
+        client: Client,
+        queue: &str,
+        redacted: &str,
+        work: Option<WorkStream>,
+        seal: Option<Arc<Seal>>,
+    ) -> Self {
+        Self {
+            js: async_nats::jetstream::new(client.clone()),
+            client,
+            queue: queue.to_string(),
+            redacted: redacted.to_string(),
+            work: OnceCell::new_with(work),
+            seal: OnceCell::new_with(seal),
+        }
+    }
+
+    /// An admin handle: a connection, nothing created.
+    pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        check_stream_name(&options.queue)?;
+        let client = connect_client(url, &options).await?;
+        Ok(Self::new(
+            client,
+            &options.queue,
+            &crate::source::redact(url),
+            None,
+            None,
+        ))
+    }
+
+    async fn work(&self) -> Result<&WorkStream, SourceError> {
+        self.work
+            .get_or_try_init(|| WorkStream::read(&self.js, &self.queue, &self.redacted))
+            .await
+    }
+
+    async fn stored(&self, stream: &str, id: &str) -> Result<Option<StreamMessage>, SourceError> {
         let Ok(sequence) = id.parse::<u64>() else {
             return Err(SourceError::Invalid(format!(
                 "{id:?} is not a dead-letter id of NATS (a stream sequence number)"
@@ -87,8 +143,11 @@ impl NatsSource {
             Err(e) => Err(unavailable(e)),
         }
     }
+}
 
-    pub(super) async fn browse_dead_letters(
+#[async_trait]
+impl DeadLetterStore for NatsStore {
+    async fn dead_letters(
         &self,
         dead_letter_queue: &str,
         limit: usize,
@@ -123,7 +182,7 @@ impl NatsSource {
         Ok(out)
     }
 
-    pub(super) async fn replay_dead_letter(
+    async fn replay(
         &self,
         dead_letter_queue: &str,
         letter: &DeadLetter,
@@ -137,24 +196,34 @@ impl NatsSource {
             stored.sequence.to_string(),
             from_headers(&stored.payload, Some(&stored.headers)),
         );
+        let work = self.work().await?;
         let subject = stored
             .field(F_SUBJECT)
             .map(str::to_string)
-            .or_else(|| self.send_subject.clone())
+            .or_else(|| work.send_subject.clone())
             .ok_or_else(|| {
                 SourceError::Invalid(format!(
                     "dead letter {} does not record its subject and stream {:?} has no subject without wildcards to publish to",
-                    letter.id, self.options.queue
+                    letter.id, self.queue
                 ))
             })?;
+        let seal = self
+            .seal
+            .get_or_try_init(|| async {
+                seal_of(&self.js, &self.queue, work.replicas)
+                    .await
+                    .map(Arc::new)
+            })
+            .await?;
         // Two replays of one letter at once (two operators, a retried
         // command) both read it before either deletes it; the id makes
         // JetStream store the second publish not at all.
         let replay_id = format!("courier-replay:{name}:{}", letter.id);
-        self.publish_once(
+        publish_once(
+            &self.js,
             &subject,
-            &self.options.queue,
-            &self.seal.seal(stored.fields_for_replay()),
+            &self.queue,
+            &seal.seal(stored.fields_for_replay()),
             Some(&replay_id),
         )
         .await?;
@@ -175,11 +244,7 @@ impl NatsSource {
         }
     }
 
-    pub(super) async fn purge_dead_letter(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
         let name = dead_letter_stream(dead_letter_queue);
         if self.stored(&name, &letter.id).await?.is_none() {
             return Err(not_there(dead_letter_queue, &letter.id));
@@ -199,6 +264,27 @@ impl NatsSource {
             }
             Err(e) => Err(unavailable(e)),
         }
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        let subject = self.work().await?.send_subject.clone().ok_or_else(|| {
+            SourceError::Invalid(format!(
+                "stream {:?} has only wildcard subjects; publish with a NATS client to a subject it captures",
+                self.queue
+            ))
+        })?;
+        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
+        fields.extend(
+            headers
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        let sequence = publish_once(&self.js, &subject, &self.queue, &fields, None).await?;
+        Ok(sequence.to_string())
+    }
+
+    async fn flush(&self) {
+        let _ = self.client.flush().await;
     }
 }
 

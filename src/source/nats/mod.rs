@@ -77,12 +77,13 @@ use async_nats::connection::State;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::Context;
 use async_trait::async_trait;
-use bytes::Bytes;
 
 use super::{
     Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    WithStore,
 };
-use crate::model::{DeadLetter, Delivery, Failure};
+use crate::model::{Delivery, Failure};
+use dead_letters::NatsStore;
 use pull::Puller;
 
 pub use connection::check_url;
@@ -103,8 +104,7 @@ pub const BROKER: Broker = Broker {
     },
     admin: |url, options| {
         Box::pin(async move {
-            Ok(Arc::new(NatsSource::connect(url.as_str(), options).await?)
-                as Arc<dyn DeadLetterStore>)
+            Ok(Arc::new(NatsStore::open(url.as_str(), options).await?) as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -139,7 +139,9 @@ pub struct NatsSource {
     live: Mutex<LiveSettings>,
     /// Proves which copies courier stored (the stream's key in the bucket
     /// `courier-seal-keys`).
-    seal: super::shared::Seal,
+    seal: Arc<super::shared::Seal>,
+    /// The dead letters, on the same connection.
+    store: NatsStore,
 }
 
 #[async_trait]
@@ -216,34 +218,9 @@ impl Source for NatsSource {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for NatsSource {
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.publish_new(body, headers).await
-    }
-
-    async fn flush(&self) {
-        Source::close(self).await
+impl WithStore for NatsSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }
 

@@ -364,7 +364,7 @@ mod tests {
     use async_nats::jetstream::consumer::pull::BatchConfig;
 
     use super::*;
-    use crate::source::SourceOptions;
+    use crate::source::{DeadLetterStore, SourceOptions};
 
     #[test]
     fn reply_subject_rows() {
@@ -419,8 +419,7 @@ mod tests {
         // The first read creates the consumer and the pull subscription.
         assert!(source.read_batch(1).await.unwrap().is_empty());
         let inbox = source.puller.lock().await.as_ref().unwrap().inbox.clone();
-        source
-            .publish_new(Bytes::from_static(b"good"), &[])
+        DeadLetterStore::send(&source, Bytes::from_static(b"good"), &[])
             .await
             .unwrap();
         let consumer = source.consumer().await.unwrap();

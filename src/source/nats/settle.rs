@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use bytes::Bytes;
@@ -13,7 +14,7 @@ use super::NatsSource;
 use super::connection::{js_code, unavailable};
 use super::dead_letters::dead_letter_stream;
 use super::fields::{F_SUBJECT, field, to_headers};
-use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::model::{Delivery, Failure, rfc3339};
 use crate::source::SourceError;
 use crate::source::shared::{F_RETRY_AT, replace, without};
 
@@ -199,59 +200,37 @@ impl NatsSource {
         stream: &str,
         fields: &[(Bytes, Bytes)],
     ) -> Result<u64, SourceError> {
-        self.publish_once(subject, stream, fields, None).await
+        publish_once(&self.js, subject, stream, fields, None).await
     }
+}
 
-    /// [`Self::publish`]; with `message_id`, JetStream stores a second
-    /// publish of the same id within the stream's duplicate window only
-    /// once (`Nats-Msg-Id`).
-    pub(super) async fn publish_once(
-        &self,
-        subject: &str,
-        stream: &str,
-        fields: &[(Bytes, Bytes)],
-        message_id: Option<&str>,
-    ) -> Result<u64, SourceError> {
-        let (body, mut headers) = to_headers(fields);
-        headers.insert("Nats-Expected-Stream", stream);
-        if let Some(id) = message_id {
-            headers.insert("Nats-Msg-Id", id);
-        }
-        let ack = self
-            .js
-            .publish_with_headers(subject.to_string(), headers, body)
-            .await
-            .map_err(|e| SourceError::Broker(format!("publishing to {subject:?}: {e}")))?
-            .await
-            .map_err(|e| {
-                SourceError::Broker(format!(
-                    "JetStream did not store the message for {subject:?}: {e}"
-                ))
-            })?;
-        if ack.duplicate {
-            tracing::debug!(%subject, id = ?message_id, "JetStream had this message already and stored it once");
-        }
-        Ok(ack.sequence)
+/// Publishes to `subject` and waits for the stream `stream` to store it;
+/// with `message_id`, JetStream stores a second publish of the same id
+/// within the stream's duplicate window only once (`Nats-Msg-Id`).
+pub(super) async fn publish_once(
+    js: &Context,
+    subject: &str,
+    stream: &str,
+    fields: &[(Bytes, Bytes)],
+    message_id: Option<&str>,
+) -> Result<u64, SourceError> {
+    let (body, mut headers) = to_headers(fields);
+    headers.insert("Nats-Expected-Stream", stream);
+    if let Some(id) = message_id {
+        headers.insert("Nats-Msg-Id", id);
     }
-
-    pub(super) async fn publish_new(
-        &self,
-        body: Bytes,
-        headers: &[(String, String)],
-    ) -> Result<String, SourceError> {
-        let subject = self.send_subject.clone().ok_or_else(|| {
-            SourceError::Invalid(format!(
-                "stream {:?} has only wildcard subjects; publish with a NATS client to a subject it captures",
-                self.options.queue
+    let ack = js
+        .publish_with_headers(subject.to_string(), headers, body)
+        .await
+        .map_err(|e| SourceError::Broker(format!("publishing to {subject:?}: {e}")))?
+        .await
+        .map_err(|e| {
+            SourceError::Broker(format!(
+                "JetStream did not store the message for {subject:?}: {e}"
             ))
         })?;
-        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(
-            headers
-                .iter()
-                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
-        );
-        let sequence = self.publish(&subject, &self.options.queue, &fields).await?;
-        Ok(sequence.to_string())
+    if ack.duplicate {
+        tracing::debug!(%subject, id = ?message_id, "JetStream had this message already and stored it once");
     }
+    Ok(ack.sequence)
 }

@@ -125,6 +125,27 @@ ALERTS = [
         "runbook": "courierappdown",
     },
     {
+        "name": "CourierBrokerDown",
+        "severity": "critical",
+        # courier_broker_up is one pod's: 0 while its source cannot be
+        # opened (broker unreachable, credentials refused) or its
+        # connection is lost. Counted per workload, like CourierAppDown.
+        "query": (
+            "sum by (namespace, workload) (1 - max by (namespace, workload, pod) "
+            f"({with_workload('courier_broker_up')}))"
+        ),
+        "op": ">",
+        "threshold": 0,
+        "for": "5m",
+        "summary": "courier of {{ $labels.workload }} cannot reach its broker in {{ $value }} pod(s)",
+        "description": (
+            "courier in {{ $value }} pod(s) of {{ $labels.namespace }}/{{ $labels.workload }} has "
+            "not been connected to its broker for 5 minutes: the source cannot be opened or its "
+            "connection is lost. Those pods consume nothing; /readyz says why."
+        ),
+        "runbook": "courierbrokerdown",
+    },
+    {
         "name": "CourierRetryBacklogGrowing",
         "severity": "warning",
         # The slope of the queue's backlog, taken after max() so that a

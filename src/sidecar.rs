@@ -76,6 +76,10 @@ impl Sidecar {
         metrics
             .policy_ready
             .set(i64::from(config.policy_ref.is_none()));
+        // Presumed up until a delivery or a check says otherwise, as the
+        // gate does: a 0 before courier has even tried the app would blame
+        // it (CourierAppDown) for a broker that cannot be reached.
+        metrics.app_up.set(1);
         Self {
             health: Arc::new(Health::new(config.readiness)),
             config,
@@ -227,7 +231,7 @@ async fn run_sidecar(
     // Opened with the settings of the policy in force now; every later
     // change reaches the source through `follow_policy`.
     let options = options_for(&config.options, &live.current());
-    let Some(source) = open_source(config, options, &shutdown).await? else {
+    let Some(source) = open_source(config, options, health, metrics, &shutdown).await? else {
         if let Some(watcher) = watcher {
             watcher.abort();
         }
@@ -269,8 +273,9 @@ async fn run_sidecar(
     ));
     let not_ready = {
         let (health, shutdown, source) = (health.clone(), shutdown.clone(), source.clone());
+        let metrics = metrics.clone();
         tokio::spawn(async move {
-            follow_connection(source.as_ref(), &health, &shutdown).await;
+            follow_connection(source.as_ref(), &health, &metrics, &shutdown).await;
             health.set_ready(false);
         })
     };
@@ -463,6 +468,8 @@ async fn poll_depth(
 async fn open_source(
     config: &RunConfig,
     options: source::SourceOptions,
+    health: &Health,
+    metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<Arc<dyn Source>>> {
     let mut options = options;
@@ -470,11 +477,20 @@ async fn open_source(
     let mut wait = std::time::Duration::from_secs(1);
     loop {
         match source::open(&config.source, options.clone()).await {
-            Ok(source) => return Ok(Some(source)),
+            Ok(source) => {
+                health.set_source_problem(None);
+                metrics.broker_up.set(1);
+                return Ok(Some(source));
+            }
             Err(e @ source::SourceError::Invalid(_)) => {
                 return Err(e).with_context(|| format!("cannot open --source {}", config.source));
             }
             Err(e) => {
+                metrics.broker_up.set(0);
+                health.set_source_problem(Some(format!(
+                    "cannot open --source {} (queue {}): {e}",
+                    config.source, options.queue
+                )));
                 tracing::error!(source = %config.source, queue = %options.queue, error = %e, retry_in = ?wait, "cannot open the source; not ready, trying again");
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(None),
@@ -486,8 +502,14 @@ async fn open_source(
     }
 }
 
-/// Readiness follows the broker connection until shutdown.
-async fn follow_connection(source: &dyn Source, health: &Health, shutdown: &CancellationToken) {
+/// Readiness and `courier_broker_up` follow the broker connection until
+/// shutdown.
+async fn follow_connection(
+    source: &dyn Source,
+    health: &Health,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) {
     let mut was = true;
     loop {
         let connected = source.connected();
@@ -500,6 +522,7 @@ async fn follow_connection(source: &dyn Source, health: &Health, shutdown: &Canc
             was = connected;
         }
         health.set_broker_connected(connected);
+        metrics.broker_up.set(i64::from(connected));
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}

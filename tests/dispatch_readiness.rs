@@ -115,3 +115,64 @@ async fn readiness_app_ignores_the_broker_and_fails_with_the_app() {
 async fn readiness_none_stays_ready() {
     assert_eq!(readyz_with(Readiness::Always).await, (200, 200));
 }
+
+/// Found at 21da363: with the broker unreachable at start, `/readyz` said
+/// "the policy or the source is not ready yet" and `courier_app_up` was 0,
+/// so CourierAppDown fired and blamed the app. Now `/readyz` names the
+/// broker and its error, `courier_broker_up` is 0 (CourierBrokerDown), and
+/// the app is presumed up; once the broker answers, both turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_broker_at_start_is_named_and_the_app_not_blamed() {
+    let mut redis = PrivateRedis::start().await;
+    let url = redis.url();
+    redis.terminate().await;
+    let mut fixture = Fixture::redis();
+    fixture.url = SourceUrl::parse(&url).unwrap();
+    let app = TestApp::start().await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("the first failed open", SETTLE, async || {
+        readyz(running.metrics_addr).await.1.contains("the broker")
+    })
+    .await;
+    let (status, body) = readyz(running.metrics_addr).await;
+    assert_eq!(status, 503);
+    assert!(
+        body.contains("the broker: cannot open --source") && body.contains(&fixture.queue),
+        "{body}"
+    );
+    let metrics = running.metrics.encode();
+    assert!(metrics.contains("courier_app_up 1"), "{metrics}");
+    assert!(metrics.contains("courier_broker_up 0"), "{metrics}");
+
+    redis.spawn().await;
+    wait_for(
+        "courier ready once the broker answers",
+        SETTLE,
+        async || get_status(running.metrics_addr, "/readyz").await == 200,
+    )
+    .await;
+    assert!(running.metrics.encode().contains("courier_broker_up 1"));
+    running.stop().await;
+}
+
+/// `GET /readyz`: the status and the body.
+async fn readyz(addr: std::net::SocketAddr) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}

@@ -1028,3 +1028,72 @@ fn an_app_pre_stop_of_its_own_is_kept_with_a_warning() {
     );
     assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 40);
 }
+
+/// Found by reading 21da363: the webhook had no bound on how long a peer
+/// may hold a connection and no connection cap, and with `failurePolicy:
+/// Fail` idle TLS connections could stop pod creation. A connection that
+/// sends nothing (not even a TLS handshake) is closed after the bound; one
+/// address holds at most its share; the API server is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_stop_the_webhook() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let pki = pki("courier test CA limits");
+    std::fs::write(&cert_path, &pki.cert_pem).unwrap();
+    std::fs::write(&key_path, &pki.key_pem).unwrap();
+    let config = courier::inject::InjectConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tls_cert: cert_path,
+        tls_key: key_path,
+        tls_reload_interval: Duration::from_secs(60),
+        defaults: courier::inject::SidecarDefaults::chart(),
+    };
+    let limits = courier::inject::WebhookLimits {
+        handshake_timeout: Duration::from_millis(500),
+        read_idle: Duration::from_millis(500),
+        max_per_peer: 4,
+        ..courier::inject::WebhookLimits::default()
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (addr, _server) = courier::inject::serve_within(config, stop.clone(), limits)
+        .await
+        .unwrap();
+    let from = |local: &'static str| async move {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{local}:0").parse().unwrap()).unwrap();
+        socket.connect(addr).await.unwrap()
+    };
+    // Four idle connections from one address fill its share; the fifth is
+    // closed at once.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(from("127.0.0.9").await);
+    }
+    let mut fifth = from("127.0.0.9").await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(5), fifth.read(&mut byte)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    // The API server, from elsewhere, is answered meanwhile.
+    let (status, _) = https(addr, &pki.ca_pem, "GET", "/healthz", vec![])
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    // Past the bound the idle ones are closed, and their address is served.
+    for stream in &mut idle {
+        let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut byte)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+            "still open: {closed:?}"
+        );
+    }
+    let mut again = from("127.0.0.9").await;
+    again.write_all(b"\x16").await.unwrap();
+    let held = tokio::time::timeout(Duration::from_millis(200), again.read(&mut byte)).await;
+    assert!(held.is_err(), "the address has room again: {held:?}");
+    let (status, _) = https(addr, &pki.ca_pem, "GET", "/readyz", vec![])
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    stop.cancel();
+}

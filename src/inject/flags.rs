@@ -142,6 +142,18 @@ pub const NOT_ANNOTATIONS: &[(&str, &str)] = &[
         "log-format",
         "the same for every sidecar of a cluster: the chart's sidecar.logFormat",
     ),
+    (
+        "drain-token",
+        "the injector makes a secret for each pod and puts it in the preStop hook too",
+    ),
+    (
+        "drain-token-file",
+        "the injector gives each pod its own secret (COURIER_DRAIN_TOKEN)",
+    ),
+    (
+        "drain-resume-after",
+        "the injector sets it from the pod's grace period, after which a pod being deleted has had its SIGTERM",
+    ),
 ];
 
 /// Checks one annotation's value; the message says what to write.

@@ -35,7 +35,7 @@ pub use decision::{
     Decision, Skip, decide, decide_with_token, inject_document, mask_drain_tokens, new_drain_token,
 };
 pub use review::review;
-pub use server::{InjectConfig, serve};
+pub use server::{InjectConfig, WebhookLimits, serve, serve_within};
 pub use settings::{
     CONTAINER_NAME, DEFAULT_CPU_REQUEST, DEFAULT_IMAGE, DEFAULT_MEMORY_LIMIT,
     DEFAULT_MEMORY_REQUEST, DEFAULT_METRICS_PORT, INJECT_LABEL, METRICS_PORT_NAME, Resources,

@@ -13,7 +13,7 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -22,9 +22,40 @@ use tokio_util::sync::CancellationToken;
 use super::review::review;
 use super::settings::SidecarDefaults;
 use super::tls::{ReloadingCert, server_config};
+use crate::telemetry::guard::{Admission, Guarded};
 
 /// The largest AdmissionReview read; a pod is far smaller.
 const MAX_REVIEW_BYTES: usize = 4 << 20;
+
+/// What one peer of the webhook may hold. With `failurePolicy: Fail` a
+/// webhook that cannot answer stops pod creation, so idle and stalled
+/// connections must not pile up.
+#[derive(Debug, Clone, Copy)]
+pub struct WebhookLimits {
+    /// TLS handshake, and an HTTP/1 request head, within this.
+    pub handshake_timeout: Duration,
+    /// A connection that sends nothing for this long is closed (idle
+    /// HTTP/2 connections of the API server included: it reconnects).
+    pub read_idle: Duration,
+    /// An answer the peer takes nothing of for this long ends it.
+    pub write_stall: Duration,
+    pub max_connections: usize,
+    /// Connections one address may hold: a few API server replicas, each
+    /// with a few connections, always find room.
+    pub max_per_peer: usize,
+}
+
+impl Default for WebhookLimits {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(10),
+            read_idle: Duration::from_secs(90),
+            write_stall: Duration::from_secs(10),
+            max_connections: 256,
+            max_per_peer: 32,
+        }
+    }
+}
 
 /// Everything `courier inject` serves with, checked.
 #[derive(Debug, Clone)]
@@ -43,6 +74,15 @@ pub async fn serve(
     config: InjectConfig,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    serve_within(config, shutdown, WebhookLimits::default()).await
+}
+
+/// [`serve`] within `limits`.
+pub async fn serve_within(
+    config: InjectConfig,
+    shutdown: CancellationToken,
+    limits: WebhookLimits,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let cert = Arc::new(
         ReloadingCert::load(&config.tls_cert, &config.tls_key)
             .context("cannot load the webhook's TLS certificate")?,
@@ -58,7 +98,7 @@ pub async fn serve(
         shutdown.clone(),
     ));
     let defaults = Arc::new(config.defaults);
-    let handle = tokio::spawn(accept_loop(listener, acceptor, defaults, shutdown));
+    let handle = tokio::spawn(accept_loop(listener, acceptor, defaults, shutdown, limits));
     Ok((addr, handle))
 }
 
@@ -87,7 +127,9 @@ async fn accept_loop(
     acceptor: TlsAcceptor,
     defaults: Arc<SidecarDefaults>,
     shutdown: CancellationToken,
+    limits: WebhookLimits,
 ) {
+    let admission = Admission::new(limits.max_connections, limits.max_per_peer);
     let mut connections = tokio::task::JoinSet::new();
     loop {
         let (stream, peer) = tokio::select! {
@@ -100,9 +142,18 @@ async fn accept_loop(
                 }
             },
         };
+        // Finished connections are reaped here, so the set holds only
+        // those still open.
+        while connections.try_join_next().is_some() {}
+        let Some(admitted) = admission.admit(peer.ip()) else {
+            tracing::debug!(%peer, "the webhook is at its connection cap; closing a new one");
+            continue;
+        };
         let (acceptor, defaults, shutdown) = (acceptor.clone(), defaults.clone(), shutdown.clone());
         connections.spawn(async move {
-            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream))
+            let _admitted = admitted;
+            let stream = Guarded::new(stream, Some(limits.read_idle), limits.write_stall);
+            let tls = match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(stream))
                 .await
             {
                 Ok(Ok(tls)) => tls,
@@ -119,7 +170,11 @@ async fn accept_loop(
                 let defaults = defaults.clone();
                 async move { Ok::<_, std::convert::Infallible>(respond(req, &defaults).await) }
             });
-            let builder = auto::Builder::new(TokioExecutor::new());
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.handshake_timeout);
             let conn = builder.serve_connection(TokioIo::new(tls), service);
             tokio::pin!(conn);
             tokio::select! {

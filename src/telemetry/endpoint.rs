@@ -14,9 +14,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::guard::{Admission, Guarded};
 use super::{Health, Metrics};
 
 /// What the endpoint allows a client. The port is often reachable from the
@@ -29,6 +30,12 @@ pub struct EndpointLimits {
     pub header_read_timeout: Duration,
     /// Connections served at once; more are closed at accept.
     pub max_connections: usize,
+    /// Connections one address may hold at once: the kubelet's probes and
+    /// the scraper come from addresses of their own and always find room.
+    pub max_per_peer: usize,
+    /// An answer the peer takes nothing of for this long (a client that
+    /// pipelines requests and never reads) ends its connection.
+    pub write_stall: Duration,
 }
 
 impl Default for EndpointLimits {
@@ -36,6 +43,8 @@ impl Default for EndpointLimits {
         Self {
             header_read_timeout: Duration::from_secs(10),
             max_connections: 64,
+            max_per_peer: 8,
+            write_stall: Duration::from_secs(10),
         }
     }
 }
@@ -221,7 +230,7 @@ pub async fn serve_within(
     shutdown: CancellationToken,
     limits: EndpointLimits,
 ) {
-    let open = Arc::new(Semaphore::new(limits.max_connections));
+    let admission = Admission::new(limits.max_connections, limits.max_per_peer);
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -233,9 +242,11 @@ pub async fn serve_within(
                 }
             },
         };
-        let Ok(permit) = open.clone().try_acquire_owned() else {
+        let Some(permit) = admission.admit(peer.ip()) else {
             tracing::debug!(
+                %peer,
                 max = limits.max_connections,
+                per_peer = limits.max_per_peer,
                 "the metrics endpoint is at its connection cap; closing a new one"
             );
             continue;
@@ -258,6 +269,7 @@ pub async fn serve_within(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout);
+            let stream = Guarded::new(stream, None, limits.write_stall);
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 _ = connection => {}
@@ -482,6 +494,7 @@ mod tests {
         let addr = endpoint(EndpointLimits {
             header_read_timeout: Duration::from_secs(30),
             max_connections: 2,
+            ..EndpointLimits::default()
         })
         .await;
         let first = TcpStream::connect(addr).await.unwrap();
@@ -504,5 +517,73 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// A connection from `local` (any 127.x address is this machine).
+    async fn connect_from(local: &str, addr: SocketAddr) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{local}:0").parse().unwrap()).unwrap();
+        socket.connect(addr).await.unwrap()
+    }
+
+    /// Found by reading 21da363: a client that pipelines `GET /metrics`
+    /// and never reads blocked the server's write forever, holding one of
+    /// the 64 connections; 64 of them failed the kubelet's probes. Now an
+    /// answer the peer takes nothing of for the write bound ends the
+    /// connection.
+    #[tokio::test]
+    async fn a_client_that_pipelines_and_never_reads_is_cut_off() {
+        let addr = endpoint(EndpointLimits {
+            header_read_timeout: Duration::from_secs(30),
+            write_stall: Duration::from_millis(300),
+            ..EndpointLimits::default()
+        })
+        .await;
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let stream = socket.connect(addr).await.unwrap();
+        let (mut reader, mut writer) = stream.into_split();
+        tokio::spawn(async move {
+            let request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(5000);
+            let _ = writer.write_all(&request).await;
+        });
+        // Long past the bound, without reading a byte.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Cut off: what was buffered, then the end. Still served, the
+        // reading would go on until the 30 s header timeout.
+        let mut sink = Vec::new();
+        let ended =
+            tokio::time::timeout(Duration::from_secs(5), reader.read_to_end(&mut sink)).await;
+        assert!(ended.is_ok(), "the stalled connection was kept open");
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
+    }
+
+    /// Found by reading 21da363: one address could hold every one of the
+    /// endpoint's connections. It holds at most `max_per_peer`; the next
+    /// from it is closed, and another address is still served.
+    #[tokio::test]
+    async fn one_address_cannot_hold_every_connection() {
+        let addr = endpoint(EndpointLimits {
+            header_read_timeout: Duration::from_secs(30),
+            max_per_peer: 3,
+            ..EndpointLimits::default()
+        })
+        .await;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(connect_from("127.0.0.7", addr).await);
+        }
+        let mut fourth = connect_from("127.0.0.7", addr).await;
+        assert!(
+            read_to_close(&mut fourth).await.is_empty(),
+            "the fourth from one address is closed without an answer"
+        );
+        let mut other = connect_from("127.0.0.8", addr).await;
+        other
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = String::from_utf8_lossy(&read_to_close(&mut other).await).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 }

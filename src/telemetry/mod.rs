@@ -3,6 +3,7 @@
 //! OpenTelemetry trace export ([`traces`]).
 
 mod endpoint;
+pub mod guard;
 pub mod traces;
 
 pub use endpoint::{Drain, EndpointLimits, IDLE_DRAIN, bind, serve, serve_http, serve_within};
@@ -72,6 +73,8 @@ pub struct Metrics {
     /// Absent where the broker cannot tell (RabbitMQ), never a made-up 0.
     pub queue_oldest_age: Family<QueueLabels, Gauge<f64, AtomicU64>>,
     pub app_up: Gauge,
+    /// 1 while the source is open and its connection up.
+    pub broker_up: Gauge,
     /// 1 from a `/drain` until SIGTERM or the drain's end.
     pub draining: Gauge,
     pub policy_ready: Gauge,
@@ -108,6 +111,7 @@ impl Metrics {
             queue_depth: Family::default(),
             queue_oldest_age: Family::default(),
             app_up: Gauge::default(),
+            broker_up: Gauge::default(),
             draining: Gauge::default(),
             policy_ready: Gauge::default(),
             policy_generation: Family::default(),
@@ -181,6 +185,11 @@ impl Metrics {
             "app_up",
             "1 when the app answered the last delivery",
             m.app_up.clone(),
+        );
+        registry.register(
+            "broker_up",
+            "1 while the source is open and connected to the broker; 0 while it cannot be opened or the connection is lost",
+            m.broker_up.clone(),
         );
         registry.register(
             "draining",
@@ -425,6 +434,8 @@ pub struct Health {
     draining: AtomicBool,
     /// Why the RetryPolicy cannot be read, while it cannot.
     policy_problem: std::sync::Mutex<Option<String>>,
+    /// Why the source cannot be opened, while it cannot.
+    source_problem: std::sync::Mutex<Option<String>>,
 }
 
 impl Health {
@@ -473,6 +484,15 @@ impl Health {
             .unwrap_or_else(|e| e.into_inner()) = problem;
     }
 
+    /// Why the source cannot be opened (the broker unreachable, the
+    /// credentials refused); `None` once it is open.
+    pub fn set_source_problem(&self, problem: Option<String>) {
+        *self
+            .source_problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = problem;
+    }
+
     /// Why `/readyz` fails, or `None` when ready.
     pub fn not_ready(&self) -> Option<String> {
         let is = |flag: &AtomicBool| flag.load(Ordering::SeqCst);
@@ -497,7 +517,15 @@ impl Health {
             return None;
         }
         if !is(&self.ready) {
-            return Some("starting: the policy or the source is not ready yet".into());
+            let source = self
+                .source_problem
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            return Some(match source {
+                Some(problem) => format!("the broker: {problem}; trying again"),
+                None => "starting: the policy or the source is not ready yet".into(),
+            });
         }
         if is(&self.broker_lost) {
             return Some("the broker connection is lost".into());

@@ -442,7 +442,7 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         depth_interval: Duration::from_millis(200),
         app_health_path: None,
         // The conformance scenarios fail on purpose, many in a row; the
-        // 503/timeout gate is tested on its own in tests/chaos.rs.
+        // 503/timeout gate is tested on its own in tests/brokers/chaos.rs.
         app_failure_run: 0,
         dedup_window: None,
         readiness: courier::telemetry::Readiness::default(),

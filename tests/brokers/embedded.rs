@@ -1,43 +1,11 @@
 //! The embedded queue's own behaviour, beyond the conformance suite: what it
 //! does with a stored record it cannot read.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use crate::common::*;
-use redb::ReadableTable;
 
 const SETTLE: Duration = Duration::from_secs(20);
-
-/// Stores `data` as the next message of the fixture's queue straight into
-/// the redb file, in the layout of `src/source/embedded/` (table
-/// `ready/<queue>` keyed by `(due ms, seq)`, the sequence in table `meta`),
-/// the way a bug or a broken tool would. The file must not be open in this
-/// process.
-fn store_raw(fixture: &Fixture, data: &[u8]) -> u64 {
-    type QueueTable<'a> = redb::TableDefinition<'a, (u64, u64), &'static [u8]>;
-    const META: redb::TableDefinition<'_, &str, u64> = redb::TableDefinition::new("meta");
-    let dir = fixture.dir().expect("an embedded fixture");
-    std::fs::create_dir_all(&dir).unwrap();
-    let db = redb::Database::create(dir.join("courier.redb")).unwrap();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    let tx = db.begin_write().unwrap();
-    let seq = {
-        let mut meta = tx.open_table(META).unwrap();
-        let seq = meta.get("seq").unwrap().map_or(0, |v| v.value()) + 1;
-        meta.insert("seq", seq).unwrap();
-        let table = format!("ready/{}", fixture.queue);
-        tx.open_table(QueueTable::new(&table))
-            .unwrap()
-            .insert((now, seq), data)
-            .unwrap();
-        seq
-    };
-    tx.commit().unwrap();
-    seq
-}
 
 /// A record that cannot be decoded does not stop the queue: it is
 /// dead-lettered as `undeliverable` with its raw bytes as the body, never

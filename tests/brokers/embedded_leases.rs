@@ -4,13 +4,12 @@
 //! reads are bounded in bytes.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::common::*;
 use bytes::Bytes;
 use courier::model::{DeadLetter, DeadLetterReason, Delivery, Failure};
 use courier::source::{self, LiveSettings, Source, SourceError, SourceOptions};
-use redb::ReadableTable;
 
 /// Opens the fixture's queue with these options changed.
 async fn open_with(fixture: &Fixture, change: impl FnOnce(&mut SourceOptions)) -> Arc<dyn Source> {
@@ -298,28 +297,4 @@ async fn a_message_over_the_limit_is_refused_or_dead_lettered() {
     assert_eq!(letter.field("courier-reason"), Some("undeliverable"));
     assert_eq!(letter.body.len(), 33 * MIB, "its bytes are kept");
     assert!(letter.field("courier-error").unwrap().contains("limit"));
-}
-
-/// Stores `data` as the next message of the fixture's queue straight into
-/// the redb file (see tests/brokers/embedded.rs). The file must not be open here.
-fn store_raw(fixture: &Fixture, data: &[u8]) {
-    type QueueTable<'a> = redb::TableDefinition<'a, (u64, u64), &'static [u8]>;
-    const META: redb::TableDefinition<'_, &str, u64> = redb::TableDefinition::new("meta");
-    let dir = fixture.dir().expect("an embedded fixture");
-    let db = redb::Database::create(dir.join("courier.redb")).unwrap();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    let tx = db.begin_write().unwrap();
-    {
-        let mut meta = tx.open_table(META).unwrap();
-        let seq = meta.get("seq").unwrap().map_or(0, |v| v.value()) + 1;
-        meta.insert("seq", seq).unwrap();
-        tx.open_table(QueueTable::new(&format!("ready/{}", fixture.queue)))
-            .unwrap()
-            .insert((now, seq), data)
-            .unwrap();
-    }
-    tx.commit().unwrap();
 }

@@ -22,11 +22,7 @@ struct ClusterNode {
 
 impl ClusterNode {
     async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let dir = tempfile::tempdir().unwrap();
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -248,8 +244,7 @@ struct PrivateCluster {
 /// (port + 10000).
 fn free_node_port(taken: &[u16]) -> u16 {
     loop {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
+        let port = free_port();
         if port > 55_000 || taken.contains(&port) {
             continue;
         }

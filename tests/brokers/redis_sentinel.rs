@@ -22,18 +22,6 @@ struct SentinelSet {
     dir: tempfile::TempDir,
 }
 
-/// `n` ports in `range` that nothing listens on. Each test has a range of
-/// its own, so tests running at once never pick the same port.
-fn free_ports(range: std::ops::RangeInclusive<u16>, n: usize) -> Vec<u16> {
-    let ports: Vec<u16> = range
-        .clone()
-        .filter(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
-        .take(n)
-        .collect();
-    assert_eq!(ports.len(), n, "{n} free ports in {range:?}");
-    ports
-}
-
 impl SentinelSet {
     /// On free ports in `ports` (a range no other test running at once
     /// takes).

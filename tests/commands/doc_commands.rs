@@ -223,10 +223,6 @@ impl DocCommand {
     }
 }
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// The commands of the fenced `sh` (or `bash`, `shell`) blocks of `doc`.
 fn doc_commands(doc: &'static str) -> Vec<DocCommand> {
     let text = std::fs::read_to_string(root().join(doc)).unwrap();

@@ -9,9 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 
 use serde_json::Value;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use super::root;
 
 /// `scripts/kube-stub` on a free port, and a kubeconfig pointing at it.
 /// Stopped (by its process id) when dropped.

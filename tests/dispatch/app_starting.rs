@@ -8,7 +8,7 @@
 //!   can answer, and dead-letters other 4xx at once.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -24,10 +24,6 @@ use tokio_util::sync::CancellationToken;
 const SETTLE: Duration = Duration::from_secs(30);
 /// How long courier is watched doing nothing while the app is not ready.
 const NOT_READY_FOR: Duration = Duration::from_millis(1500);
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn args(fixture: &Fixture, app: &str, policy: &Path, extra: &[&str]) -> Vec<String> {
     let mut args = run_args_for(fixture, app, policy, &unique("starting"));

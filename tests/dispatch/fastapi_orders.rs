@@ -14,7 +14,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use crate::common::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SETTLE: Duration = Duration::from_secs(120);
 
@@ -43,11 +42,7 @@ struct Orders {
 impl Orders {
     async fn start(db: &Path, rate_limit: u32) -> Self {
         let venv = venv();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let child = Command::new(venv.join("bin/uvicorn"))
             .args(["app:app", "--app-dir"])
             .arg(example_dir())
@@ -68,7 +63,7 @@ impl Orders {
             venv,
         };
         wait_for("the orders service to answer", SETTLE, async || {
-            get(orders.addr, "/healthz").await == 200
+            get_status(orders.addr, "/healthz").await == 200
         })
         .await;
         orders
@@ -99,22 +94,6 @@ impl Drop for Orders {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-async fn get(addr: SocketAddr, path: &str) -> u16 {
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return 0;
-    };
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return 0;
-    }
-    let mut out = String::new();
-    let _ = stream.read_to_string(&mut out).await;
-    out.split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,11 +10,9 @@ use std::process::{Command, Output};
 
 use base64::Engine;
 use courier::inject::{self, SidecarDefaults, apply_chart_values};
-use serde_json::{Value, json};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use crate::common::root;
+use serde_json::{Value, json};
 
 fn deployment() -> PathBuf {
     root().join("tests/fixtures/inject/deployment.yaml")

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener as StdListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -28,6 +28,8 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
+
+use crate::common::free_addr;
 
 const IMAGE: &str = "courier:test";
 
@@ -686,11 +688,6 @@ fn pki(ca_name: &str) -> TestPki {
     }
 }
 
-fn free_port() -> SocketAddr {
-    let listener = StdListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
-
 /// The injector's log (`--log-format json`), read from its stderr on a
 /// thread, one JSON object a line.
 struct Log(tokio::sync::mpsc::UnboundedReceiver<Value>);
@@ -818,7 +815,7 @@ async fn binary_serves_admission_reviews_over_https_and_reloads_its_certificate(
     let first = pki("courier test CA one");
     std::fs::write(&cert_path, &first.cert_pem).unwrap();
     std::fs::write(&key_path, &first.key_pem).unwrap();
-    let addr = free_port();
+    let addr = free_addr();
 
     let mut injector = Injector(
         Command::new(env!("CARGO_BIN_EXE_courier"))

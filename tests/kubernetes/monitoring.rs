@@ -34,13 +34,6 @@ fn http_get(addr: SocketAddr, path: &str) -> String {
         .unwrap_or_default()
 }
 
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
 /// The body of a scrape, without the HTTP head.
 async fn metrics_text(addr: SocketAddr) -> String {
     let raw = scrape(addr).await;

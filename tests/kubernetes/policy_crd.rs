@@ -12,9 +12,7 @@ use courier::policy::file;
 use courier::policy::{Policy, RetryPolicy};
 use serde_json::Value;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use crate::common::root;
 
 // === Drift ===
 

@@ -15,19 +15,7 @@ const SETTLE: Duration = Duration::from_secs(20);
 const NS: &str = "shop";
 const POD: &str = "courier-test-0";
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 // === The sidecar as a child process ===
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Sidecar {
     child: Child,

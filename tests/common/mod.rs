@@ -927,7 +927,7 @@ impl CourierProcess {
     pub async fn metrics_addr(&mut self) -> SocketAddr {
         let line = self
             .wait_log(
-                "serving /metrics, /healthz and /readyz",
+                "serving /metrics, /healthz, /readyz and /drain",
                 Duration::from_secs(10),
             )
             .await;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use courier::source::{Source, SourceUrl};
+use courier::source::{Capabilities, Source, SourceUrl};
 
 use super::{
     AMQP_URL, Fixture, NATS_URL, REDIS_CLUSTER_PORT, REDIS_CLUSTER_URL, REDIS_URL, unique,
@@ -77,6 +77,21 @@ impl BrokerKind {
         Self::of(name).unwrap_or_else(|| {
             panic!("no test fixture for broker {name:?}: add one to tests/common/brokers.rs")
         })
+    }
+
+    /// What courier's source for this broker claims it can do, as pinned
+    /// here ([`BrokerFixture::CAPABILITIES`]).
+    pub fn capabilities(self) -> Capabilities {
+        match self {
+            Self::Redis => Redis::CAPABILITIES,
+            Self::RedisCluster => RedisCluster::CAPABILITIES,
+            Self::Amqp => Amqp::CAPABILITIES,
+            Self::Nats => Nats::CAPABILITIES,
+            Self::Embedded => Embedded::CAPABILITIES,
+            Self::Kafka => Kafka::CAPABILITIES,
+            Self::Sqs => Sqs::CAPABILITIES,
+            Self::PubSub => PubSub::CAPABILITIES,
+        }
     }
 
     /// A fresh queue on this broker.
@@ -172,6 +187,11 @@ impl BrokerKind {
 pub trait BrokerFixture {
     /// `courier::source::Broker::name` of this broker.
     const NAME: &'static str;
+    /// The capabilities courier's source claims for this broker, written
+    /// out flag by flag. The conformance suite fails when the source claims
+    /// other ones, and when a scenario is skipped that these allow: a flag
+    /// flipped in `src/` cannot quietly stop scenarios on a broker.
+    const CAPABILITIES: Capabilities;
     /// Connects (or makes a directory) and names a fresh queue.
     fn fixture() -> Fixture;
     /// A producer that publishes with the broker's own client, as an
@@ -204,6 +224,15 @@ async fn create_queue(fixture: &Fixture) {
 
 impl BrokerFixture for Redis {
     const NAME: &'static str = "redis";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: true,
+        byte_bounded_reads: true,
+        dead_letter_age: true,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         Fixture::with_cleanup(Self::NAME, REDIS_URL, unique("test"))
@@ -248,6 +277,15 @@ impl BrokerFixture for Redis {
 /// queue is redirected (MOVED) to another node.
 impl BrokerFixture for RedisCluster {
     const NAME: &'static str = "redis";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: true,
+        byte_bounded_reads: true,
+        dead_letter_age: true,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         Fixture::with_cleanup(Self::NAME, REDIS_CLUSTER_URL, queue_on_another_node())
@@ -376,6 +414,15 @@ impl ::redis::aio::ConnectionLike for RedisConnection {
 
 impl BrokerFixture for Amqp {
     const NAME: &'static str = "amqp";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: false,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: false,
+        byte_bounded_reads: false,
+        dead_letter_age: false,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         Fixture::with_cleanup(Self::NAME, AMQP_URL, unique("test"))
@@ -470,6 +517,15 @@ impl BrokerFixture for Amqp {
 
 impl BrokerFixture for Nats {
     const NAME: &'static str = "nats";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: false,
+        byte_bounded_reads: true,
+        dead_letter_age: true,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         Fixture::with_cleanup(Self::NAME, NATS_URL, unique("test"))
@@ -528,6 +584,15 @@ impl BrokerFixture for Nats {
 
 impl BrokerFixture for Embedded {
     const NAME: &'static str = "embedded";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: true,
+        byte_bounded_reads: true,
+        dead_letter_age: true,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         let dir = tempfile::tempdir().unwrap();
@@ -562,6 +627,15 @@ impl BrokerFixture for Embedded {
 /// with the plain rdkafka clients.
 impl BrokerFixture for Kafka {
     const NAME: &'static str = "kafka";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: false,
+        byte_bounded_reads: false,
+        dead_letter_age: false,
+        key_ordering: true,
+    };
 
     fn fixture() -> Fixture {
         Fixture::with_cleanup(Self::NAME, &super::shared_kafka().url(), unique("test"))
@@ -613,6 +687,15 @@ impl BrokerFixture for Kafka {
 /// and read with the plain aws-sdk-sqs client.
 impl BrokerFixture for Sqs {
     const NAME: &'static str = "sqs";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: false,
+        byte_bounded_reads: false,
+        dead_letter_age: false,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         Fixture::with_cleanup(Self::NAME, &super::sqs_url(), unique("test"))
@@ -666,6 +749,15 @@ impl BrokerFixture for Sqs {
 /// `<queue>.dlq`, so that Pub/Sub counts deliveries.
 impl BrokerFixture for PubSub {
     const NAME: &'static str = "pubsub";
+    const CAPABILITIES: Capabilities = Capabilities {
+        per_message_delay: true,
+        out_of_order_acks: true,
+        dead_letter_browsing: true,
+        dedup: false,
+        byte_bounded_reads: false,
+        dead_letter_age: true,
+        key_ordering: false,
+    };
 
     fn fixture() -> Fixture {
         let fixture = Fixture::with_cleanup(Self::NAME, &super::pubsub_url(), unique("test"));

@@ -1,7 +1,7 @@
 //! The stand-in Kubernetes API server (`scripts/kube-stub`: kmock plus
 //! what kubectl and the watcher need) and `kubectl` against it, for the
-//! tests that run real `kubectl` commands (`tests/policy_kubectl.rs`,
-//! `tests/doc_commands.rs`).
+//! tests that run real `kubectl` commands (`tests/kubernetes/policy_kubectl.rs`,
+//! `tests/commands/doc_commands.rs`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -9,9 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 
 use serde_json::Value;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use super::root;
 
 /// `scripts/kube-stub` on a free port, and a kubeconfig pointing at it.
 /// Stopped (by its process id) when dropped.

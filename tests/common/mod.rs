@@ -3,6 +3,7 @@
 //! run the sidecar in-process or as the built binary.
 #![allow(dead_code)]
 
+mod embedded_file;
 mod failover;
 mod inventory;
 mod kafka_mock;
@@ -11,6 +12,8 @@ mod moto;
 mod private_redis;
 mod pubsub_emulator;
 mod server_process;
+#[allow(unused_imports)]
+pub use embedded_file::store_raw;
 #[allow(unused_imports)]
 pub use failover::{
     assert_none_lost, assert_none_twice, dead_letter_bodies, drain_across_a_kill,
@@ -56,6 +59,40 @@ pub const REDIS_CLUSTER_PORT: u16 = 17101;
 pub const REDIS_CLUSTER_URL: &str = "redis+cluster://127.0.0.1:17101";
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// The repository's root, where `docs/`, `examples/` and the charts are.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+// === Ports ===
+
+/// A port on 127.0.0.1 that nothing listened on a moment ago (the system
+/// picks it); the caller binds it, or gives it to a server, next.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// [`free_port`] as an address on 127.0.0.1.
+pub fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+/// `n` ports in `range` that nothing listens on. Each test has a range of
+/// its own, so tests running at once never pick the same port.
+pub fn free_ports(range: std::ops::RangeInclusive<u16>, n: usize) -> Vec<u16> {
+    let ports: Vec<u16> = range
+        .clone()
+        .filter(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .take(n)
+        .collect();
+    assert_eq!(ports.len(), n, "{n} free ports in {range:?}");
+    ports
+}
 
 // === The app ===
 
@@ -445,7 +482,7 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         depth_interval: Duration::from_millis(200),
         app_health_path: None,
         // The conformance scenarios fail on purpose, many in a row; the
-        // 503/timeout gate is tested on its own in tests/chaos.rs.
+        // 503/timeout gate is tested on its own in tests/brokers/chaos.rs.
         app_failure_run: 0,
         dedup_window: None,
         readiness: courier::telemetry::Readiness::default(),
@@ -893,7 +930,7 @@ impl CourierProcess {
     pub async fn metrics_addr(&mut self) -> SocketAddr {
         let line = self
             .wait_log(
-                "serving /metrics, /healthz and /readyz",
+                "serving /metrics, /healthz, /readyz and /drain",
                 Duration::from_secs(10),
             )
             .await;

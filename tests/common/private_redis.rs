@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::wait_for;
+use super::{free_port, wait_for};
 
 /// A `redis-server` of the test's own on a free port, persisting to an
 /// append-only file in a temporary directory.
@@ -25,11 +25,7 @@ pub struct PrivateRedis {
 
 impl PrivateRedis {
     pub async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let mut redis = Self {
             port,
             dir: tempfile::tempdir().unwrap(),

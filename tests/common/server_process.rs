@@ -15,11 +15,7 @@ pub fn start_server(
     what: &str,
     limit: Duration,
 ) -> (Child, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = super::free_port();
     let command = command.replace("{port}", &port.to_string());
     // The shell ends the server (by its process id) once stdin closes.
     let mut child = Command::new("sh")

@@ -312,7 +312,7 @@ pub async fn bodies_are_bytes(fixture: Fixture) {
 /// An app that refuses connections uses up no attempts: once it is back, the
 /// message arrives with Courier-Attempt 1 and nothing is dead-lettered.
 /// The app goes away after courier started delivering (before the first
-/// delivery courier waits for the app and sends nothing: `tests/app_starting.rs`).
+/// delivery courier waits for the app and sends nothing: `tests/dispatch/app_starting.rs`).
 pub async fn unreachable_app_uses_no_attempts(fixture: Fixture) {
     let first = TestApp::start().await;
     let addr = first.addr.to_string();

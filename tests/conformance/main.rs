@@ -9,7 +9,10 @@
 //! `tests/common/brokers.rs` and one line in the `suite!` list below; a new
 //! scenario is one line in the scenario list, with what it needs of the
 //! source. A scenario a broker cannot support is skipped by its
-//! [`Capabilities`], never by the broker's name.
+//! [`Capabilities`], never by the broker's name; each fixture pins the
+//! capabilities its source claims (`BrokerFixture::CAPABILITIES`), checked
+//! by `<broker>::capabilities_are_pinned`, and a skip those do not expect
+//! fails.
 //!
 //! - `delivery`: the classification table, Retry-After, headers, attempts,
 //!   bodies, an unreachable app, a policy file reload, dead letters read
@@ -62,7 +65,8 @@ impl Needs {
     }
 }
 
-/// Runs `scenario` on a fresh queue of `broker`, or says why it cannot.
+/// Runs `scenario` on a fresh queue of `broker`, or says why it cannot: a
+/// skip the broker's pinned capabilities do not expect fails.
 async fn run<F, Fut>(broker: BrokerKind, needs: Needs, scenario: F)
 where
     F: FnOnce(Fixture) -> Fut,
@@ -73,13 +77,37 @@ where
     let capabilities = source.capabilities();
     release(&fixture, source).await;
     if !needs.met_by(&capabilities) {
+        let pinned = broker.capabilities();
+        assert!(
+            !needs.met_by(&pinned),
+            "the {} source does not offer {needs:?} ({capabilities:?}), though its fixture pins it \
+             ({pinned:?}): the scenario would be skipped",
+            broker.name()
+        );
         eprintln!(
-            "skipped: the {} source does not offer {needs:?} ({capabilities:?})",
+            "skipped: the {} source does not offer {needs:?} ({capabilities:?}), as pinned",
             broker.name()
         );
         return;
     }
     scenario(fixture).await;
+}
+
+/// The capabilities `broker`'s source claims are the ones its fixture pins
+/// in `tests/common/brokers.rs`, flag by flag.
+async fn capabilities_are_pinned(broker: BrokerKind) {
+    let fixture = broker.fixture();
+    let source = fixture.open().await;
+    let claimed = source.capabilities();
+    release(&fixture, source).await;
+    assert_eq!(
+        claimed,
+        broker.capabilities(),
+        "the {} source claims other capabilities than its fixture pins (left: claimed, right: \
+         pinned); change the pin in tests/common/brokers.rs together with the source, knowing \
+         which conformance scenarios start or stop running on it",
+        broker.name()
+    );
 }
 
 /// One module per broker, one `#[tokio::test]` per scenario in it.
@@ -93,6 +121,11 @@ macro_rules! suite {
         [$($module:ident :: $scenario:ident if $needs:ident),+ $(,)?]) => {
         mod $broker {
             use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn capabilities_are_pinned() {
+                super::capabilities_are_pinned(BrokerKind::$kind).await;
+            }
 
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

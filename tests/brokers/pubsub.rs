@@ -1,0 +1,503 @@
+//! What holds for the Pub/Sub source alone, against Google's emulator (one
+//! per test binary): a retry past Pub/Sub's 600 s lease held once and then
+//! published afresh, a retry copy Pub/Sub refuses leaving the original, the
+//! warning about a dead-letter policy below `maxAttempts`, a subscription
+//! without a dead-letter policy (a warning, attempts from courier's
+//! record), `courier send` and `courier dlq`, the depth gauges (and the
+//! memory a count of a large backlog takes), and the poison-pill rule on
+//! `delivery_attempt`.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::common::*;
+use bytes::Bytes;
+use courier::model::parse_time;
+use courier::source::Source;
+use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+    DeleteTopicRequest, ModifyAckDeadlineRequest, PublishRequest, PubsubMessage, Subscription,
+};
+
+const SETTLE: Duration = Duration::from_secs(60);
+
+async fn receive_one(source: &Arc<dyn Source>) -> courier::source::Delivery {
+    let mut got = Vec::new();
+    for _ in 0..30 {
+        got = source.receive(1).await.unwrap();
+        if !got.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(got.len(), 1);
+    got.remove(0)
+}
+
+/// A subscription of the test's own on courier's retry topic, made before
+/// any copy is published: it sees every copy courier writes.
+async fn watch_retry_topic(fixture: &Fixture) -> String {
+    let (_, mut subscriber) = pubsub_clients().await;
+    let name = pubsub_subscription(&format!("{}.watch", fixture.queue));
+    subscriber
+        .create_subscription(Subscription {
+            name: name.clone(),
+            topic: pubsub_topic(&format!("{}.retry", fixture.queue)),
+            ack_deadline_seconds: 10,
+            ..Subscription::default()
+        })
+        .await
+        .expect("a subscription on the retry topic");
+    name
+}
+
+fn attribute<'a>(message: &'a PubsubMessage, name: &str) -> &'a str {
+    message
+        .attributes
+        .get(name)
+        .map(String::as_str)
+        .unwrap_or_else(|| panic!("no attribute {name} in {:?}", message.attributes))
+}
+
+/// A retry of 20 min, past Pub/Sub's longest lease: a sealed copy on
+/// `<queue>.retry` with the attempt and the due time, the original acked,
+/// the copy held (no plain pull gets it, the depth counts it as retry
+/// backlog). Delivered again before it is due (its hold ended early), it
+/// has had its one hold: courier publishes it afresh with the same due time
+/// and attempt and acks the old one, and the app sees nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_past_600_s_is_held_once_then_published_afresh() {
+    let fixture = Fixture::pubsub();
+    let inspector = fixture.open().await;
+    let watch = watch_retry_topic(&fixture).await;
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    let id = producer.send("script:503,200\nlong", &[]).await;
+    let mut policy = fast_policy();
+    policy = policy.backoff_of(
+        Duration::from_secs(1200),
+        Duration::from_secs(1200),
+        2.0,
+        courier::policy::Jitter::None,
+    );
+    let running = Running::start(run_config(&fixture, &app, policy)).await;
+    wait_for("the retry copy", SETTLE, async || {
+        !pubsub_messages(&watch).await.is_empty()
+    })
+    .await;
+    let copies = pubsub_messages(&watch).await;
+    assert_eq!(copies.len(), 1);
+    let copy = &copies[0];
+    assert_eq!(attribute(copy, "courier-attempt"), "2");
+    assert_eq!(attribute(copy, "courier-message-id"), id);
+    assert!(!attribute(copy, "courier-seal").is_empty());
+    let due = parse_time(attribute(copy, "courier-retry-at").as_bytes()).unwrap();
+    let wait = due.duration_since(SystemTime::now()).unwrap();
+    assert!(
+        wait > Duration::from_secs(1100) && wait <= Duration::from_secs(1200),
+        "due in {wait:?}"
+    );
+    assert_eq!(copy.data, Bytes::from("script:503,200\nlong"));
+    wait_for("the original acked and the copy held", SETTLE, async || {
+        let depth = inspector.depth().await.unwrap();
+        depth.ready == Some(0) && depth.retry_backlog == 1
+    })
+    .await;
+    // Held by the sidecar: a plain pull of the retry subscription gets
+    // nothing. The depth counts the copy from its publish on, before the
+    // sidecar's next pull has taken it, and no figure shows that pull: a
+    // plain pull inside that window would take the copy itself (and its
+    // one delivery with it).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = pubsub_subscription(&format!("{}.retry", fixture.queue));
+    assert!(pubsub_messages(&retry).await.is_empty(), "the copy is held");
+
+    // The hold ended early, as its 600 s lease would end: a nack of
+    // courier's delivery of the copy by the plain client. The emulator's
+    // ack ids are `<subscription>:<n>`, n counting every delivery of the
+    // emulator, and an id it does not know is ignored: every n so far is
+    // nacked, which touches nothing but this subscription's one copy. (A
+    // seek would not do: the emulator counts `delivery_attempt` from 1
+    // again after one.)
+    let (_, mut subscriber) = pubsub_clients().await;
+    for chunk in (1..=100_000u32).collect::<Vec<_>>().chunks(4000) {
+        subscriber
+            .modify_ack_deadline(ModifyAckDeadlineRequest {
+                subscription: retry.clone(),
+                ack_ids: chunk.iter().map(|n| format!("{retry}:{n}")).collect(),
+                ack_deadline_seconds: 0,
+            })
+            .await
+            .expect("end the hold");
+    }
+    wait_for("the copy published afresh", SETTLE, async || {
+        pubsub_messages(&watch).await.len() >= 2
+    })
+    .await;
+    let copies = pubsub_messages(&watch).await;
+    assert_eq!(copies.len(), 2, "one fresh copy");
+    let fresh = copies
+        .iter()
+        .find(|c| c.message_id != copy.message_id)
+        .unwrap();
+    assert_eq!(
+        attribute(fresh, "courier-attempt"),
+        "2",
+        "the hold used no attempt"
+    );
+    assert_eq!(
+        attribute(fresh, "courier-retry-at"),
+        attribute(copy, "courier-retry-at")
+    );
+    assert_eq!(attribute(fresh, "courier-message-id"), id);
+    wait_for(
+        "the old copy acked, the fresh one held",
+        SETTLE,
+        async || {
+            let depth = inspector.depth().await.unwrap();
+            depth.ready == Some(0) && depth.retry_backlog == 1
+        },
+    )
+    .await;
+    assert!(
+        pubsub_messages(&retry).await.is_empty(),
+        "the fresh copy is held"
+    );
+    assert_eq!(app.received().len(), 1, "nothing delivered early");
+    running.stop().await;
+}
+
+/// A retry copy Pub/Sub refuses (its topic deleted) leaves the original
+/// in the work subscription: delivered again, as the same message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_pubsub_refuses_leaves_the_original() {
+    let fixture = Fixture::pubsub();
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let id = producer.send("refused copy", &[]).await;
+    let delivery = receive_one(&source).await;
+    let (mut publisher, _) = pubsub_clients().await;
+    publisher
+        .delete_topic(DeleteTopicRequest {
+            topic: pubsub_topic(&format!("{}.retry", fixture.queue)),
+        })
+        .await
+        .unwrap();
+    let now = SystemTime::now();
+    let err = source
+        .retry(&delivery, 2, now, now + Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("publishing to"), "{err}");
+    // Delivered again after the short lease of a failed settlement.
+    let mut again = Vec::new();
+    wait_for("the original again", SETTLE, async || {
+        again = source.receive(1).await.unwrap();
+        !again.is_empty()
+    })
+    .await;
+    assert_eq!(again[0].message.id, id);
+    assert_eq!(again[0].message.body, Bytes::from("refused copy"));
+    assert_eq!(again[0].attempt, 2, "Pub/Sub counted the delivery");
+    source.ack(&again[0]).await.unwrap();
+}
+
+/// Runs the binary with a policy of `max` attempts on `fixture`; the
+/// process and the policy file's directory.
+fn run_with_max_attempts(
+    fixture: &Fixture,
+    app: &TestApp,
+    max: u32,
+) -> (CourierProcess, tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_policy(dir.path(), &format!("maxAttempts: {max}"));
+    let args = run_args(fixture, app, &path, "cap");
+    (CourierProcess::run(&args), dir, path)
+}
+
+/// A dead-letter policy whose `maxDeliveryAttempts` is below the policy's
+/// `maxAttempts` is warned about at start and again when a policy change
+/// makes it so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_cap_below_max_attempts_is_warned_about() {
+    let fixture = Fixture::pubsub();
+    let queue = format!("{}-capped", fixture.queue);
+    create_pubsub_subscription(&queue, Some(5)).await;
+    let mut fixture = fixture;
+    fixture.queue = queue;
+    let app = TestApp::start().await;
+    let (mut courier, dir, path) = run_with_max_attempts(&fixture, &app, 7);
+    let warnings = |courier: &CourierProcess, max: u32| {
+        courier
+            .log()
+            .lines()
+            .filter(|l| {
+                l.contains("maxDeliveryAttempts") && l.contains(&format!("maxAttempts {max}"))
+            })
+            .count()
+    };
+    courier.wait_running().await;
+    wait_for("the warning at start", SETTLE, async || {
+        warnings(&courier, 7) == 1
+    })
+    .await;
+    assert!(courier.log().contains("after 5 delivery attempts"));
+    let addr = courier.metrics_addr().await;
+    let generation = async |n: u32| {
+        scrape(addr)
+            .await
+            .lines()
+            .any(|l| l.starts_with("courier_policy_generation{") && l.ends_with(&format!(" {n}")))
+    };
+    write_policy(dir.path(), "maxAttempts: 4");
+    // Applied (and not warned about) before the next edit, so the count of
+    // 0 below means something.
+    wait_for("the edit to 4 attempts to apply", SETTLE, async || {
+        generation(2).await
+    })
+    .await;
+    write_policy(dir.path(), "maxAttempts: 9");
+    wait_for("the warning on the policy change", SETTLE, async || {
+        warnings(&courier, 9) == 1
+    })
+    .await;
+    assert_eq!(warnings(&courier, 4), 0, "4 attempts fit in 5 deliveries");
+    drop(path);
+}
+
+/// A subscription without a dead-letter policy: Pub/Sub counts nothing,
+/// courier warns at start, and attempts come from courier's own record
+/// (a retry is a copy that carries its attempt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_without_a_dead_letter_policy_counts_from_the_record() {
+    let fixture = Fixture::pubsub();
+    let queue = format!("{}-plain", fixture.queue);
+    create_pubsub_subscription(&queue, None).await;
+    let mut fixture = fixture;
+    fixture.queue = queue;
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    let body = "script:503,503,200\nplain";
+    producer.send(body, &[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_policy(
+        dir.path(),
+        "maxAttempts: 5\ntimeout: 1s\nbackoff: {initial: 100ms, max: 200ms, jitter: none}",
+    );
+    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &path, "plain"));
+    courier.wait_running().await;
+    assert!(
+        courier.log().contains("has no dead-letter policy"),
+        "{}",
+        courier.log()
+    );
+    wait_for("three attempts", SETTLE, async || {
+        app.received_body(body.as_bytes()).len() >= 3
+    })
+    .await;
+    let attempts: Vec<u32> = app
+        .received_body(body.as_bytes())
+        .iter()
+        .map(Received::attempt)
+        .collect();
+    assert_eq!(attempts, vec![1, 2, 3]);
+}
+
+/// `courier send` publishes to the subscription's topic with its headers;
+/// `courier dlq list`, `show`, `replay` and `purge` work on the letters
+/// courier wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_and_dlq_commands() {
+    let fixture = Fixture::pubsub();
+    let source = fixture.open().await;
+    let sent = courier_send(
+        &fixture,
+        &[
+            "--header",
+            "content-type=text/plain",
+            "script:422,200\nsent",
+        ],
+    );
+    assert!(sent.status.success(), "{sent:?}");
+    let purged = courier_send(&fixture, &["script:422\npurged"]);
+    assert!(purged.status.success(), "{purged:?}");
+    let app = TestApp::start().await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("two dead letters", SETTLE, async || {
+        fixture.dead_letters(&source).await.len() == 2
+    })
+    .await;
+    assert_eq!(
+        app.received_body(b"script:422,200\nsent")[0].header("content-type"),
+        Some("text/plain"),
+        "the header came through"
+    );
+    let dlq = |args: &[&str]| {
+        courier_command()
+            .args(["dlq"])
+            .args(args)
+            .args(["--source", &fixture.source_arg(), "--queue", &fixture.queue])
+            .output()
+            .expect("run courier dlq")
+    };
+    let listed = dlq(&["list"]);
+    let listing = String::from_utf8_lossy(&listed.stdout).into_owned();
+    assert!(listed.status.success(), "{listed:?}");
+    assert!(listing.contains("permanent-status"), "{listing}");
+    let letters = fixture.dead_letters(&source).await;
+    let of = |text: &str| {
+        letters
+            .iter()
+            .find(|l| String::from_utf8_lossy(&l.body).contains(text))
+            .unwrap()
+            .id
+            .clone()
+    };
+    let shown = dlq(&["show", &of("sent")]);
+    assert!(shown.status.success(), "{shown:?}");
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("courier-reason"));
+    let replayed = dlq(&["replay", "--id", &of("sent")]);
+    assert!(replayed.status.success(), "{replayed:?}");
+    let purge = dlq(&["purge", "--id", &of("purged"), "--yes"]);
+    assert!(purge.status.success(), "{purge:?}");
+    wait_for("the replayed message acked", SETTLE, async || {
+        app.received_body(b"script:422,200\nsent").len() == 2
+    })
+    .await;
+    let replay = &app.received_body(b"script:422,200\nsent")[1];
+    assert_eq!(replay.attempt(), 1, "a replay starts again");
+    wait_for("no dead letters left", SETTLE, async || {
+        fixture.dead_letters(&source).await.is_empty()
+    })
+    .await;
+    running.stop().await;
+}
+
+/// The gauges on `/metrics`: a scheduled retry is retry backlog, a dead
+/// letter counts with its age, the work subscription's depth falls to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn depth_gauges_on_metrics() {
+    let fixture = Fixture::pubsub();
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    producer.send("script:503,200\nlater", &[]).await;
+    producer.send("script:422\ndead", &[]).await;
+    let mut policy = fast_policy();
+    policy = policy.backoff_of(
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        2.0,
+        courier::policy::Jitter::None,
+    );
+    let running = Running::start(run_config(&fixture, &app, policy)).await;
+    let queue = fixture.queue.clone();
+    let mut seen = String::new();
+    wait_for("the gauges", SETTLE, async || {
+        seen = scrape(running.metrics_addr).await;
+        series(&seen, "courier_retry_backlog", &queue) == Some(1.0)
+            && series(&seen, "courier_dlq_depth", &queue) == Some(1.0)
+            && series(&seen, "courier_queue_depth", &queue) == Some(1.0)
+    })
+    .await;
+    assert!(
+        series(&seen, "courier_dlq_oldest_age_seconds", &queue).is_some(),
+        "{seen}"
+    );
+    assert_eq!(
+        series(&seen, "courier_queue_oldest_age_seconds", &queue),
+        None,
+        "Pub/Sub cannot tell a waiting message from one with an app: {seen}"
+    );
+    running.stop().await;
+}
+
+/// A depth count reads every message it counts (Pub/Sub counts no
+/// backlog itself), so it must hold one pull at a time, not the backlog:
+/// 200 dead letters of 256 KiB (50 MiB) published with the plain client
+/// are counted on `/metrics` by the built binary while its peak RSS grows
+/// by far less than they weigh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_depth_count_holds_one_pull_not_the_backlog() {
+    const LETTERS: usize = 200;
+    const SIZE: usize = 256 << 10;
+    let fixture = Fixture::pubsub();
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "counting"));
+    let addr = courier.metrics_addr().await;
+    producer.send("warm-up", &[]).await;
+    let queue = fixture.queue.clone();
+    // The dead-letter queue's browsing subscription exists once a count
+    // has seen it (it must exist before the letters are published).
+    wait_for("a first count", SETTLE, async || {
+        !app.received_body(b"warm-up").is_empty()
+            && series(&scrape(addr).await, "courier_dlq_depth", &queue) == Some(0.0)
+    })
+    .await;
+    let warm = peak_rss(courier.id());
+    let (publisher, _) = pubsub_clients().await;
+    for n in 0..LETTERS {
+        publisher
+            .clone()
+            .publish(PublishRequest {
+                topic: pubsub_topic(&fixture.dlq()),
+                messages: vec![PubsubMessage {
+                    data: Bytes::from(vec![b'a' + (n % 26) as u8; SIZE]),
+                    ..PubsubMessage::default()
+                }],
+            })
+            .await
+            .expect("Pub/Sub takes the letter");
+    }
+    wait_for("the letters counted", SETTLE, async || {
+        series(&scrape(addr).await, "courier_dlq_depth", &queue) == Some(LETTERS as f64)
+    })
+    .await;
+    let peak = peak_rss(courier.id());
+    assert_rss_grew_less(warm, peak, LETTERS * SIZE / 4, "counting 50 MiB of letters");
+}
+
+/// A message Pub/Sub delivered more than `maxAttempts + 2` times without a
+/// settlement (here nacked by the plain client, as crashed sidecars would
+/// leave it) is marked for the `undeliverable` dead letter without being
+/// offered: the poison-pill rule reads `delivery_attempt`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_pill_is_judged_by_delivery_attempt() {
+    use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PullRequest;
+    let fixture = Fixture::pubsub();
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    producer.send("poison", &[]).await;
+    let work = pubsub_subscription(&fixture.queue);
+    let (_, mut subscriber) = pubsub_clients().await;
+    // SourceOptions' default limit is 7 deliveries.
+    let mut nacked = 0;
+    while nacked < 7 {
+        #[allow(deprecated)]
+        let got = subscriber
+            .pull(PullRequest {
+                subscription: work.clone(),
+                return_immediately: true,
+                max_messages: 1,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .received_messages;
+        for received in got {
+            subscriber
+                .modify_ack_deadline(ModifyAckDeadlineRequest {
+                    subscription: work.clone(),
+                    ack_ids: vec![received.ack_id],
+                    ack_deadline_seconds: 0,
+                })
+                .await
+                .unwrap();
+            nacked += 1;
+        }
+    }
+    let delivery = receive_one(&source).await;
+    let problem = delivery.problem.clone().expect("a poison pill");
+    assert!(problem.contains("delivered 8 times"), "{problem}");
+    assert_eq!(delivery.attempt, 8, "each unsettled delivery counted");
+}

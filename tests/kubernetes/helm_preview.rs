@@ -1,0 +1,193 @@
+//! `courier inject --pod FILE` previews what the chart's injector adds: with
+//! no flags it uses the chart's defaults, with `--values` the chart's values
+//! file, and the Deployment it prints is the one the webhook's JSON Patch
+//! makes of the walkthrough's Deployment (`tests/fixtures/inject/deployment.yaml`).
+//! `scripts/test-chart` closes the loop with Helm: the chart's rendered
+//! injector settings give the same preview byte for byte.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use base64::Engine;
+use courier::inject::{self, SidecarDefaults, apply_chart_values};
+
+use crate::common::root;
+use serde_json::{Value, json};
+
+fn deployment() -> PathBuf {
+    root().join("tests/fixtures/inject/deployment.yaml")
+}
+
+fn walkthrough_values() -> PathBuf {
+    root().join("tests/fixtures/helm/walkthrough-values.yaml")
+}
+
+/// Runs `courier inject --pod` with no COURIER_* variables of the caller's.
+fn preview(args: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_courier"));
+    command.arg("inject").args(args);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("COURIER_") {
+            command.env_remove(key);
+        }
+    }
+    command.output().expect("courier runs")
+}
+
+/// What the preview printed, its `/drain` secrets masked (each run makes
+/// new ones, as each admission does).
+fn stdout(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "courier inject failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    inject::mask_drain_tokens(&String::from_utf8(output.stdout.clone()).unwrap())
+}
+
+fn yaml(text: &str) -> Value {
+    serde_saphyr::from_str(text).expect("YAML")
+}
+
+/// What the webhook does to the Deployment's pods: the pod template as an
+/// AdmissionReview, answered by the injector's own code, the patch applied.
+fn webhook_pod(defaults: &SidecarDefaults, deployment: &Value) -> Value {
+    let template = &deployment["spec"]["template"];
+    let pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": template["metadata"],
+        "spec": template["spec"],
+    });
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "0b8c6a8e-5d37-4c1e-9a55-3f3c1b2d4e5f",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "shop",
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+            "object": pod,
+        },
+    });
+    let answer = inject::review(&serde_json::to_vec(&review).unwrap(), defaults);
+    let response = &answer["response"];
+    assert_eq!(response["allowed"], true, "{answer}");
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(response["patch"].as_str().expect("a patch"))
+        .unwrap();
+    let patch: json_patch::Patch = serde_json::from_slice(&raw).unwrap();
+    let mut pod = review["request"]["object"].clone();
+    json_patch::patch(&mut pod, &patch).unwrap();
+    serde_json::from_str(&inject::mask_drain_tokens(&pod.to_string())).unwrap()
+}
+
+fn chart_defaults_with(values: &Path) -> SidecarDefaults {
+    let values = yaml(&std::fs::read_to_string(values).unwrap());
+    let mut defaults = SidecarDefaults::chart();
+    apply_chart_values(&mut defaults, &values).unwrap();
+    defaults
+}
+
+#[test]
+fn without_values_the_preview_is_a_default_install() {
+    let plain = preview(&["--pod", deployment().to_str().unwrap()]);
+    let chart_values = root().join("charts/courier/values.yaml");
+    let with_chart = preview(&[
+        "--pod",
+        deployment().to_str().unwrap(),
+        "--values",
+        chart_values.to_str().unwrap(),
+    ]);
+    let printed = stdout(&plain);
+    assert_eq!(
+        printed,
+        stdout(&with_chart),
+        "the flags' defaults are the chart's"
+    );
+    let stderr = String::from_utf8_lossy(&plain.stderr);
+    assert!(stderr.contains("as a native sidecar"), "{stderr}");
+    let image = format!("image: courier:{}", env!("CARGO_PKG_VERSION"));
+    assert!(
+        printed.contains(&image),
+        "the chart's default image: {printed}"
+    );
+}
+
+#[test]
+fn the_preview_is_what_the_webhook_injects_with_the_charts_values() {
+    let output = preview(&[
+        "--pod",
+        deployment().to_str().unwrap(),
+        "--values",
+        walkthrough_values().to_str().unwrap(),
+    ]);
+    let previewed = yaml(&stdout(&output));
+    let original = yaml(&std::fs::read_to_string(deployment()).unwrap());
+    let injected = webhook_pod(&chart_defaults_with(&walkthrough_values()), &original);
+
+    let template = &previewed["spec"]["template"];
+    assert_eq!(template["metadata"], injected["metadata"]);
+    assert_eq!(template["spec"], injected["spec"]);
+    let sidecar = &template["spec"]["initContainers"][0];
+    assert_eq!(sidecar["name"], "courier");
+    assert_eq!(
+        sidecar["restartPolicy"], "Always",
+        "a native sidecar, as the chart injects"
+    );
+    assert_eq!(
+        sidecar["image"],
+        format!(
+            "registry.example/platform/courier:{}",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+    assert_eq!(sidecar["resources"]["limits"]["cpu"], "1");
+    assert_eq!(sidecar["resources"]["limits"]["memory"], "320Mi");
+    // Everything but the pod template is the user's, untouched.
+    assert_eq!(previewed["spec"]["replicas"], original["spec"]["replicas"]);
+    assert_eq!(previewed["metadata"], original["metadata"]);
+}
+
+#[test]
+fn the_preview_prints_the_webhooks_warnings() {
+    let mut deployment = yaml(&std::fs::read_to_string(deployment()).unwrap());
+    let spec = &mut deployment["spec"]["template"]["spec"];
+    spec["containers"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("volumeMounts");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("no-token.yaml");
+    std::fs::write(&file, serde_json::to_string(&deployment).unwrap()).unwrap();
+    let output = preview(&["--pod", file.to_str().unwrap()]);
+    assert!(output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("warning: courier: courier.dev/policy is set but no container mounts a service account token"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_values_are_refused_with_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("values.yaml");
+    std::fs::write(&file, "sidecar:\n  resources:\n    memoryLimit: lots\n").unwrap();
+    let output = preview(&[
+        "--pod",
+        deployment().to_str().unwrap(),
+        "--values",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(output.status.code(), Some(2), "bad usage");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("sidecar.resources.memoryLimit \"lots\""),
+        "{stderr}"
+    );
+    let output = preview(&["--values", file.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2), "--values needs --pod");
+}

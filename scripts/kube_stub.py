@@ -55,7 +55,7 @@ BUILTIN = {
     '/v1/pods': dict(namespaced=True, kind='Pod', singular='pod', shortnames=['po'], verbs=VERBS),
     '/v1/namespaces': dict(namespaced=False, kind='Namespace', singular='namespace',
                            shortnames=['ns'], verbs=VERBS),
-    # What the commands of docs/kubernetes.md touch (tests/doc_commands.rs).
+    # What the commands of docs/kubernetes.md touch (tests/commands/doc_commands.rs).
     '/v1/secrets': dict(namespaced=True, kind='Secret', singular='secret', shortnames=[],
                         verbs=VERBS),
     '/v1/serviceaccounts': dict(namespaced=True, kind='ServiceAccount',

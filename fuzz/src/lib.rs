@@ -6,7 +6,7 @@
 //! The same functions run two ways: under libFuzzer through `cargo fuzz`
 //! (`fuzz_targets/*.rs`, nightly; `scripts/fuzz`), and on stable as a seeded
 //! smoke test over the seeds, the kept regressions and random mutations of
-//! them (`tests/fuzz_smoke.rs`, part of `cargo test`).
+//! them (`tests/commands/fuzz_smoke.rs`, part of `cargo test`).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

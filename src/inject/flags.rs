@@ -3,7 +3,7 @@
 //! the sidecar as the flag's own `COURIER_*` variable after a check, so that
 //! a typo refuses the pod instead of crash-looping its sidecar. Every other
 //! flag is listed in [`NOT_ANNOTATIONS`] with the reason, and a test fails
-//! when a new `courier run` flag is in neither list (tests/helm_annotations.rs),
+//! when a new `courier run` flag is in neither list (tests/kubernetes/helm_annotations.rs),
 //! so the table in docs/kubernetes.md cannot fall behind.
 
 use crate::duration;
@@ -88,7 +88,7 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         flag: "cloudevents",
         env: "COURIER_CLOUDEVENTS",
         // `forward::cloudevents::Mode::NAMES`, which the injector does not
-        // import; tests/cloudevents.rs checks that the two agree.
+        // import; tests/dispatch/cloudevents.rs checks that the two agree.
         kind: Kind::OneOf(&["binary", "structured", "off"]),
     },
 ];

@@ -149,7 +149,7 @@ async fn a_panic_is_settled() {
 /// even a refused delivery: nothing is read from the broker, courier is not
 /// ready, and once the app listens everything arrives at attempt 1. A
 /// refused connection later, mid-run, is a free retry (`steps.rs`,
-/// `tests/dispatch_gate.rs`).
+/// `tests/dispatch/dispatch_gate.rs`).
 #[tokio::test]
 async fn an_app_not_listening_yet_is_waited_for_before_the_first_delivery() {
     let app = closed_port().await;

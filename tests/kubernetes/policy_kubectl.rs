@@ -110,8 +110,18 @@ async fn get(addr: SocketAddr, path: &str) -> String {
 }
 
 async fn dead_letter_field(fixture: &Fixture, id: &str, field: &str) -> Option<String> {
+    dead_letter_field_in(fixture, &fixture.dlq(), id, field).await
+}
+
+/// [`dead_letter_field`] of a letter in the dead-letter queue `dlq`.
+async fn dead_letter_field_in(
+    fixture: &Fixture,
+    dlq: &str,
+    id: &str,
+    field: &str,
+) -> Option<String> {
     let source = fixture.open().await;
-    let letters = source.dead_letters(&fixture.dlq(), 1000).await.unwrap();
+    let letters = source.dead_letters(dlq, 1000).await.unwrap();
     letters
         .iter()
         .find(|l| l.field("courier-message-id") == Some(id))
@@ -604,4 +614,58 @@ async fn a_missing_crd_says_what_to_install_and_installing_it_makes_it_ready() {
         "{metrics}"
     );
     sidecar.stop();
+}
+
+/// Found at 21da363, trying it as a new user would: `courier dlq list` with
+/// the sidecar's COURIER_SOURCE and COURIER_QUEUE ignored the policy's
+/// deadLetterQueue and printed an empty table, exit 0, while the letters
+/// sat in the configured queue. With the sidecar's COURIER_POLICY in the
+/// environment (as in its container) the command reads the RetryPolicy
+/// and lists the letters where the sidecar put them; `--dlq` still wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_list_with_the_sidecars_environment_finds_the_policys_dead_letters() {
+    let stub = KubeStub::start(NS);
+    let fixture = Fixture::redis();
+    let parked = format!("{}.parked", fixture.queue);
+    stub.apply(&format!("{ORDERS}  deadLetterQueue: {parked}\n"));
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "orders");
+    sidecar.wait_ready().await;
+    let id = fixture.send(&source, "script:400\nparked one").await;
+    wait_for("the dead letter", SETTLE, async || {
+        dead_letter_field_in(&fixture, &parked, &id, "courier-reason")
+            .await
+            .is_some()
+    })
+    .await;
+    drop(sidecar);
+
+    let list = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_courier"))
+            .args(["dlq", "list", "--output", "json"])
+            .args(extra)
+            .env("COURIER_SOURCE", fixture.source_arg())
+            .env("COURIER_QUEUE", &fixture.queue)
+            .env("COURIER_POLICY", "orders")
+            .env_remove("COURIER_POLICY_FILE")
+            .env_remove("COURIER_DLQ")
+            .env("KUBECONFIG", stub.sidecar_kubeconfig())
+            .env("POD_NAMESPACE", NS)
+            .output()
+            .expect("run courier dlq list")
+    };
+    let out = list(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stdout.contains(&id), "{stdout}");
+    let default = format!("{}.dlq", fixture.queue);
+    let out = list(&["--dlq", &default]);
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 0);
 }

@@ -88,9 +88,16 @@ pub enum DlqAction {
 pub struct Target {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// The dead-letter queue, when the policy names one other than <queue>.dlq.
+    /// The dead-letter queue [default: the policy's deadLetterQueue, else <queue>.dlq].
     #[arg(long, env = "COURIER_DLQ")]
     pub dlq: Option<String>,
+    /// The policy file whose deadLetterQueue to use (the sidecar's --policy-file).
+    #[arg(long, env = "COURIER_POLICY_FILE", conflicts_with = "policy")]
+    pub policy_file: Option<std::path::PathBuf>,
+    /// The RetryPolicy whose deadLetterQueue to use, read once from the
+    /// cluster (the sidecar's --policy; in its container it is already set).
+    #[arg(long, env = "COURIER_POLICY")]
+    pub policy: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Args)]
@@ -128,13 +135,46 @@ pub enum Output {
     Json,
 }
 
+/// The dead-letter queue the command works on: `--dlq`, else the one of the
+/// policy the sidecar follows (`--policy-file`, `--policy`: the same
+/// variables the sidecar reads, so that in its container the command finds
+/// the letters where the sidecar put them), else `<queue>.dlq`.
+async fn dead_letter_queue(target: &Target) -> anyhow::Result<String> {
+    let queue = &target.source.queue;
+    if let Some(dlq) = &target.dlq {
+        return Ok(dlq.clone());
+    }
+    if let Some(path) = &target.policy_file {
+        let policy = crate::policy::file::load(path).map_err(|e| UsageError(e.to_string()))?;
+        return Ok(policy.dead_letter_queue_for(queue));
+    }
+    let Some(name) = &target.policy else {
+        return Ok(default_dead_letter_queue(queue));
+    };
+    let policy_ref = crate::policy::cluster::PolicyRef::from_env(name).map_err(UsageError)?;
+    let label = policy_ref.label();
+    let (live, update) = crate::policy::LivePolicy::new(crate::policy::Policy::default());
+    let (watcher, mut status) = crate::policy::cluster::follow(policy_ref, update, |_| {})
+        .await
+        .with_context(|| {
+            format!("--policy {label}: cannot set up a Kubernetes API client; give --dlq instead")
+        })?;
+    let read = tokio::time::timeout(Duration::from_secs(15), status.wait_for(|s| s.read))
+        .await
+        .is_ok_and(|read| read.is_ok());
+    let problem = status.borrow().problem.clone();
+    watcher.abort();
+    match (read, problem) {
+        (true, None) => Ok(live.current().dead_letter_queue_for(queue)),
+        (_, Some(problem)) => anyhow::bail!("--policy {label}: {problem}; give --dlq instead"),
+        _ => anyhow::bail!("--policy {label}: not read within 15 s; give --dlq instead"),
+    }
+}
+
 async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, String)> {
     let (url, tls) = target.source.parse()?;
     let queue = &target.source.queue;
-    let dlq = target
-        .dlq
-        .clone()
-        .unwrap_or_else(|| default_dead_letter_queue(queue));
+    let dlq = dead_letter_queue(target).await?;
     let mut options = SourceOptions::new(queue);
     options.dead_letter_queue = dlq.clone();
     options.tls = tls;

@@ -16,8 +16,8 @@ use super::args::UsageError;
 use crate::duration;
 use crate::inject::{
     DEFAULT_CPU_REQUEST, DEFAULT_IMAGE, DEFAULT_MEMORY_LIMIT, DEFAULT_MEMORY_REQUEST, Decision,
-    InjectConfig, Resources, SidecarDefaults, apply_chart_values, inject_document, is_quantity,
-    serve,
+    InjectConfig, Reach, Resources, SidecarDefaults, WebhookScope, apply_chart_values,
+    inject_document, is_quantity, serve,
 };
 use crate::telemetry::LogFormat;
 
@@ -62,6 +62,15 @@ pub struct InjectArgs {
         requires = "pod"
     )]
     pub values: Option<PathBuf>,
+    /// With --pod: the namespace the pod is created in [default: the
+    /// file's metadata.namespace]; with --values, a namespace the chart's
+    /// webhook is never called for is said so, and nothing is injected.
+    #[arg(long, value_name = "NAME", requires = "pod")]
+    pub namespace: Option<String>,
+    /// With --values: the namespace the chart is installed in (helm
+    /// install -n), which its webhook never injects.
+    #[arg(long, value_name = "NAME", requires = "values")]
+    pub release_namespace: Option<String>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -167,10 +176,14 @@ pub fn config(args: &InjectArgs) -> Result<InjectConfig, UsageError> {
 pub async fn run(args: InjectArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.pod {
         let mut defaults = args.sidecar.defaults()?;
-        if let Some(values) = &args.values {
-            read_chart_values(values, &mut defaults)?;
-        }
-        return render(path, &defaults);
+        let scope = match &args.values {
+            Some(values) => Some(WebhookScope::of(
+                &read_chart_values(values, &mut defaults)?,
+                args.release_namespace.as_deref(),
+            )),
+            None => None,
+        };
+        return render(path, &defaults, scope.as_ref(), args.namespace.as_deref());
     }
     let config = config(&args)?;
     let shutdown = CancellationToken::new();
@@ -187,8 +200,9 @@ pub async fn run(args: InjectArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--values FILE`: the chart's values over the flags' defaults.
-fn read_chart_values(path: &Path, defaults: &mut SidecarDefaults) -> Result<(), UsageError> {
+/// `--values FILE`: the chart's values over the flags' defaults; the
+/// values, for what else they say.
+fn read_chart_values(path: &Path, defaults: &mut SidecarDefaults) -> Result<Value, UsageError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| UsageError(format!("--values {}: {e}", path.display())))?;
     let values: Value = if text.trim().is_empty() {
@@ -202,10 +216,16 @@ fn read_chart_values(path: &Path, defaults: &mut SidecarDefaults) -> Result<(), 
             "--values {}: {e}; fix the values (the chart's values.schema.json refuses them too)",
             path.display()
         ))
-    })
+    })?;
+    Ok(values)
 }
 
-fn render(path: &Path, defaults: &SidecarDefaults) -> anyhow::Result<ExitCode> {
+fn render(
+    path: &Path,
+    defaults: &SidecarDefaults,
+    scope: Option<&WebhookScope>,
+    namespace: Option<&str>,
+) -> anyhow::Result<ExitCode> {
     let text = if path == Path::new("-") {
         std::io::read_to_string(std::io::stdin()).context("cannot read the pod from stdin")?
     } else {
@@ -214,6 +234,42 @@ fn render(path: &Path, defaults: &SidecarDefaults) -> anyhow::Result<ExitCode> {
     };
     let doc: Value = serde_saphyr::from_str(&text)
         .map_err(|e| UsageError(format!("--pod {}: not YAML or JSON: {e}", path.display())))?;
+    // The chart's webhook is not called for every namespace: a preview
+    // that injects where the install would not would mislead.
+    if let Some(scope) = scope {
+        let namespace = namespace.map(str::to_string).or_else(|| {
+            doc.pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        });
+        match namespace.as_deref().map(|ns| scope.reach(ns)) {
+            Some(Reach::Never(why)) => {
+                eprintln!(
+                    "courier: not injected: the chart's webhook is not called for this pod: {why}"
+                );
+                print!(
+                    "{}",
+                    serde_saphyr::to_string(&doc).context("cannot write the pod as YAML")?
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+            Some(Reach::IfLabelled(note)) => eprintln!("warning: courier: {note}"),
+            Some(Reach::Called) => {}
+            None => eprintln!(
+                "warning: courier: the file names no namespace (give --namespace); {}",
+                match scope.namespaces.is_empty() {
+                    true => format!(
+                        "the webhook is called only in namespaces labelled {}=enabled",
+                        scope.opt_in_label
+                    ),
+                    false => format!(
+                        "the webhook is called only in {}",
+                        scope.namespaces.join(", ")
+                    ),
+                }
+            ),
+        }
+    }
     let (doc, decision) = inject_document(doc, defaults)
         .map_err(|e| UsageError(format!("--pod {}: {e}", path.display())))?;
     eprintln!("{}", decision.message());

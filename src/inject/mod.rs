@@ -42,4 +42,4 @@ pub use settings::{
     SidecarDefaults, annotations, is_quantity,
 };
 pub use tls::{ReloadingCert, TlsError, server_config};
-pub use values::apply_chart_values;
+pub use values::{Reach, WebhookScope, apply_chart_values};

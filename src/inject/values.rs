@@ -110,6 +110,88 @@ fn dotted(path: &str) -> String {
     path.trim_start_matches('/').replace('/', ".")
 }
 
+/// Which namespaces the chart's webhook is called for (its
+/// `namespaceSelector`), read from the same values: never the release's own
+/// namespace nor `webhook.excludeNamespaces`; with `sidecar.namespaces`,
+/// only those; without, only namespaces labelled
+/// `webhook.namespaceOptInLabel=enabled`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookScope {
+    pub namespaces: Vec<String>,
+    pub excluded: Vec<String>,
+    pub opt_in_label: String,
+    pub release_namespace: Option<String>,
+}
+
+/// Whether the webhook is called for a namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    Called,
+    /// Called if the namespace carries the opt-in label: the values
+    /// cannot tell.
+    IfLabelled(String),
+    /// Never called: why.
+    Never(String),
+}
+
+impl WebhookScope {
+    /// The scope of a values document; keys it leaves out have the chart's
+    /// defaults.
+    pub fn of(values: &Value, release_namespace: Option<&str>) -> Self {
+        let list = |path: &str, default: &[&str]| -> Vec<String> {
+            match values.pointer(path).and_then(Value::as_array) {
+                Some(items) => items
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect(),
+                None => default.iter().map(|s| s.to_string()).collect(),
+            }
+        };
+        Self {
+            namespaces: list("/sidecar/namespaces", &[]),
+            excluded: list(
+                "/webhook/excludeNamespaces",
+                &["kube-system", "kube-public", "kube-node-lease"],
+            ),
+            opt_in_label: values
+                .pointer("/webhook/namespaceOptInLabel")
+                .and_then(Value::as_str)
+                .unwrap_or("courier.dev/injection")
+                .to_string(),
+            release_namespace: release_namespace.map(str::to_string),
+        }
+    }
+
+    pub fn reach(&self, namespace: &str) -> Reach {
+        if self.release_namespace.as_deref() == Some(namespace) {
+            return Reach::Never(format!(
+                "{namespace} is the chart's own release namespace, which its webhook never injects"
+            ));
+        }
+        if self.excluded.iter().any(|n| n == namespace) {
+            return Reach::Never(format!(
+                "{namespace} is in webhook.excludeNamespaces ({})",
+                self.excluded.join(", ")
+            ));
+        }
+        if self.namespaces.is_empty() {
+            return Reach::IfLabelled(format!(
+                "the webhook is called for namespace {namespace} only if it carries the label {}=enabled (kubectl label namespace {namespace} {}=enabled), since sidecar.namespaces is empty",
+                self.opt_in_label, self.opt_in_label
+            ));
+        }
+        if self.namespaces.iter().any(|n| n == namespace) {
+            Reach::Called
+        } else {
+            Reach::Never(format!(
+                "sidecar.namespaces ({}) does not list {namespace}",
+                self.namespaces.join(", ")
+            ))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

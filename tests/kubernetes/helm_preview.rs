@@ -191,3 +191,60 @@ fn bad_values_are_refused_with_the_key() {
     let output = preview(&["--values", file.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(2), "--values needs --pod");
 }
+
+/// Found at 21da363, trying it as a new user would: `courier inject --pod
+/// … --values …` said "sidecar injected" for a pod in a namespace the
+/// chart's webhook is never called for, though the preview promises to be
+/// the install. With the values, a namespace outside `sidecar.namespaces`,
+/// an excluded one, or the release's own, is said so and the pod printed
+/// as it was; a listed one is injected as before.
+#[test]
+fn the_preview_injects_only_where_the_charts_webhook_is_called() {
+    let deployment = deployment();
+    let values = walkthrough_values();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--pod",
+            deployment.to_str().unwrap(),
+            "--values",
+            values.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        preview(&args)
+    };
+    let original = yaml(&std::fs::read_to_string(&deployment).unwrap());
+    for (extra, why) in [
+        (
+            &["--namespace", "billing"][..],
+            "sidecar.namespaces (shop) does not list billing",
+        ),
+        (&["--namespace", "kube-system"], "webhook.excludeNamespaces"),
+        (
+            &[
+                "--namespace",
+                "courier-system",
+                "--release-namespace",
+                "courier-system",
+            ],
+            "release namespace",
+        ),
+    ] {
+        let output = run(extra);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("not injected") && stderr.contains(why),
+            "{extra:?}: {stderr}"
+        );
+        assert!(!stderr.contains("sidecar injected"), "{stderr}");
+        assert_eq!(
+            yaml(&stdout(&output)),
+            original,
+            "{extra:?}: printed as it was"
+        );
+    }
+    // The file's own namespace, shop, is listed: injected.
+    let output = run(&[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("sidecar injected"), "{stderr}");
+    assert_ne!(yaml(&stdout(&output)), original);
+}

@@ -16,11 +16,7 @@ pub struct UsageError(pub String);
 
 #[derive(Debug, Clone, Args)]
 pub struct SourceArgs {
-    /// Broker URL: redis://host:port/db, amqp://user:pass@host:port/vhost, nats://host:port,
-    /// kafka://host:port[,host:port], sqs://REGION, pubsub://PROJECT or embedded:<dir> (the
-    /// brokers of this build; an unknown scheme's error lists them); rediss://, amqps:// and
-    /// tls:// (NATS) over TLS.
-    #[arg(long, env = "COURIER_SOURCE")]
+    #[arg(long, env = "COURIER_SOURCE", help = source_help())]
     pub source: String,
     /// Queue to consume: the Redis stream key, the RabbitMQ queue, the NATS stream, the Kafka
     /// topic, the SQS queue name or URL, the Pub/Sub subscription, the embedded queue name.
@@ -36,6 +32,24 @@ pub struct SourceArgs {
     /// PEM private key of --tls-cert-file.
     #[arg(long, env = "COURIER_TLS_KEY_FILE")]
     pub tls_key_file: Option<PathBuf>,
+}
+
+/// `--source`'s help, from the broker table: every URL form and TLS scheme
+/// of this build, so that it cannot fall behind the brokers.
+fn source_help() -> String {
+    let tls: Vec<String> = crate::source::BROKERS
+        .iter()
+        .flat_map(|b| {
+            b.tls_schemes
+                .iter()
+                .map(move |s| format!("{s}:// ({})", b.name))
+        })
+        .collect();
+    format!(
+        "Broker URL: {} (the brokers of this build; an unknown scheme's error lists them); over TLS: {}",
+        crate::source::url_forms(),
+        tls.join(", ")
+    )
 }
 
 impl SourceArgs {

@@ -16,6 +16,9 @@ use super::settings::{
 use crate::duration;
 use crate::source::redact;
 
+/// The pod volume the embedded queue's directory is mounted from.
+pub const EMBEDDED_VOLUME: &str = "courier-data";
+
 /// What the injector does with one pod, and why.
 #[derive(Debug, Clone)]
 pub enum Decision {
@@ -198,6 +201,27 @@ pub fn decide_with_token(pod: &Pod, defaults: &SidecarDefaults, drain_token: &st
             annotations::SOURCE_SECRET
         ));
     }
+    // The embedded queue writes where its URL says, and the sidecar's root
+    // filesystem is read-only: without a volume there it crash-loops.
+    let embedded_dir = match &settings.source {
+        SourceSetting::Url(url) => url
+            .strip_prefix("embedded:")
+            .map(|dir| dir.trim_start_matches("//").to_string()),
+        SourceSetting::Secret { .. } => None,
+    };
+    if let Some(dir) = &embedded_dir {
+        let has_volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| v.name == EMBEDDED_VOLUME);
+        if !has_volume {
+            return Decision::Deny(format!(
+                "courier: {} embedded:{dir}: the embedded queue writes to {dir}, and the sidecar's root filesystem is read-only; add a volume named {EMBEDDED_VOLUME} to the pod (a PersistentVolumeClaim keeps the queue across pod restarts, an emptyDir only across container restarts) and courier mounts it at {dir}",
+                annotations::SOURCE
+            ));
+        }
+    }
     let mut container = sidecar_container(&settings, defaults);
     // The sidecar reads the RetryPolicy from the API, so it needs the
     // token; only then, because nothing else in it talks to the API.
@@ -208,6 +232,9 @@ pub fn decide_with_token(pod: &Pod, defaults: &SidecarDefaults, drain_token: &st
             "mountPath": TOKEN_MOUNT_PATH,
             "readOnly": true,
         }));
+    }
+    if let Some(dir) = &embedded_dir {
+        mounts.push(json!({"name": EMBEDDED_VOLUME, "mountPath": dir}));
     }
     let mut ops = Vec::new();
     if let Some(tls) = &settings.tls {

@@ -1095,3 +1095,55 @@ async fn idle_connections_cannot_stop_the_webhook() {
     assert_eq!(status, 200);
     stop.cancel();
 }
+
+/// Found at 21da363, trying it as a new user would: the injector accepted
+/// `embedded:/data`, but the sidecar's root filesystem is read-only, so
+/// the pod crash-looped. Without a volume for it the pod is refused, with
+/// what to add; with the volume `courier-data` it is mounted at the
+/// queue's directory, writable.
+#[test]
+fn an_embedded_queue_needs_a_volume_and_gets_it_mounted() {
+    let pod = |volumes: Value| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "orders",
+                "labels": {"courier.dev/inject": "true"},
+                "annotations": {"courier.dev/source": "embedded:/data", "courier.dev/queue": "orders"},
+            },
+            "spec": {"containers": [{"name": "app", "image": "app:1"}], "volumes": volumes},
+        })
+    };
+    let defaults = courier::inject::SidecarDefaults::chart();
+    let (_, decision) = courier::inject::inject_document(pod(json!([])), &defaults).unwrap();
+    let courier::inject::Decision::Deny(message) = &decision else {
+        panic!("expected a denial, got {decision}");
+    };
+    assert!(
+        message.contains("read-only")
+            && message.contains("courier-data")
+            && message.contains("/data"),
+        "{message}"
+    );
+    let (injected, decision) = courier::inject::inject_document(
+        pod(json!([{"name": "courier-data", "emptyDir": {}}])),
+        &defaults,
+    )
+    .unwrap();
+    assert!(
+        matches!(decision, courier::inject::Decision::Inject { .. }),
+        "{decision}"
+    );
+    let sidecar = injected["spec"]["initContainers"]
+        .as_array()
+        .into_iter()
+        .chain(injected["spec"]["containers"].as_array())
+        .flatten()
+        .find(|c| c["name"] == "courier")
+        .unwrap();
+    assert_eq!(
+        sidecar["volumeMounts"],
+        json!([{"name": "courier-data", "mountPath": "/data"}])
+    );
+}

@@ -252,7 +252,17 @@ async fn wait_for_signal(shutdown: CancellationToken) {
     };
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: draining"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining (press Ctrl-C again to stop at once)"),
     }
     shutdown.cancel();
+    // A second Ctrl-C is someone at a terminal who will not wait for the
+    // drain: stop at once. What is in flight stays unsettled, and the
+    // broker hands it out again. A second SIGTERM is Kubernetes repeating
+    // itself, and only the grace period ends the drain.
+    if tokio::signal::ctrl_c().await.is_ok() {
+        tracing::warn!(
+            "second SIGINT: exiting without finishing the deliveries in flight; the broker hands them out again"
+        );
+        std::process::exit(130);
+    }
 }

@@ -713,3 +713,55 @@ fn the_image_build_context_leaves_out_what_git_ignores() {
         );
     }
 }
+
+/// Found at 21da363, trying it as a new user would: a second Ctrl-C did not
+/// force an exit (three presses during a 12 s delivery: it left 9 s after
+/// the third). The first SIGINT drains; the second exits at once with 130,
+/// leaving the delivery in flight unsettled for the broker to hand out
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_ctrl_c_stops_at_once_and_loses_nothing() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "timeout: 30s");
+    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "ctrl-c"));
+    courier.wait_running().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:sleep12000\nslow").await;
+    wait_for(
+        "the slow delivery in the app",
+        Duration::from_secs(20),
+        async || !app.received().is_empty(),
+    )
+    .await;
+    let pid = courier.id().to_string();
+    let interrupt = || {
+        let status = std::process::Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    interrupt();
+    courier
+        .wait_log(
+            "SIGINT: draining (press Ctrl-C again to stop at once)",
+            Duration::from_secs(5),
+        )
+        .await;
+    interrupt();
+    let second = Instant::now();
+    let status = courier.exit_within(Duration::from_secs(5)).await;
+    assert_eq!(status.code(), Some(130), "{}", courier.log());
+    assert!(
+        second.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        second.elapsed()
+    );
+    let depth = source.depth().await.unwrap();
+    assert_eq!(
+        depth.pending, 1,
+        "the message stays with the broker: {depth:?}"
+    );
+}

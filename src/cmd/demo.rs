@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use clap::Args;
 
+use super::args::UsageError;
 use crate::model::default_dead_letter_queue;
 use crate::policy::{Jitter, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
@@ -30,6 +31,11 @@ pub struct DemoArgs {
     /// Messages to send through the demo.
     #[arg(long, env = "COURIER_DEMO_MESSAGES", default_value_t = 300)]
     pub messages: usize,
+    /// Keep the queue in DIR (instead of a temporary directory) and keep the
+    /// sidecar and the sample app running after the summary, until Ctrl-C:
+    /// the metrics URL stays live, and `courier dlq` can read DIR afterwards.
+    #[arg(long, value_name = "DIR")]
+    pub keep: Option<std::path::PathBuf>,
 }
 
 /// How the sample app treats order `n`: mostly 200; some 503 twice then
@@ -104,15 +110,30 @@ fn counter_sum(metrics: &Metrics) -> (u64, u64, u64, HashMap<&'static str, u64>)
     (acked, retried, dead, by_reason)
 }
 
-pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let DemoArgs { messages, keep } = args;
     let started = Instant::now();
-    let dir = tempfile::tempdir().context("cannot create a temporary directory")?;
+    // A kept queue's directory outlives the demo; the temporary one goes
+    // with it.
+    let temporary = match &keep {
+        Some(_) => None,
+        None => Some(tempfile::tempdir().context("cannot create a temporary directory")?),
+    };
+    let dir = match (&keep, &temporary) {
+        (Some(dir), _) => {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| UsageError(format!("--keep {}: {e}", dir.display())))?;
+            dir.clone()
+        }
+        (None, Some(temporary)) => temporary.path().to_path_buf(),
+        (None, None) => unreachable!("a temporary directory when nothing is kept"),
+    };
     let app_listener = TcpListener::bind("127.0.0.1:0").await?;
     let app_addr = app_listener.local_addr()?;
     let app_stop = CancellationToken::new();
     let app = tokio::spawn(serve_http(app_listener, app_stop.clone(), sample_request));
 
-    let url = embedded::url(dir.path());
+    let url = embedded::url(&dir);
     let producer = source::open(&url, SourceOptions::new(QUEUE)).await?;
     for n in 0..messages {
         let body = format!(r#"{{"order":"order-{n}","amount":{}}}"#, 10 + n % 90);
@@ -196,11 +217,6 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
     if live {
         println!("\n");
     }
-    shutdown.cancel();
-    handle.await.context("the sidecar task failed")??;
-    app_stop.cancel();
-    let _ = app.await;
-
     let (acked, retried, dead, by_reason) = counter_sum(&metrics);
     println!("summary after {:.1}s", started.elapsed().as_secs_f64());
     println!("  sent            {messages}");
@@ -216,14 +232,35 @@ pub async fn run(messages: usize) -> anyhow::Result<ExitCode> {
         .dead_letters(&default_dead_letter_queue(QUEUE), 1)
         .await?;
     if let Some(letter) = dead_letters.first() {
-        println!("\na dead letter, as `courier dlq show` will print it:");
+        println!(
+            "\na dead letter and its fields (`courier demo --keep DIR` keeps the queue for `courier dlq`):"
+        );
         println!("  id: {}", letter.id);
         for (name, value) in &letter.fields {
             println!("  {name}: {value}");
         }
         println!("  body: {}", String::from_utf8_lossy(&letter.body));
     }
+    if keep.is_some() {
+        println!(
+            "\nstill running: metrics at http://{metrics_addr}/metrics, the app at http://{app_addr}/; Ctrl-C to stop"
+        );
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    shutdown.cancel();
+    handle.await.context("the sidecar task failed")??;
+    app_stop.cancel();
+    let _ = app.await;
     producer.close().await;
+    if keep.is_some() {
+        let source = format!("--source embedded:{} --queue {QUEUE}", dir.display());
+        println!(
+            "\nthe queue stays in {}; read its dead letters with",
+            dir.display()
+        );
+        println!("  courier dlq list {source}");
+        println!("  courier dlq show {source} ID");
+    }
     let lost = messages as u64 - acked - dead;
     if lost > 0 {
         println!("\n{lost} messages did not finish within the demo's minute");

@@ -154,7 +154,7 @@ async fn dispatch(
         Command::Send(args) => send::run(args).await,
         Command::Crd => crd::run(),
         #[cfg(feature = "embedded")]
-        Command::Demo(args) => demo::run(args.messages).await,
+        Command::Demo(args) => demo::run(args).await,
         Command::Dlq(args) => dlq::run(args).await,
         Command::Inject(args) => inject::run(args).await,
     }

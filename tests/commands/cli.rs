@@ -765,3 +765,67 @@ async fn a_second_ctrl_c_stops_at_once_and_loses_nothing() {
         "the message stays with the broker: {depth:?}"
     );
 }
+
+/// Found at 21da363, trying it as a new user would: `courier demo` printed
+/// a metrics URL and showed a dead letter "as `courier dlq show` will print
+/// it", then exited and deleted its queue, so neither could be followed.
+/// With `--keep DIR` the sidecar and the app run on after the summary with
+/// the metrics URL live, until Ctrl-C; then the queue stays in DIR and the
+/// printed `courier dlq list` command lists its dead letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_kept_running_can_be_followed() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let kept = dir.path().join("queue");
+    let mut child = courier_command()
+        .args(["demo", "--messages", "20", "--keep", kept.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut printed = Vec::new();
+    let metrics_url = loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the demo's output");
+        printed.push(line.clone());
+        if let Some(rest) = line.strip_prefix("still running: metrics at ") {
+            break rest.split(',').next().unwrap().to_string();
+        }
+    };
+    let addr = metrics_url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics")
+        .to_string();
+    let scraped = get_status(addr.parse().unwrap(), "/metrics").await;
+    assert_eq!(scraped, 200, "the metrics URL is live after the summary");
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    printed.extend(rx.try_iter());
+    assert!(exit.success(), "{printed:#?}");
+    let list = printed
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("courier dlq list "))
+        .unwrap_or_else(|| panic!("no dlq list command in {printed:#?}"))
+        .to_string();
+    let mut args = vec!["dlq", "list", "--output", "json"];
+    args.extend(list.split(' '));
+    let out = courier(&args, &[], None);
+    assert!(out.status.success(), "{}", out.stderr);
+    let letters = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert!(letters >= 1, "the kept queue's dead letters: {printed:#?}");
+}

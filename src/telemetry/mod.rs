@@ -626,8 +626,18 @@ fn redacting_stderr() -> Redacting {
 /// the trace export (and never into the log).
 pub fn init_logging(format: LogFormat, level: &str, traces: Option<&traces::Traces>) {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        // lapin logs every channel the broker closes as an ERROR, and
+        // courier's passive declares (does this queue or delay tier exist?)
+        // close one whenever the answer is no: 29 lines of a healthy start.
+        // A channel closed for a real fault fails the call that used it,
+        // which courier reports itself. RUST_LOG shows them all.
+        let filter = tracing_subscriber::EnvFilter::new(level);
+        match level.contains("lapin") {
+            true => filter,
+            false => filter.add_directive("lapin::channel=off".parse().expect("a valid directive")),
+        }
+    });
     let ansi = std::io::stderr().is_terminal();
     let Some(traces) = traces else {
         // Without traces the subscriber is the plain one, as it was before

@@ -590,3 +590,30 @@ async fn amqp_a_40_mib_body_is_dead_lettered_and_courier_keeps_running() {
     let source = fixture.open().await;
     source.purge(&fixture.dlq(), &letters[0]).await.unwrap();
 }
+
+/// Found at 21da363: a healthy start on RabbitMQ logged one `NOT_FOUND …
+/// no queue '…retry.10ms'` ERROR per delay tier (29 of 36 lines), lapin
+/// reporting the channels courier's passive declares make the broker
+/// close. A start that delivers, retries and polls depth logs no ERROR.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_start_logs_no_error() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3");
+    let mut args = run_args(&fixture, &app, &policy, "healthy");
+    args.push("--create".into());
+    let mut courier = CourierProcess::run(&args);
+    courier.wait_running().await;
+    let source = fixture.open().await;
+    fixture.send(&source, "script:503,200\nonce retried").await;
+    wait_settled(&source, SETTLE).await;
+    // Depth polls (every 200 ms here) passively declare every tier.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    courier.terminate();
+    courier.exit_within(SETTLE).await;
+    let log = courier.log();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("\"ERROR\"")).collect();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    assert_eq!(app.received_body(b"script:503,200\nonce retried").len(), 2);
+}

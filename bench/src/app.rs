@@ -65,22 +65,11 @@ impl App {
         receipts.first.store(NONE, Ordering::Relaxed);
         let app = Self { addr, receipts };
         let shared = app.receipts.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    let service = service_fn(move |request| handle(shared.clone(), request));
-                    let _ = http1::Builder::new()
-                        .keep_alive(true)
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
+        tokio::spawn(serve(
+            listener,
+            |_| {},
+            move |request| handle(shared.clone(), request),
+        ));
         Ok(app)
     }
 
@@ -169,6 +158,35 @@ impl App {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+}
+
+/// Accepts connections on `listener` for ever, each served over HTTP/1.1
+/// with keep-alive by `handle`, after `configure` set the connection up.
+pub async fn serve<F, Fut, E>(
+    listener: TcpListener,
+    configure: impl Fn(&mut http1::Builder) + Send + Sync + 'static,
+    handle: F,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Full<Bytes>>, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let configure = Arc::new(configure);
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let (handle, configure) = (handle.clone(), configure.clone());
+        tokio::spawn(async move {
+            let mut builder = http1::Builder::new();
+            builder.keep_alive(true);
+            configure(&mut builder);
+            let _ = builder
+                .serve_connection(TokioIo::new(stream), service_fn(handle))
+                .await;
+        });
     }
 }
 

@@ -167,6 +167,19 @@ impl Process {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// SIGKILL to the group, and reaps the child: no shutdown of any kind.
+    pub fn kill9(&mut self) {
+        if self.exited().is_none() {
+            signal(-i64::from(self.pid), "KILL");
+        }
+        let _ = self.child.wait();
+    }
+
+    /// Sends signal `name` (`STOP`, `CONT`, ...) to the whole group.
+    pub fn signal(&self, name: &str) {
+        signal(-i64::from(self.pid), name);
+    }
+
     /// SIGTERM to the group, then SIGKILL after `grace`.
     pub fn stop(&mut self, grace: Duration) {
         if self.exited().is_some() {

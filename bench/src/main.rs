@@ -30,6 +30,8 @@ mod load;
 mod report;
 mod runs;
 mod sources;
+mod torture;
+mod torture_app;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -61,6 +63,16 @@ enum Cmd {
     All(Options),
     /// One bare loop, until SIGTERM (the harness starts it as a child).
     Bare(bare::BareArgs),
+    /// A producer, courier, an app answering at random and a nemesis
+    /// (SIGKILL and restarts of courier, SIGSTOP and restarts of the app and
+    /// the broker, live policy edits) for --minutes, then a checker that
+    /// accounts for every message id; exits non-zero on a lost, stuck or
+    /// unexpected message or RSS growing over 10 %. Brokers: redis (a
+    /// private redis-server, stopped and killed too) and embedded.
+    Torture(torture::TortureArgs),
+    /// The torture run's app (the harness starts it as a child).
+    #[command(hide = true)]
+    TortureApp(torture_app::AppArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -591,6 +603,25 @@ fn main() -> ExitCode {
     let options = match cli.command {
         Cmd::All(options) => options,
         // Before any runtime of the harness: the bare loop has one thread.
+        Cmd::Torture(args) => {
+            return match torture::main(args) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(e) => {
+                    eprintln!("courier-bench torture: {e:#}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+        Cmd::TortureApp(args) => {
+            return match torture_app::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("courier-bench torture-app: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Cmd::Bare(args) => {
             return match bare::run(args) {
                 Ok(()) => ExitCode::SUCCESS,

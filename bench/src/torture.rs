@@ -1,0 +1,1469 @@
+//! `courier-bench torture`: a producer, courier, a random app and a nemesis
+//! for N minutes, then a checker that accounts for every message id.
+//!
+//! - The producer writes ids `tqid-NNNNNNNN` (in a header and in the body)
+//!   at `--rate`, a `--hostile` share of them from a hostile corpus
+//!   ([`Hostile`]), with the broker's own client.
+//! - courier is the built binary (`--courier`, default the `courier` beside
+//!   this one), `courier run ... --policy-file`, restarted after each kill.
+//! - The app ([`crate::torture_app`]) is a child process answering by a
+//!   plan decided from the seed and the id, and logging what it saw.
+//! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
+//!   app, edits the policy, and for a broker the harness runs privately
+//!   (Redis) SIGSTOPs and SIGKILLs the broker.
+//! - The checker (after a settle period in which the app answers 200 to all
+//!   but the poisoned ids) reads the dead letters and what the broker still
+//!   holds, and the app's log; see [`check`].
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+
+use crate::child::{Courier, Process};
+use crate::sources::{Kind, Target};
+use crate::torture_app::{self, ID_HEADER, Plan, Rng, Seen, id_of, ids_in};
+use courier::model::PAYLOAD;
+use courier::source::decode_fields;
+use futures::StreamExt;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TortureArgs {
+    /// The broker: redis (a private redis-server the harness starts, kills
+    /// and stops) or embedded (courier's own queue; production happens while
+    /// courier is down, since one process holds the file).
+    #[arg(long)]
+    pub broker: String,
+    /// Minutes of traffic and faults, before the settle period.
+    #[arg(long, default_value_t = 1.0)]
+    pub minutes: f64,
+    /// Seconds of traffic instead of --minutes.
+    #[arg(long)]
+    pub seconds: Option<f64>,
+    /// Seed of the app's answers, the corpus and the nemesis.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Messages produced per second.
+    #[arg(long, default_value_t = 20.0)]
+    pub rate: f64,
+    /// Share of the messages taken from the hostile corpus.
+    #[arg(long, default_value_t = 0.1)]
+    pub hostile: f64,
+    /// Longest settle period, after the traffic stops and the app turns
+    /// healthy (ends sooner once the broker holds nothing).
+    #[arg(long, default_value_t = 90)]
+    pub settle_secs: u64,
+    /// courier's --max-body; the corpus has bodies just under and over it.
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub max_body: usize,
+    /// Seconds of each courier process's life before its RSS counts as the start.
+    #[arg(long, default_value_t = 15)]
+    pub warmup_secs: u64,
+    /// A life shorter than warm-up plus this many seconds is reported, not judged.
+    #[arg(long, default_value_t = 30)]
+    pub rss_min_secs: u64,
+    /// No faults: the producer, courier and the app only.
+    #[arg(long)]
+    pub no_nemesis: bool,
+    /// The courier binary [default: `courier` beside this program].
+    #[arg(long)]
+    pub courier: Option<PathBuf>,
+    /// Write the report as JSON here too.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Where logs and the embedded queue go [default: a new temporary directory, removed after a pass].
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+}
+
+/// The brokers the torture run supports.
+pub const BROKERS: [&str; 2] = ["redis", "embedded"];
+
+// === The hostile corpus ===
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hostile {
+    /// This many extra headers.
+    ManyHeaders(usize),
+    /// One header of 60 KiB.
+    HugeValue,
+    /// A body 1 KiB under --max-body.
+    NearMax,
+    /// A body one byte over --max-body.
+    OverMax,
+    /// `courier-attempt: 99`, `courier-seal: x`, a forged message id, first
+    /// attempt and delivery count.
+    Forged,
+    /// Bookkeeping fields that are not UTF-8 or not numbers, and a header
+    /// value that is not UTF-8.
+    Undecodable,
+    /// A header named `Payload`.
+    PayloadHeader,
+    /// A structured CloudEvent with this many extension attributes.
+    CloudEvent(usize),
+}
+
+impl Hostile {
+    const ALL: [Hostile; 10] = [
+        Hostile::ManyHeaders(900),
+        Hostile::ManyHeaders(2000),
+        Hostile::HugeValue,
+        Hostile::NearMax,
+        Hostile::OverMax,
+        Hostile::Forged,
+        Hostile::Undecodable,
+        Hostile::PayloadHeader,
+        Hostile::CloudEvent(40),
+        Hostile::CloudEvent(1500),
+    ];
+
+    fn of(seed: u64, n: u64, share: f64) -> Option<Hostile> {
+        let mut r = Rng::new(seed, n.wrapping_add(2 << 40));
+        r.chance(share)
+            .then(|| Hostile::ALL[r.below(Hostile::ALL.len() as u64) as usize])
+    }
+
+    /// Whether the contract makes it a dead letter, `undeliverable`, before
+    /// the app sees it: more headers than courier's cap (1,000), a body
+    /// over --max-body.
+    fn undeliverable(self) -> bool {
+        match self {
+            Hostile::ManyHeaders(n) | Hostile::CloudEvent(n) => n > courier::forward::MAX_HEADERS,
+            Hostile::OverMax => true,
+            _ => false,
+        }
+    }
+
+    fn name(self) -> String {
+        match self {
+            Hostile::ManyHeaders(n) => format!("headers-{n}"),
+            Hostile::HugeValue => "huge-header-value".into(),
+            Hostile::NearMax => "body-near-max".into(),
+            Hostile::OverMax => "body-over-max".into(),
+            Hostile::Forged => "forged-courier-fields".into(),
+            Hostile::Undecodable => "undecodable-bookkeeping".into(),
+            Hostile::PayloadHeader => "header-named-payload".into(),
+            Hostile::CloudEvent(n) => format!("cloudevent-{n}-attributes"),
+        }
+    }
+}
+
+fn b(s: impl Into<Vec<u8>>) -> Bytes {
+    Bytes::from(s.into())
+}
+
+/// The fields of message `n` (`payload` is the body), as every broker's
+/// producer writes them.
+fn message(n: u64, hostile: Option<Hostile>, max_body: usize) -> Vec<(Bytes, Bytes)> {
+    let id = id_of(n);
+    let padded = |size: usize| {
+        let head = format!("{{\"id\":\"{id}\",\"pad\":\"");
+        let mut body = head.into_bytes();
+        body.resize(size.saturating_sub(2).max(body.len()), b'x');
+        body.extend_from_slice(b"\"}");
+        Bytes::from(body)
+    };
+    let mut body = b(format!("{{\"id\":\"{id}\"}}"));
+    let mut fields = vec![(b(ID_HEADER), b(id.clone()))];
+    match hostile {
+        None => {}
+        Some(Hostile::ManyHeaders(k)) => {
+            fields.extend((0..k).map(|i| (b(format!("x-h{i}")), b(format!("v{i}")))));
+        }
+        Some(Hostile::HugeValue) => fields.push((b("x-huge"), b(vec![b'h'; 60 * 1024]))),
+        Some(Hostile::NearMax) => body = padded(max_body - 1024),
+        Some(Hostile::OverMax) => body = padded(max_body + 1),
+        Some(Hostile::Forged) => fields.extend([
+            (b("courier-attempt"), b("99")),
+            (b("courier-seal"), b("x")),
+            (b("courier-message-id"), b(format!("forged-{n}"))),
+            (b("courier-first-attempt-at"), b("1999-01-01T00:00:00Z")),
+            (b("courier-deliveries"), b("999")),
+            (b("courier-reason"), b("permanent-status")),
+        ]),
+        Some(Hostile::Undecodable) => fields.extend([
+            (
+                b("courier-attempt"),
+                Bytes::from_static(&[0xff, 0xfe, 0x00]),
+            ),
+            (
+                b("courier-first-attempt-at"),
+                Bytes::from_static(b"\xffnot a date"),
+            ),
+            (b("courier-deliveries"), b("-1")),
+            (
+                b("courier-seal"),
+                Bytes::from_static(&[0x00, 0xff, 0x80, 0x7f]),
+            ),
+            (b("x-binary"), Bytes::from_static(&[0xff, 0xfe, 0xfd])),
+        ]),
+        Some(Hostile::PayloadHeader) => fields.push((b("Payload"), b("not the body"))),
+        Some(Hostile::CloudEvent(k)) => {
+            let mut event = serde_json::json!({
+                "specversion": "1.0",
+                "id": id,
+                "source": "/courier-bench/torture",
+                "type": "dev.courier.torture",
+                "datacontenttype": "application/json",
+                "data": {"id": id},
+            });
+            for i in 0..k {
+                event[format!("ext{i}")] = serde_json::Value::from(format!("v{i}"));
+            }
+            body = b(event.to_string());
+            fields.push((b("content-type"), b("application/cloudevents+json")));
+        }
+    }
+    fields.insert(0, (Bytes::from_static(PAYLOAD.as_bytes()), body));
+    fields
+}
+
+// === The brokers ===
+
+/// A dead letter as the checker reads it.
+#[derive(Debug, Clone)]
+struct Letter {
+    ids: Vec<u64>,
+    reason: String,
+    status: String,
+    error: String,
+    attempts: String,
+}
+
+impl Letter {
+    fn of(fields: &[(Bytes, Bytes)]) -> Self {
+        let get = |name: &str| {
+            fields
+                .iter()
+                .rev()
+                .find(|(n, _)| n.as_ref() == name.as_bytes())
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default()
+        };
+        let mut ids = Vec::new();
+        if let Some((_, v)) = fields
+            .iter()
+            .find(|(n, _)| n.as_ref() == ID_HEADER.as_bytes())
+        {
+            ids_in(v, &mut ids);
+        }
+        if ids.is_empty() {
+            for (_, v) in fields {
+                ids_in(v, &mut ids);
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Letter {
+            ids,
+            reason: get("courier-reason"),
+            status: get("courier-status"),
+            error: get("courier-error"),
+            attempts: get("courier-attempts"),
+        }
+    }
+}
+
+/// What the broker holds at the end: the dead letters, and the ids of
+/// messages not settled (unread, in flight, scheduled for a retry).
+#[derive(Debug, Default)]
+struct Holdings {
+    letters: Vec<Letter>,
+    pending: HashSet<u64>,
+}
+
+/// A redis-server of the harness's own (never the shared one on 6379),
+/// with an append-only file fsynced on every write, so a SIGKILL loses
+/// nothing it acknowledged.
+struct PrivateRedis {
+    port: u16,
+    dir: PathBuf,
+    process: Option<Process>,
+    starts: u32,
+}
+
+impl PrivateRedis {
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    async fn start(&mut self) -> anyhow::Result<()> {
+        self.starts += 1;
+        let mut command = Command::new("redis-server");
+        command
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "yes"])
+            .args(["--appendfsync", "always"])
+            .args(["--dir", &self.dir.display().to_string()]);
+        let log = self.dir.join(format!("redis-{}.log", self.starts));
+        self.process = Some(Process::spawn(command, &log).context("start redis-server")?);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut con) = self.connect().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut con)
+                    .await
+                    .is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the private redis-server did not answer within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn connect(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(self.url())?;
+        Ok(tokio::time::timeout(
+            Duration::from_secs(3),
+            client.get_multiplexed_async_connection(),
+        )
+        .await??)
+    }
+}
+
+enum Broker {
+    Redis(PrivateRedis),
+    Embedded(PathBuf),
+}
+
+impl Broker {
+    fn source(&self) -> String {
+        match self {
+            Broker::Redis(r) => r.url(),
+            Broker::Embedded(dir) => format!("embedded:{}", dir.display()),
+        }
+    }
+
+    /// Whether courier must be down for the harness to write or read (one
+    /// process holds the embedded queue's file).
+    fn exclusive(&self) -> bool {
+        matches!(self, Broker::Embedded(_))
+    }
+
+    async fn holdings(&self, queue: &str) -> anyhow::Result<Holdings> {
+        match self {
+            Broker::Redis(r) => redis_holdings(r, queue).await,
+            Broker::Embedded(dir) => {
+                let (dir, queue) = (dir.clone(), queue.to_string());
+                tokio::task::spawn_blocking(move || embedded_holdings(&dir, &queue)).await?
+            }
+        }
+    }
+}
+
+/// `XRANGE key from to`: each entry's fields.
+async fn xrange(
+    con: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    from: &str,
+    to: &str,
+) -> anyhow::Result<Vec<Vec<(Bytes, Bytes)>>> {
+    let entries: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
+        .arg(key)
+        .arg(from)
+        .arg(to)
+        .query_async(con)
+        .await?;
+    Ok(entries
+        .into_iter()
+        .map(|(_, flat)| {
+            flat.chunks(2)
+                .filter(|c| c.len() == 2)
+                .map(|c| (Bytes::from(c[0].clone()), Bytes::from(c[1].clone())))
+                .collect()
+        })
+        .collect())
+}
+
+/// The group's last-delivered id on `key` ("0-0" before it read anything).
+async fn last_delivered(
+    con: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> anyhow::Result<String> {
+    let groups: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(key)
+        .query_async(con)
+        .await?;
+    let text = |v: &redis::Value| redis::from_redis_value_ref::<String>(v).ok();
+    for group in groups {
+        let map: HashMap<String, &redis::Value> = group
+            .chunks(2)
+            .filter_map(|pair| Some((text(pair.first()?)?, pair.get(1)?)))
+            .collect();
+        if map.get("name").and_then(|v| text(v)).as_deref() == Some(GROUP) {
+            return Ok(map
+                .get("last-delivered-id")
+                .and_then(|v| text(v))
+                .unwrap_or_else(|| "0-0".into()));
+        }
+    }
+    Ok("0-0".into())
+}
+
+/// Every key of the queue (`<queue>*`: the stream, `.retry`, `.dlq` and
+/// whatever else courier keeps), read whole: the dead letters from `.dlq`,
+/// and the ids of everything else except the stream's acked entries.
+async fn redis_holdings(r: &PrivateRedis, queue: &str) -> anyhow::Result<Holdings> {
+    let mut con = r.connect().await?;
+    let mut out = Holdings::default();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{queue}*"))
+        .query_async(&mut con)
+        .await?;
+    let dlq = format!("{queue}.dlq");
+    for key in keys {
+        let kind: String = redis::cmd("TYPE").arg(&key).query_async(&mut con).await?;
+        let mut entries = Vec::new();
+        let mut blobs: Vec<Vec<u8>> = Vec::new();
+        match kind.as_str() {
+            "stream" if key == dlq => {
+                for fields in xrange(&mut con, &key, "-", "+").await? {
+                    out.letters.push(Letter::of(&fields));
+                }
+            }
+            "stream" if key == queue => {
+                // Unacked: the group's pending entries, and every entry after
+                // its last-delivered id.
+                let last = last_delivered(&mut con, &key).await?;
+                entries.extend(xrange(&mut con, &key, &format!("({last}"), "+").await?);
+                let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+                    .arg(&key)
+                    .arg(GROUP)
+                    .arg("-")
+                    .arg("+")
+                    .arg(1_000_000)
+                    .query_async(&mut con)
+                    .await
+                    .unwrap_or_default();
+                for (id, ..) in pending {
+                    entries.extend(xrange(&mut con, &key, &id, &id).await?);
+                }
+            }
+            "stream" => entries.extend(xrange(&mut con, &key, "-", "+").await?),
+            "string" => blobs = vec![redis::cmd("GET").arg(&key).query_async(&mut con).await?],
+            other => {
+                let (command, range): (&str, &[i64]) = match other {
+                    "zset" => ("ZRANGE", &[0, -1]),
+                    "list" => ("LRANGE", &[0, -1]),
+                    "hash" => ("HGETALL", &[]),
+                    "set" => ("SMEMBERS", &[]),
+                    _ => continue,
+                };
+                blobs = redis::cmd(command)
+                    .arg(&key)
+                    .arg(range)
+                    .query_async(&mut con)
+                    .await?;
+            }
+        }
+        for (_, value) in entries.iter().flatten() {
+            ids_in(value, &mut out.pending);
+        }
+        for blob in blobs {
+            ids_in(&blob, &mut out.pending);
+        }
+    }
+    Ok(out)
+}
+
+fn embedded_holdings(dir: &Path, queue: &str) -> anyhow::Result<Holdings> {
+    use redb::{ReadableDatabase, ReadableTable};
+    type QueueTable<'a> = redb::TableDefinition<'a, (u64, u64), &'static [u8]>;
+    type DlqTable<'a> = redb::TableDefinition<'a, u64, &'static [u8]>;
+    let db = redb::Database::create(dir.join("courier.redb"))?;
+    let tx = db.begin_read()?;
+    let mut out = Holdings::default();
+    for name in [format!("ready/{queue}"), format!("leased/{queue}")] {
+        let Ok(table) = tx.open_table(QueueTable::new(&name)) else {
+            continue;
+        };
+        for row in table.iter()? {
+            let (_, v) = row?;
+            ids_in(v.value(), &mut out.pending);
+        }
+    }
+    if let Ok(table) = tx.open_table(DlqTable::new(&format!("dlq/{queue}.dlq"))) {
+        for row in table.iter()? {
+            let (_, v) = row?;
+            let data = Bytes::copy_from_slice(v.value());
+            match decode_fields(&data) {
+                Some(fields) => out.letters.push(Letter::of(&fields)),
+                None => {
+                    let mut ids = Vec::new();
+                    ids_in(&data, &mut ids);
+                    out.letters.push(Letter {
+                        ids,
+                        reason: "(undecodable letter)".into(),
+                        status: String::new(),
+                        error: String::new(),
+                        attempts: String::new(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+const GROUP: &str = "torture";
+
+// === The run ===
+
+/// What the producer wrote: ids and their hostile kind.
+#[derive(Default)]
+struct Produced {
+    ids: Vec<(u64, Option<Hostile>)>,
+    /// Writes that failed and were tried again (the broker was down).
+    write_retries: u64,
+    /// Messages the producer's client refused (not counted as produced).
+    refused: Vec<String>,
+}
+
+/// One courier process's life: its RSS samples, seconds since it started.
+struct Life {
+    pid: u32,
+    started: Instant,
+    samples: Vec<(f64, u64)>,
+    log: PathBuf,
+    ended_by: &'static str,
+}
+
+#[derive(Debug, Clone)]
+struct LifeReport {
+    pid: u32,
+    secs: f64,
+    start_kib: u64,
+    end_kib: u64,
+    judged: bool,
+    over: bool,
+    ended_by: &'static str,
+    panics: usize,
+    errors: usize,
+}
+
+struct Run {
+    args: TortureArgs,
+    dir: PathBuf,
+    queue: String,
+    courier_bin: PathBuf,
+    broker: Broker,
+    app_port: u16,
+    app: Option<Process>,
+    app_starts: u32,
+    courier: Option<Courier>,
+    life: Option<Life>,
+    lives: Vec<LifeReport>,
+    policy: PathBuf,
+    policy_edits: u32,
+    faults: BTreeMap<&'static str, u32>,
+    unplanned_exits: Vec<String>,
+    produced: Arc<Mutex<Produced>>,
+    /// Embedded: ids due to be written at the next courier-down window.
+    next_n: u64,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
+}
+
+impl Run {
+    fn write_policy(&mut self, max_attempts: u64, timeout_ms: u64) -> anyhow::Result<()> {
+        let text = format!(
+            "apiVersion: courier.dev/v1alpha1\nkind: RetryPolicy\nmetadata:\n  name: torture\nspec:\n  \
+             maxAttempts: {max_attempts}\n  timeout: {timeout_ms}ms\n  backoff:\n    initial: 100ms\n    \
+             max: 2s\n    multiplier: 2\n    jitter: full\n  retryAfter:\n    honor: true\n    max: 2s\n"
+        );
+        // Replaced by a rename, as a ConfigMap's volume is.
+        let tmp = self.dir.join("policy.yaml.new");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &self.policy)?;
+        Ok(())
+    }
+
+    fn start_app(&mut self, settle: bool) -> anyhow::Result<()> {
+        self.app_starts += 1;
+        let exe = std::env::current_exe()?;
+        let mut command = Command::new(exe);
+        command
+            .arg("torture-app")
+            .args(["--port", &self.app_port.to_string()])
+            .args(["--seed", &self.args.seed.to_string()])
+            .arg("--log")
+            .arg(self.dir.join("app-deliveries.log"))
+            .args(["--slow-ms", "4000"]);
+        if settle {
+            command.arg("--settle");
+        }
+        let log = self.dir.join(format!("app-{}.log", self.app_starts));
+        self.app = Some(Process::spawn(command, &log)?);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.app_port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("the torture app did not listen within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    fn start_courier(&mut self) -> anyhow::Result<()> {
+        let n = self.lives.len() + 1;
+        let log = self.dir.join(format!("courier-{n}.log"));
+        let args: Vec<String> = [
+            "--source",
+            &self.broker.source(),
+            "--queue",
+            &self.queue,
+            "--group",
+            GROUP,
+            "--consumer",
+            "torture",
+            "--app",
+            &format!("http://127.0.0.1:{}/", self.app_port),
+            "--policy-file",
+            &self.policy.display().to_string(),
+            "--max-body",
+            &self.args.max_body.to_string(),
+            "--visibility-timeout",
+            "6s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let courier =
+            tokio::task::block_in_place(|| Courier::start(&self.courier_bin, &args, &log))?;
+        self.life = Some(Life {
+            pid: courier.process.pid,
+            started: Instant::now(),
+            samples: Vec::new(),
+            log,
+            ended_by: "",
+        });
+        self.courier = Some(courier);
+        self.sample();
+        Ok(())
+    }
+
+    fn sample(&mut self) {
+        if let (Some(courier), Some(life)) = (&self.courier, &mut self.life) {
+            let rss = courier.usage().rss_kib;
+            if rss > 0 {
+                life.samples
+                    .push((life.started.elapsed().as_secs_f64(), rss));
+            }
+        }
+    }
+
+    /// Ends courier's life: SIGKILL, or SIGTERM (`graceful`).
+    fn stop_courier(&mut self, graceful: bool) {
+        self.sample();
+        if let Some(mut courier) = self.courier.take() {
+            if graceful {
+                courier.process.stop(Duration::from_secs(30));
+            } else {
+                courier.process.kill9();
+            }
+        }
+        if let Some(mut life) = self.life.take() {
+            if life.ended_by.is_empty() {
+                life.ended_by = if graceful { "SIGTERM" } else { "SIGKILL" };
+            }
+            self.lives.push(self.report_life(life));
+        }
+    }
+
+    fn report_life(&self, life: Life) -> LifeReport {
+        let warm = self.args.warmup_secs as f64;
+        let secs = life.started.elapsed().as_secs_f64();
+        let start = life
+            .samples
+            .iter()
+            .find(|(t, _)| *t >= warm)
+            .or(life.samples.first())
+            .map_or(0, |s| s.1);
+        let end = life.samples.last().map_or(0, |s| s.1);
+        let judged = secs >= warm + self.args.rss_min_secs as f64 && start > 0;
+        let text = std::fs::read_to_string(&life.log).unwrap_or_default();
+        LifeReport {
+            pid: life.pid,
+            secs,
+            start_kib: start,
+            end_kib: end,
+            judged,
+            over: judged && end * 10 > start * 11,
+            ended_by: life.ended_by,
+            panics: text.lines().filter(|l| l.contains("panicked")).count(),
+            errors: text.lines().filter(|l| l.contains("\"ERROR\"")).count(),
+        }
+    }
+
+    /// Restarts courier if it exited on its own (a crash is a finding).
+    fn watch_courier(&mut self) -> anyhow::Result<()> {
+        let exited = self.courier.as_mut().and_then(|c| c.process.exited());
+        if let Some(status) = exited {
+            let tail = self
+                .courier
+                .as_ref()
+                .map(|c| c.process.log_tail(5))
+                .unwrap_or_default();
+            self.unplanned_exits
+                .push(format!("courier exited on its own ({status}): {tail}"));
+            if let Some(life) = &mut self.life {
+                life.ended_by = "exited on its own";
+            }
+            self.stop_courier(false);
+            self.start_courier()?;
+        }
+        Ok(())
+    }
+
+    /// Embedded: writes every message due by now, while courier is down,
+    /// with courier's own `Source::send` (as `courier send` does: it drops
+    /// a producer's `courier-*` headers and refuses a record over the
+    /// queue's limit).
+    async fn produce_embedded(&mut self, started: Instant, until: Instant) -> anyhow::Result<()> {
+        let Broker::Embedded(_) = &self.broker else {
+            return Ok(());
+        };
+        let due = (until.min(Instant::now()) - started).as_secs_f64() * self.args.rate;
+        let due = due.ceil() as u64;
+        if due <= self.next_n {
+            return Ok(());
+        }
+        let target = Target {
+            kind: Kind::Embedded,
+            url: self.broker.source(),
+            queue: self.queue.clone(),
+        };
+        let producer = target.producer().await?;
+        let (seed, share, max_body) = (self.args.seed, self.args.hostile, self.args.max_body);
+        let results: Vec<_> = futures::stream::iter(self.next_n..due)
+            .map(|n| {
+                let kind = Hostile::of(seed, n, share);
+                let mut fields = message(n, kind, max_body);
+                let body = fields.remove(0).1;
+                let headers: Vec<(String, String)> = fields
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            String::from_utf8_lossy(k).into_owned(),
+                            String::from_utf8_lossy(v).into_owned(),
+                        )
+                    })
+                    .collect();
+                let producer = producer.clone();
+                async move { (n, kind, producer.send(body, &headers).await) }
+            })
+            .buffer_unordered(64)
+            .collect()
+            .await;
+        producer.close().await;
+        let mut produced = self.produced.lock().unwrap();
+        for (n, kind, result) in results {
+            match result {
+                Ok(_) => produced.ids.push((n, kind)),
+                Err(e) => produced.refused.push(format!(
+                    "{} ({:?}): {e}",
+                    id_of(n),
+                    kind.map(Hostile::name)
+                )),
+            }
+        }
+        self.next_n = due;
+        Ok(())
+    }
+}
+
+/// A fault in progress, undone at its time.
+enum Undo {
+    CourierStart,
+    AppCont,
+    AppStart,
+    BrokerCont,
+    BrokerStart,
+}
+
+/// The Redis producer: XADD at the rate, each id tried until it is written.
+fn spawn_redis_producer(
+    url: String,
+    queue: String,
+    args: TortureArgs,
+    produced: Arc<Mutex<Produced>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let client = match redis::Client::open(url) {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        let mut con: Option<redis::aio::MultiplexedConnection> = None;
+        let period = Duration::from_secs_f64(1.0 / args.rate.max(0.1));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            tick.tick().await;
+            let kind = Hostile::of(args.seed, n, args.hostile);
+            let fields = message(n, kind, args.max_body);
+            let give_up = Instant::now() + Duration::from_secs(60);
+            loop {
+                if con.is_none() {
+                    con = tokio::time::timeout(
+                        Duration::from_secs(3),
+                        client.get_multiplexed_async_connection(),
+                    )
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
+                }
+                let written = match &mut con {
+                    Some(c) => {
+                        let mut cmd = redis::cmd("XADD");
+                        cmd.arg(&queue).arg("*");
+                        for (k, v) in &fields {
+                            cmd.arg(k.as_ref()).arg(v.as_ref());
+                        }
+                        matches!(
+                            tokio::time::timeout(
+                                Duration::from_secs(5),
+                                cmd.query_async::<String>(c)
+                            )
+                            .await,
+                            Ok(Ok(_))
+                        )
+                    }
+                    None => false,
+                };
+                if written {
+                    produced.lock().unwrap().ids.push((n, kind));
+                    break;
+                }
+                con = None;
+                produced.lock().unwrap().write_retries += 1;
+                if Instant::now() > give_up {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            n += 1;
+        }
+    })
+}
+
+pub fn main(args: TortureArgs) -> anyhow::Result<bool> {
+    if !BROKERS.contains(&args.broker.as_str()) {
+        bail!(
+            "--broker {:?}: the torture run supports {}",
+            args.broker,
+            BROKERS.join(", ")
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: TortureArgs) -> anyhow::Result<bool> {
+    let (dir, temporary) = match &args.work_dir {
+        Some(d) => (d.clone(), false),
+        None => (
+            std::env::temp_dir().join(format!(
+                "courier-torture-{}-{}",
+                args.broker,
+                std::process::id()
+            )),
+            true,
+        ),
+    };
+    std::fs::create_dir_all(&dir)?;
+    let courier_bin = match &args.courier {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("no directory")?
+            .join("courier"),
+    };
+    if !courier_bin.exists() {
+        bail!(
+            "no courier binary at {} (cargo build --bin courier, or --courier PATH)",
+            courier_bin.display()
+        );
+    }
+    let queue = format!("courier-torture-{}-{}", std::process::id(), args.seed);
+    let broker = match args.broker.as_str() {
+        "redis" => {
+            let mut r = PrivateRedis {
+                port: free_port(),
+                dir: dir.join("redis"),
+                process: None,
+                starts: 0,
+            };
+            std::fs::create_dir_all(&r.dir)?;
+            r.start().await?;
+            Broker::Redis(r)
+        }
+        _ => Broker::Embedded(dir.join("queue")),
+    };
+    let traffic = Duration::from_secs_f64(args.seconds.unwrap_or(args.minutes * 60.0).max(1.0));
+    eprintln!(
+        "torture: {} for {:.0} s at {} msg/s (seed {}), then up to {} s to settle; logs in {}",
+        args.broker,
+        traffic.as_secs_f64(),
+        args.rate,
+        args.seed,
+        args.settle_secs,
+        dir.display()
+    );
+    let mut run = Run {
+        policy: dir.join("policy.yaml"),
+        dir: dir.clone(),
+        queue: queue.clone(),
+        courier_bin,
+        broker,
+        app_port: free_port(),
+        app: None,
+        app_starts: 0,
+        courier: None,
+        life: None,
+        lives: Vec::new(),
+        policy_edits: 0,
+        faults: BTreeMap::new(),
+        unplanned_exits: Vec::new(),
+        produced: Arc::new(Mutex::new(Produced::default())),
+        next_n: 0,
+        args: args.clone(),
+    };
+    run.write_policy(5, 1000)?;
+    run.start_app(false)?;
+    let started = Instant::now();
+    let end = started + traffic;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = match &run.broker {
+        Broker::Redis(r) => Some(spawn_redis_producer(
+            r.url(),
+            queue.clone(),
+            args.clone(),
+            run.produced.clone(),
+            stop.clone(),
+        )),
+        Broker::Embedded(_) => {
+            run.produce_embedded(started - Duration::from_secs(2), started)
+                .await?;
+            None
+        }
+    };
+    run.start_courier()?;
+
+    // The traffic, and the nemesis.
+    let mut rng = Rng::new(args.seed, 7);
+    let gap = |rng: &mut Rng, exclusive: bool| {
+        Duration::from_millis(if exclusive {
+            rng.range(3_000, 8_000)
+        } else {
+            rng.range(5_000, 15_000)
+        })
+    };
+    let mut next_fault = Instant::now() + gap(&mut rng, run.broker.exclusive());
+    let mut undo: Option<(Instant, Undo)> = None;
+    let mut last_sample = Instant::now();
+    let produce_start = started - Duration::from_secs(2);
+    while Instant::now() < end || undo.is_some() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if last_sample.elapsed() >= Duration::from_secs(1) {
+            run.sample();
+            last_sample = Instant::now();
+        }
+        if let Some((at, _)) = &undo
+            && Instant::now() >= *at
+        {
+            let (_, what) = undo.take().unwrap();
+            match what {
+                Undo::CourierStart => {
+                    run.produce_embedded(produce_start, end).await?;
+                    run.start_courier()?;
+                }
+                Undo::AppCont => run.app.as_ref().unwrap().signal("CONT"),
+                Undo::AppStart => run.start_app(false)?,
+                Undo::BrokerCont => {
+                    if let Broker::Redis(r) = &run.broker {
+                        r.process.as_ref().unwrap().signal("CONT");
+                    }
+                }
+                Undo::BrokerStart => {
+                    if let Broker::Redis(r) = &mut run.broker {
+                        r.start().await?;
+                    }
+                }
+            }
+        }
+        if undo.is_none() {
+            run.watch_courier()?;
+        }
+        if args.no_nemesis || undo.is_some() || Instant::now() < next_fault || Instant::now() >= end
+        {
+            continue;
+        }
+        let exclusive = run.broker.exclusive();
+        next_fault = Instant::now() + gap(&mut rng, exclusive);
+        let roll = rng.below(100);
+        let ms = |rng: &mut Rng, lo, hi| Instant::now() + Duration::from_millis(rng.range(lo, hi));
+        let (name, next) = match (exclusive, roll) {
+            (true, 0..45) | (false, 0..25) => {
+                run.stop_courier(false);
+                (
+                    "courier SIGKILL",
+                    Some((ms(&mut rng, 300, 2_000), Undo::CourierStart)),
+                )
+            }
+            (true, 45..65) | (false, 25..45) => {
+                run.app.as_ref().unwrap().signal("STOP");
+                (
+                    "app SIGSTOP",
+                    Some((ms(&mut rng, 500, 2_500), Undo::AppCont)),
+                )
+            }
+            (true, 65..80) | (false, 45..60) => {
+                run.app.as_mut().unwrap().kill9();
+                (
+                    "app SIGKILL",
+                    Some((ms(&mut rng, 200, 1_500), Undo::AppStart)),
+                )
+            }
+            (false, 60..70) => {
+                if let Broker::Redis(r) = &run.broker {
+                    r.process.as_ref().unwrap().signal("STOP");
+                }
+                (
+                    "broker SIGSTOP",
+                    Some((ms(&mut rng, 1_000, 4_000), Undo::BrokerCont)),
+                )
+            }
+            (false, 70..80) => {
+                if let Broker::Redis(r) = &mut run.broker {
+                    r.process.as_mut().unwrap().kill9();
+                }
+                (
+                    "broker SIGKILL",
+                    Some((ms(&mut rng, 500, 2_000), Undo::BrokerStart)),
+                )
+            }
+            _ => {
+                let attempts = [4, 5, 6, 8][rng.below(4) as usize];
+                let timeout = [800, 1200, 2000][rng.below(3) as usize];
+                run.write_policy(attempts, timeout)?;
+                run.policy_edits += 1;
+                ("policy edit", None)
+            }
+        };
+        *run.faults.entry(name).or_default() += 1;
+        undo = next;
+    }
+
+    // Settle: the traffic stops, the app answers 200 to all but the poisoned.
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    if let Some(p) = producer {
+        let _ = p.await;
+    }
+    if run.broker.exclusive() {
+        run.stop_courier(false);
+        run.produce_embedded(produce_start, end).await?;
+        run.start_courier()?;
+    }
+    if let Some(app) = &mut run.app {
+        app.kill9();
+    }
+    run.start_app(true)?;
+    run.watch_courier()?;
+    let settle_start = Instant::now();
+    let settle_end = settle_start + Duration::from_secs(args.settle_secs);
+    let app_log = dir.join("app-deliveries.log");
+    let mut quiet_since = (Instant::now(), file_len(&app_log));
+    eprintln!(
+        "torture: traffic over ({} produced); settling...",
+        run.produced.lock().unwrap().ids.len()
+    );
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        run.sample();
+        run.watch_courier()?;
+        if Instant::now() >= settle_end {
+            break;
+        }
+        if run.broker.exclusive() {
+            // The file is courier's while it runs: settled once the app has
+            // heard nothing for 10 s (longer than any backoff and Retry-After).
+            let len = file_len(&app_log);
+            if len != quiet_since.1 {
+                quiet_since = (Instant::now(), len);
+            } else if quiet_since.0.elapsed() >= Duration::from_secs(10) {
+                break;
+            }
+        } else if let Ok(h) = run.broker.holdings(&queue).await
+            && h.pending.is_empty()
+        {
+            break;
+        }
+    }
+    let settle_secs = settle_start.elapsed().as_secs_f64();
+    run.stop_courier(true);
+    let holdings = run.broker.holdings(&queue).await?;
+    if let Some(app) = &mut run.app {
+        app.kill9();
+    }
+    let seen = torture_app::read_log(&app_log);
+    let produced = std::mem::take(&mut *run.produced.lock().unwrap());
+    let report = check(
+        &args,
+        &produced,
+        &seen,
+        &holdings,
+        &run,
+        settle_secs,
+        traffic,
+    );
+    print!("{}", report.text);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report.json)?)?;
+    }
+    if let Broker::Redis(r) = &mut run.broker
+        && let Some(p) = &mut r.process
+    {
+        p.kill9();
+    }
+    if report.passed && temporary {
+        let _ = std::fs::remove_dir_all(&dir);
+    } else {
+        eprintln!("torture: logs kept in {}", dir.display());
+    }
+    Ok(report.passed)
+}
+
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+// === The checker ===
+
+struct Report {
+    text: String,
+    json: serde_json::Value,
+    passed: bool,
+}
+
+/// Accounts for every produced id:
+/// - **acked**: the broker holds it no more, and the app answered it 2xx;
+/// - **dead-lettered** with a reason that matches what the app answered
+///   (`permanent-status` with the 4xx it gave; `attempts-exhausted` with a
+///   retried status it gave, or a transport error; `undeliverable` for the
+///   corpus entries over a cap);
+/// - **stuck**: the broker still holds it after the settle period;
+/// - **lost**: the broker holds it no more, nothing dead-lettered it, and
+///   the app never saw it;
+/// - **unexpected**: gone though the app never answered 2xx, dead-lettered
+///   with a reason the app's answers do not explain, delivered though over
+///   a cap, or delivered with its body or header changed;
+/// - **duplicates**: deliveries after the app had answered 2xx (allowed:
+///   at-least-once, explained by the kills).
+fn check(
+    args: &TortureArgs,
+    produced: &Produced,
+    seen: &[Seen],
+    holdings: &Holdings,
+    run: &Run,
+    settle_secs: f64,
+    traffic: Duration,
+) -> Report {
+    let mut by_id: HashMap<u64, Vec<&Seen>> = HashMap::new();
+    let mut anomalies: Vec<String> = Vec::new();
+    for s in seen {
+        if s.anomaly.is_empty() {
+            by_id.entry(s.n).or_default().push(s);
+        } else {
+            by_id.entry(s.n).or_default().push(s);
+            anomalies.push(format!(
+                "{} (attempt {}): {}",
+                id_of(s.n),
+                s.attempt,
+                s.anomaly
+            ));
+        }
+    }
+    let mut letters: HashMap<u64, Vec<&Letter>> = HashMap::new();
+    let mut orphan_letters = 0;
+    for l in &holdings.letters {
+        if l.ids.is_empty() {
+            orphan_letters += 1;
+        }
+        for &n in &l.ids {
+            letters.entry(n).or_default().push(l);
+        }
+    }
+    let mut acked = 0u64;
+    let mut dead: BTreeMap<String, u64> = BTreeMap::new();
+    let mut lost = Vec::new();
+    let mut stuck = Vec::new();
+    let mut unexpected: Vec<String> = Vec::new();
+    let mut duplicates = 0u64;
+    let mut double_letters = 0u64;
+    let mut by_kind: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let seed = args.seed;
+    for &(n, kind) in &produced.ids {
+        let plan = Plan::of(seed, n);
+        let deliveries = by_id.get(&n).map(Vec::as_slice).unwrap_or(&[]);
+        let ok = |s: &&Seen| (200..300).contains(&s.answer);
+        let got_2xx = deliveries.iter().any(ok);
+        if let Some(first) = deliveries.iter().position(ok) {
+            duplicates += (deliveries.len() - first - 1) as u64;
+        }
+        let id = id_of(n);
+        let label = kind.map_or_else(
+            || plan.name().to_string(),
+            |k| format!("{} {}", plan.name(), k.name()),
+        );
+        let mut bad = |why: String| unexpected.push(format!("{id} ({label}): {why}"));
+        if let Some(k) = kind {
+            let e = by_kind.entry(k.name()).or_default();
+            e.0 += 1;
+            if k.undeliverable() && !deliveries.is_empty() {
+                bad(format!(
+                    "over a cap, yet delivered to the app {} times",
+                    deliveries.len()
+                ));
+            }
+            if k == Hostile::Forged
+                && let Some(s) = deliveries.first()
+                && s.attempt > 10
+            {
+                bad(format!(
+                    "its forged courier-attempt was honoured: first delivery said attempt {}",
+                    s.attempt
+                ));
+            }
+        }
+        if holdings.pending.contains(&n) {
+            stuck.push(format!(
+                "{id} ({label}), delivered {} times",
+                deliveries.len()
+            ));
+            continue;
+        }
+        if let Some(ls) = letters.get(&n) {
+            if ls.len() > 1 {
+                double_letters += (ls.len() - 1) as u64;
+            }
+            let l = ls[ls.len() - 1];
+            *dead.entry(l.reason.clone()).or_default() += 1;
+            if let Some(k) = kind {
+                by_kind.entry(k.name()).or_default().1 += 1;
+            }
+            let answered = |code: &str| deliveries.iter().any(|s| s.answer.to_string() == code);
+            let cause = match l.reason.as_str() {
+                "undeliverable" => kind.is_some_and(Hostile::undeliverable),
+                "permanent-status" => {
+                    matches!(plan, Plan::Permanent(c) if c.to_string() == l.status)
+                        && answered(&l.status)
+                }
+                "attempts-exhausted" => {
+                    !matches!(plan, Plan::Permanent(_))
+                        && if l.status.is_empty() {
+                            !l.error.is_empty()
+                        } else {
+                            answered(&l.status) && !l.status.starts_with('2')
+                        }
+                }
+                _ => false,
+            };
+            if !cause {
+                bad(format!(
+                    "dead-lettered {} (status {:?}, error {:?}, attempts {}) though the app answered {:?}",
+                    l.reason,
+                    l.status,
+                    l.error,
+                    l.attempts,
+                    deliveries.iter().map(|s| s.answer).collect::<Vec<_>>()
+                ));
+            } else if kind.is_some_and(Hostile::undeliverable) || l.reason != "undeliverable" {
+                // explained
+            }
+            continue;
+        }
+        if kind.is_some_and(Hostile::undeliverable) {
+            bad("over a cap, yet not dead-lettered".into());
+            continue;
+        }
+        if got_2xx {
+            acked += 1;
+        } else if deliveries.is_empty() {
+            lost.push(format!("{id} ({label})"));
+        } else {
+            bad(format!(
+                "settled without a 2xx: the app answered {:?}",
+                deliveries.iter().map(|s| s.answer).collect::<Vec<_>>()
+            ));
+        }
+    }
+    let produced_set: HashSet<u64> = produced.ids.iter().map(|(n, _)| *n).collect();
+    let strangers = by_id.keys().filter(|n| !produced_set.contains(n)).count();
+    for a in &anomalies {
+        unexpected.push(format!("the app saw {a}"));
+    }
+    let kills = run.faults.get("courier SIGKILL").copied().unwrap_or(0)
+        + run.faults.get("app SIGKILL").copied().unwrap_or(0)
+        + run.faults.get("broker SIGKILL").copied().unwrap_or(0);
+    let rss_over: Vec<&LifeReport> = run.lives.iter().filter(|l| l.over).collect();
+    let panics: usize = run.lives.iter().map(|l| l.panics).sum();
+    let passed = lost.is_empty()
+        && stuck.is_empty()
+        && unexpected.is_empty()
+        && rss_over.is_empty()
+        && run.unplanned_exits.is_empty();
+
+    let mut t = String::new();
+    use std::fmt::Write as _;
+    let _ = writeln!(t, "torture report: {} (seed {})", args.broker, seed);
+    let _ = writeln!(
+        t,
+        "  traffic {:.0} s at {} msg/s, settle {:.0} s; broker write retries {}",
+        traffic.as_secs_f64(),
+        args.rate,
+        settle_secs,
+        produced.write_retries
+    );
+    let faults: Vec<String> = run.faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(
+        t,
+        "  faults: {}",
+        if faults.is_empty() {
+            "none".into()
+        } else {
+            faults.join(", ")
+        }
+    );
+    let _ = writeln!(t, "  produced      {}", produced.ids.len());
+    let _ = writeln!(t, "  acked         {acked}");
+    let dead_total: u64 = dead.values().sum();
+    let reasons: Vec<String> = dead.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(t, "  dead-lettered {dead_total} ({})", reasons.join(", "));
+    let _ = writeln!(t, "  lost          {}", lost.len());
+    let _ = writeln!(t, "  stuck         {}", stuck.len());
+    let _ = writeln!(t, "  unexpected    {}", unexpected.len());
+    let _ = writeln!(
+        t,
+        "  duplicates    {duplicates} deliveries after a 2xx ({kills} kills of courier, the app or the broker); {double_letters} second dead letters"
+    );
+    for r in produced.refused.iter().take(5) {
+        let _ = writeln!(t, "  refused by the producer's client: {r}");
+    }
+    if strangers > 0 || orphan_letters > 0 {
+        let _ = writeln!(
+            t,
+            "  ids the app saw that were never produced: {strangers}; dead letters without an id: {orphan_letters}"
+        );
+    }
+    let kinds: Vec<String> = by_kind
+        .iter()
+        .map(|(k, (p, d))| format!("{k} {p} ({d} dead-lettered)"))
+        .collect();
+    let _ = writeln!(t, "  hostile corpus: {}", kinds.join(", "));
+    let _ = writeln!(t, "  courier lives (RSS KiB at warm-up -> end):");
+    for (i, l) in run.lives.iter().enumerate() {
+        let _ = writeln!(
+            t,
+            "    #{:<2} pid {:<7} {:>6.1} s  {:>7} -> {:>7}{}  ended by {}{}",
+            i + 1,
+            l.pid,
+            l.secs,
+            l.start_kib,
+            l.end_kib,
+            if !l.judged {
+                " (too short to judge)".to_string()
+            } else if l.over {
+                format!(
+                    " OVER 10% (+{:.1}%)",
+                    (l.end_kib as f64 / l.start_kib as f64 - 1.0) * 100.0
+                )
+            } else {
+                format!(
+                    " ({:+.1}%)",
+                    (l.end_kib as f64 / l.start_kib.max(1) as f64 - 1.0) * 100.0
+                )
+            },
+            l.ended_by,
+            if l.panics + l.errors > 0 {
+                format!(", {} panics, {} ERROR lines in its log", l.panics, l.errors)
+            } else {
+                String::new()
+            }
+        );
+    }
+    for e in &run.unplanned_exits {
+        let _ = writeln!(t, "  UNPLANNED EXIT: {e}");
+    }
+    for (what, list) in [
+        ("lost", &lost),
+        ("stuck", &stuck),
+        ("unexpected", &unexpected),
+    ] {
+        for line in list.iter().take(20) {
+            let _ = writeln!(t, "  {what}: {line}");
+        }
+        if list.len() > 20 {
+            let _ = writeln!(t, "  {what}: ... {} more", list.len() - 20);
+        }
+    }
+    let _ = writeln!(t, "  {}", if passed { "PASS" } else { "FAIL" });
+
+    let lives: Vec<serde_json::Value> = run
+        .lives
+        .iter()
+        .map(|l| {
+            serde_json::json!({
+                "pid": l.pid, "secs": l.secs, "rss_start_kib": l.start_kib, "rss_end_kib": l.end_kib,
+                "judged": l.judged, "over": l.over, "ended_by": l.ended_by,
+                "panics": l.panics, "error_lines": l.errors,
+            })
+        })
+        .collect();
+    let json = serde_json::json!({
+        "broker": args.broker,
+        "seed": seed,
+        "rate": args.rate,
+        "traffic_secs": traffic.as_secs_f64(),
+        "settle_secs": settle_secs,
+        "faults": run.faults,
+        "policy_edits": run.policy_edits,
+        "produced": produced.ids.len(),
+        "acked": acked,
+        "dead_lettered": dead,
+        "lost": lost,
+        "stuck": stuck,
+        "unexpected": unexpected,
+        "duplicates": duplicates,
+        "second_dead_letters": double_letters,
+        "kills": kills,
+        "courier_lives": lives,
+        "unplanned_exits": run.unplanned_exits,
+        "courier_panics": panics,
+        "passed": passed,
+    });
+    Report {
+        text: t,
+        json,
+        passed,
+    }
+}

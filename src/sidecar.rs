@@ -388,7 +388,23 @@ async fn poll_depth(
 ) {
     let labels = QueueLabels { queue };
     let age_readable = source.capabilities().dead_letter_age;
+    let inside = metrics
+        .for_queue(
+            &labels.queue,
+            &Class::result_labels(),
+            &DeadLetterReason::labels(),
+        )
+        .dead_letter(DeadLetterReason::Undeliverable.as_str())
+        .cloned();
+    let mut counted_inside = 0;
     loop {
+        // Dead letters the broker wrote for courier (a Redis script) count
+        // like the dispatcher's own.
+        let total = source.dead_lettered_inside();
+        if let Some(counter) = &inside {
+            counter.inc_by(total - counted_inside);
+        }
+        counted_inside = total;
         // A read still under way at shutdown is of no use, and a slow one
         // (Kafka's reads several partitions' offsets) held the exit past
         // --drain-timeout.

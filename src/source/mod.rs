@@ -405,6 +405,13 @@ pub trait Source: DeadLetterStore {
     fn connected(&self) -> bool {
         true
     }
+    /// Messages this source dead-lettered inside the broker, without the
+    /// dispatcher (Redis: poison pills and entries over `--max-body`, by a
+    /// script), all as `undeliverable`; a running total, which the sidecar
+    /// adds to `courier_dead_letters_total`.
+    fn dead_lettered_inside(&self) -> u64 {
+        0
+    }
 }
 
 // === The broker table ===

@@ -817,3 +817,49 @@ async fn a_poison_pill_too_wide_for_a_script_keeps_its_body() {
         "{error}"
     );
 }
+
+/// Found at 21da363: an entry over `--max-body` that a Redis script
+/// dead-lettered (never loaded into courier) was not counted in
+/// `courier_dead_letters_total`, so the dashboards and the dead-letter
+/// alerts did not see it. It counts as `undeliverable`, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_dead_lettered_inside_redis_is_counted() {
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.max_body = 1024;
+    config.options.max_body = 1024;
+    let running = Running::start(config).await;
+    let mut con = redis().await;
+    let _: String = redis::cmd("XADD")
+        .arg(&fixture.queue)
+        .arg("*")
+        .arg("payload")
+        .arg(vec![b'x'; 4096])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    fixture.send(&source, "small, after it").await;
+    delivered(&app, "small, after it").await;
+    let counted = |text: &str| {
+        let reason = "reason=\"undeliverable\"";
+        text.lines()
+            .filter(|l| {
+                l.starts_with("courier_dead_letters_total{")
+                    && l.contains(&fixture.queue)
+                    && l.contains(reason)
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    wait_for("the dead letter counted", SETTLE, async || {
+        counted(&running.metrics.encode()) == 1.0
+    })
+    .await;
+    assert_eq!(xlen(&mut con, &fixture.dlq()).await, 1);
+    // Counted once, not at every depth poll.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(counted(&running.metrics.encode()), 1.0);
+    running.stop().await;
+}

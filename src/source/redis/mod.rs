@@ -104,6 +104,8 @@ pub struct RedisSource {
     /// Proves which copies courier stored (`<queue>.courier-key`).
     seal: Arc<Seal>,
     store: RedisStore,
+    /// Dead-lettered by the scripts, inside Redis ([`Source::dead_lettered_inside`]).
+    dead_lettered_inside: std::sync::atomic::AtomicU64,
 }
 
 fn broker_error(e: redis::RedisError) -> SourceError {
@@ -178,6 +180,7 @@ impl RedisSource {
                 seal: tokio::sync::OnceCell::new_with(Some(seal.clone())),
             },
             seal,
+            dead_lettered_inside: Default::default(),
             retry_key: format!("{}.retry", options.queue),
             acks: settle::ack_batcher(&commands, &options.queue, &options.group),
             commands,
@@ -317,6 +320,10 @@ impl Source for RedisSource {
 
     async fn close(&self) {
         self.mover_stop.store(true, Ordering::Relaxed);
+    }
+
+    fn dead_lettered_inside(&self) -> u64 {
+        self.dead_lettered_inside.load(Ordering::Relaxed)
     }
 }
 

@@ -223,6 +223,12 @@ impl RedisSource {
             .invoke_async(con)
             .await
             .map_err(broker_error)
+            .inspect(|n| self.count_dead_lettered(*n))
+    }
+
+    fn count_dead_lettered(&self, n: u64) {
+        self.dead_lettered_inside
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Dead-letters new entries the reader found over `--max-body`
@@ -248,6 +254,7 @@ impl RedisSource {
             .invoke_async(&mut con)
             .await
             .map_err(broker_error)
+            .inspect(|n| self.count_dead_lettered(*n))
     }
 }
 

@@ -64,14 +64,29 @@ impl Delivery {
         let mut headers = Vec::new();
         // Names are compared as bytes and only a header's is made text:
         // reading every name as text first cost a UTF-8 check per field.
+        // The first occurrence of a field counts, as it does for the seal
+        // (`shared::sealed_state`): every source writes its own `payload`
+        // first, so a producer's header of that name (Kafka, SQS, Pub/Sub)
+        // is offered as a header, never taken for the body.
+        let (mut seen_id, mut seen_attempt, mut seen_first) = (false, false, false);
         for (name, value) in &fields {
             match name.as_ref() {
-                n if n == PAYLOAD.as_bytes() => body = Some(value.clone()),
+                n if n == PAYLOAD.as_bytes() && body.is_none() => body = Some(value.clone()),
                 n if n == F_MESSAGE_ID.as_bytes() => {
-                    id = Some(String::from_utf8_lossy(value).into_owned())
+                    if !std::mem::replace(&mut seen_id, true) {
+                        id = Some(String::from_utf8_lossy(value).into_owned());
+                    }
                 }
-                n if n == F_ATTEMPT.as_bytes() => attempt = parse_text(value).unwrap_or(1).max(1),
-                n if n == F_FIRST_ATTEMPT_AT.as_bytes() => first_attempt_at = parse_time(value),
+                n if n == F_ATTEMPT.as_bytes() => {
+                    if !std::mem::replace(&mut seen_attempt, true) {
+                        attempt = parse_text(value).unwrap_or(1).max(1);
+                    }
+                }
+                n if n == F_FIRST_ATTEMPT_AT.as_bytes() => {
+                    if !std::mem::replace(&mut seen_first, true) {
+                        first_attempt_at = parse_time(value);
+                    }
+                }
                 n if n
                     .get(..8)
                     .is_some_and(|p| p.eq_ignore_ascii_case(b"courier-")) => {}
@@ -254,11 +269,12 @@ impl DeadLetter {
     }
 
     pub fn from_fields(id: String, fields: Vec<(Bytes, Bytes)>) -> Self {
-        let mut body = Bytes::new();
+        let mut body = None;
         let mut out = Vec::new();
         for (name, value) in fields {
-            if name.as_ref() == PAYLOAD.as_bytes() {
-                body = value;
+            // The first `payload` is the body, as for a delivery.
+            if name.as_ref() == PAYLOAD.as_bytes() && body.is_none() {
+                body = Some(value);
             } else {
                 out.push((
                     String::from_utf8_lossy(&name).into_owned(),
@@ -268,7 +284,7 @@ impl DeadLetter {
         }
         Self {
             id,
-            body,
+            body: body.unwrap_or_default(),
             fields: out,
         }
     }
@@ -277,6 +293,36 @@ impl DeadLetter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found at 21da363: a producer's header, attribute or field named
+    /// `payload` replaced the body on Kafka, SQS and Pub/Sub (each puts the
+    /// body first, and the last occurrence won), and a second copy of a
+    /// `courier-*` field won over the one the seal checks. The first
+    /// occurrence counts everywhere; a later `payload` is a header.
+    #[test]
+    fn the_first_occurrence_of_a_field_counts() {
+        let field = |n: &str, v: &str| (Bytes::from(n.to_string()), Bytes::from(v.to_string()));
+        let d = Delivery::from_fields(
+            "1-0",
+            vec![
+                field("payload", "the body"),
+                field("courier-attempt", "2"),
+                field("payload", "a producer's header"),
+                field("courier-attempt", "99"),
+            ],
+            0,
+            "1-0".into(),
+        );
+        assert_eq!(d.message.body, Bytes::from("the body"));
+        assert_eq!(d.attempt, 2);
+        assert_eq!(d.message.header("payload"), Some("a producer's header"));
+        let letter = DeadLetter::from_fields(
+            "1-0".into(),
+            vec![field("payload", "the body"), field("payload", "a header")],
+        );
+        assert_eq!(letter.body, Bytes::from("the body"));
+        assert_eq!(letter.field("payload"), Some("a header"));
+    }
 
     #[test]
     fn an_entry_without_payload_is_a_problem_not_a_message() {

@@ -93,6 +93,27 @@ pub async fn more_headers_than_the_cap_is_undeliverable(fixture: Fixture) {
     );
 }
 
+/// Found at 21da363: a producer's header, attribute or field named
+/// `payload` replaced the body on Kafka, SQS and Pub/Sub. The body the
+/// producer sent reaches the app, and the header is a header.
+pub async fn a_header_named_payload_is_a_header(fixture: Fixture) {
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let header = [("payload".to_string(), "not the body".to_string())];
+    producer.send("the body", &header).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let received = app.received();
+    assert_eq!(received.len(), 1, "{received:?}");
+    assert_eq!(received[0].body, Bytes::from("the body"));
+    assert_eq!(
+        received[0].headers.get("payload").map(String::as_str),
+        Some("not the body")
+    );
+}
+
 /// `Retry-After: soon` is not a delay: it is ignored (the policy's own
 /// backoff applies), counted in `courier_retry_after_invalid_total`, and the
 /// message is delivered on the next attempt.

@@ -171,6 +171,7 @@ suite!(
         bad_inputs::an_idempotency_key_http_cannot_carry_is_undeliverable if DeadLetterBrowsing,
         bad_inputs::an_unreadable_retry_after_is_ignored_and_counted if Nothing,
         bad_inputs::more_headers_than_the_cap_is_undeliverable if DeadLetterBrowsing,
+        bad_inputs::a_header_named_payload_is_a_header if Nothing,
         bad_inputs::a_huge_answer_is_cut_to_the_excerpt if DeadLetterBrowsing,
         bad_inputs::header_values_with_line_breaks_and_non_ascii_survive if DeadLetterBrowsing,
         dlq::list_show_replay_purge if DeadLetterBrowsing,

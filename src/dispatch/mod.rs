@@ -563,12 +563,19 @@ impl Shared {
     }
 
     /// Keeps the deliveries in flight claimed, three times per visibility
-    /// timeout in force.
+    /// timeout in force, or per the longest claim the broker grants when
+    /// that is shorter (at 21da363 a Pub/Sub lease, capped at 600 s, lapsed
+    /// under a 30 min timeout, and another replica got the message while
+    /// the app still worked on it).
     async fn keep_alive(self: Arc<Self>) {
         loop {
             let visibility =
                 live::visibility_for(self.d.visibility_timeout, &self.d.policy.current());
-            tokio::time::sleep(in_flight::keep_alive_interval(visibility)).await;
+            let claim = match self.d.source.longest_claim() {
+                Some(longest) => visibility.min(longest),
+                None => visibility,
+            };
+            tokio::time::sleep(in_flight::keep_alive_interval(claim)).await;
             let in_flight = self.in_flight.snapshot();
             if in_flight.is_empty() {
                 continue;

@@ -398,6 +398,12 @@ pub trait Source: DeadLetterStore {
         let _ = in_flight;
         Ok(())
     }
+    /// The longest a keep-alive claims a delivery for, when the broker
+    /// caps it below the visibility timeout (Pub/Sub: 600 s): keep-alives
+    /// then come three times per this, not per visibility timeout.
+    fn longest_claim(&self) -> Option<Duration> {
+        None
+    }
     /// Flushes what is buffered (pipelined acks) before the process exits.
     async fn close(&self) {}
     /// False while the broker connection is lost and the source is

@@ -44,6 +44,8 @@ struct Memory {
 struct MemorySource {
     state: Mutex<Memory>,
     fail_reads: AtomicBool,
+    /// What `longest_claim` says, as Pub/Sub's 600 s.
+    longest_claim: Option<Duration>,
 }
 
 fn delivery(id: &str, body: &str) -> Delivery {
@@ -136,6 +138,10 @@ impl Source for MemorySource {
 
     async fn depth(&self) -> Result<Depth, SourceError> {
         Ok(Depth::default())
+    }
+
+    fn longest_claim(&self) -> Option<Duration> {
+        self.longest_claim
     }
 
     fn capabilities(&self) -> Capabilities {

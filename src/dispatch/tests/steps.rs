@@ -290,3 +290,29 @@ async fn deliveries_in_flight_are_kept_claimed_a_third_of_the_visibility_apart()
     );
     keep_alive.abort();
 }
+
+/// Found at 21da363: Pub/Sub leases at most 600 s, but keep-alives came a
+/// third of the visibility timeout apart, so under a 30 min timeout the
+/// lease lapsed and another replica got the message while the app still
+/// worked on it. Keep-alives come a third of the broker's longest claim
+/// apart when that is shorter.
+#[tokio::test(start_paused = true)]
+async fn keep_alives_follow_the_brokers_longest_claim() {
+    let source = Arc::new(MemorySource {
+        longest_claim: Some(Duration::from_secs(600)),
+        ..MemorySource::default()
+    });
+    let mut d = dispatcher(source.clone(), closed_port().await, fast_policy(3));
+    d.visibility_timeout = Duration::from_secs(1830);
+    let shared = Arc::new(Shared::new(d));
+    let keep_alive = tokio::spawn(shared.clone().keep_alive());
+    let _held = shared.in_flight.register(&Arc::new(delivery("1-0", "a")));
+    // Within one 600 s lease: at least two renewals.
+    tokio::time::sleep(Duration::from_secs(590)).await;
+    assert!(
+        source.state().kept_alive.len() >= 2,
+        "{:?}",
+        source.state().kept_alive
+    );
+    keep_alive.abort();
+}

@@ -44,7 +44,7 @@ mod settle;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -192,6 +192,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 #[async_trait]
 impl Source for PubSubSource {
+    fn longest_claim(&self) -> Option<Duration> {
+        Some(Duration::from_secs(MAX_HOLD_SECS))
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: true,

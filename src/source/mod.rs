@@ -17,6 +17,7 @@ pub mod kafka;
 pub mod nats;
 #[cfg(feature = "pubsub")]
 pub mod pubsub;
+mod recent;
 mod redact;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -45,6 +46,7 @@ use futures::future::BoxFuture;
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
 pub use batch::Batcher;
+pub use recent::Recent;
 pub use redact::{redact, redact_error, secrets_of};
 pub use tls::{Tls, TlsFiles};
 pub use wire::{decode_fields, encode_fields};

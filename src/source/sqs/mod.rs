@@ -63,7 +63,8 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::{
-    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Recent, Source, SourceError,
+    SourceOptions,
 };
 use crate::model::{DeadLetter, Delivery, Failure};
 use crate::source::shared::Seal;
@@ -73,6 +74,13 @@ pub use connection::{SEAL_TAG, check_url, redrive_warning};
 pub use dead_letters::dead_letter_queue_name;
 
 /// Amazon SQS: `sqs://REGION`.
+/// Messages remembered per map of what SQS cannot carry (first offer, free
+/// receives, due times): past it the oldest is forgotten, and such a
+/// message's first-attempt time falls back to when it was sent, a free
+/// receive counts as an attempt, a FIFO retry's far due time is lost.
+/// About 100 bytes each.
+pub const REMEMBERED: usize = 100_000;
+
 pub const BROKER: Broker = Broker {
     name: "sqs",
     messaging_system: "aws_sqs",
@@ -137,13 +145,14 @@ pub struct SqsSource {
     /// invisible.
     waiting_refreshed: Mutex<std::time::Instant>,
     /// When messages retried in place were first offered, by SQS id: a
-    /// visibility change cannot carry `courier-first-attempt-at`.
-    first_attempts: Mutex<HashMap<String, SystemTime>>,
+    /// visibility change cannot carry `courier-first-attempt-at`. Bounded:
+    /// a message another replica then received is never settled here.
+    first_attempts: Mutex<Recent<String, SystemTime>>,
     /// FIFO: receives of a message that used no attempt (a retry while the
     /// app was unreachable), and due times beyond one visibility window, by
     /// SQS id. Kept in the process: a FIFO retry cannot be a copy.
-    uncounted: Mutex<HashMap<String, u32>>,
-    due: Mutex<HashMap<String, SystemTime>>,
+    uncounted: Mutex<Recent<String, u32>>,
+    due: Mutex<Recent<String, SystemTime>>,
     dead_letter_urls: Mutex<HashMap<String, String>>,
     deletes: mpsc::UnboundedSender<Delete>,
     deleter: tokio::task::JoinHandle<()>,
@@ -191,9 +200,9 @@ impl SqsSource {
             in_flight: Mutex::default(),
             groups: Mutex::default(),
             waiting_refreshed: Mutex::new(std::time::Instant::now()),
-            first_attempts: Mutex::default(),
-            uncounted: Mutex::default(),
-            due: Mutex::default(),
+            first_attempts: Mutex::new(Recent::new(REMEMBERED)),
+            uncounted: Mutex::new(Recent::new(REMEMBERED)),
+            due: Mutex::new(Recent::new(REMEMBERED)),
             dead_letter_urls: Mutex::default(),
             deletes,
             deleter,

@@ -226,17 +226,13 @@ impl SqsSource {
         if self.fifo || (uses_attempt && secs <= room) {
             if self.fifo {
                 if !uses_attempt {
-                    *lock(&self.uncounted)
-                        .entry(held.sqs_id.clone())
-                        .or_default() += 1;
+                    *lock(&self.uncounted).get_or_insert_with(held.sqs_id.clone(), || 0) += 1;
                 }
                 if secs > room {
                     lock(&self.due).insert(held.sqs_id.clone(), at);
                 }
             }
-            lock(&self.first_attempts)
-                .entry(held.sqs_id.clone())
-                .or_insert(first_attempt_at);
+            lock(&self.first_attempts).get_or_insert_with(held.sqs_id.clone(), || first_attempt_at);
             let result = self
                 .change_visibility(&self.queue_url, receipt, secs.min(room))
                 .await;
@@ -299,7 +295,7 @@ impl SqsSource {
         let room = visibility_room(sent_at, now);
         if in_process {
             let id = message.message_id().unwrap_or_default().to_string();
-            *lock(&self.uncounted).entry(id).or_default() += 1;
+            *lock(&self.uncounted).get_or_insert_with(id, || 0) += 1;
         }
         let send_on = match plan_wait(secs, room) {
             Waiting::Invisible(secs) => {

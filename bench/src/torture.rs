@@ -157,8 +157,15 @@ fn b(s: impl Into<Vec<u8>>) -> Bytes {
 }
 
 /// The fields of message `n` (`payload` is the body), as every broker's
-/// producer writes them.
-fn message(n: u64, hostile: Option<Hostile>, max_body: usize) -> Vec<(Bytes, Bytes)> {
+/// producer writes them. `headers_apart`: the broker carries headers apart
+/// from the body (not Redis, whose fields are the message), so the corpus's
+/// header named `payload` is spelt exactly so.
+fn message(
+    n: u64,
+    hostile: Option<Hostile>,
+    max_body: usize,
+    headers_apart: bool,
+) -> Vec<(Bytes, Bytes)> {
     let id = id_of(n);
     let padded = |size: usize| {
         let head = format!("{{\"id\":\"{id}\",\"pad\":\"");
@@ -201,7 +208,10 @@ fn message(n: u64, hostile: Option<Hostile>, max_body: usize) -> Vec<(Bytes, Byt
             ),
             (b("x-binary"), Bytes::from_static(&[0xff, 0xfe, 0xfd])),
         ]),
-        Some(Hostile::PayloadHeader) => fields.push((b("Payload"), b("not the body"))),
+        Some(Hostile::PayloadHeader) => fields.push((
+            b(if headers_apart { "payload" } else { "Payload" }),
+            b("not the body"),
+        )),
         Some(Hostile::CloudEvent(k)) => {
             let mut event = serde_json::json!({
                 "specversion": "1.0",
@@ -556,6 +566,8 @@ struct Run {
     dir: PathBuf,
     queue: String,
     courier_bin: PathBuf,
+    /// This program, for the app child.
+    app_bin: PathBuf,
     broker: Broker,
     app_port: u16,
     app: Option<Process>,
@@ -595,8 +607,7 @@ impl Run {
 
     fn start_app(&mut self, settle: bool) -> anyhow::Result<()> {
         self.app_starts += 1;
-        let exe = std::env::current_exe()?;
-        let mut command = Command::new(exe);
+        let mut command = Command::new(&self.app_bin);
         command
             .arg("torture-app")
             .args(["--port", &self.app_port.to_string()])
@@ -753,7 +764,7 @@ impl Run {
         let results: Vec<_> = futures::stream::iter(self.next_n..due)
             .map(|n| {
                 let kind = Hostile::of(seed, n, share);
-                let mut fields = message(n, kind, max_body);
+                let mut fields = message(n, kind, max_body, true);
                 let body = fields.remove(0).1;
                 let headers: Vec<(String, String)> = fields
                     .iter()
@@ -817,7 +828,7 @@ fn spawn_redis_producer(
         while !stop.load(std::sync::atomic::Ordering::SeqCst) {
             tick.tick().await;
             let kind = Hostile::of(args.seed, n, args.hostile);
-            let fields = message(n, kind, args.max_body);
+            let fields = message(n, kind, args.max_body, false);
             let give_up = Instant::now() + Duration::from_secs(60);
             loop {
                 if con.is_none() {
@@ -904,6 +915,11 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
             courier_bin.display()
         );
     }
+    // Both binaries are restarted for the whole run: a cargo build meanwhile
+    // replaces them (and the one running is then "(deleted)"), so the run
+    // keeps its own link to each.
+    let courier_bin = keep(&courier_bin, &dir.join("courier"))?;
+    let app_bin = keep(&std::env::current_exe()?, &dir.join("courier-bench"))?;
     let queue = format!("courier-torture-{}-{}", std::process::id(), args.seed);
     let broker = match args.broker.as_str() {
         "redis" => {
@@ -934,6 +950,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         dir: dir.clone(),
         queue: queue.clone(),
         courier_bin,
+        app_bin,
         broker,
         app_port: free_port(),
         app: None,
@@ -1151,6 +1168,15 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         eprintln!("torture: logs kept in {}", dir.display());
     }
     Ok(report.passed)
+}
+
+/// A hard link to `binary` at `to` (a copy across file systems).
+fn keep(binary: &Path, to: &Path) -> anyhow::Result<PathBuf> {
+    let _ = std::fs::remove_file(to);
+    if std::fs::hard_link(binary, to).is_err() {
+        std::fs::copy(binary, to).with_context(|| format!("cannot copy {}", binary.display()))?;
+    }
+    Ok(to.to_path_buf())
 }
 
 fn file_len(path: &Path) -> u64 {

@@ -396,8 +396,8 @@ pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
     for args in [
         &["dlq", "list"][..],
         &["dlq", "list", "--output", "json"],
-        &["dlq", "show", "--id", "1-0"],
-        &["dlq", "show", "--all"],
+        &["dlq", "show", "1-0"],
+        &["dlq", "replay", "--all", "--dry-run"],
     ] {
         let out = courier(&absent, args);
         assert_eq!(

@@ -45,9 +45,17 @@ pub fn redact_error(url: &str, error: impl fmt::Display) -> String {
 /// What [`redact`] hides of `url`, each part as written and percent-decoded:
 /// the texts a log line must never show, whoever writes it
 /// ([`crate::telemetry::hide_in_logs`]).
+///
+/// A user name followed by a password is not one of them: it is shown
+/// wherever it is written (RabbitMQ's "refused the login of user") and,
+/// hidden everywhere, would cut words like `guest` out of every line.
 pub fn secrets_of(url: &str) -> Vec<String> {
     let mut secrets = Vec::new();
-    for secret in Redacted::of(url).hidden {
+    let redacted = Redacted::of(url);
+    for secret in redacted.hidden {
+        if redacted.user.as_deref() == Some(secret.as_str()) {
+            continue;
+        }
         let decoded = percent_decode(&secret);
         if decoded != secret {
             secrets.push(decoded);
@@ -64,17 +72,25 @@ struct Redacted {
     shown: String,
     /// What was hidden, whole and in parts, never empty.
     hidden: Vec<String>,
+    /// The user name of `user:password@`, when there is a password that
+    /// does not contain it (`guest:guest` hides `guest`).
+    user: Option<String>,
 }
 
 impl Redacted {
     fn of(url: &str) -> Self {
         let mut hidden = Vec::new();
+        let mut user = None;
         let (scheme, rest) = split_scheme(url);
         let slashes = rest.len() - rest.trim_start_matches(['/', '\\']).len();
         let (slashes, rest) = rest.split_at(slashes);
         let (user_info, location) = match rest.rsplit_once('@') {
             Some((user_info, location)) => {
                 hide(&mut hidden, user_info);
+                user = user_info
+                    .split_once(':')
+                    .filter(|(name, password)| !password.is_empty() && !password.contains(name))
+                    .map(|(name, _)| name.to_string());
                 ("***@", location)
             }
             None => ("", rest),
@@ -91,6 +107,7 @@ impl Redacted {
         Self {
             shown: format!("{scheme}{slashes}{user_info}{authority}{path}"),
             hidden,
+            user,
         }
     }
 }
@@ -208,6 +225,20 @@ mod tests {
     fn url_credentials_are_percent_decoded() {
         assert_eq!(percent_decode("p%40ss%2Fword"), "p@ss/word");
         assert_eq!(percent_decode("plain%"), "plain%");
+    }
+
+    #[test]
+    fn a_user_name_is_not_hidden_in_logs_but_its_password_and_a_token_are() {
+        let secrets = secrets_of("amqp://guest:wrong-password@h/v");
+        assert!(
+            secrets.contains(&"wrong-password".to_string()),
+            "{secrets:?}"
+        );
+        assert!(!secrets.contains(&"guest".to_string()), "{secrets:?}");
+        let same = secrets_of("amqp://guest:guest@h/v");
+        assert!(same.contains(&"guest".to_string()), "{same:?}");
+        let token = secrets_of("nats://s3cr3t-token@h");
+        assert!(token.contains(&"s3cr3t-token".to_string()), "{token:?}");
     }
 
     #[test]

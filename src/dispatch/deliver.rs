@@ -13,7 +13,7 @@ use super::{Shared, Traces};
 use crate::forward::{Envelope, TraceHeaders};
 use crate::model::{Class, DeadLetterReason, Delivery, Failure, Outcome};
 use crate::policy::{Decision, Policy, Verdict, decide};
-use crate::source::SourceError;
+use crate::source::{Settlement, SourceError};
 use crate::telemetry::traces;
 
 impl Shared {
@@ -190,11 +190,12 @@ impl Shared {
             } => {
                 let next = delivery.attempt + u32::from(attempt_used);
                 let at = SystemTime::now() + delay;
-                let r = self
-                    .d
-                    .source
-                    .retry(delivery, next, first_attempt_at, at)
-                    .await;
+                let retry = Settlement::Retry {
+                    next_attempt: next,
+                    first_attempt_at,
+                    at,
+                };
+                let r = self.d.source.settle(delivery, retry).await;
                 if r.is_ok() {
                     self.m.retries.inc();
                     tracing::info!(id = %delivery.message.id, attempt = delivery.attempt, result = decision.class.as_str(),
@@ -233,7 +234,7 @@ impl Shared {
                 tracing::warn!(id = %delivery.message.id, error = %e, "could not remember the ack for deduplication");
             }
         }
-        self.d.source.ack(delivery).await?;
+        self.d.source.settle(delivery, Settlement::Ack).await?;
         self.m.acks.inc();
         tracing::debug!(id = %delivery.message.id, attempt = delivery.attempt, "acked");
         Ok(())
@@ -245,7 +246,10 @@ impl Shared {
         failure: &Failure,
         reason: DeadLetterReason,
     ) -> Result<(), SourceError> {
-        self.d.source.dead_letter(delivery, failure).await?;
+        self.d
+            .source
+            .settle(delivery, Settlement::DeadLetter(failure))
+            .await?;
         if let Some(counter) = self.m.dead_letter(reason.as_str()) {
             counter.inc();
         }
@@ -295,7 +299,7 @@ impl Shared {
                 return false;
             }
         }
-        match self.d.source.ack(delivery).await {
+        match self.d.source.settle(delivery, Settlement::Ack).await {
             Ok(()) => {
                 self.m.dedup_hits.inc();
                 self.m.acks.inc();

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::forward::{Forwarder, QueueName};
 use crate::model::{Class, DeadLetterReason, Delivery};
 use crate::policy::LivePolicy;
-use crate::source::{ErrorKind, Source};
+use crate::source::{Consumer, ErrorKind, Settlement};
 use crate::telemetry::{self, Metrics, QueueLabels, QueueMetrics};
 
 use deliveries::Deliveries;
@@ -57,7 +57,7 @@ const START_PROBE_MAX: Duration = Duration::from_millis(500);
 pub const READ_FAILURE_RUN: u32 = 3;
 
 pub struct Dispatcher {
-    pub source: Arc<dyn Source>,
+    pub source: Arc<dyn Consumer>,
     pub forwarder: Forwarder,
     pub policy: LivePolicy,
     pub metrics: Arc<Metrics>,
@@ -480,11 +480,12 @@ impl Shared {
         let due = SystemTime::now() + until.saturating_duration_since(Instant::now());
         let first_attempt_at = delivery.first_attempt_at.unwrap_or_else(SystemTime::now);
         let id = delivery.message.id.as_str();
-        let source = &self.d.source;
-        match source
-            .retry(delivery, delivery.attempt, first_attempt_at, due)
-            .await
-        {
+        let again = Settlement::Retry {
+            next_attempt: delivery.attempt,
+            first_attempt_at,
+            at: due,
+        };
+        match self.d.source.settle(delivery, again).await {
             Ok(()) => tracing::debug!(id, "deferred: back to the broker, due again later"),
             Err(e) => {
                 self.m.settle_errors.inc();

@@ -437,57 +437,38 @@ impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
     }
 }
 
-/// A consumer: what the dispatcher and the sidecar use. A consumer is also
-/// a [`DeadLetterStore`] on the same connection.
-#[async_trait]
-pub trait Source: DeadLetterStore {
-    /// Up to `max` deliveries; waits about a second when there are none and
-    /// may then return an empty list.
-    async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError>;
+/// How a delivery is settled: the policy's verdict, as the broker needs it.
+#[derive(Debug, Clone, Copy)]
+pub enum Settlement<'a> {
     /// The app said 2xx: the message is done.
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError>;
-    /// Stores the message durably for delivery `next_attempt` at `at`, and
-    /// settles this delivery, as one step.
-    async fn retry(
-        &self,
-        delivery: &Delivery,
+    Ack,
+    /// Store the message durably for delivery `next_attempt` at `at`, and
+    /// settle this delivery, as one step.
+    Retry {
         next_attempt: u32,
         first_attempt_at: SystemTime,
         at: SystemTime,
-    ) -> Result<(), SourceError>;
-    /// Writes the dead letter and settles this delivery, as one step as far
+    },
+    /// Write the dead letter and settle this delivery, as one step as far
     /// as the broker allows.
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError>;
-    async fn depth(&self) -> Result<Depth, SourceError>;
+    DeadLetter(&'a Failure),
+}
+
+/// What the dispatcher uses: reading deliveries and settling them.
+#[async_trait]
+pub trait Consumer: Send + Sync + 'static {
     /// What this broker can do; the dispatcher and the conformance suite
     /// follow it instead of asking which broker this is.
     fn capabilities(&self) -> Capabilities;
-    /// Remembers for `window` that the message with this idempotency key was
-    /// acked.
-    async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
-        let _ = (key, window);
-        Err(SourceError::invalid(
-            "this source keeps no deduplication window",
-        ))
-    }
-    /// Whether the message with this idempotency key was acked within the
-    /// window.
-    async fn was_acked(&self, key: &str) -> Result<bool, SourceError> {
-        let _ = key;
-        Ok(false)
-    }
-    /// Refuses settings this source cannot work with (a Redis Cluster
-    /// dead-letter queue outside the work stream's hash slot), saying why;
-    /// the policy change that asked for them is then refused as a whole.
-    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
-        let _ = settings;
-        Ok(())
-    }
-    /// Takes new settings (a live policy change); what is in flight keeps
-    /// running.
-    fn apply(&self, settings: &LiveSettings) {
-        let _ = settings;
-    }
+    /// Up to `max` deliveries; waits about a second when there are none and
+    /// may then return an empty list.
+    async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError>;
+    /// Settles `delivery` as the policy decided.
+    async fn settle(
+        &self,
+        delivery: &Delivery,
+        settlement: Settlement<'_>,
+    ) -> Result<(), SourceError>;
     /// Keeps deliveries still in flight claimed by this consumer, so that
     /// the broker does not hand them to another while the app works on
     /// them (Redis: reset their idle time; embedded: extend the lease;
@@ -502,12 +483,75 @@ pub trait Source: DeadLetterStore {
     fn longest_claim(&self) -> Option<Duration> {
         None
     }
+    /// Remembers for `window` that the message with this idempotency key was
+    /// acked.
+    async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
+        let _ = (key, window);
+        Err(SourceError::invalid(
+            "this source keeps no deduplication window",
+        ))
+    }
+    /// Whether the message with this idempotency key was acked within the
+    /// window.
+    async fn was_acked(&self, key: &str) -> Result<bool, SourceError> {
+        let _ = key;
+        Ok(false)
+    }
     /// Flushes what is buffered (pipelined acks) before the process exits.
     async fn close(&self) {}
+}
+
+/// Shorthands for [`Consumer::settle`], for tests and tools that settle
+/// by hand; a broker implements only `settle`.
+#[async_trait]
+pub trait SettleBy: Consumer {
+    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.settle(delivery, Settlement::Ack).await
+    }
+
+    async fn retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let retry = Settlement::Retry {
+            next_attempt,
+            first_attempt_at,
+            at,
+        };
+        self.settle(delivery, retry).await
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
+        self.settle(delivery, Settlement::DeadLetter(failure)).await
+    }
+}
+
+impl<T: Consumer + ?Sized> SettleBy for T {}
+
+/// What the sidecar watches and steers while the dispatcher consumes:
+/// depth for metrics, the connection for readiness, live settings.
+#[async_trait]
+pub trait Observed: Send + Sync + 'static {
+    async fn depth(&self) -> Result<Depth, SourceError>;
     /// False while the broker connection is lost and the source is
     /// reconnecting; `/readyz` follows it.
     fn connected(&self) -> bool {
         true
+    }
+    /// Refuses settings this source cannot work with (a Redis Cluster
+    /// dead-letter queue outside the work stream's hash slot), saying why;
+    /// the policy change that asked for them is then refused as a whole.
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        let _ = settings;
+        Ok(())
+    }
+    /// Takes new settings (a live policy change); what is in flight keeps
+    /// running.
+    fn apply(&self, settings: &LiveSettings) {
+        let _ = settings;
     }
     /// Messages this source dead-lettered inside the broker, without the
     /// dispatcher (Redis: poison pills and entries over `--max-body`, by a
@@ -517,6 +561,13 @@ pub trait Source: DeadLetterStore {
         0
     }
 }
+
+/// An opened source: a [`Consumer`] for the dispatcher, [`Observed`] by the
+/// sidecar, and the [`DeadLetterStore`] on the same connection. Each broker
+/// implements the three in the files of their concerns.
+pub trait Source: Consumer + Observed + DeadLetterStore {}
+
+impl<T: Consumer + Observed + DeadLetterStore> Source for T {}
 
 // === The broker table ===
 

@@ -12,6 +12,9 @@ mod moto;
 mod private_redis;
 mod pubsub_emulator;
 mod server_process;
+// Tests settle by hand with ack/retry/dead_letter.
+#[allow(unused_imports)]
+pub use courier::source::SettleBy;
 #[allow(unused_imports)]
 pub use embedded_file::store_raw;
 #[allow(unused_imports)]

@@ -23,9 +23,9 @@ mod delivering;
 mod steps;
 
 use super::*;
-use crate::model::{DeadLetter, Failure, Outcome};
+use crate::model::{Failure, Outcome};
 use crate::policy::{GateState, Jitter, Policy};
-use crate::source::{Capabilities, DeadLetterStore, Depth, SourceError};
+use crate::source::{Capabilities, Consumer, Settlement, SourceError};
 
 // === An in-memory source ===
 
@@ -77,7 +77,7 @@ impl MemorySource {
 }
 
 #[async_trait]
-impl Source for MemorySource {
+impl Consumer for MemorySource {
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         if self.fail_reads.load(Ordering::SeqCst) {
             return Err(SourceError::unavailable("connection refused"));
@@ -99,45 +99,45 @@ impl Source for MemorySource {
         Ok(out)
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        // A stand-in for a bug met on one message (at 21da363: http's
-        // HeaderMap on 24,600 headers), where the dispatcher can see it.
-        if delivery.message.body.starts_with(b"panic") {
-            panic!("a test panic on {}", delivery.message.id);
-        }
-        self.state().acked.push(delivery.message.id.clone());
-        Ok(())
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        let id = delivery.message.id.clone();
-        let again = Delivery::from_fields(
-            &id,
-            delivery.fields_for_retry(next_attempt, first_attempt_at),
-            0,
-            id.clone(),
-        );
-        let mut s = self.state();
-        s.retried.push((id, next_attempt, at));
-        s.scheduled.push((at, again));
-        Ok(())
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.state()
-            .dead
-            .push((delivery.message.id.clone(), failure.clone()));
-        Ok(())
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        Ok(Depth::default())
+        match settlement {
+            Settlement::Ack => {
+                // A stand-in for a bug met on one message (at 21da363: http's
+                // HeaderMap on 24,600 headers), where the dispatcher can see it.
+                if delivery.message.body.starts_with(b"panic") {
+                    panic!("a test panic on {}", delivery.message.id);
+                }
+                self.state().acked.push(delivery.message.id.clone());
+                Ok(())
+            }
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                let id = delivery.message.id.clone();
+                let again = Delivery::from_fields(
+                    &id,
+                    delivery.fields_for_retry(next_attempt, first_attempt_at),
+                    0,
+                    id.clone(),
+                );
+                let mut s = self.state();
+                s.retried.push((id, next_attempt, at));
+                s.scheduled.push((at, again));
+                Ok(())
+            }
+            Settlement::DeadLetter(failure) => {
+                self.state()
+                    .dead
+                    .push((delivery.message.id.clone(), failure.clone()));
+                Ok(())
+            }
+        }
     }
 
     fn longest_claim(&self) -> Option<Duration> {
@@ -153,30 +153,6 @@ impl Source for MemorySource {
         ids.sort();
         self.state().kept_alive.push(ids);
         Ok(())
-    }
-}
-
-/// `send` enqueues, for the tests; the dispatcher uses none of these.
-#[async_trait]
-impl DeadLetterStore for MemorySource {
-    async fn dead_letters(&self, _: &str, _: usize) -> Result<Vec<DeadLetter>, SourceError> {
-        Ok(Vec::new())
-    }
-
-    async fn replay(&self, _: &str, _: &DeadLetter) -> Result<(), SourceError> {
-        Ok(())
-    }
-
-    async fn purge(&self, _: &str, _: &DeadLetter) -> Result<(), SourceError> {
-        Ok(())
-    }
-
-    async fn send(&self, body: Bytes, _: &[(String, String)]) -> Result<String, SourceError> {
-        let mut s = self.state();
-        let id = format!("{}-0", s.ready.len() + 1000);
-        s.ready
-            .push_back(delivery(&id, &String::from_utf8_lossy(&body)));
-        Ok(id)
     }
 }
 

@@ -84,7 +84,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use lapin::BasicProperties;
@@ -95,10 +95,10 @@ use self::dead_letters::AmqpStore;
 use self::queues::QueueKind;
 use self::session::Session;
 use super::{
-    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
-    WithStore,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
+    Source, SourceError, SourceOptions, WithStore,
 };
-use crate::model::{Delivery, Failure};
+use crate::model::Delivery;
 
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -242,7 +242,7 @@ impl AmqpSource {
 }
 
 #[async_trait]
-impl Source for AmqpSource {
+impl Consumer for AmqpSource {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: false,
@@ -259,52 +259,57 @@ impl Source for AmqpSource {
         self.receive_batch(max).await
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.take_properties(&delivery.receipt);
-        let (session, tag) = self.session_for(&delivery.receipt)?;
-        session.ack(tag).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        let original = self.take_properties(&delivery.receipt);
-        let (session, tag) = self.session_for(&delivery.receipt)?;
-        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        let scheduled = self
-            .schedule(
-                &session,
-                tag,
-                fields,
-                original.as_ref(),
-                &delivery.message.id,
+        match settlement {
+            Settlement::Ack => {
+                self.take_properties(&delivery.receipt);
+                let (session, tag) = self.session_for(&delivery.receipt)?;
+                session.ack(tag).await
+            }
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
                 at,
-            )
-            .await;
-        // The ack follows only a confirmed publish: a retry that could not
-        // be stored leaves the message with the broker.
-        scheduled.map_err(|e| {
-            session.give_back(tag);
-            dead_letters::handed_back(e)
-        })
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.write_dead_letter(delivery, failure).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
+            } => {
+                let original = self.take_properties(&delivery.receipt);
+                let (session, tag) = self.session_for(&delivery.receipt)?;
+                let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+                let scheduled = self
+                    .schedule(
+                        &session,
+                        tag,
+                        fields,
+                        original.as_ref(),
+                        &delivery.message.id,
+                        at,
+                    )
+                    .await;
+                // The ack follows only a confirmed publish: a retry that could not
+                // be stored leaves the message with the broker.
+                scheduled.map_err(|e| {
+                    session.give_back(tag);
+                    dead_letters::handed_back(e)
+                })
+            }
+            Settlement::DeadLetter(failure) => self.write_dead_letter(delivery, failure).await,
+        }
     }
 
     /// Stops consuming and gives back, without counting an attempt, what
     /// was prefetched and never offered to the app; then closes.
     async fn close(&self) {
         self.shut_down().await
+    }
+}
+
+#[async_trait]
+impl Observed for AmqpSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
     }
 
     /// A live policy change: depth reads the new dead-letter queue, and the

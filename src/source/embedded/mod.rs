@@ -45,8 +45,8 @@ use tokio::sync::oneshot;
 
 use super::shared::{self, RECEIVE_WAIT};
 use super::{
-    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
-    SourceUrl, decode_fields, encode_fields,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
+    Source, SourceError, SourceOptions, SourceUrl, decode_fields, encode_fields,
 };
 use crate::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
 
@@ -227,7 +227,7 @@ fn parse_receipt(receipt: &str) -> Result<(u64, u64), SourceError> {
 }
 
 #[async_trait]
-impl Source for EmbeddedSource {
+impl Consumer for EmbeddedSource {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: true,
@@ -259,46 +259,40 @@ impl Source for EmbeddedSource {
         .await
     }
 
-    /// Noted in memory and answered at once; see [`FLUSH_EVERY`].
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        let key = parse_receipt(&delivery.receipt)?;
-        let tables = self.tables.clone();
-        self.call(|reply| Call::Ack(Ack { tables, key, reply }))
-            .await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        let data = encode_fields(&delivery.fields_for_retry(next_attempt, first_attempt_at));
-        self.settle(delivery, Then::Retry { at: ms(at), data })
-            .await
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        let mut fields = delivery.fields_for_dead_letter(failure);
-        if !fields.iter().any(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()) {
-            fields.insert(0, (PAYLOAD.into(), Bytes::new()));
+        match settlement {
+            Settlement::Ack => {
+                let key = parse_receipt(&delivery.receipt)?;
+                let tables = self.tables.clone();
+                self.call(|reply| Call::Ack(Ack { tables, key, reply }))
+                    .await
+            }
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                let data =
+                    encode_fields(&delivery.fields_for_retry(next_attempt, first_attempt_at));
+                self.settle(delivery, Then::Retry { at: ms(at), data })
+                    .await
+            }
+            Settlement::DeadLetter(failure) => {
+                let mut fields = delivery.fields_for_dead_letter(failure);
+                if !fields.iter().any(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()) {
+                    fields.insert(0, (PAYLOAD.into(), Bytes::new()));
+                }
+                let then = Then::DeadLetter {
+                    table: dlq_table(&failure.dead_letter_queue),
+                    data: encode_fields(&fields),
+                };
+                self.settle(delivery, then).await
+            }
         }
-        let then = Then::DeadLetter {
-            table: dlq_table(&failure.dead_letter_queue),
-            data: encode_fields(&fields),
-        };
-        self.settle(delivery, then).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        let tables = self.tables.clone();
-        let dlq = dlq_table(&self.live().dead_letter_queue);
-        self.call(|reply| Call::Depth { tables, dlq, reply }).await
-    }
-
-    fn apply(&self, settings: &LiveSettings) {
-        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
     }
 
     /// Extends the leases of `in_flight` to now + the visibility timeout, in
@@ -384,6 +378,19 @@ impl Source for EmbeddedSource {
 }
 
 #[async_trait]
+impl Observed for EmbeddedSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        let tables = self.tables.clone();
+        let dlq = dlq_table(&self.live().dead_letter_queue);
+        self.call(|reply| Call::Depth { tables, dlq, reply }).await
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
+    }
+}
+
+#[async_trait]
 impl DeadLetterStore for EmbeddedSource {
     async fn dead_letters(
         &self,
@@ -439,7 +446,7 @@ impl DeadLetterStore for EmbeddedSource {
     }
 
     async fn flush(&self) {
-        Source::close(self).await
+        Consumer::close(self).await
     }
 }
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::source::SettleBy;
 
 fn open(dir: &Path) -> EmbeddedSource {
     let mut options = SourceOptions::new("q");

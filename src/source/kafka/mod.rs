@@ -63,9 +63,10 @@ use bytes::Bytes;
 use rdkafka::message::OwnedMessage;
 
 use super::{
-    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
+    Source, SourceError, SourceOptions,
 };
-use crate::model::{DeadLetter, Delivery, Failure};
+use crate::model::{DeadLetter, Delivery};
 use connection::{GroupConsumer, Inspector, Producer};
 use offsets::Ledger;
 use rdkafka::consumer::Consumer as _;
@@ -153,7 +154,7 @@ pub struct KafkaSource {
 }
 
 #[async_trait]
-impl Source for KafkaSource {
+impl Consumer for KafkaSource {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: true,
@@ -170,35 +171,23 @@ impl Source for KafkaSource {
         self.read_batch(max).await
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.settle_ack(delivery).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-            .await
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.settle_dead_letter(delivery, failure).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
-    }
-
-    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
-        dead_letters::check_dead_letter_topic(&settings.dead_letter_queue, &self.options.queue)
-    }
-
-    fn apply(&self, settings: &LiveSettings) {
-        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
+        match settlement {
+            Settlement::Ack => self.settle_ack(delivery).await,
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
+                    .await
+            }
+            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
+        }
     }
 
     /// Commits what is settled (never past what is not) and waits for the
@@ -217,6 +206,21 @@ impl Source for KafkaSource {
                 .map_err(connection::unavailable)
         })
         .await;
+    }
+}
+
+#[async_trait]
+impl Observed for KafkaSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        dead_letters::check_dead_letter_topic(&settings.dead_letter_queue, &self.options.queue)
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
     }
 }
 
@@ -247,7 +251,7 @@ impl DeadLetterStore for KafkaSource {
     }
 
     async fn flush(&self) {
-        Source::close(self).await
+        Consumer::close(self).await
     }
 }
 

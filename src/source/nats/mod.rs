@@ -79,10 +79,10 @@ use async_nats::jetstream::context::Context;
 use async_trait::async_trait;
 
 use super::{
-    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
-    WithStore,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
+    Source, SourceError, SourceOptions, WithStore,
 };
-use crate::model::{Delivery, Failure};
+use crate::model::Delivery;
 use dead_letters::NatsStore;
 use pull::Puller;
 
@@ -145,7 +145,7 @@ pub struct NatsSource {
 }
 
 #[async_trait]
-impl Source for NatsSource {
+impl Consumer for NatsSource {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: true,
@@ -162,39 +162,23 @@ impl Source for NatsSource {
         self.read_batch(max).await
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.settle_ack(delivery).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-            .await
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.settle_dead_letter(delivery, failure).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
-    }
-
-    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
-        dead_letters::check_dead_letter_subject(
-            &settings.dead_letter_queue,
-            &self.options.queue,
-            &self.work_subjects,
-        )
-    }
-
-    fn apply(&self, settings: &LiveSettings) {
-        self.follow(settings);
+        match settlement {
+            Settlement::Ack => self.settle_ack(delivery).await,
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
+                    .await
+            }
+            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
+        }
     }
 
     async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
@@ -211,6 +195,25 @@ impl Source for NatsSource {
             task.abort();
         }
         let _ = self.client.flush().await;
+    }
+}
+
+#[async_trait]
+impl Observed for NatsSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        dead_letters::check_dead_letter_subject(
+            &settings.dead_letter_queue,
+            &self.options.queue,
+            &self.work_subjects,
+        )
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        self.follow(settings);
     }
 
     fn connected(&self) -> bool {

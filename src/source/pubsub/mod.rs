@@ -44,16 +44,16 @@ mod settle;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{
-    Batcher, Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError,
-    SourceOptions,
+    Batcher, Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed,
+    Settlement, Source, SourceError, SourceOptions,
 };
-use crate::model::{DeadLetter, Delivery, Failure};
+use crate::model::{DeadLetter, Delivery};
 use crate::source::shared::Seal;
 
 pub use connection::{
@@ -191,7 +191,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 #[async_trait]
-impl Source for PubSubSource {
+impl Consumer for PubSubSource {
     fn longest_claim(&self) -> Option<Duration> {
         Some(Duration::from_secs(MAX_HOLD_SECS))
     }
@@ -212,25 +212,35 @@ impl Source for PubSubSource {
         self.read(max).await
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.settle_ack(&delivery.receipt).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-            .await
+        match settlement {
+            Settlement::Ack => self.settle_ack(&delivery.receipt).await,
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
+                    .await
+            }
+            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
+        }
     }
 
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.settle_dead_letter(delivery, failure).await
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        self.keep_leased(in_flight).await
     }
 
+    /// Held copies stay leased: their lease ends at their due time anyway.
+    async fn close(&self) {}
+}
+
+#[async_trait]
+impl Observed for PubSubSource {
     async fn depth(&self) -> Result<Depth, SourceError> {
         self.read_depth().await
     }
@@ -245,13 +255,6 @@ impl Source for PubSubSource {
             self.warn_about_cap(settings.max_deliveries);
         }
     }
-
-    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
-        self.keep_leased(in_flight).await
-    }
-
-    /// Held copies stay leased: their lease ends at their due time anyway.
-    async fn close(&self) {}
 }
 
 #[async_trait]
@@ -281,6 +284,6 @@ impl DeadLetterStore for PubSubSource {
     }
 
     async fn flush(&self) {
-        Source::close(self).await
+        Consumer::close(self).await
     }
 }

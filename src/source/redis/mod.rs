@@ -41,7 +41,7 @@ mod tls;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::Value;
@@ -49,10 +49,10 @@ use tokio::sync::Mutex;
 
 use super::shared::{RECEIVE_WAIT, Seal};
 use super::{
-    Batcher, Broker, Capabilities, DeadLetterStore, Depth, ErrorKind, LiveSettings, Source,
-    SourceError, SourceOptions, WithStore,
+    Batcher, Broker, Capabilities, Consumer, DeadLetterStore, Depth, ErrorKind, LiveSettings,
+    Observed, Settlement, Source, SourceError, SourceOptions, WithStore,
 };
-use crate::model::{Delivery, Failure};
+use crate::model::Delivery;
 use connection::{Connection, Endpoint};
 use dead_letters::RedisStore;
 use reader::{NewEntries, Reader};
@@ -269,7 +269,7 @@ async fn seal_of(con: &mut Connection, queue: &str) -> Result<Seal, SourceError>
 }
 
 #[async_trait]
-impl Source for RedisSource {
+impl Consumer for RedisSource {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: true,
@@ -286,27 +286,23 @@ impl Source for RedisSource {
         self.read(max).await
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.acks.submit(delivery.receipt.clone()).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        self.store_retry(delivery, next_attempt, first_attempt_at, at)
-            .await
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.store_dead_letter(delivery, failure).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
+        match settlement {
+            Settlement::Ack => self.acks.submit(delivery.receipt.clone()).await,
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                self.store_retry(delivery, next_attempt, first_attempt_at, at)
+                    .await
+            }
+            Settlement::DeadLetter(failure) => self.store_dead_letter(delivery, failure).await,
+        }
     }
 
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
@@ -333,6 +329,21 @@ impl Source for RedisSource {
             .map_err(broker_error)
     }
 
+    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
+        self.keep_claimed(in_flight).await
+    }
+
+    async fn close(&self) {
+        self.mover_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[async_trait]
+impl Observed for RedisSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
+    }
+
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {
         match self.cluster {
             true => cluster::slot_problem(&self.options.queue, &settings.dead_letter_queue)
@@ -343,14 +354,6 @@ impl Source for RedisSource {
 
     fn apply(&self, settings: &LiveSettings) {
         *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
-    }
-
-    async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
-        self.keep_claimed(in_flight).await
-    }
-
-    async fn close(&self) {
-        self.mover_stop.store(true, Ordering::Relaxed);
     }
 
     fn dead_lettered_inside(&self) -> u64 {

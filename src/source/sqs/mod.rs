@@ -63,10 +63,10 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::{
-    Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Recent, Source, SourceError,
-    SourceOptions,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Recent,
+    Settlement, Source, SourceError, SourceOptions,
 };
-use crate::model::{DeadLetter, Delivery, Failure};
+use crate::model::{DeadLetter, Delivery};
 use crate::source::shared::Seal;
 
 pub use attributes::{ENCODING, HEADERS, MAX_ATTRIBUTES, RECORD, attribute_name_ok, is_sqs_text};
@@ -233,7 +233,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 #[async_trait]
-impl Source for SqsSource {
+impl Consumer for SqsSource {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             per_message_delay: true,
@@ -250,40 +250,22 @@ impl Source for SqsSource {
         self.read(max).await
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.settle_ack(delivery).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-            .await
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.settle_dead_letter(delivery, failure).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
-    }
-
-    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
-        dead_letters::check_dead_letter_queue(
-            &settings.dead_letter_queue,
-            connection::queue_name(&self.options.queue),
-        )
-    }
-
-    fn apply(&self, settings: &LiveSettings) {
-        let before = std::mem::replace(&mut *lock(&self.live), settings.clone());
-        if before.max_deliveries != settings.max_deliveries {
-            self.warn_about_redrive(settings.max_deliveries);
+        match settlement {
+            Settlement::Ack => self.settle_ack(delivery).await,
+            Settlement::Retry {
+                next_attempt,
+                first_attempt_at,
+                at,
+            } => {
+                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
+                    .await
+            }
+            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
         }
     }
 
@@ -299,6 +281,27 @@ impl Source for SqsSource {
         for receipt in receipts {
             lock(&self.in_flight).remove(&receipt);
             let _ = self.change_visibility(&self.queue_url, &receipt, 0).await;
+        }
+    }
+}
+
+#[async_trait]
+impl Observed for SqsSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        dead_letters::check_dead_letter_queue(
+            &settings.dead_letter_queue,
+            connection::queue_name(&self.options.queue),
+        )
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        let before = std::mem::replace(&mut *lock(&self.live), settings.clone());
+        if before.max_deliveries != settings.max_deliveries {
+            self.warn_about_redrive(settings.max_deliveries);
         }
     }
 }
@@ -330,7 +333,7 @@ impl DeadLetterStore for SqsSource {
     }
 
     async fn flush(&self) {
-        Source::close(self).await
+        Consumer::close(self).await
     }
 }
 

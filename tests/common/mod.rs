@@ -271,8 +271,9 @@ mod brokers;
 #[allow(unused_imports)]
 pub use brokers::{
     Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Kafka, Nats, PlainLetter, Producer,
-    PubSub, Redis, RedisCluster, RedisConnection, Sqs, declare_amqp_quorum, kafka_bootstrap,
-    kafka_records, pubsub_messages, queue_on_another_node, sqs_messages, sqs_plain_letter,
+    PubSub, Redis, RedisCluster, RedisConnection, Sqs, amqp_count_without_consumers,
+    declare_amqp_quorum, kafka_bootstrap, kafka_records, pubsub_messages, queue_on_another_node,
+    sqs_messages, sqs_plain_letter,
 };
 
 /// A source under test, with a fresh queue of its own.

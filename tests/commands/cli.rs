@@ -642,9 +642,10 @@ fn no_log_line_at_trace_level_holds_a_secret() {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start courier");
-        // Until a first attempt to open the source has ended (the
-        // credentials are wrong, or the app never answers): by then the URL
-        // and the secrets have been through the client's connection.
+        // Until a first attempt to open the source has ended: courier
+        // exits on the refused credentials, says it will try again, or
+        // waits for the app (which never answers). By then the URL and the
+        // secrets have been through the client's connection.
         let stderr = child.stderr.take().expect("piped stderr");
         let lines = Arc::new(Mutex::new(Vec::<String>::new()));
         let reader = {
@@ -657,11 +658,14 @@ fn no_log_line_at_trace_level_holds_a_secret() {
             })
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !lines.lock().unwrap().iter().any(|l| {
-            l.contains("cannot open the source") || l.contains("waiting for the app to be ready")
-        }) {
+        while child.try_wait().unwrap().is_none()
+            && !lines.lock().unwrap().iter().any(|l| {
+                l.contains("cannot open the source")
+                    || l.contains("waiting for the app to be ready")
+            })
+        {
             assert!(
-                Instant::now() < deadline && child.try_wait().unwrap().is_none(),
+                Instant::now() < deadline,
                 "{url}: courier did not try the source to its end:\n{}",
                 lines.lock().unwrap().join("\n")
             );

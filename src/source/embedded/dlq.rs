@@ -113,7 +113,7 @@ pub(super) fn not_there(table: &str, id: u64) -> SourceError {
 
 /// Why an unreadable dead letter cannot be replayed, and what to do.
 fn unreadable(table: &str, id: u64) -> SourceError {
-    SourceError::Invalid(format!(
+    SourceError::invalid(format!(
         "dead letter {id} in {} is stored in a form that cannot be read, so it cannot be replayed; `courier dlq list` shows its raw bytes as the body, and `courier dlq purge` deletes it",
         table.trim_start_matches("dlq/")
     ))
@@ -121,7 +121,7 @@ fn unreadable(table: &str, id: u64) -> SourceError {
 
 pub(super) fn parse_dead_letter_id(id: &str) -> Result<u64, SourceError> {
     id.parse().map_err(|_| {
-        SourceError::Invalid(format!(
+        SourceError::invalid(format!(
             "{id:?} is not a dead-letter id of the embedded queue (a number)"
         ))
     })

@@ -7,14 +7,14 @@ use super::*;
 pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
     static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<File>>>> = OnceLock::new();
     std::fs::create_dir_all(dir).map_err(|e| {
-        SourceError::Invalid(format!(
+        SourceError::invalid(format!(
             "cannot create the embedded queue directory {}: {e}",
             dir.display()
         ))
     })?;
     let path = dir
         .canonicalize()
-        .map_err(|e| SourceError::Invalid(format!("{}: {e}", dir.display())))?
+        .map_err(|e| SourceError::invalid(format!("{}: {e}", dir.display())))?
         .join("courier.redb");
     let mut open = OPEN
         .get_or_init(Default::default)
@@ -38,7 +38,7 @@ pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
-                return Err(SourceError::Invalid(format!(
+                return Err(SourceError::invalid(format!(
                     "the embedded queue {} is open in another process; an embedded queue serves one process at a time (stop the other courier first)",
                     path.display()
                 )));

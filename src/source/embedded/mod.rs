@@ -137,13 +137,13 @@ pub const BROKER: Broker = Broker {
     check_url: |text| dir_of(text).map(drop),
     open: |url, options| {
         Box::pin(async move {
-            let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
+            let dir = dir_of(url.as_str()).map_err(SourceError::invalid)?;
             Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn Source>)
         })
     },
     admin: |url, options| {
         Box::pin(async move {
-            let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
+            let dir = dir_of(url.as_str()).map_err(SourceError::invalid)?;
             Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn DeadLetterStore>)
         })
     },
@@ -204,7 +204,7 @@ impl Drop for File {
 }
 
 fn store_error(e: impl std::fmt::Display) -> SourceError {
-    SourceError::Broker(format!("embedded queue: {e}"))
+    SourceError::broker(format!("embedded queue: {e}"))
 }
 
 fn writer_gone() -> SourceError {
@@ -420,7 +420,7 @@ impl DeadLetterStore for EmbeddedSource {
         );
         let data = encode_fields(&fields);
         if data.len() > RECORD_LIMIT {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "the message is {} bytes with its headers, over the embedded queue's limit of {RECORD_LIMIT} bytes for one message; send a smaller body (or a reference to where the data is)",
                 data.len()
             )));

@@ -98,7 +98,7 @@ impl KafkaSource {
     /// Whether the letter `id` is in the topic and not removed.
     async fn is_there(&self, dead_letter_topic: &str, id: &str) -> Result<(), SourceError> {
         if parse_record_id(id).is_none() {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "{id:?} is not a dead-letter id of Kafka (<partition>-<offset>)"
             )));
         }

@@ -268,10 +268,10 @@ impl KafkaSource {
     }
 
     pub(super) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::Invalid)?;
+        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
         if options.queue.is_empty() {
-            return Err(SourceError::Invalid(
-                "--queue names the Kafka topic; it cannot be empty".into(),
+            return Err(SourceError::invalid(
+                "--queue names the Kafka topic; it cannot be empty",
             ));
         }
         let producer = connection::producer(&bootstrap, &options)?;
@@ -286,7 +286,7 @@ impl KafkaSource {
                 if create {
                     connection::ensure_topic(&producer, &inspector, &topic)?;
                 } else if connection::partitions(&inspector, &topic)?.is_none() {
-                    return Err(SourceError::Invalid(format!(
+                    return Err(SourceError::invalid(format!(
                         "the Kafka topic {topic:?} does not exist; create it, or pass --create"
                     )));
                 }

@@ -46,7 +46,7 @@ impl PubSubSource {
         lock(&self.in_flight)
             .get(receipt)
             .copied()
-            .ok_or_else(|| SourceError::Invalid("the message is not in flight here".into()))
+            .ok_or_else(|| SourceError::invalid("the message is not in flight here"))
     }
 
     pub(super) async fn settle_ack(&self, receipt: &str) -> Result<(), SourceError> {
@@ -153,15 +153,15 @@ impl PubSubSource {
         headers: &[(String, String)],
     ) -> Result<String, SourceError> {
         if body.is_empty() && headers.is_empty() {
-            return Err(SourceError::Invalid(
-                "Pub/Sub takes no message without a body and without attributes".into(),
+            return Err(SourceError::invalid(
+                "Pub/Sub takes no message without a body and without attributes",
             ));
         }
         if let Some((name, _)) = headers
             .iter()
             .find(|(n, v)| !super::fields::attribute_ok(n, v))
         {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "Pub/Sub cannot carry the header {name:?}: an attribute's name is 1 to 256 bytes not starting with goog, its value at most 1024 bytes"
             )));
         }

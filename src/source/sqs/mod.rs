@@ -160,7 +160,7 @@ pub struct SqsSource {
 
 impl SqsSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let region = connection::region_of(url).map_err(SourceError::Invalid)?;
+        let region = connection::region_of(url).map_err(SourceError::invalid)?;
         let client = connection::client(&region).await;
         let name = connection::queue_name(&options.queue).to_string();
         let queue_url = if options.queue.starts_with("http://")
@@ -171,7 +171,7 @@ impl SqsSource {
             connection::queue_url(&client, &name, options.create)
                 .await?
                 .ok_or_else(|| {
-                    SourceError::Invalid(format!(
+                    SourceError::invalid(format!(
                         "SQS queue {name:?} does not exist in {region}; create it, or start courier with --create"
                     ))
                 })?

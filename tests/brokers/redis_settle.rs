@@ -363,6 +363,25 @@ async fn an_unreadable_stored_retry_is_dead_lettered_and_the_rest_move_on() {
 }
 
 /// `ACL SETUSER user ...rules` on the shared Redis.
+/// How many XADDs Redis refused `user`, by its ACL log.
+async fn refused_xadds(con: &mut MultiplexedConnection, user: &str) -> i64 {
+    let entries: Vec<std::collections::HashMap<String, redis::Value>> =
+        redis::cmd("ACL").arg("LOG").query_async(con).await.unwrap();
+    let text = |v: Option<&redis::Value>| match v {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(redis::Value::SimpleString(s)) => s.clone(),
+        _ => String::new(),
+    };
+    entries
+        .iter()
+        .filter(|e| text(e.get("username")) == user && text(e.get("object")) == "xadd")
+        .map(|e| match e.get("count") {
+            Some(redis::Value::Int(n)) => *n,
+            _ => 0,
+        })
+        .sum()
+}
+
 async fn acl(con: &mut MultiplexedConnection, user: &str, rules: &[&str]) {
     let _: () = redis::cmd("ACL")
         .arg("SETUSER")
@@ -419,8 +438,12 @@ async fn a_retry_whose_move_failed_is_moved_again_before_its_claim_runs_out() {
         score.is_some_and(|s| s as u64 > now_ms() + 20_000)
     })
     .await;
-    // A few of the mover's rounds (one each 50 ms) fail meanwhile.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A few of the mover's rounds (one each 50 ms) fail meanwhile: Redis
+    // logs each XADD it refused the user in its ACL log.
+    wait_for("three refused moves", SETTLE, async || {
+        refused_xadds(&mut con, &user).await >= 3
+    })
+    .await;
     assert!(app.received_body(b"moved again").is_empty());
     assert_eq!(
         xlen(&mut con, &fixture.queue).await,

@@ -350,8 +350,15 @@ async fn a_redrive_policy_below_max_attempts_is_warned_about() {
     std::fs::write(&path, doc(3)).unwrap();
     wait_for("the change to 3 attempts", SETTLE, async || applied() >= 1).await;
     // A later modification time than the last write's, whatever the
-    // file system's granularity.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // file system's granularity: a probe written now shows when the
+    // clock the file system stamps with has moved on.
+    let last = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let probe = path.with_extension("probe");
+    wait_for("the file system's clock to move on", SETTLE, async || {
+        std::fs::write(&probe, b"").unwrap();
+        std::fs::metadata(&probe).unwrap().modified().unwrap() > last
+    })
+    .await;
     std::fs::write(&path, doc(6)).unwrap();
     wait_for("the warning on the policy change", SETTLE, async || {
         applied() >= 2 && warnings(6) == 1

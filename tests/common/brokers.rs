@@ -1310,3 +1310,37 @@ pub async fn declare_amqp_quorum(queue: &str) {
         .unwrap();
     let _ = connection.close(200, "declared".into()).await;
 }
+
+/// RabbitMQ's own count of `queue` at `url` once no consumer is on it:
+/// what a stopped courier left unacked is then requeued and counted with
+/// the ready messages, which a passive declare reports (courier's `depth`
+/// can only add what this process holds to that). Waits for the consumers
+/// to go; returns the message count.
+pub async fn amqp_count_without_consumers(url: &str, queue: &str) -> u32 {
+    use lapin::options::QueueDeclareOptions;
+    let connection = lapin::Connection::connect(url, Default::default())
+        .await
+        .expect("connect to RabbitMQ");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let mut count = None;
+    super::wait_for(
+        &format!("no consumer left on {queue}"),
+        Duration::from_secs(30),
+        async || {
+            let channel = connection.create_channel().await.expect("open a channel");
+            let declared = channel
+                .queue_declare(queue.into(), passive, Default::default())
+                .await
+                .expect("a passive declare of the queue");
+            let _ = channel.close(200, "counted".into()).await;
+            count = Some(declared.message_count());
+            declared.consumer_count() == 0
+        },
+    )
+    .await;
+    let _ = connection.close(200, "counted".into()).await;
+    count.unwrap()
+}

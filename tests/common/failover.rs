@@ -182,6 +182,13 @@ pub async fn drain_across_a_kill(
     })
     .await;
     running.stop().await;
+    if fixture.broker == super::BrokerKind::Amqp {
+        // RabbitMQ reports no unacked messages, so `pending` above is what
+        // the sidecar in this process held; stopped, it holds nothing, and
+        // RabbitMQ counts what it left unacked.
+        let left = super::amqp_count_without_consumers(fixture.url.as_str(), &fixture.queue).await;
+        assert_eq!(left, 0, "RabbitMQ holds {left} messages after the stop");
+    }
     assert!(
         delivered_at_kill < messages,
         "the kill came after the drain: {delivered_at_kill} delivered"

@@ -124,8 +124,9 @@ impl Received {
 /// A real HTTP server on 127.0.0.1. A message body may start with a script
 /// line `script:<step>,<step>,...`; the app answers the n-th request for
 /// that body with the n-th step (the last step repeats). A step is a status
-/// (`503`), a status with Retry-After seconds (`429ra1`), or `sleepN` (wait N
-/// ms, then 200), followed by any answer headers as `+name=value`
+/// (`503`), a status with Retry-After seconds (`429ra1`), `sleepN` (wait N
+/// ms, then 200), or `hold` (wait until [`TestApp::release_held`], then 200;
+/// at once after it), followed by any answer headers as `+name=value`
 /// (`500+courier-dead-letter=out of stock`). Any other body gets 200. Every
 /// request is recorded.
 #[derive(Clone)]
@@ -133,6 +134,9 @@ pub struct TestApp {
     pub addr: SocketAddr,
     received: Arc<Mutex<Vec<Received>>>,
     stop: CancellationToken,
+    /// Requests waiting in a `hold` step now.
+    held: Arc<std::sync::atomic::AtomicUsize>,
+    released: CancellationToken,
 }
 
 /// A script step's answer headers (`+name=value` after the step) and the
@@ -168,10 +172,14 @@ impl TestApp {
             addr: listener.local_addr().unwrap(),
             received: Arc::default(),
             stop: CancellationToken::new(),
+            held: Arc::default(),
+            released: CancellationToken::new(),
         };
         let received = app.received.clone();
+        let (held, released) = (app.held.clone(), app.released.clone());
         tokio::spawn(serve_http(listener, app.stop.clone(), move |req| {
             let received = received.clone();
+            let (held, released) = (held.clone(), released.clone());
             async move {
                 let headers = req
                     .headers()
@@ -213,6 +221,12 @@ impl TestApp {
                     }
                     None => ("200", Vec::new()),
                 };
+                if step == "hold" && !released.is_cancelled() {
+                    use std::sync::atomic::Ordering::SeqCst;
+                    held.fetch_add(1, SeqCst);
+                    released.cancelled().await;
+                    held.fetch_sub(1, SeqCst);
+                }
                 let (status, retry_after, sleep) = answer(step);
                 if let Some(ms) = sleep {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -264,6 +278,16 @@ impl TestApp {
     pub fn stop(&self) {
         self.stop.cancel();
     }
+
+    /// Requests the app is holding in a `hold` step now.
+    pub fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Answers every held request, and from now on every `hold` at once.
+    pub fn release_held(&self) {
+        self.released.cancel();
+    }
 }
 
 // === Sources ===
@@ -274,8 +298,9 @@ mod brokers;
 #[allow(unused_imports)]
 pub use brokers::{
     Amqp, BrokerCleanup, BrokerFixture, BrokerKind, Embedded, Kafka, Nats, PlainLetter, Producer,
-    PubSub, Redis, RedisCluster, RedisConnection, Sqs, declare_amqp_quorum, kafka_bootstrap,
-    kafka_records, pubsub_messages, queue_on_another_node, sqs_messages, sqs_plain_letter,
+    PubSub, Redis, RedisCluster, RedisConnection, Sqs, amqp_count_without_consumers,
+    declare_amqp_quorum, kafka_bootstrap, kafka_records, pubsub_messages, queue_on_another_node,
+    sqs_messages, sqs_plain_letter,
 };
 
 /// A source under test, with a fresh queue of its own.

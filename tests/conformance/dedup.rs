@@ -77,3 +77,44 @@ pub async fn the_window_expires(fixture: Fixture) {
         "after the window a duplicate is delivered again"
     );
 }
+
+/// docs/design.md ("Dedup window"): a source without a deduplication
+/// window logs that the window is off, and delivers as without one. The
+/// built binary runs with `--dedup-window 30s`: it warns once at start and
+/// hands both copies of a duplicate to the app, acking each without
+/// trying the window it does not have.
+pub async fn without_support_the_window_is_off_with_a_warning(fixture: Fixture) {
+    const WARNING: &str = "--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated";
+    let app = TestApp::start().await;
+    let producer = fixture.producer().await;
+    let key = [("idempotency-key".to_string(), "charge-9".to_string())];
+    producer.send("charge 9", &key).await;
+    producer.send("charge 9", &key).await;
+    producer.release(&fixture).await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+    let mut args = run_args(&fixture, &app, &policy, "no-dedup");
+    args.extend(["--dedup-window", "30s"].map(str::to_string));
+    let mut courier = CourierProcess::run(&args);
+    let warning = courier.wait_log(WARNING, Duration::from_secs(30)).await;
+    assert_eq!(warning["level"], "WARN", "{warning}");
+    let addr = courier.metrics_addr().await;
+    wait_for("both copies acked", Duration::from_secs(30), async || {
+        metric(&scrape(addr).await, "courier_acks_total", &fixture.queue) >= 2.0
+    })
+    .await;
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(10)).await;
+    assert!(status.success(), "{status}\n{}", courier.log());
+    assert_eq!(
+        app.received_body(b"charge 9").len(),
+        2,
+        "the duplicate reached the app: the window is off"
+    );
+    let text = courier.log();
+    assert_eq!(text.matches(WARNING).count(), 1, "warned once:\n{text}");
+    assert!(
+        !text.contains("could not remember the ack for deduplication"),
+        "the window is ignored, not tried on every ack:\n{text}"
+    );
+}

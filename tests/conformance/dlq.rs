@@ -285,7 +285,10 @@ pub async fn list_show_replay_purge(fixture: Fixture) {
 }
 
 /// A replay killed with SIGKILL halfway loses nothing: every message is in
-/// the dead-letter queue, the work queue, or both.
+/// the dead-letter queue, the work queue, or both. The kill falls at a
+/// random point of a 33 ms cycle, seldom between a replay's two writes;
+/// `nats_a_replay_stopped_at_the_publish_loses_nothing` stops one there
+/// on purpose.
 pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
     let app = TestApp::start().await;
     let n = 60;
@@ -449,4 +452,82 @@ pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
         "courier send made more than its message: {added:?}"
     );
     remove_queue(&bare).await;
+}
+
+/// The dangerous moment of a replay, on purpose. A replay on NATS is two
+/// steps, a publish to the work stream and then a delete from the
+/// dead-letter stream; a kill at a random point of the replay above
+/// rarely falls between them. Here the work stream takes [`TAKEN`] more
+/// messages and refuses the next publish (`max_msgs`, discard new), so the
+/// replay of letter `TAKEN + 1` stops exactly between the two steps, every
+/// run: a replay that deleted before it published would lose that letter
+/// and every later one. (Redis and the embedded queue replay in one
+/// transaction, so they have no such moment.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_replay_stopped_at_the_publish_loses_nothing() {
+    use async_nats::jetstream::stream::DiscardPolicy;
+    const TAKEN: i64 = 3;
+    let fixture = Fixture::nats();
+    let app = TestApp::start().await;
+    let n = 8;
+    let bodies: Vec<Bytes> = (0..n)
+        .map(|i| Bytes::from(format!("script:400,200\n{i}")))
+        .collect();
+    let ids = send_all(&fixture, &bodies).await;
+    drain(&fixture, &app).await;
+    let listed = || -> Vec<String> {
+        json_lines(&courier(&fixture, &["dlq", "list", "--output", "json"]))
+            .iter()
+            .map(|l| l["courier-message-id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(listed().len(), n);
+
+    let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await.unwrap());
+    let limit = async |max: Option<i64>| {
+        let mut stream = js.get_stream(&fixture.queue).await.unwrap();
+        let info = stream.info().await.unwrap();
+        let mut config = info.config.clone();
+        config.max_messages = max.map_or(-1, |more| info.state.messages as i64 + more);
+        config.discard = DiscardPolicy::New;
+        js.update_stream(config).await.unwrap();
+    };
+    limit(Some(TAKEN)).await;
+    let out = courier(&fixture, &["dlq", "replay", "--all"]);
+    let replayed = stdout(&out)
+        .lines()
+        .filter(|l| l.starts_with("replayed "))
+        .count();
+    assert_eq!(
+        replayed,
+        TAKEN as usize,
+        "the work stream took {TAKEN}, then refused: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    assert!(!out.status.success(), "the refused replays are reported");
+
+    let left = listed();
+    assert_eq!(
+        left.len(),
+        n - TAKEN as usize,
+        "each refused letter stays a dead letter"
+    );
+    limit(None).await;
+    drain(&fixture, &app).await;
+    let lost: Vec<&String> = bodies
+        .iter()
+        .zip(&ids)
+        .filter(|(body, id)| app.received_body(body).len() < 2 && !left.contains(id))
+        .map(|(_, id)| id)
+        .collect();
+    assert!(lost.is_empty(), "messages {lost:?} are in neither stream");
+    assert_eq!(
+        bodies
+            .iter()
+            .filter(|b| app.received_body(b).len() == 2)
+            .count(),
+        TAKEN as usize,
+        "the replayed ones were delivered again"
+    );
 }

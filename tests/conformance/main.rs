@@ -53,6 +53,8 @@ enum Needs {
     DeadLetterBrowsing,
     /// A deduplication window.
     Dedup,
+    /// No deduplication window (its fallback).
+    NoDedup,
 }
 
 impl Needs {
@@ -61,6 +63,7 @@ impl Needs {
             Self::Nothing => true,
             Self::DeadLetterBrowsing => capabilities.dead_letter_browsing,
             Self::Dedup => capabilities.dedup,
+            Self::NoDedup => !capabilities.dedup,
         }
     }
 }
@@ -168,6 +171,7 @@ suite!(
         dedup::a_duplicate_within_the_window_does_not_reach_the_app if Dedup,
         dedup::without_a_window_duplicates_are_delivered if Nothing,
         dedup::the_window_expires if Dedup,
+        dedup::without_support_the_window_is_off_with_a_warning if NoDedup,
         bad_inputs::an_idempotency_key_http_cannot_carry_is_undeliverable if DeadLetterBrowsing,
         bad_inputs::an_unreadable_retry_after_is_ignored_and_counted if Nothing,
         bad_inputs::more_headers_than_the_cap_is_undeliverable if DeadLetterBrowsing,

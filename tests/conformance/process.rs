@@ -573,33 +573,64 @@ pub async fn drain_timeout_cuts_off_and_redelivers(fixture: Fixture) {
 
 /// A graceful stop lets in-flight deliveries finish and gives back what was
 /// fetched and never offered (AMQP prefetch), so the next run offers every
-/// remaining message as attempt 1.
+/// remaining message as attempt 1. The stop comes while four deliveries are
+/// at the app: it holds them until courier logged that it is draining them,
+/// and courier reports the four finished, not abandoned.
 pub async fn a_graceful_stop_uses_no_attempts(fixture: Fixture) {
+    const IN_FLIGHT: usize = 4;
     let app = TestApp::start().await;
-    let source = fixture.open().await;
     let producer = fixture.producer().await;
     let n = 24;
+    let body = |i: usize| format!("script:hold\nstop {i}");
     for i in 0..n {
-        producer
-            .send(format!("script:sleep150\nstop {i}"), &[])
-            .await;
+        producer.send(body(i), &[]).await;
     }
-    for round in 0..2 {
-        let mut config = run_config(&fixture, &app, fast_policy());
-        config.concurrency = 4;
-        let running = Running::start(config).await;
-        if round == 0 {
-            wait_for("some deliveries", Duration::from_secs(20), async || {
-                app.received().len() >= 6
-            })
-            .await;
-        } else {
-            wait_settled(&source, SETTLE).await;
-        }
-        running.stop().await;
-    }
+    producer.release(&fixture).await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(
+        dir.path(),
+        "maxAttempts: 3\ntimeout: 20s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
+    );
+    let mut args = run_args(&fixture, &app, &policy, "stopping");
+    args.extend(["--concurrency", "4", "--drain-timeout", "20s"].map(String::from));
+
+    let mut first = CourierProcess::run(&args);
+    wait_for("four deliveries held by the app", SETTLE, async || {
+        app.held() == IN_FLIGHT
+    })
+    .await;
+    first.terminate();
+    let draining = first
+        .wait_log("draining in-flight deliveries", SETTLE)
+        .await;
+    assert_eq!(draining["in_flight"], IN_FLIGHT, "{draining}");
+    assert_eq!(
+        app.held(),
+        IN_FLIGHT,
+        "the stop came while the app held them"
+    );
+    app.release_held();
+    let status = first.exit_within(SETTLE).await;
+    assert!(status.success(), "{status}\n{}", first.log());
+    let stopped = logged(&first, "stopped").await;
+    assert_eq!(
+        (&stopped["finished"], &stopped["abandoned"]),
+        (&IN_FLIGHT.into(), &0.into()),
+        "{stopped}"
+    );
+    assert_eq!(
+        app.received().len(),
+        IN_FLIGHT,
+        "nothing new after the stop"
+    );
+
+    let mut second = CourierProcess::run(&args);
+    stop_when_settled(&mut second, &fixture, (n - IN_FLIGHT) as u64, || {
+        bodies_seen(&app).len() == n
+    })
+    .await;
     for i in 0..n {
-        let seen = app.received_body(format!("script:sleep150\nstop {i}").as_bytes());
+        let seen = app.received_body(body(i).as_bytes());
         assert_eq!(seen.len(), 1, "message {i} offered once");
         assert_eq!(seen[0].attempt(), 1, "message {i}");
     }

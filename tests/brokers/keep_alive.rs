@@ -17,16 +17,15 @@
 //! broker hands it out again and the app receives it twice.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use courier::dispatch::Dispatcher;
 use courier::forward::Forwarder;
-use courier::model::{Delivery, Failure};
+use courier::model::Delivery;
 use courier::policy::LivePolicy;
 use courier::source::{
-    self, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError, SourceOptions,
-    WithStore,
+    self, Capabilities, Consumer, Settlement, Source, SourceError, SourceOptions,
 };
 use courier::telemetry::{Health, Metrics, Readiness};
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::ModifyAckDeadlineRequest;
@@ -96,14 +95,12 @@ struct ShortClaim {
     cut: Box<dyn CutClaim>,
 }
 
-impl WithStore for ShortClaim {
-    fn store(&self) -> &dyn DeadLetterStore {
-        self.inner.as_ref()
-    }
-}
-
 #[async_trait]
-impl Source for ShortClaim {
+impl Consumer for ShortClaim {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let got = self.inner.receive(max).await?;
         self.cut
@@ -112,36 +109,12 @@ impl Source for ShortClaim {
         Ok(got)
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        self.inner.ack(delivery).await
-    }
-
-    async fn retry(
+    async fn settle(
         &self,
         delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
+        settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        self.inner
-            .retry(delivery, next_attempt, first_attempt_at, at)
-            .await
-    }
-
-    async fn dead_letter(&self, delivery: &Delivery, failure: &Failure) -> Result<(), SourceError> {
-        self.inner.dead_letter(delivery, failure).await
-    }
-
-    async fn depth(&self) -> Result<Depth, SourceError> {
-        self.inner.depth().await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn apply(&self, settings: &LiveSettings) {
-        self.inner.apply(settings)
+        self.inner.settle(delivery, settlement).await
     }
 
     async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
@@ -175,7 +148,7 @@ async fn held_past_its_claim(fixture: Fixture, cut: Box<dyn CutClaim>) {
         .await
         .expect("open the source");
     inner.apply(&courier::dispatch::live::settings_for(&options, &policy));
-    let source: Arc<dyn Source> = Arc::new(ShortClaim { inner, cut });
+    let source: Arc<dyn Consumer> = Arc::new(ShortClaim { inner, cut });
     let metrics = Arc::new(Metrics::new());
     let dispatcher = Dispatcher {
         source,

@@ -17,7 +17,7 @@ use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::model::{Class, DeadLetterReason};
 use crate::policy::file::Reload;
 use crate::policy::{self, LivePolicy, Policy};
-use crate::source::{self, Source, SourceOptions, SourceUrl};
+use crate::source::{self, ErrorKind, Source, SourceOptions, SourceUrl};
 use crate::telemetry::{
     self, Drain, Health, Metrics, PolicyLabels, QueueLabels, Readiness, ResultLabels,
 };
@@ -476,11 +476,13 @@ async fn poll_depth(
     }
 }
 
-/// Opens the source; a broker that cannot be reached or refuses the
-/// credentials is logged and tried again with backoff (not ready meanwhile)
-/// instead of crash-looping. A configuration the broker can never accept
-/// ([`SourceError::Invalid`], e.g. a missing queue) ends the run. `None`
-/// when shut down first.
+/// Opens the source; a broker that cannot be reached is logged and tried
+/// again with backoff (not ready meanwhile) instead of crash-looping. What
+/// no retry changes ends the run with exit 1 and the setting to fix: a
+/// configuration the broker can never accept ([`ErrorKind::Invalid`], e.g.
+/// a missing queue) or credentials it turns down ([`ErrorKind::Refused`]:
+/// a wrong password, a database index out of range). `None` when shut
+/// down first.
 async fn open_source(
     config: &RunConfig,
     options: source::SourceOptions,
@@ -498,7 +500,7 @@ async fn open_source(
                 metrics.broker_up.set(1);
                 return Ok(Some(source));
             }
-            Err(e @ source::SourceError::Invalid(_)) => {
+            Err(e) if matches!(e.kind(), ErrorKind::Invalid | ErrorKind::Refused) => {
                 return Err(e).with_context(|| format!("cannot open --source {}", config.source));
             }
             Err(e) => {

@@ -123,10 +123,28 @@ pub fn main() -> ExitCode {
             ExitCode::from(2)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, each cause left out when what came before
+/// already says it: a broker error's message often quotes the client
+/// library's error it carries as its cause.
+fn report(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 /// The trace export the `OTEL_*` variables ask for, with the TLS
@@ -157,5 +175,24 @@ async fn dispatch(
         Command::Demo(args) => demo::run(args).await,
         Command::Dlq(args) => dlq::run(args).await,
         Command::Inject(args) => inject::run(args).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_the_message_already_quotes_is_said_once() {
+        let cause = std::io::Error::other("NOAUTH Authentication required");
+        let e = crate::source::SourceError::refused(format!("Redis refused courier ({cause})"))
+            .caused_by(cause);
+        let e = anyhow::Error::new(e).context("cannot open --source redis://h");
+        assert_eq!(
+            report(&e),
+            "cannot open --source redis://h: Redis refused courier (NOAUTH Authentication required)"
+        );
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(report(&e), "outer: inner");
     }
 }

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::forward::{Forwarder, QueueName};
 use crate::model::{Class, DeadLetterReason, Delivery};
 use crate::policy::LivePolicy;
-use crate::source::Source;
+use crate::source::{ErrorKind, Source};
 use crate::telemetry::{self, Metrics, QueueLabels, QueueMetrics};
 
 use deliveries::Deliveries;
@@ -370,6 +370,13 @@ impl Shared {
             Err(e) => {
                 reader.failures += 1;
                 self.read_errors.inc();
+                // A broker that turned down courier's credentials or
+                // settings reads nothing until someone fixes them: not
+                // ready, and the longest wait between reads, at once
+                // rather than after a run of failures.
+                if matches!(e.kind(), ErrorKind::Refused | ErrorKind::Invalid) {
+                    reader.failures = reader.failures.max(READ_FAILURE_RUN);
+                }
                 if reader.failures == READ_FAILURE_RUN {
                     tracing::warn!(queue = %self.d.queue, failures = reader.failures, "reads from the broker keep failing: not ready until one works");
                     self.d.health.set_broker_reads_failing(true);

@@ -87,7 +87,7 @@ impl Drop for Owed {
 }
 
 fn stopped() -> SourceError {
-    SourceError::Broker("the settlement writer has stopped".into())
+    SourceError::broker("the settlement writer has stopped")
 }
 
 impl<T> Shared<T> {
@@ -204,7 +204,7 @@ mod tests {
                 let refused = ids.contains(&4);
                 seen.lock().unwrap().push(ids);
                 if refused {
-                    Err(SourceError::Broker("refused".into()))
+                    Err(SourceError::broker("refused"))
                 } else {
                     Ok(())
                 }

@@ -103,15 +103,111 @@ pub struct Capabilities {
     pub key_ordering: bool,
 }
 
-/// A broker failure, with what the operator should check.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum SourceError {
-    #[error("cannot reach the broker: {0}")]
-    Unavailable(String),
-    #[error("{0}")]
-    Broker(String),
-    #[error("{0}")]
-    Invalid(String),
+/// What kind of failure a [`SourceError`] is: what the caller does next
+/// follows it (retry the call, try the start again, or stop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The broker cannot be reached or stopped answering: the same call may
+    /// work later. A start is tried again with backoff, not ready meanwhile.
+    Unavailable,
+    /// The broker refused this call (a full queue, a rejected write, a
+    /// protocol error): the next call may go through.
+    Broker,
+    /// The broker turned down who courier is (a wrong password, a user
+    /// without the permission, a database index out of range): nothing
+    /// changes until the operator fixes the setting. A start ends with
+    /// exit 1; while running, courier keeps trying (a Secret may be
+    /// rotated back), not ready meanwhile.
+    Refused,
+    /// A setting or an input the broker can never accept (a missing queue
+    /// without `--create`, a name too long, bad TLS files): a start ends.
+    Invalid,
+    /// What the call names is not there (a dead letter already replayed or
+    /// purged by someone else).
+    Gone,
+}
+
+/// A broker failure: its kind, what the operator should check, and the
+/// client library's error it came from, when there is one.
+#[derive(Debug, Clone)]
+pub struct SourceError {
+    kind: ErrorKind,
+    message: String,
+    cause: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl SourceError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            cause: None,
+        }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unavailable, message)
+    }
+
+    pub fn broker(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Broker, message)
+    }
+
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Refused, message)
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Invalid, message)
+    }
+
+    pub fn gone(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Gone, message)
+    }
+
+    /// The same error, caused by `cause` ([`std::error::Error::source`]).
+    pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.cause = Some(Arc::new(cause));
+        self
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// What the operator reads, without the kind's prefix.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The same error with `more` appended to its message.
+    pub fn with_suffix(mut self, more: &str) -> Self {
+        self.message.push_str(more);
+        self
+    }
+
+    /// The same error as another kind.
+    pub fn as_kind(mut self, kind: ErrorKind) -> Self {
+        self.kind = kind;
+        self
+    }
+}
+
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            ErrorKind::Unavailable => write!(f, "cannot reach the broker: {}", self.message),
+            _ => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for SourceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
 }
 
 /// What a source is opened with.
@@ -370,8 +466,8 @@ pub trait Source: DeadLetterStore {
     /// acked.
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {
         let _ = (key, window);
-        Err(SourceError::Invalid(
-            "this source keeps no deduplication window".into(),
+        Err(SourceError::invalid(
+            "this source keeps no deduplication window",
         ))
     }
     /// Whether the message with this idempotency key was acked within the

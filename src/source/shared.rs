@@ -192,7 +192,7 @@ pub fn field<'a>(fields: &'a [(Bytes, Bytes)], name: &str) -> Option<&'a str> {
 
 /// A dead letter asked for by id that is not (any longer) there.
 pub fn not_there(dead_letter_queue: &str, id: &str) -> SourceError {
-    SourceError::Invalid(format!(
+    SourceError::gone(format!(
         "dead letter {id} is not in {dead_letter_queue} (already replayed or purged?)"
     ))
 }

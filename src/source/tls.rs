@@ -12,7 +12,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore};
 
-use super::SourceError;
+use super::{ErrorKind, SourceError};
 
 /// The TLS files as given on the command line.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -142,13 +142,13 @@ impl Tls {
     /// The error to show when opening a source failed on TLS: a broker
     /// certificate the CA does not vouch for, or a client certificate the
     /// broker refused (or did not get). Such a failure does not pass by
-    /// itself, so it ends the start ([`SourceError::Invalid`]) instead of
+    /// itself, so it ends the start ([`ErrorKind::Invalid`]) instead of
     /// being retried as an unreachable broker; any other error is kept.
     pub fn explain(&self, error: SourceError) -> SourceError {
-        let text = match &error {
-            SourceError::Unavailable(text) | SourceError::Broker(text) => text,
-            SourceError::Invalid(_) => return error,
-        };
+        if error.kind() == ErrorKind::Invalid {
+            return error;
+        }
+        let text = error.message();
         let trusted = match &self.ca {
             Some(ca) => format!(
                 "the CA in --tls-ca-file {} did not sign it",
@@ -163,7 +163,7 @@ impl Tls {
                 }
                 None => "give the CA that signed it with --tls-ca-file",
             };
-            return SourceError::Invalid(format!(
+            return SourceError::invalid(format!(
                 "certificate verify failed: the broker's certificate is not trusted ({trusted}, or it is not valid for the host): {text}; {fix}"
             ));
         }
@@ -183,7 +183,7 @@ impl Tls {
                 ),
                 None => "the broker asks for a client certificate (mutual TLS); give it with --tls-cert-file and --tls-key-file".to_string(),
             };
-            return SourceError::Invalid(format!(
+            return SourceError::invalid(format!(
                 "the TLS handshake was refused by the broker: {text}; {fix}"
             ));
         }
@@ -309,22 +309,21 @@ mod tests {
     #[test]
     fn a_certificate_failure_ends_the_start_naming_the_flag() {
         let tls = Tls::default();
-        let e = tls.explain(SourceError::Unavailable(
-            "127.0.0.1:1: invalid peer certificate: UnknownIssuer".into(),
+        let e = tls.explain(SourceError::unavailable(
+            "127.0.0.1:1: invalid peer certificate: UnknownIssuer",
         ));
-        let SourceError::Invalid(text) = e else {
-            panic!("{e:?}")
-        };
+        assert_eq!(e.kind(), ErrorKind::Invalid, "{e:?}");
+        let text = e.message();
         assert!(text.starts_with("certificate verify failed"), "{text}");
         assert!(text.contains("--tls-ca-file"), "{text}");
-        let e = tls.explain(SourceError::Unavailable(
-            "received fatal alert: CertificateRequired".into(),
+        let e = tls.explain(SourceError::unavailable(
+            "received fatal alert: CertificateRequired",
         ));
         assert!(
-            matches!(&e, SourceError::Invalid(t) if t.contains("--tls-cert-file")),
+            e.kind() == ErrorKind::Invalid && e.message().contains("--tls-cert-file"),
             "{e:?}"
         );
-        let e = tls.explain(SourceError::Unavailable("connection refused".into()));
-        assert!(matches!(e, SourceError::Unavailable(_)), "{e:?}");
+        let e = tls.explain(SourceError::unavailable("connection refused"));
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "{e:?}");
     }
 }

@@ -254,7 +254,16 @@ async fn ordering_by_key_holds_the_later_messages_behind_a_retry() {
         &[("k", first), ("k", second), ("k", third), ("o", other)],
     )
     .await;
-    let mut config = run_config(&fixture, &app, fast_policy());
+    // The retry waits 2 s: the other key's message, read with or just
+    // after the first batch, is delivered well inside that on a loaded
+    // machine (at 50 ms it was not, once, at --test-threads=4).
+    let policy = fast_policy().backoff_of(
+        Duration::from_secs(2),
+        Duration::from_secs(2),
+        2.0,
+        courier::policy::Jitter::None,
+    );
+    let mut config = run_config(&fixture, &app, policy);
     config.options.ordering = courier::source::Ordering::Key;
     config.concurrency = 4;
     let running = Running::start(config).await;

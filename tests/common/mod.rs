@@ -848,6 +848,8 @@ pub fn assert_oversized(
 pub struct CourierProcess {
     child: std::process::Child,
     log: Arc<Mutex<Vec<String>>>,
+    /// Set when the log reader has read stderr to its end.
+    log_read: Arc<std::sync::atomic::AtomicBool>,
     pub started: Instant,
 }
 
@@ -871,15 +873,19 @@ impl CourierProcess {
         let log = Arc::new(Mutex::new(Vec::new()));
         let stderr = child.stderr.take().expect("piped stderr");
         let lines = log.clone();
+        let log_read = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let read = log_read.clone();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 lines.lock().unwrap().push(line);
             }
+            read.store(true, std::sync::atomic::Ordering::Release);
         });
         Self {
             child,
             log,
+            log_read,
             started: Instant::now(),
         }
     }
@@ -963,11 +969,20 @@ impl CourierProcess {
         assert!(status.success(), "kill -TERM failed");
     }
 
-    /// Waits for the process to exit; fails, with the log, after `limit`.
+    /// Waits for the process to exit, and for what it wrote last to be in
+    /// [`CourierProcess::log`]; fails, with the log, after `limit`.
     pub async fn exit_within(&mut self, limit: Duration) -> ExitStatus {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().expect("wait for courier") {
+                // Found at adde7bb: the exit came before the reader thread
+                // had the last line (the error a failed start prints), and
+                // a test reading the log on a loaded machine missed it.
+                while !self.log_read.load(std::sync::atomic::Ordering::Acquire)
+                    && Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
                 return status;
             }
             assert!(

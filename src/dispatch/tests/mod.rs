@@ -80,7 +80,7 @@ impl MemorySource {
 impl Source for MemorySource {
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         if self.fail_reads.load(Ordering::SeqCst) {
-            return Err(SourceError::Unavailable("connection refused".into()));
+            return Err(SourceError::unavailable("connection refused"));
         }
         let out: Vec<Delivery> = {
             let mut s = self.state();

@@ -61,7 +61,7 @@ pub(super) struct Link {
 impl Link {
     pub(super) fn parse(url: &str, options: &SourceOptions) -> Result<Self, SourceError> {
         let mut uri = AMQPUri::from_str(url).map_err(|e| {
-            SourceError::Invalid(format!(
+            SourceError::invalid(format!(
                 "--source {}: {}",
                 crate::source::redact(url),
                 crate::source::redact_error(url, e)
@@ -93,7 +93,7 @@ impl Link {
         let properties =
             ConnectionProperties::default().with_connection_name(self.name.clone().into());
         let runtime = lapin::runtime::default_runtime()
-            .map_err(|e| SourceError::Unavailable(format!("{}: {e}", self.redacted)))?;
+            .map_err(|e| SourceError::unavailable(format!("{}: {e}", self.redacted)))?;
         let connection = tokio::time::timeout(
             CONNECT_TIMEOUT,
             Connection::connect_uri_with_config(
@@ -105,7 +105,7 @@ impl Link {
         )
         .await
         .map_err(|_| {
-            SourceError::Unavailable(format!(
+            SourceError::unavailable(format!(
                 "{}: no answer within {CONNECT_TIMEOUT:?}",
                 self.redacted
             ))
@@ -145,7 +145,7 @@ impl Link {
             ErrorKind::ProtocolError(p)
                 if matches!(p.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
             {
-                SourceError::Broker(format!(
+                SourceError::refused(format!(
                     "RabbitMQ at {} refused the login of user {user:?} ({p}); check the user name and password in --source",
                     self.redacted
                 ))
@@ -153,15 +153,15 @@ impl Link {
             ErrorKind::ProtocolError(p)
                 if matches!(p.kind(), AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)) =>
             {
-                SourceError::Broker(format!(
+                SourceError::refused(format!(
                     "RabbitMQ at {} does not let user {user:?} into vhost {:?} ({p}); check the vhost in --source (%2f is /) and the user's permissions",
                     self.redacted, self.uri.vhost
                 ))
             }
             ErrorKind::ProtocolError(p) => {
-                SourceError::Broker(format!("RabbitMQ at {}: {p}", self.redacted))
+                SourceError::broker(format!("RabbitMQ at {}: {p}", self.redacted))
             }
-            _ => SourceError::Unavailable(format!("{}: {e}", self.redacted)),
+            _ => SourceError::unavailable(format!("{}: {e}", self.redacted)),
         }
     }
 }
@@ -371,7 +371,7 @@ impl AmqpSource {
         let (generation, tag) = receipt
             .split_once(':')
             .and_then(|(g, t)| Some((g.parse::<u64>().ok()?, t.parse::<u64>().ok()?)))
-            .ok_or_else(|| SourceError::Broker(format!("bad receipt {receipt:?}")))?;
+            .ok_or_else(|| SourceError::broker(format!("bad receipt {receipt:?}")))?;
         let session = self
             .current()
             .filter(|s| s.generation == generation && s.healthy())
@@ -399,16 +399,14 @@ impl AmqpSource {
             let mut inbox = session.inbox.lock().await;
             let Some(rx) = inbox.as_mut() else {
                 session.broken.store(true, Ordering::SeqCst);
-                return Err(SourceError::Unavailable(
-                    "the consumer is not running".into(),
-                ));
+                return Err(SourceError::unavailable("the consumer is not running"));
             };
             match tokio::time::timeout(RECEIVE_WAIT, rx.recv()).await {
                 Err(_) => return Ok(Vec::new()),
                 Ok(None) => {
                     session.broken.store(true, Ordering::SeqCst);
-                    return Err(SourceError::Unavailable(
-                        "the RabbitMQ consumer stopped (connection lost or queue deleted); reconnecting".into(),
+                    return Err(SourceError::unavailable(
+                        "the RabbitMQ consumer stopped (connection lost or queue deleted); reconnecting",
                     ));
                 }
                 Ok(Some(d)) => batch.push(d),

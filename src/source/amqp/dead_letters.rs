@@ -340,9 +340,5 @@ impl AmqpSource {
 /// A settlement that could not be written, saying the message is safe.
 pub(super) fn handed_back(e: SourceError) -> SourceError {
     let kept = "; the delivery was not acked and RabbitMQ hands the message out again";
-    match e {
-        SourceError::Unavailable(m) => SourceError::Unavailable(format!("{m}{kept}")),
-        SourceError::Broker(m) => SourceError::Broker(format!("{m}{kept}")),
-        SourceError::Invalid(m) => SourceError::Invalid(format!("{m}{kept}")),
-    }
+    e.with_suffix(kept)
 }

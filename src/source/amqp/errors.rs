@@ -15,8 +15,8 @@ pub(super) fn is_soft(e: &lapin::Error, which: AMQPSoftError) -> bool {
 
 pub(super) fn broker_error(e: lapin::Error) -> SourceError {
     match e.kind() {
-        ErrorKind::ProtocolError(p) => SourceError::Broker(format!("RabbitMQ: {p}")),
-        _ => SourceError::Unavailable(e.to_string()),
+        ErrorKind::ProtocolError(p) => SourceError::broker(format!("RabbitMQ: {p}")),
+        _ => SourceError::unavailable(e.to_string()),
     }
 }
 
@@ -33,7 +33,7 @@ impl From<Timed> for SourceError {
     fn from(e: Timed) -> Self {
         match e {
             Timed::Broker(e) => broker_error(e),
-            Timed::TimedOut => SourceError::Unavailable(format!(
+            Timed::TimedOut => SourceError::unavailable(format!(
                 "RabbitMQ did not answer within {OPERATION_TIMEOUT:?}"
             )),
         }
@@ -49,15 +49,14 @@ pub(super) async fn timed<T>(op: impl Future<Output = lapin::Result<T>>) -> Resu
 
 pub(super) fn short(text: &str) -> Result<ShortString, SourceError> {
     ShortString::try_new(text).map_err(|_| {
-        SourceError::Invalid(format!(
+        SourceError::invalid(format!(
             "{text:?} is longer than the 255 bytes AMQP allows for a name"
         ))
     })
 }
 
 pub(super) fn lost() -> SourceError {
-    SourceError::Unavailable(
-        "the connection this delivery came on was lost; RabbitMQ hands the message out again"
-            .into(),
+    SourceError::unavailable(
+        "the connection this delivery came on was lost; RabbitMQ hands the message out again",
     )
 }

@@ -27,14 +27,14 @@ pub(super) async fn read_seal(session: &Session, work_queue: &str) -> Result<Sea
                 .publish(&queue, secret.as_bytes(), persistent)
                 .await?;
             peek(session, &queue).await?.ok_or_else(|| {
-                SourceError::Broker(format!(
+                SourceError::broker(format!(
                     "the seal key published to {queue:?} is not there; is another program consuming that queue? It holds courier's key for proving which copies it stored"
                 ))
             })?
         }
     };
     Seal::new(&secret).map_err(|e| {
-        SourceError::Broker(format!(
+        SourceError::broker(format!(
             "the first message in {queue:?} is not a seal key courier wrote ({e}); purge that queue and courier makes a new one"
         ))
     })

@@ -168,7 +168,7 @@ impl Session {
         let declared = self
             .admin_declare(queue, QueueDeclareOptions::durable(), arguments)
             .await
-            .map_err(|e| SourceError::Broker(format!("cannot declare queue {queue:?}: {e}")))?;
+            .map_err(|e| SourceError::broker(format!("cannot declare queue {queue:?}: {e}")))?;
         if let Err(e) = declared {
             if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED)
                 && self.passive_count(queue).await?.is_some()
@@ -176,7 +176,7 @@ impl Session {
                 tracing::warn!(%queue, error = %e, "the queue exists with other arguments than courier declares; it is used as it is");
                 return Ok(());
             }
-            return Err(SourceError::Broker(format!(
+            return Err(SourceError::broker(format!(
                 "cannot declare queue {queue:?}: {}",
                 broker_error(e)
             )));
@@ -212,7 +212,7 @@ impl Session {
         if let Some(kind) = create {
             return self.declare(queue, kind.work_queue_arguments()).await;
         }
-        Err(SourceError::Invalid(format!(
+        Err(SourceError::invalid(format!(
             "queue {queue:?} does not exist in vhost {vhost:?}; declare it (quorum or classic, durable), or start `courier run` with --create to declare a durable quorum queue (--queue-type classic for a classic one)"
         )))
     }
@@ -248,12 +248,12 @@ impl Session {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(queue);
-                Err(SourceError::Broker(format!(
+                Err(SourceError::broker(format!(
                     "RabbitMQ could not route the message to queue {queue:?} ({} {})",
                     returned.reply_code, returned.reply_text
                 )))
             }
-            Confirmation::Nack(_) => Err(SourceError::Broker(format!(
+            Confirmation::Nack(_) => Err(SourceError::broker(format!(
                 "RabbitMQ refused to store the message in queue {queue:?} (publisher nack: the queue is full with x-overflow reject-publish, or the broker is short of disk or memory)"
             ))),
         }

@@ -198,7 +198,7 @@ impl DeadLetterStore for EmbeddedStore {
         );
         let data = encode_fields(&fields);
         if data.len() > RECORD_LIMIT {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "the message is {} bytes with its headers, over the embedded queue's limit of {RECORD_LIMIT} bytes for one message; send a smaller body (or a reference to where the data is)",
                 data.len()
             )));
@@ -256,7 +256,7 @@ pub(super) fn not_there(table: &str, id: u64) -> SourceError {
 
 /// Why an unreadable dead letter cannot be replayed, and what to do.
 fn unreadable(table: &str, id: u64) -> SourceError {
-    SourceError::Invalid(format!(
+    SourceError::invalid(format!(
         "dead letter {id} in {} is stored in a form that cannot be read, so it cannot be replayed; `courier dlq list` shows its raw bytes as the body, and `courier dlq purge` deletes it",
         table.trim_start_matches("dlq/")
     ))
@@ -264,7 +264,7 @@ fn unreadable(table: &str, id: u64) -> SourceError {
 
 pub(super) fn parse_dead_letter_id(id: &str) -> Result<u64, SourceError> {
     id.parse().map_err(|_| {
-        SourceError::Invalid(format!(
+        SourceError::invalid(format!(
             "{id:?} is not a dead-letter id of the embedded queue (a number)"
         ))
     })

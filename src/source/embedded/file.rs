@@ -11,7 +11,7 @@ const FILE_NAME: &str = "courier.redb";
 /// ([`File::start_writer`]).
 pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
     std::fs::create_dir_all(dir).map_err(|e| {
-        SourceError::Invalid(format!(
+        SourceError::invalid(format!(
             "cannot create the embedded queue directory {}: {e}",
             dir.display()
         ))
@@ -35,7 +35,7 @@ fn handle(dir: &Path, create: bool) -> Result<Option<Arc<File>>, SourceError> {
     static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<File>>>> = OnceLock::new();
     let path = dir
         .canonicalize()
-        .map_err(|e| SourceError::Invalid(format!("{}: {e}", dir.display())))?
+        .map_err(|e| SourceError::invalid(format!("{}: {e}", dir.display())))?
         .join(FILE_NAME);
     let mut open = OPEN
         .get_or_init(Default::default)
@@ -62,7 +62,7 @@ fn handle(dir: &Path, create: bool) -> Result<Option<Arc<File>>, SourceError> {
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
-                return Err(SourceError::Invalid(format!(
+                return Err(SourceError::invalid(format!(
                     "the embedded queue {} is open in another process; an embedded queue serves one process at a time (stop the other courier first)",
                     path.display()
                 )));

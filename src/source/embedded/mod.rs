@@ -138,13 +138,13 @@ pub const BROKER: Broker = Broker {
     check_url: |text| dir_of(text).map(drop),
     open: |url, options| {
         Box::pin(async move {
-            let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
+            let dir = dir_of(url.as_str()).map_err(SourceError::invalid)?;
             Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn Source>)
         })
     },
     admin: |url, options| {
         Box::pin(async move {
-            let dir = dir_of(url.as_str()).map_err(SourceError::Invalid)?;
+            let dir = dir_of(url.as_str()).map_err(SourceError::invalid)?;
             Ok(Arc::new(EmbeddedStore::open(&dir, options)?) as Arc<dyn DeadLetterStore>)
         })
     },
@@ -217,7 +217,7 @@ impl Drop for File {
 }
 
 fn store_error(e: impl std::fmt::Display) -> SourceError {
-    SourceError::Broker(format!("embedded queue: {e}"))
+    SourceError::broker(format!("embedded queue: {e}"))
 }
 
 fn writer_gone() -> SourceError {

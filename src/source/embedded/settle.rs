@@ -74,7 +74,9 @@ pub(super) fn apply(
             forget_cursors(queues);
             work(tx)
         }) {
-            Some(Err(e @ SourceError::Invalid(_))) => Ok(Outcome::Unit(Err(e))),
+            Some(Err(e)) if e.kind() == crate::source::ErrorKind::Invalid => {
+                Ok(Outcome::Unit(Err(e)))
+            }
             Some(Err(e)) => Err(e),
             Some(Ok(())) | None => Ok(Outcome::Unit(Ok(()))),
         },

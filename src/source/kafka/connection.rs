@@ -66,8 +66,8 @@ pub(super) fn bootstrap_servers(text: &str) -> Result<String, String> {
 /// Refuses a `--queue` that names no topic.
 pub(super) fn check_topic(topic: &str) -> Result<(), SourceError> {
     if topic.is_empty() {
-        return Err(SourceError::Invalid(
-            "--queue names the Kafka topic; it cannot be empty".into(),
+        return Err(SourceError::invalid(
+            "--queue names the Kafka topic; it cannot be empty",
         ));
     }
     Ok(())
@@ -75,13 +75,13 @@ pub(super) fn check_topic(topic: &str) -> Result<(), SourceError> {
 
 /// The work topic is not there, and courier was not asked to create it.
 pub(super) fn missing_topic(topic: &str) -> SourceError {
-    SourceError::Invalid(format!(
+    SourceError::invalid(format!(
         "the Kafka topic {topic:?} does not exist; create it (kafka-topics --create --topic {topic}), or start courier run with --create"
     ))
 }
 
 pub(super) fn unavailable(e: impl std::fmt::Display) -> SourceError {
-    SourceError::Unavailable(format!("Kafka: {e}"))
+    SourceError::unavailable(format!("Kafka: {e}"))
 }
 
 /// librdkafka's log, into courier's: its errors (a broker it cannot reach)
@@ -230,7 +230,7 @@ pub(super) async fn blocking<T: Send + 'static>(
 ) -> Result<T, SourceError> {
     tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| SourceError::Broker(format!("a Kafka request did not finish: {e}")))?
+        .map_err(|e| SourceError::broker(format!("a Kafka request did not finish: {e}")))?
 }
 
 /// The partitions of `topic`, or `None` when the cluster has no such topic.
@@ -274,7 +274,7 @@ pub(super) fn ensure_topic(
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Err(SourceError::Invalid(format!(
+    Err(SourceError::invalid(format!(
         "topic {topic:?} does not exist and the cluster did not create it; create it (kafka-topics --create --topic {topic}) or allow auto.create.topics.enable"
     )))
 }
@@ -364,7 +364,7 @@ pub(super) async fn seal_of(
         .await
     };
     if let Some(secret) = read(inspector.clone(), topic.to_string()).await? {
-        return Seal::new(&secret).map_err(SourceError::Broker);
+        return Seal::new(&secret).map_err(SourceError::broker);
     }
     let secret = Seal::new_secret();
     producer
@@ -374,18 +374,18 @@ pub(super) async fn seal_of(
         )
         .await
         .map_err(|(e, _)| {
-            SourceError::Broker(format!(
+            SourceError::broker(format!(
                 "cannot record the seal key in the topic {SEAL_TOPIC:?} ({e}); let courier write to it, or create it"
             ))
         })?;
     let secret = read(inspector.clone(), topic.to_string())
         .await?
         .ok_or_else(|| {
-            SourceError::Broker(format!(
+            SourceError::broker(format!(
                 "the seal key recorded in {SEAL_TOPIC:?} cannot be read back"
             ))
         })?;
-    Seal::new(&secret).map_err(SourceError::Broker)
+    Seal::new(&secret).map_err(SourceError::broker)
 }
 
 #[cfg(test)]

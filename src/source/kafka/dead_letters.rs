@@ -80,7 +80,7 @@ impl KafkaStore {
 
     /// An admin handle: the clients, nothing created.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::Invalid)?;
+        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
         connection::check_topic(&options.queue)?;
         Ok(Self {
             topic: options.queue.clone(),
@@ -156,7 +156,7 @@ impl KafkaStore {
     /// Whether the letter `id` is in the topic and not removed.
     async fn is_there(&self, dead_letter_topic: &str, id: &str) -> Result<(), SourceError> {
         if parse_record_id(id).is_none() {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "{id:?} is not a dead-letter id of Kafka (<partition>-<offset>)"
             )));
         }

@@ -251,7 +251,7 @@ impl KafkaSource {
     }
 
     pub(super) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::Invalid)?;
+        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
         connection::check_topic(&options.queue)?;
         let producer = connection::producer(&bootstrap, &options)?;
         let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);

@@ -50,7 +50,7 @@ impl KafkaSource {
             .get(&delivery.receipt)
             .cloned()
             .ok_or_else(|| {
-                SourceError::Invalid(format!(
+                SourceError::invalid(format!(
                     "delivery {} is not in flight here (settled already?)",
                     delivery.receipt
                 ))
@@ -82,7 +82,7 @@ impl KafkaSource {
             let Some(ledger) = reading.ledgers.get_mut(&key) else {
                 // A rebalance took the partition away: its new owner reads
                 // it from the last commit.
-                return Err(SourceError::Unavailable(format!(
+                return Err(SourceError::unavailable(format!(
                     "Kafka gave partition {} of {:?} to another consumer; the message is delivered again there",
                     out.partition, out.topic
                 )));
@@ -234,7 +234,7 @@ pub(super) async fn produce(
         .send(record, Duration::from_secs(5))
         .await
         .map_err(|(e, _)| {
-            SourceError::Broker(format!("Kafka did not store the record for {topic:?}: {e}"))
+            SourceError::broker(format!("Kafka did not store the record for {topic:?}: {e}"))
         })?;
     Ok((delivered.partition, delivered.offset))
 }

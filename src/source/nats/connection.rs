@@ -67,7 +67,7 @@ pub(super) fn server_addrs(text: &str) -> Result<Vec<ServerAddr>, String> {
 
 pub(super) fn check_stream_name(name: &str) -> Result<(), SourceError> {
     if name.is_empty() || name != dead_letter_stream(name) {
-        return Err(SourceError::Invalid(format!(
+        return Err(SourceError::invalid(format!(
             "--queue {name:?} is not a JetStream stream name: it names the stream, and stream names cannot contain '.', '*', '>', '/', '\\' or whitespace"
         )));
     }
@@ -75,7 +75,7 @@ pub(super) fn check_stream_name(name: &str) -> Result<(), SourceError> {
 }
 
 pub(super) fn unavailable(e: impl std::fmt::Display) -> SourceError {
-    SourceError::Unavailable(format!("NATS: {e}"))
+    SourceError::unavailable(format!("NATS: {e}"))
 }
 
 /// The JetStream error code an async-nats error carries, if any.
@@ -163,7 +163,7 @@ pub(super) async fn connect_client(
     options: &SourceOptions,
 ) -> Result<Client, SourceError> {
     let redacted = redact(url);
-    let servers = server_addrs(url).map_err(|e| SourceError::Invalid(format!("--source {e}")))?;
+    let servers = server_addrs(url).map_err(|e| SourceError::invalid(format!("--source {e}")))?;
     let credentials = servers
         .iter()
         .find(|addr| addr.username().is_some())
@@ -192,15 +192,15 @@ pub(super) async fn connect_client(
             .await
             .map_err(|e| match e.kind() {
                 ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
-                    SourceError::Broker(format!(
+                    SourceError::refused(format!(
                         "NATS at {redacted} refused the credentials ({e}); check the user and password in --source"
                     ))
                 }
-                ConnectErrorKind::ServerParse => SourceError::Invalid(format!(
+                ConnectErrorKind::ServerParse => SourceError::invalid(format!(
                     "--source {redacted}: {}",
                     redact_error(url, &e)
                 )),
-                _ => SourceError::Unavailable(format!("{redacted}: {e}")),
+                _ => SourceError::unavailable(format!("{redacted}: {e}")),
             })
 }
 
@@ -243,11 +243,11 @@ impl WorkStream {
 /// The work stream could not be read: missing, or JetStream is off.
 fn stream_error(e: GetStreamError, queue: &str, redacted: &str) -> SourceError {
     if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) {
-        return SourceError::Invalid(format!(
+        return SourceError::invalid(format!(
             "stream {queue:?} does not exist on {redacted}; create it (nats stream add {queue} --subjects {queue}), or start `courier run` with --create to create a work-queue stream capturing subject {queue:?}"
         ));
     }
-    SourceError::Unavailable(format!(
+    SourceError::unavailable(format!(
         "{redacted}: cannot read stream {queue:?} ({e}); is JetStream enabled (nats-server -js)?"
     ))
 }
@@ -268,7 +268,7 @@ impl NatsSource {
                     ..Default::default()
                 };
                 js.create_stream(config).await.map_err(|e| {
-                    SourceError::Broker(format!("cannot create stream {:?}: {e}", options.queue))
+                    SourceError::broker(format!("cannot create stream {:?}: {e}", options.queue))
                 })?;
                 let mut stream = js.get_stream(&options.queue).await.map_err(unavailable)?;
                 stream.info().await.map_err(unavailable)?.clone()
@@ -337,7 +337,7 @@ impl NatsSource {
                     ..Default::default()
                 };
                 stream.create_consumer(config).await.map_err(|e| {
-                    SourceError::Broker(format!(
+                    SourceError::broker(format!(
                         "cannot create the durable consumer {:?} on stream {:?}: {e}",
                         self.options.group, self.options.queue
                     ))
@@ -347,7 +347,7 @@ impl NatsSource {
         };
         let info = consumer.info().await.map_err(unavailable)?;
         if info.config.ack_policy != AckPolicy::Explicit {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "consumer {:?} on stream {:?} does not use explicit acks; courier needs AckPolicy explicit (delete it and let courier create it)",
                 self.options.group, self.options.queue
             )));

@@ -128,7 +128,7 @@ impl NatsStore {
 
     async fn stored(&self, stream: &str, id: &str) -> Result<Option<StreamMessage>, SourceError> {
         let Ok(sequence) = id.parse::<u64>() else {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "{id:?} is not a dead-letter id of NATS (a stream sequence number)"
             )));
         };
@@ -202,7 +202,7 @@ impl DeadLetterStore for NatsStore {
             .map(str::to_string)
             .or_else(|| work.send_subject.clone())
             .ok_or_else(|| {
-                SourceError::Invalid(format!(
+                SourceError::invalid(format!(
                     "dead letter {} does not record its subject and stream {:?} has no subject without wildcards to publish to",
                     letter.id, self.queue
                 ))
@@ -268,7 +268,7 @@ impl DeadLetterStore for NatsStore {
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         let subject = self.work().await?.send_subject.clone().ok_or_else(|| {
-            SourceError::Invalid(format!(
+            SourceError::invalid(format!(
                 "stream {:?} has only wildcard subjects; publish with a NATS client to a subject it captures",
                 self.queue
             ))

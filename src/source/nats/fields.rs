@@ -99,7 +99,7 @@ pub(super) async fn seal_of(
     replicas: usize,
 ) -> Result<Seal, SourceError> {
     let refused = |e: &dyn std::fmt::Display| {
-        SourceError::Broker(format!(
+        SourceError::broker(format!(
             "cannot use the key-value bucket {SEAL_BUCKET:?} that holds courier's seal keys ({e}); let courier's NATS user create it and write to it, or create it (nats kv add {SEAL_BUCKET})"
         ))
     };
@@ -146,7 +146,7 @@ pub(super) async fn seal_of(
         .map_err(|e| refused(&e))?
         .ok_or_else(|| refused(&format!("key {key:?} is missing")))?;
     Seal::new(&secret).map_err(|e| {
-        SourceError::Broker(format!(
+        SourceError::broker(format!(
             "the seal key {key:?} in bucket {SEAL_BUCKET:?} is not one courier wrote ({e}); delete it and courier makes a new one"
         ))
     })

@@ -143,7 +143,7 @@ impl Puller {
                     break;
                 }
                 status if got.is_empty() => {
-                    return Err(SourceError::Broker(format!(
+                    return Err(SourceError::broker(format!(
                         "JetStream refused a pull request: {} {}",
                         status.map(|s| s.as_u16()).unwrap_or_default(),
                         message.description.unwrap_or_default()
@@ -304,12 +304,10 @@ impl NatsSource {
         max_deliveries: u32,
     ) -> Result<Admitted, SourceError> {
         let Some(reply) = message.reply.as_ref() else {
-            return Err(SourceError::Broker(
-                "a message without a reply subject".into(),
-            ));
+            return Err(SourceError::broker("a message without a reply subject"));
         };
         let Some(metadata) = Metadata::read(reply.as_str()) else {
-            return Err(SourceError::Broker(format!(
+            return Err(SourceError::broker(format!(
                 "a message without JetStream metadata (reply subject {:?})",
                 reply.as_str()
             )));

@@ -58,7 +58,7 @@ impl NatsSource {
             .await
             .map(drop)
             .map_err(|e| {
-                SourceError::Unavailable(format!(
+                SourceError::unavailable(format!(
                     "NATS did not confirm the settlement ({e}); the message is handed out again after AckWait"
                 ))
             })
@@ -174,11 +174,11 @@ impl NatsSource {
                 if let Err(e) = self.js.create_stream(config).await {
                     let overlap = js_code(&e) == Some(ErrorCode::STREAM_SUBJECT_OVERLAP);
                     return Err(if overlap {
-                        SourceError::Invalid(format!(
+                        SourceError::invalid(format!(
                             "the dead-letter subject {subject:?} is already captured by another stream (the work stream's subjects may cover it); name another deadLetterQueue in the policy"
                         ))
                     } else {
-                        SourceError::Broker(format!(
+                        SourceError::broker(format!(
                             "cannot create the dead-letter stream {name:?}: {e}"
                         ))
                     });
@@ -222,10 +222,10 @@ pub(super) async fn publish_once(
     let ack = js
         .publish_with_headers(subject.to_string(), headers, body)
         .await
-        .map_err(|e| SourceError::Broker(format!("publishing to {subject:?}: {e}")))?
+        .map_err(|e| SourceError::broker(format!("publishing to {subject:?}: {e}")))?
         .await
         .map_err(|e| {
-            SourceError::Broker(format!(
+            SourceError::broker(format!(
                 "JetStream did not store the message for {subject:?}: {e}"
             ))
         })?;

@@ -71,12 +71,13 @@ pub(super) fn status_error(what: &str, status: &Status) -> SourceError {
     let text = format!("{what}: {} ({:?})", status.message(), status.code());
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => {
-            SourceError::Unavailable(text)
+            SourceError::unavailable(text)
         }
-        Code::InvalidArgument | Code::NotFound | Code::PermissionDenied | Code::Unauthenticated => {
-            SourceError::Invalid(text)
-        }
-        _ => SourceError::Broker(text),
+        Code::PermissionDenied | Code::Unauthenticated => SourceError::refused(format!(
+            "{text}; check the service account's credentials and its Pub/Sub roles"
+        )),
+        Code::InvalidArgument | Code::NotFound => SourceError::invalid(text),
+        _ => SourceError::broker(text),
     }
 }
 
@@ -97,12 +98,12 @@ impl Client {
             Some(host) => {
                 let channel = Endpoint::from_shared(format!("http://{host}"))
                     .map_err(|e| {
-                        SourceError::Invalid(format!("PUBSUB_EMULATOR_HOST {host:?}: {e}"))
+                        SourceError::invalid(format!("PUBSUB_EMULATOR_HOST {host:?}: {e}"))
                     })?
                     .connect()
                     .await
                     .map_err(|e| {
-                        SourceError::Unavailable(format!(
+                        SourceError::unavailable(format!(
                             "cannot reach the Pub/Sub emulator at {host}: {e}"
                         ))
                     })?;
@@ -110,7 +111,7 @@ impl Client {
             }
             None => {
                 let auth = gcp_auth::provider().await.map_err(|e| {
-                    SourceError::Invalid(format!(
+                    SourceError::invalid(format!(
                         "no Google credentials for Pub/Sub (application default credentials: GOOGLE_APPLICATION_CREDENTIALS, gcloud, or the metadata server): {e}"
                     ))
                 })?;
@@ -119,11 +120,11 @@ impl Client {
                     .domain_name("pubsub.googleapis.com");
                 let channel = Endpoint::from_static(ENDPOINT)
                     .tls_config(tls)
-                    .map_err(|e| SourceError::Invalid(format!("TLS to Pub/Sub: {e}")))?
+                    .map_err(|e| SourceError::invalid(format!("TLS to Pub/Sub: {e}")))?
                     .connect()
                     .await
                     .map_err(|e| {
-                        SourceError::Unavailable(format!("cannot reach {ENDPOINT}: {e}"))
+                        SourceError::unavailable(format!("cannot reach {ENDPOINT}: {e}"))
                     })?;
                 (channel, Some(auth))
             }
@@ -141,11 +142,11 @@ impl Client {
         let mut request = Request::new(message);
         if let Some(auth) = &self.auth {
             let token = auth.token(&[SCOPE]).await.map_err(|e| {
-                SourceError::Unavailable(format!("getting a token for Pub/Sub: {e}"))
+                SourceError::unavailable(format!("getting a token for Pub/Sub: {e}"))
             })?;
             let value = format!("Bearer {}", token.as_str())
                 .parse()
-                .map_err(|_| SourceError::Broker("the token is not a header value".into()))?;
+                .map_err(|_| SourceError::broker("the token is not a header value"))?;
             request.metadata_mut().insert("authorization", value);
         }
         Ok(request)
@@ -293,7 +294,7 @@ impl Client {
         }
         self.get_topic(name)
             .await?
-            .ok_or_else(|| SourceError::Broker(format!("topic {name} is gone again")))
+            .ok_or_else(|| SourceError::broker(format!("topic {name} is gone again")))
     }
 
     /// Creates the subscription unless one of that name exists.
@@ -382,7 +383,7 @@ fn subscription_of(name: &str, topic: &str, lease_secs: u64) -> Subscription {
 
 /// The work subscription is not there, and courier was not asked to make it.
 pub(super) fn missing_subscription(name: &str) -> SourceError {
-    SourceError::Invalid(format!(
+    SourceError::invalid(format!(
         "the Pub/Sub subscription {name} does not exist; create it (with a dead-letter policy, so that Pub/Sub counts deliveries), or start courier run with --create"
     ))
 }
@@ -416,7 +417,7 @@ pub(super) async fn work_subscription(
     client
         .get_subscription(&names.work)
         .await?
-        .ok_or_else(|| SourceError::Broker(format!("subscription {} is gone again", names.work)))
+        .ok_or_else(|| SourceError::broker(format!("subscription {} is gone again", names.work)))
 }
 
 /// What courier reads and writes besides the work subscription, made when
@@ -497,7 +498,7 @@ pub(super) async fn seal_of(client: &Client, retry_topic: &str) -> Result<Seal, 
         topic = client
             .get_topic(retry_topic)
             .await?
-            .ok_or_else(|| SourceError::Broker(format!("topic {retry_topic} is gone again")))?;
+            .ok_or_else(|| SourceError::broker(format!("topic {retry_topic} is gone again")))?;
     }
     seal_in(&topic)
 }
@@ -516,7 +517,7 @@ pub(super) async fn read_seal(
 fn seal_in(topic: &Topic) -> Result<Seal, SourceError> {
     let secret = topic.labels.get(SEAL_LABEL).cloned().unwrap_or_default();
     Seal::new(secret.as_bytes()).map_err(|e| {
-        SourceError::Broker(format!(
+        SourceError::broker(format!(
             "the label {SEAL_LABEL:?} of {} is not a key courier wrote ({e}); remove it and courier makes a new one",
             topic.name
         ))

@@ -104,7 +104,7 @@ impl PubSubStore {
 
     /// An admin handle: a channel, nothing read or created yet.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let project = connection::project_of(url).map_err(SourceError::Invalid)?;
+        let project = connection::project_of(url).map_err(SourceError::invalid)?;
         Ok(Self {
             client: Client::connect().await?,
             names: Names::new(&project, &options.queue),
@@ -145,7 +145,7 @@ impl PubSubStore {
         if self.client.get_topic(&topic).await?.is_none() {
             return Ok(None);
         }
-        Err(SourceError::Invalid(format!(
+        Err(SourceError::invalid(format!(
             "the dead-letter topic {topic} has no subscription {browsing}, which courier reads its letters through: courier run makes it at start; Pub/Sub keeps a letter only for the subscriptions there when it was published, so letters written before it are not kept for courier"
         )))
     }
@@ -291,12 +291,12 @@ impl DeadLetterStore for PubSubStore {
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         if body.is_empty() && headers.is_empty() {
-            return Err(SourceError::Invalid(
-                "Pub/Sub takes no message without a body and without attributes".into(),
+            return Err(SourceError::invalid(
+                "Pub/Sub takes no message without a body and without attributes",
             ));
         }
         if let Some((name, _)) = headers.iter().find(|(n, v)| !attribute_ok(n, v)) {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "Pub/Sub cannot carry the header {name:?}: an attribute's name is 1 to 256 bytes not starting with goog, its value at most 1024 bytes"
             )));
         }

@@ -119,7 +119,7 @@ pub struct PubSubSource {
 
 impl PubSubSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let project = connection::project_of(url).map_err(SourceError::Invalid)?;
+        let project = connection::project_of(url).map_err(SourceError::invalid)?;
         let client = Client::connect().await?;
         let names = Names::new(&project, &options.queue);
         let subscription = connection::work_subscription(&client, &names, options.create).await?;

@@ -42,7 +42,7 @@ impl PubSubSource {
         lock(&self.in_flight)
             .get(receipt)
             .copied()
-            .ok_or_else(|| SourceError::Invalid("the message is not in flight here".into()))
+            .ok_or_else(|| SourceError::invalid("the message is not in flight here"))
     }
 
     pub(super) async fn settle_ack(&self, receipt: &str) -> Result<(), SourceError> {

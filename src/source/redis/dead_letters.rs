@@ -49,7 +49,7 @@ pub(super) struct RedisStore {
 impl RedisStore {
     /// An admin handle: one connection, nothing written.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let endpoint = Endpoint::parse(url).map_err(SourceError::Invalid)?;
+        let endpoint = Endpoint::parse(url).map_err(SourceError::invalid)?;
         let commands =
             super::connect_to(&endpoint, url, &options, std::time::Duration::from_secs(10)).await?;
         Ok(Self {

@@ -49,8 +49,8 @@ use tokio::sync::Mutex;
 
 use super::shared::{RECEIVE_WAIT, Seal};
 use super::{
-    Batcher, Broker, Capabilities, DeadLetterStore, Depth, LiveSettings, Source, SourceError,
-    SourceOptions, WithStore,
+    Batcher, Broker, Capabilities, DeadLetterStore, Depth, ErrorKind, LiveSettings, Source,
+    SourceError, SourceOptions, WithStore,
 };
 use crate::model::{Delivery, Failure};
 use connection::{Connection, Endpoint};
@@ -109,10 +109,37 @@ pub struct RedisSource {
 }
 
 fn broker_error(e: redis::RedisError) -> SourceError {
-    if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
-        SourceError::Unavailable(e.to_string())
+    let text = e.to_string();
+    if let Some(fix) = refusal(&e) {
+        SourceError::refused(format!("Redis refused courier ({text}); {fix}")).caused_by(e)
+    } else if e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+    {
+        SourceError::unavailable(text).caused_by(e)
     } else {
-        SourceError::Broker(e.to_string())
+        SourceError::broker(text).caused_by(e)
+    }
+}
+
+/// What to fix when Redis turned down who courier is, which no retry
+/// changes: the password, the user's permissions, the database index.
+fn refusal(e: &redis::RedisError) -> Option<&'static str> {
+    if e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+    {
+        Some("check the user name and password in --source (redis://USER:PASSWORD@HOST)")
+    } else if e.code() == Some("NOPERM") {
+        Some(
+            "the Redis user's ACL must allow courier's stream and script commands on the queue's keys (QUEUE, QUEUE.retry, QUEUE.dlq, QUEUE.courier-key)",
+        )
+    } else if e.to_string().contains("DB index is out of range") {
+        Some(
+            "check the database index at the end of --source (redis://HOST:PORT/DB; the server's `databases` setting bounds it, 16 by default)",
+        )
+    } else {
+        None
     }
 }
 
@@ -127,16 +154,19 @@ async fn connect_to(
         let text = format!("{}: {}", super::redact(url), super::redact_error(url, &e));
         // A client the TLS files cannot make is bad configuration, not an
         // outage.
-        match e.kind() {
-            redis::ErrorKind::InvalidClientConfig => SourceError::Invalid(text),
-            _ => SourceError::Unavailable(text),
+        if let Some(fix) = refusal(&e) {
+            SourceError::refused(format!("{text}; {fix}"))
+        } else if e.kind() == redis::ErrorKind::InvalidClientConfig {
+            SourceError::invalid(text)
+        } else {
+            SourceError::unavailable(text)
         }
     })
 }
 
 impl RedisSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let endpoint = Endpoint::parse(url).map_err(SourceError::Invalid)?;
+        let endpoint = Endpoint::parse(url).map_err(SourceError::invalid)?;
         let commands = connect_to(&endpoint, url, &options, Duration::from_secs(10)).await?;
         // Reads get a connection of their own, whose replies may take as
         // long as a read waits.
@@ -152,7 +182,7 @@ impl RedisSource {
         if cluster
             && let Some(problem) = cluster::slot_problem(&options.queue, &options.dead_letter_queue)
         {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "{}: {problem}",
                 super::redact(url)
             )));
@@ -225,13 +255,14 @@ async fn seal_of(con: &mut Connection, queue: &str) -> Result<Seal, SourceError>
         .invoke_async(con)
         .await
         .map_err(|e| match broker_error(e) {
-            SourceError::Broker(e) => SourceError::Broker(format!(
-                "cannot read the seal key {key:?} ({e}); it holds courier's key for proving which copies it stored: delete or rename that key"
+            e if e.kind() == ErrorKind::Broker => SourceError::broker(format!(
+                "cannot read the seal key {key:?} ({}); it holds courier's key for proving which copies it stored: delete or rename that key",
+                e.message()
             )),
             other => other,
         })?;
     Seal::new(&secret).map_err(|e| {
-        SourceError::Broker(format!(
+        SourceError::broker(format!(
             "the seal key {key:?} is not one courier wrote ({e}); delete it and courier makes a new one"
         ))
     })

@@ -155,13 +155,13 @@ impl RedisSource {
                     if failures < 2 {
                         continue;
                     }
-                    return Err(SourceError::Unavailable(format!(
+                    return Err(SourceError::unavailable(format!(
                         "reading new entries: {error}"
                     )));
                 }
-                Err(ReadError::Unsupported(text)) => return Err(SourceError::Invalid(text)),
+                Err(ReadError::Unsupported(text)) => return Err(SourceError::invalid(text)),
                 Err(other) => {
-                    return Err(SourceError::Broker(format!("reading new entries: {other}")));
+                    return Err(SourceError::broker(format!("reading new entries: {other}")));
                 }
             };
             match redirect(&text) {
@@ -180,7 +180,7 @@ impl RedisSource {
                     if text.starts_with("READONLY") {
                         new.connection = None;
                     }
-                    return Err(SourceError::Broker(text));
+                    return Err(SourceError::broker(text));
                 }
             }
         }

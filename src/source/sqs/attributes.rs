@@ -62,7 +62,7 @@ fn string(value: String) -> Result<MessageAttributeValue, SourceError> {
         .data_type("String")
         .string_value(value)
         .build()
-        .map_err(|e| SourceError::Broker(format!("a message attribute: {e}")))
+        .map_err(|e| SourceError::broker(format!("a message attribute: {e}")))
 }
 
 /// What an SQS message is made of.

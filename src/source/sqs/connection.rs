@@ -41,7 +41,7 @@ pub(super) fn region_of(url: &str) -> Result<String, String> {
 /// broker out of reach, an answer is the broker's refusal.
 pub(super) fn sdk_error<E, R>(what: &str, e: SdkError<E, R>) -> SourceError
 where
-    E: std::error::Error + 'static,
+    E: std::error::Error + aws_sdk_sqs::error::ProvideErrorMetadata + 'static,
     R: std::fmt::Debug,
 {
     let unreachable = matches!(
@@ -50,9 +50,13 @@ where
     );
     let text = format!("{what}: {}", DisplayErrorContext(&e));
     if unreachable {
-        SourceError::Unavailable(text)
+        SourceError::unavailable(text)
+    } else if is_refusal(error_code(&e).as_deref()) {
+        SourceError::refused(format!(
+            "{text}; check the AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, the profile or the service account's role) and that they may use this queue"
+        ))
     } else {
-        SourceError::Broker(text)
+        SourceError::broker(text)
     }
 }
 
@@ -66,12 +70,30 @@ where
         .map(str::to_string)
 }
 
+/// The codes of a call AWS turned down for who made it: the keys, the
+/// signature, the role's permissions. No retry changes them.
+fn is_refusal(code: Option<&str>) -> bool {
+    matches!(
+        code,
+        Some(
+            "InvalidClientTokenId"
+                | "UnrecognizedClientException"
+                | "SignatureDoesNotMatch"
+                | "InvalidAccessKeyId"
+                | "AccessDenied"
+                | "AccessDeniedException"
+                | "ExpiredToken"
+                | "InvalidSecurity"
+        )
+    )
+}
+
 pub(super) fn is_missing_queue(code: Option<&str>) -> bool {
     code.is_some_and(|c| c.contains("NonExistentQueue") || c == "QueueDoesNotExist")
 }
 
 pub(super) fn broker(e: impl Display) -> SourceError {
-    SourceError::Broker(e.to_string())
+    SourceError::broker(e.to_string())
 }
 
 /// The SDK's client for `region`: the standard credential chain
@@ -130,7 +152,7 @@ pub(super) async fn queue_url(
 
 /// The work queue is not there, and courier was not asked to create it.
 pub(super) fn missing_queue(name: &str, region: &str) -> SourceError {
-    SourceError::Invalid(format!(
+    SourceError::invalid(format!(
         "SQS queue {name:?} does not exist in {region}; create it, or start courier run with --create"
     ))
 }
@@ -184,7 +206,7 @@ pub(super) async fn seal_of(client: &Client, url: &str) -> Result<Seal, SourceEr
         }
     };
     Seal::new(secret.as_bytes()).map_err(|e| {
-        SourceError::Broker(format!(
+        SourceError::broker(format!(
             "the queue tag {SEAL_TAG:?} is not a key courier wrote ({e}); remove it and courier makes a new one"
         ))
     })

@@ -141,7 +141,7 @@ impl SqsStore {
 
     /// An admin handle: a client, no call made yet.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let region = connection::region_of(url).map_err(SourceError::Invalid)?;
+        let region = connection::region_of(url).map_err(SourceError::invalid)?;
         Ok(Self {
             client: connection::client(&region).await,
             queue: options.queue,
@@ -354,9 +354,7 @@ impl DeadLetterStore for SqsStore {
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
         if body.is_empty() {
-            return Err(SourceError::Invalid(
-                "SQS takes no empty message body".into(),
-            ));
+            return Err(SourceError::invalid("SQS takes no empty message body"));
         }
         let work = self.work().await?;
         // FIFO: the group is the header message-group-id, not forwarded.

@@ -163,7 +163,7 @@ pub struct SqsSource {
 
 impl SqsSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let region = connection::region_of(url).map_err(SourceError::Invalid)?;
+        let region = connection::region_of(url).map_err(SourceError::invalid)?;
         let client = connection::client(&region).await;
         let name = connection::queue_name(&options.queue).to_string();
         let queue_url =

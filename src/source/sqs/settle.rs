@@ -131,7 +131,7 @@ async fn delete_batch(client: Client, queue_url: String, batch: Vec<Delete>) {
                         .get(id.as_str())
                         .cloned()
                         .unwrap_or_else(|| "no answer for it".into());
-                    Err(SourceError::Broker(format!(
+                    Err(SourceError::broker(format!(
                         "SQS did not delete the message ({why}); it is handed out again after its visibility timeout"
                     )))
                 };
@@ -156,10 +156,10 @@ impl SqsSource {
                 receipt: receipt.to_string(),
                 done,
             })
-            .map_err(|_| SourceError::Unavailable("the source is closed".into()))?;
+            .map_err(|_| SourceError::unavailable("the source is closed"))?;
         answer
             .await
-            .unwrap_or_else(|_| Err(SourceError::Unavailable("the delete was cut short".into())))
+            .unwrap_or_else(|_| Err(SourceError::unavailable("the delete was cut short")))
     }
 
     pub(super) async fn change_visibility(
@@ -216,7 +216,7 @@ impl SqsSource {
         let now = SystemTime::now();
         let secs = ceil_secs(at.duration_since(now).unwrap_or_default());
         let Some(held) = lock(&self.in_flight).get(receipt).cloned() else {
-            return Err(SourceError::Invalid(format!(
+            return Err(SourceError::invalid(format!(
                 "message {} is not in flight here",
                 delivery.message.id
             )));

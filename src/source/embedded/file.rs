@@ -243,8 +243,9 @@ impl EmbeddedSource {
     }
 
     /// A change that is not on the hot path, in the writer's next
-    /// transaction. `work` must write nothing when it returns
-    /// [`SourceError::Invalid`]; any other error aborts the transaction.
+    /// transaction. `work` must write nothing when it refuses (an error of
+    /// kind `Invalid` or `Gone`, [`is_refusal`]); any other error aborts
+    /// the transaction.
     pub(super) async fn write(
         &self,
         durable: bool,

@@ -201,3 +201,40 @@ async fn an_admin_handle_shares_the_file_with_a_consumer() {
     let bodies: Vec<_> = got.iter().map(|d| d.message.body.clone()).collect();
     assert_eq!(bodies, [Bytes::from("before"), Bytes::from("after")]);
 }
+
+/// Regression: a replay or purge of a letter that is not there fails as
+/// gone, and the writer aborted the whole batch on it, failing the sends
+/// that shared its transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_of_a_missing_letter_fails_only_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(open(dir.path()));
+    let missing = DeadLetter::from_fields("999999".into(), Vec::new());
+    let mut calls = Vec::new();
+    for i in 0..200 {
+        let (source, missing) = (source.clone(), missing.clone());
+        calls.push(tokio::spawn(async move {
+            match i % 10 {
+                0 => source
+                    .purge("q.dlq", &missing)
+                    .await
+                    .map(drop)
+                    .map_err(|e| (true, e)),
+                _ => source
+                    .send(Bytes::from(format!("{i}")), &[])
+                    .await
+                    .map(drop)
+                    .map_err(|e| (false, e)),
+            }
+        }));
+    }
+    let mut sent = 0;
+    for call in calls {
+        match call.await.unwrap() {
+            Ok(()) => sent += 1,
+            Err((true, e)) => assert_eq!(e.kind(), crate::source::ErrorKind::Gone, "{e}"),
+            Err((false, e)) => panic!("a send failed beside a purge: {e}"),
+        }
+    }
+    assert_eq!(sent, 180);
+}

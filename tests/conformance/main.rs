@@ -180,6 +180,7 @@ suite!(
         bad_inputs::header_values_with_line_breaks_and_non_ascii_survive if DeadLetterBrowsing,
         dlq::list_show_replay_purge if DeadLetterBrowsing,
         dlq::replay_killed_halfway_loses_nothing if DeadLetterBrowsing,
+        dlq::read_only_commands_leave_the_broker_as_found if Nothing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
     ]

@@ -90,26 +90,3 @@ async fn amqp_quorum_crash_mid_delivery_counts_an_attempt() {
 async fn redis_crash_restart_same_consumer() {
     process::crash_mid_flight_with(Fixture::redis(), process::Restart::SameConsumer).await;
 }
-
-/// Until every broker's admin handle creates nothing (issue 27), this runs
-/// where it does; the other brokers join the suite's list as they do.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_read_only_commands_leave_the_broker_as_found() {
-    crate::dlq::read_only_commands_leave_the_broker_as_found(Fixture::redis()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_read_only_commands_leave_the_broker_as_found() {
-    crate::dlq::read_only_commands_leave_the_broker_as_found(BrokerKind::RedisCluster.fixture())
-        .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn amqp_read_only_commands_leave_the_broker_as_found() {
-    crate::dlq::read_only_commands_leave_the_broker_as_found(Fixture::amqp()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_read_only_commands_leave_the_broker_as_found() {
-    crate::dlq::read_only_commands_leave_the_broker_as_found(BrokerKind::Nats.fixture()).await;
-}

@@ -1,37 +1,61 @@
-//! The file handle: one per redb file per process, its tables, and how a
-//! source hands calls to the writer thread.
+//! The file handle: one per redb file per process, its tables, its writer
+//! thread, and how sources and stores hand it their calls.
 
 use super::*;
 
-/// One handle per file per process.
+/// The file's name in the queue's directory.
+const FILE_NAME: &str = "courier.redb";
+
+/// The process's handle of the queue in `dir`, with the directory and the
+/// file made when missing. It has no writer until a consumer starts one
+/// ([`File::start_writer`]).
 pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
-    static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<File>>>> = OnceLock::new();
     std::fs::create_dir_all(dir).map_err(|e| {
         SourceError::invalid(format!(
             "cannot create the embedded queue directory {}: {e}",
             dir.display()
         ))
     })?;
+    handle(dir, true)?
+        .ok_or_else(|| store_error(format!("{} was not made", dir.join(FILE_NAME).display())))
+}
+
+/// The process's handle of the queue in `dir` if its file exists; makes
+/// nothing.
+pub(super) fn existing_file(dir: &Path) -> Result<Option<Arc<File>>, SourceError> {
+    if !dir.join(FILE_NAME).is_file() {
+        return Ok(None);
+    }
+    handle(dir, false)
+}
+
+/// One handle per file per process; `create`: the file is made when
+/// missing, else a missing file is `None`.
+fn handle(dir: &Path, create: bool) -> Result<Option<Arc<File>>, SourceError> {
+    static OPEN: OnceLock<Mutex<HashMap<PathBuf, Weak<File>>>> = OnceLock::new();
     let path = dir
         .canonicalize()
         .map_err(|e| SourceError::invalid(format!("{}: {e}", dir.display())))?
-        .join("courier.redb");
+        .join(FILE_NAME);
     let mut open = OPEN
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     if let Some(file) = open.get(&path).and_then(Weak::upgrade) {
-        return Ok(file);
+        return Ok(Some(file));
     }
+    let mut builder = redb::Builder::new();
+    builder.set_cache_size(CACHE_BYTES);
     // A handle of this process that was just dropped may still be closing
     // the file on another thread; give it a moment before calling the file
     // another process's.
     let mut tries = 0;
     let db = loop {
-        match redb::Builder::new()
-            .set_cache_size(CACHE_BYTES)
-            .create(&path)
-        {
+        let opened = match create {
+            true => builder.create(&path),
+            false => builder.open(&path),
+        };
+        match opened {
             Ok(db) => break db,
             Err(redb::DatabaseError::DatabaseAlreadyOpen) if tries < 40 => {
                 tries += 1;
@@ -43,51 +67,150 @@ pub(super) fn shared_file(dir: &Path) -> Result<Arc<File>, SourceError> {
                     path.display()
                 )));
             }
+            Err(redb::DatabaseError::Storage(redb::StorageError::Io(e)))
+                if !create && e.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Ok(None);
+            }
             Err(other) => return Err(store_error(other)),
         }
     };
-    let careful_until = opened(&db)?.then(|| {
-        tracing::warn!(
-            file = %path.display(),
-            "embedded queue: the last process on this file did not close it; for {CAREFUL_FOR:?} every hand-out is made durable before it is delivered, so a message that crashes courier is counted and dead-lettered after max_deliveries"
-        );
-        Instant::now() + CAREFUL_FOR
-    });
-    let db = Arc::new(db);
-    let (calls, inbox) = mpsc::channel();
-    let writer = Writer {
-        db: db.clone(),
-        waiting: Vec::new(),
-        queues: HashMap::new(),
-        dirty_since: None,
-        careful_until,
-    };
-    let writer = std::thread::Builder::new()
-        .name("courier-embedded".into())
-        .spawn(move || writer.run(inbox))
-        .map_err(store_error)?;
     let file = Arc::new(File {
-        db,
-        calls: Some(calls),
-        writer: Some(writer),
+        db: Arc::new(db),
+        path: path.clone(),
+        writer: OnceLock::new(),
+        direct: Mutex::new(()),
     });
     open.insert(path, Arc::downgrade(&file));
-    Ok(file)
+    Ok(Some(file))
+}
+
+impl File {
+    /// Starts the writer thread unless it runs: the first consumer on the
+    /// file does. It marks the file open, and notes whether the last
+    /// process on it left without closing it ([`CAREFUL_FOR`]).
+    pub(super) fn start_writer(&self) -> Result<(), SourceError> {
+        let _direct = self.direct.lock().unwrap_or_else(|e| e.into_inner());
+        if self.writer.get().is_some() {
+            return Ok(());
+        }
+        let careful_until = opened(&self.db)?.then(|| {
+            tracing::warn!(
+                file = %self.path.display(),
+                "embedded queue: the last process on this file did not close it; for {CAREFUL_FOR:?} every hand-out is made durable before it is delivered, so a message that crashes courier is counted and dead-lettered after max_deliveries"
+            );
+            Instant::now() + CAREFUL_FOR
+        });
+        let (calls, inbox) = mpsc::channel();
+        let writer = Writer {
+            db: self.db.clone(),
+            waiting: Vec::new(),
+            queues: HashMap::new(),
+            dirty_since: None,
+            careful_until,
+        };
+        let thread = std::thread::Builder::new()
+            .name("courier-embedded".into())
+            .spawn(move || writer.run(inbox))
+            .map_err(store_error)?;
+        let _ = self.writer.set(Writing { calls, thread });
+        Ok(())
+    }
+
+    /// Whether a consumer of this process runs the writer.
+    pub(super) fn has_writer(&self) -> bool {
+        self.writer.get().is_some()
+    }
+
+    /// Hands `call` to the writer and waits for its answer.
+    pub(super) async fn call<T>(
+        &self,
+        call: impl FnOnce(Reply<T>) -> Call,
+    ) -> Result<T, SourceError> {
+        let (reply, answer) = oneshot::channel();
+        self.writer
+            .get()
+            .ok_or_else(writer_gone)?
+            .calls
+            .send(call(reply))
+            .map_err(|_| writer_gone())?;
+        answer.await.map_err(|_| writer_gone())?
+    }
+
+    /// Runs `f` with a read transaction on the blocking pool; reads see what
+    /// the writer committed, durable or not.
+    pub(super) async fn read<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&redb::ReadTransaction) -> Result<T, SourceError> + Send + 'static,
+    ) -> Result<T, SourceError> {
+        let file = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let tx = file.db.begin_read().map_err(store_error)?;
+            f(&tx)
+        })
+        .await
+        .map_err(|e| store_error(format!("worker failed: {e}")))?
+    }
+
+    /// A write of the dead-letter store, answered once durable: in the
+    /// writer's next transaction while a consumer of this process runs the
+    /// writer, else in a transaction of its own, so that an admin handle
+    /// starts no thread. `work` returning an error writes nothing.
+    pub(super) async fn write_durably(self: &Arc<Self>, work: Work) -> Result<(), SourceError> {
+        let file = self.clone();
+        let alone = tokio::task::spawn_blocking(move || {
+            let _direct = file.direct.lock().unwrap_or_else(|e| e.into_inner());
+            if file.has_writer() {
+                return Err(work);
+            }
+            let tx = file.db.begin_write().map_err(store_error);
+            Ok(tx.and_then(|tx| match work(&tx) {
+                Ok(()) => tx.commit().map_err(store_error),
+                Err(e) => {
+                    let _ = tx.abort();
+                    Err(e)
+                }
+            }))
+        })
+        .await
+        .map_err(|e| store_error(format!("worker failed: {e}")))?;
+        match alone {
+            Ok(result) => result,
+            Err(work) => {
+                self.call(|reply| {
+                    Call::Change(Change::Write {
+                        work: Some(work),
+                        durable: true,
+                        reply,
+                    })
+                })
+                .await
+            }
+        }
+    }
+}
+
+impl Tables {
+    pub(super) fn of(queue: &str) -> Self {
+        Self {
+            queue: queue.to_string(),
+            ready: format!("ready/{queue}"),
+            leased: format!("leased/{queue}"),
+            acked: format!("acked/{queue}"),
+        }
+    }
 }
 
 impl EmbeddedSource {
     pub fn open(dir: &Path, options: SourceOptions) -> Result<Self, SourceError> {
         let file = shared_file(dir)?;
-        let tables = Tables {
-            queue: options.queue.clone(),
-            ready: format!("ready/{}", options.queue),
-            leased: format!("leased/{}", options.queue),
-            acked: format!("acked/{}", options.queue),
-        };
+        file.start_writer()?;
+        let tables = Arc::new(Tables::of(&options.queue));
         create_tables(&file.db, &tables, &dlq_table(&options.dead_letter_queue))?;
         Ok(Self {
+            store: EmbeddedStore::of(dir, file.clone(), tables.clone()),
             file,
-            tables: Arc::new(tables),
+            tables,
             live: Mutex::new(options.live()),
         })
     }
@@ -102,14 +225,7 @@ impl EmbeddedSource {
         &self,
         call: impl FnOnce(Reply<T>) -> Call,
     ) -> Result<T, SourceError> {
-        let (reply, answer) = oneshot::channel();
-        self.file
-            .calls
-            .as_ref()
-            .ok_or_else(writer_gone)?
-            .send(call(reply))
-            .map_err(|_| writer_gone())?;
-        answer.await.map_err(|_| writer_gone())?
+        self.file.call(call).await
     }
 
     pub(super) async fn settle(&self, delivery: &Delivery, then: Then) -> Result<(), SourceError> {
@@ -127,8 +243,9 @@ impl EmbeddedSource {
     }
 
     /// A change that is not on the hot path, in the writer's next
-    /// transaction. `work` must write nothing when it returns
-    /// [`SourceError::Invalid`]; any other error aborts the transaction.
+    /// transaction. `work` must write nothing when it refuses (an error of
+    /// kind `Invalid` or `Gone`, [`is_refusal`]); any other error aborts
+    /// the transaction.
     pub(super) async fn write(
         &self,
         durable: bool,
@@ -151,13 +268,8 @@ impl EmbeddedSource {
         &self,
         f: impl FnOnce(&redb::ReadTransaction, &Tables) -> Result<T, SourceError> + Send + 'static,
     ) -> Result<T, SourceError> {
-        let (file, tables) = (self.file.clone(), self.tables.clone());
-        tokio::task::spawn_blocking(move || {
-            let tx = file.db.begin_read().map_err(store_error)?;
-            f(&tx, &tables)
-        })
-        .await
-        .map_err(|e| store_error(format!("worker failed: {e}")))?
+        let tables = self.tables.clone();
+        self.file.read(move |tx| f(tx, &tables)).await
     }
 }
 

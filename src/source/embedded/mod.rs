@@ -46,13 +46,13 @@ use tokio::sync::oneshot;
 use super::shared::{self, RECEIVE_WAIT};
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions, SourceUrl, decode_fields, encode_fields,
+    Source, SourceError, SourceOptions, SourceUrl, WithStore, decode_fields, encode_fields,
 };
 use crate::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
 
 mod calls;
+mod dead_letters;
 mod depth;
-mod dlq;
 mod file;
 mod hand_out;
 mod overlay;
@@ -60,6 +60,7 @@ mod settle;
 mod writer;
 
 use calls::*;
+use dead_letters::EmbeddedStore;
 use file::*;
 use hand_out::*;
 use overlay::*;
@@ -144,7 +145,7 @@ pub const BROKER: Broker = Broker {
     admin: |url, options| {
         Box::pin(async move {
             let dir = dir_of(url.as_str()).map_err(SourceError::invalid)?;
-            Ok(Arc::new(EmbeddedSource::open(&dir, options)?) as Arc<dyn DeadLetterStore>)
+            Ok(Arc::new(EmbeddedStore::open(&dir, options)?) as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -173,6 +174,8 @@ pub struct EmbeddedSource {
     tables: Arc<Tables>,
     /// The options' live part, as the policy now says.
     live: Mutex<LiveSettings>,
+    /// The dead letters and sends, on the same file and writer.
+    store: EmbeddedStore,
 }
 
 /// The names of one queue's tables.
@@ -183,12 +186,22 @@ struct Tables {
     acked: String,
 }
 
-/// One open redb file and its writer thread, shared by every source on the
-/// directory in this process.
+/// One open redb file, shared by every source and store on the directory in
+/// this process, and its writer thread once a consumer started it.
 struct File {
     db: Arc<Database>,
-    calls: Option<mpsc::Sender<Call>>,
-    writer: Option<JoinHandle<()>>,
+    path: PathBuf,
+    writer: OnceLock<Writing>,
+    /// Held by a write an admin handle makes in a transaction of its own,
+    /// and by the start of the writer: the writer never starts in the middle
+    /// of such a write, and once it runs every write goes through it.
+    direct: Mutex<()>,
+}
+
+/// The writer thread, and the way calls reach it.
+struct Writing {
+    calls: mpsc::Sender<Call>,
+    thread: JoinHandle<()>,
 }
 
 impl Drop for File {
@@ -196,9 +209,9 @@ impl Drop for File {
     /// waits for it, so that the file is closed when the last source on it
     /// is gone and can be opened again at once, by this process or another.
     fn drop(&mut self) {
-        drop(self.calls.take());
-        if let Some(writer) = self.writer.take() {
-            let _ = writer.join();
+        if let Some(Writing { calls, thread }) = self.writer.take() {
+            drop(calls);
+            let _ = thread.join();
         }
     }
 }
@@ -390,63 +403,9 @@ impl Observed for EmbeddedSource {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for EmbeddedSource {
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.list_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    /// Refuses a message over [`RECORD_LIMIT`], which could never be
-    /// handed out. Only courier writes the file, and this is the one way a
-    /// producer's message gets in: its `courier-*` headers are dropped here,
-    /// so every `courier-*` field of a stored record is courier's own state
-    /// and needs no seal.
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(
-            headers
-                .iter()
-                .filter(|(n, _)| !shared::is_courier_field(n.as_bytes()))
-                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
-        );
-        let data = encode_fields(&fields);
-        if data.len() > RECORD_LIMIT {
-            return Err(SourceError::invalid(format!(
-                "the message is {} bytes with its headers, over the embedded queue's limit of {RECORD_LIMIT} bytes for one message; send a smaller body (or a reference to where the data is)",
-                data.len()
-            )));
-        }
-        let tables = self.tables.clone();
-        let seq = self
-            .call(|reply| {
-                Call::Change(Change::Send {
-                    tables,
-                    data,
-                    reply,
-                })
-            })
-            .await?;
-        Ok(seq.to_string())
-    }
-
-    async fn flush(&self) {
-        Consumer::close(self).await
+impl WithStore for EmbeddedSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }
 

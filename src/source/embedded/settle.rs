@@ -74,9 +74,9 @@ pub(super) fn apply(
             forget_cursors(queues);
             work(tx)
         }) {
-            Some(Err(e)) if e.kind() == crate::source::ErrorKind::Invalid => {
-                Ok(Outcome::Unit(Err(e)))
-            }
+            // A refusal (a bad id, a letter that is gone) is the caller's
+            // alone: the batch's other changes still commit.
+            Some(Err(e)) if is_refusal(&e) => Ok(Outcome::Unit(Err(e))),
             Some(Err(e)) => Err(e),
             Some(Ok(())) | None => Ok(Outcome::Unit(Ok(()))),
         },
@@ -131,6 +131,14 @@ fn keep_alive(
         overlay.extended.insert(key.1, (key.0, until));
     }
     Ok(())
+}
+
+/// An error a [`Change::Write`] returns having written nothing.
+pub(super) fn is_refusal(e: &SourceError) -> bool {
+    matches!(
+        e.kind(),
+        crate::source::ErrorKind::Invalid | crate::source::ErrorKind::Gone
+    )
 }
 
 pub(super) fn next_seq(tx: &WriteTransaction) -> Result<u64, SourceError> {

@@ -142,3 +142,100 @@ async fn acks_and_leases_outlive_a_clean_stop() {
     let depth = source.depth().await.unwrap();
     assert_eq!((depth.ready, depth.pending), (Some(0), 1), "{depth:?}");
 }
+
+fn admin(dir: &Path) -> EmbeddedStore {
+    EmbeddedStore::open(dir, SourceOptions::new("q")).unwrap()
+}
+
+/// The tables of the file in `dir`, and whether it was marked open, read
+/// without writing to it.
+fn file_tables(dir: &Path) -> (Vec<String>, bool) {
+    let db = redb::ReadOnlyDatabase::open(dir.join("courier.redb")).unwrap();
+    let tx = db.begin_read().unwrap();
+    let mut tables: Vec<String> = tx
+        .list_tables()
+        .unwrap()
+        .map(|t| t.name().to_string())
+        .collect();
+    tables.sort();
+    let marked = tx.open_table(META).unwrap().get(OPEN).unwrap().is_some();
+    (tables, marked)
+}
+
+/// Issue 27: an admin handle on a directory without a queue makes nothing
+/// by reading, nor by a replay or purge that finds no letter; a send makes
+/// the file and the work table, and starts no writer (the file is never
+/// marked open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_handle_makes_nothing_but_its_message() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("queue");
+    let store = admin(&dir);
+    assert!(store.dead_letters("q.dlq", 10).await.unwrap().is_empty());
+    let letter = DeadLetter::from_fields("1".into(), Vec::new());
+    let err = store.replay("q.dlq", &letter).await.unwrap_err();
+    assert!(err.to_string().contains("is not in q.dlq"), "{err}");
+    assert!(store.purge("q.dlq", &letter).await.is_err());
+    assert!(!dir.exists(), "a read made the directory");
+    store.send(Bytes::from("x"), &[]).await.unwrap();
+    // With the file there, a lookup of a missing letter still makes no
+    // dead-letter table.
+    assert!(store.purge("q.dlq", &letter).await.is_err());
+    drop(store);
+    assert_eq!(
+        file_tables(&dir),
+        (vec!["meta".to_string(), "ready/q".to_string()], false)
+    );
+}
+
+/// In one process an admin handle and a consumer share the file: what the
+/// handle wrote alone, and what it writes through the consumer's writer
+/// once that runs, are both handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_handle_shares_the_file_with_a_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = admin(dir.path());
+    store.send(Bytes::from("before"), &[]).await.unwrap();
+    let source = open(dir.path());
+    store.send(Bytes::from("after"), &[]).await.unwrap();
+    let got = source.receive(10).await.unwrap();
+    let bodies: Vec<_> = got.iter().map(|d| d.message.body.clone()).collect();
+    assert_eq!(bodies, [Bytes::from("before"), Bytes::from("after")]);
+}
+
+/// Regression: a replay or purge of a letter that is not there fails as
+/// gone, and the writer aborted the whole batch on it, failing the sends
+/// that shared its transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_of_a_missing_letter_fails_only_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(open(dir.path()));
+    let missing = DeadLetter::from_fields("999999".into(), Vec::new());
+    let mut calls = Vec::new();
+    for i in 0..200 {
+        let (source, missing) = (source.clone(), missing.clone());
+        calls.push(tokio::spawn(async move {
+            match i % 10 {
+                0 => source
+                    .purge("q.dlq", &missing)
+                    .await
+                    .map(drop)
+                    .map_err(|e| (true, e)),
+                _ => source
+                    .send(Bytes::from(format!("{i}")), &[])
+                    .await
+                    .map(drop)
+                    .map_err(|e| (false, e)),
+            }
+        }));
+    }
+    let mut sent = 0;
+    for call in calls {
+        match call.await.unwrap() {
+            Ok(()) => sent += 1,
+            Err((true, e)) => assert_eq!(e.kind(), crate::source::ErrorKind::Gone, "{e}"),
+            Err((false, e)) => panic!("a send failed beside a purge: {e}"),
+        }
+    }
+    assert_eq!(sent, 180);
+}

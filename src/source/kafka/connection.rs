@@ -63,6 +63,23 @@ pub(super) fn bootstrap_servers(text: &str) -> Result<String, String> {
     Ok(servers.join(","))
 }
 
+/// Refuses a `--queue` that names no topic.
+pub(super) fn check_topic(topic: &str) -> Result<(), SourceError> {
+    if topic.is_empty() {
+        return Err(SourceError::invalid(
+            "--queue names the Kafka topic; it cannot be empty",
+        ));
+    }
+    Ok(())
+}
+
+/// The work topic is not there, and courier was not asked to create it.
+pub(super) fn missing_topic(topic: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "the Kafka topic {topic:?} does not exist; create it (kafka-topics --create --topic {topic}), or start courier run with --create"
+    ))
+}
+
 pub(super) fn unavailable(e: impl std::fmt::Display) -> SourceError {
     SourceError::unavailable(format!("Kafka: {e}"))
 }

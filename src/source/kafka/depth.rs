@@ -103,7 +103,10 @@ impl KafkaSource {
             Ok((work, retries, age))
         })
         .await?;
-        let dead_letters = self.count_letters(&self.live().dead_letter_queue).await?;
+        let dead_letters = self
+            .store
+            .count_letters(&self.live().dead_letter_queue)
+            .await?;
         Ok(Depth {
             ready: Some(work.waiting),
             pending: work.handed + retries.handed,

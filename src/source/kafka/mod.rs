@@ -34,6 +34,9 @@
 //! - Dead letters are browsed by reading the dead-letter topic; Kafka
 //!   cannot delete one record, so replay and purge record the letter's id
 //!   in `<dlq>.removed`, and browsing leaves out what is recorded there.
+//!   `courier dlq` and `courier send` open the dead-letter store alone
+//!   (`KafkaStore`): a producer and the inspector, no group, nothing
+//!   created.
 //! - Depth: per partition, the high watermark minus the committed offset,
 //!   less what the commit's metadata says is handed out or settled; the
 //!   oldest waiting message's age from the timestamp of the first waiting
@@ -42,7 +45,8 @@
 //! Files: `connection` (URL, clients, topics, the seal key, reading a
 //! topic), `offsets` (the per-partition ledger and its metadata), `read`
 //! (receiving, holding retries until due), `settle` (ack, retry, dead
-//! letter, commits, produce), `dead_letters`, `depth`, `fields`.
+//! letter, commits, produce), `dead_letters` (the dead-letter store:
+//! browse, replay, purge, send), `depth`, `fields`.
 
 mod connection;
 mod dead_letters;
@@ -59,15 +63,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use rdkafka::message::OwnedMessage;
 
+use super::shared::Seal;
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions,
+    Source, SourceError, SourceOptions, WithStore,
 };
-use crate::model::{DeadLetter, Delivery};
+use crate::model::Delivery;
 use connection::{GroupConsumer, Inspector, Producer};
+use dead_letters::KafkaStore;
 use offsets::Ledger;
 use rdkafka::consumer::Consumer as _;
 
@@ -94,7 +99,7 @@ pub const BROKER: Broker = Broker {
     },
     admin: |url, options| {
         Box::pin(async move {
-            Ok(Arc::new(KafkaSource::connect(url.as_str(), options).await?)
+            Ok(Arc::new(KafkaStore::open(url.as_str(), options).await?)
                 as Arc<dyn DeadLetterStore>)
         })
     },
@@ -150,7 +155,9 @@ pub struct KafkaSource {
     /// One commit at a time, in order; holds the version it committed.
     committed: tokio::sync::Mutex<u64>,
     live: Mutex<LiveSettings>,
-    seal: super::shared::Seal,
+    seal: Arc<Seal>,
+    /// The dead letters and sends, on the same producer and inspector.
+    store: KafkaStore,
 }
 
 #[async_trait]
@@ -224,34 +231,9 @@ impl Observed for KafkaSource {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for KafkaSource {
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.produce_new(body, headers).await
-    }
-
-    async fn flush(&self) {
-        Consumer::close(self).await
+impl WithStore for KafkaSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }
 
@@ -273,11 +255,7 @@ impl KafkaSource {
 
     pub(super) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
-        if options.queue.is_empty() {
-            return Err(SourceError::invalid(
-                "--queue names the Kafka topic; it cannot be empty",
-            ));
-        }
+        connection::check_topic(&options.queue)?;
         let producer = connection::producer(&bootstrap, &options)?;
         let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
         let consumer = Arc::new(connection::consumer(&bootstrap, &options)?);
@@ -290,15 +268,13 @@ impl KafkaSource {
                 if create {
                     connection::ensure_topic(&producer, &inspector, &topic)?;
                 } else if connection::partitions(&inspector, &topic)?.is_none() {
-                    return Err(SourceError::invalid(format!(
-                        "the Kafka topic {topic:?} does not exist; create it, or pass --create"
-                    )));
+                    return Err(connection::missing_topic(&topic));
                 }
                 connection::ensure_topic(&producer, &inspector, &retry).map(drop)
             })
             .await?;
         }
-        let seal = connection::seal_of(&producer, &inspector, &options.queue).await?;
+        let seal = Arc::new(connection::seal_of(&producer, &inspector, &options.queue).await?);
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
         let _ = consumer.context().shared.set(rebalance::Shared {
@@ -308,6 +284,12 @@ impl KafkaSource {
             closing: closing.clone(),
         });
         Ok(Self {
+            store: KafkaStore::new(
+                &options.queue,
+                producer.clone(),
+                inspector.clone(),
+                seal.clone(),
+            ),
             consumer,
             producer,
             inspector,

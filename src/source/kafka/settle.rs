@@ -8,10 +8,10 @@ use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::producer::FutureRecord;
 use rdkafka::{Offset, TopicPartitionList};
 
-use super::connection::{blocking, unavailable};
-use super::fields::{F_RETRY_AT, record_id, to_record};
+use super::connection::{Producer, blocking, unavailable};
+use super::fields::{F_RETRY_AT, to_record};
 use super::{AFTER_FAILED_SETTLE, KafkaSource, Out};
-use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::model::{Delivery, Failure, rfc3339};
 use crate::source::SourceError;
 use crate::source::shared::{replace, without};
 
@@ -125,7 +125,7 @@ impl KafkaSource {
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         let topic = self.retry_topic.clone();
-        if let Err(e) = self.produce(&topic, out.key.as_deref(), &fields).await {
+        if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
             self.finish(delivery, out, Settled::NotWritten).await?;
             return Err(e);
         }
@@ -169,7 +169,7 @@ impl KafkaSource {
         let out = self.out_of(delivery)?;
         let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
         let topic = failure.dead_letter_queue.clone();
-        if let Err(e) = self.produce(&topic, out.key.as_deref(), &fields).await {
+        if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
             self.finish(delivery, out, Settled::NotWritten).await?;
             return Err(e);
         }
@@ -213,45 +213,28 @@ impl KafkaSource {
         *committed = version;
         Ok(())
     }
+}
 
-    /// Produces fields to `topic` and waits for the delivery report: the
-    /// record is stored (by every in-sync replica) when this returns Ok.
-    pub(super) async fn produce(
-        &self,
-        topic: &str,
-        key: Option<&[u8]>,
-        fields: &[(Bytes, Bytes)],
-    ) -> Result<(i32, i64), SourceError> {
-        let (body, headers) = to_record(fields);
-        let mut record = FutureRecord::<[u8], [u8]>::to(topic)
-            .payload(body.as_ref())
-            .headers(headers);
-        if let Some(key) = key {
-            record = record.key(key);
-        }
-        let delivered = self
-            .producer
-            .send(record, Duration::from_secs(5))
-            .await
-            .map_err(|(e, _)| {
-                SourceError::broker(format!("Kafka did not store the record for {topic:?}: {e}"))
-            })?;
-        Ok((delivered.partition, delivered.offset))
+/// Produces fields to `topic` and waits for the delivery report: the
+/// record is stored (by every in-sync replica) when this returns Ok.
+pub(super) async fn produce(
+    producer: &Producer,
+    topic: &str,
+    key: Option<&[u8]>,
+    fields: &[(Bytes, Bytes)],
+) -> Result<(i32, i64), SourceError> {
+    let (body, headers) = to_record(fields);
+    let mut record = FutureRecord::<[u8], [u8]>::to(topic)
+        .payload(body.as_ref())
+        .headers(headers);
+    if let Some(key) = key {
+        record = record.key(key);
     }
-
-    pub(super) async fn produce_new(
-        &self,
-        body: Bytes,
-        headers: &[(String, String)],
-    ) -> Result<String, SourceError> {
-        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(
-            headers
-                .iter()
-                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
-        );
-        let topic = self.options.queue.clone();
-        let (partition, offset) = self.produce(&topic, None, &fields).await?;
-        Ok(record_id(partition, offset))
-    }
+    let delivered = producer
+        .send(record, Duration::from_secs(5))
+        .await
+        .map_err(|(e, _)| {
+            SourceError::broker(format!("Kafka did not store the record for {topic:?}: {e}"))
+        })?;
+    Ok((delivered.partition, delivered.offset))
 }

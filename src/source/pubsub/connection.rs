@@ -5,14 +5,16 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
-    AcknowledgeRequest, DeadLetterPolicy, GetSubscriptionRequest, GetTopicRequest, PullRequest,
-    ReceivedMessage, Subscription, Topic, UpdateTopicRequest, publisher_client::PublisherClient,
-    subscriber_client::SubscriberClient,
+    AcknowledgeRequest, DeadLetterPolicy, GetSubscriptionRequest, GetTopicRequest,
+    ModifyAckDeadlineRequest, PublishRequest, PullRequest, ReceivedMessage, Subscription, Topic,
+    UpdateTopicRequest, publisher_client::PublisherClient, subscriber_client::SubscriberClient,
 };
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
+use super::fields::to_message;
 use crate::source::SourceError;
 use crate::source::shared::Seal;
 
@@ -194,6 +196,57 @@ impl Client {
             .map_err(|s| status_error(&format!("acknowledging in {subscription}"), &s))
     }
 
+    /// Sets the ack deadline of these messages of `subscription`.
+    pub async fn modify_deadline(
+        &self,
+        subscription: &str,
+        ack_ids: Vec<String>,
+        secs: u64,
+    ) -> Result<(), SourceError> {
+        if ack_ids.is_empty() {
+            return Ok(());
+        }
+        let request = self
+            .request(ModifyAckDeadlineRequest {
+                subscription: subscription.to_string(),
+                ack_ids,
+                ack_deadline_seconds: secs.min(MAX_HOLD_SECS) as i32,
+            })
+            .await?;
+        self.subscriber
+            .clone()
+            .modify_ack_deadline(request)
+            .await
+            .map(drop)
+            .map_err(|s| status_error("changing an ack deadline", &s))
+    }
+
+    /// Publishes fields as one message to `topic`; Pub/Sub's id of it.
+    pub async fn publish(
+        &self,
+        topic: &str,
+        fields: &[(Bytes, Bytes)],
+    ) -> Result<String, SourceError> {
+        let request = self
+            .request(PublishRequest {
+                topic: topic.to_string(),
+                messages: vec![to_message(fields)],
+            })
+            .await?;
+        let out = self
+            .publisher
+            .clone()
+            .publish(request)
+            .await
+            .map_err(|s| status_error(&format!("publishing to {topic}"), &s))?;
+        Ok(out
+            .into_inner()
+            .message_ids
+            .into_iter()
+            .next()
+            .unwrap_or_default())
+    }
+
     pub async fn get_subscription(&self, name: &str) -> Result<Option<Subscription>, SourceError> {
         let request = self
             .request(GetSubscriptionRequest {
@@ -328,6 +381,13 @@ fn subscription_of(name: &str, topic: &str, lease_secs: u64) -> Subscription {
     }
 }
 
+/// The work subscription is not there, and courier was not asked to make it.
+pub(super) fn missing_subscription(name: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "the Pub/Sub subscription {name} does not exist; create it (with a dead-letter policy, so that Pub/Sub counts deliveries), or start courier run with --create"
+    ))
+}
+
 /// The work subscription; with `create`, made when missing, on a topic of
 /// the same name (made too), with a dead-letter policy to `<queue>.dlq` so
 /// that Pub/Sub counts deliveries.
@@ -340,10 +400,7 @@ pub(super) async fn work_subscription(
         return Ok(found);
     }
     if !create {
-        return Err(SourceError::invalid(format!(
-            "the Pub/Sub subscription {} does not exist; create it (with a dead-letter policy, so that Pub/Sub counts deliveries), or start courier with --create",
-            names.work
-        )));
+        return Err(missing_subscription(&names.work));
     }
     let queue = names.work.rsplit('/').next().unwrap_or_default();
     let dead_letters = names.topic(&crate::model::default_dead_letter_queue(queue));
@@ -420,7 +477,7 @@ pub(super) async fn ensure_browsing(client: &Client, topic: &str) -> Result<(), 
 /// The seal key: the label [`SEAL_LABEL`] of the retry topic. Creating the
 /// topic with the label is atomic, so replicas that start together agree;
 /// a retry topic made by someone else gets the label added.
-async fn seal_of(client: &Client, retry_topic: &str) -> Result<Seal, SourceError> {
+pub(super) async fn seal_of(client: &Client, retry_topic: &str) -> Result<Seal, SourceError> {
     let fresh: String = Seal::new_secret().chars().take(SEAL_KEY_HEX).collect();
     let labels = HashMap::from([(SEAL_LABEL.to_string(), fresh.clone())]);
     let mut topic = client.ensure_topic(retry_topic, labels).await?;
@@ -443,10 +500,26 @@ async fn seal_of(client: &Client, retry_topic: &str) -> Result<Seal, SourceError
             .await?
             .ok_or_else(|| SourceError::broker(format!("topic {retry_topic} is gone again")))?;
     }
+    seal_in(&topic)
+}
+
+/// The seal key when the retry topic has one; reads only.
+pub(super) async fn read_seal(
+    client: &Client,
+    retry_topic: &str,
+) -> Result<Option<Seal>, SourceError> {
+    match client.get_topic(retry_topic).await? {
+        Some(topic) if topic.labels.contains_key(SEAL_LABEL) => seal_in(&topic).map(Some),
+        _ => Ok(None),
+    }
+}
+
+fn seal_in(topic: &Topic) -> Result<Seal, SourceError> {
     let secret = topic.labels.get(SEAL_LABEL).cloned().unwrap_or_default();
     Seal::new(secret.as_bytes()).map_err(|e| {
         SourceError::broker(format!(
-            "the label {SEAL_LABEL:?} of {retry_topic} is not a key courier wrote ({e}); remove it and courier makes a new one"
+            "the label {SEAL_LABEL:?} of {} is not a key courier wrote ({e}); remove it and courier makes a new one",
+            topic.name
         ))
     })
 }

@@ -26,14 +26,17 @@
 //!   warning at start (a crash is then not counted on originals).
 //! - Dead letters go to the work subscription's dead-letter topic when it
 //!   has one, else to `<subscription>.dlq`, read back through a browsing
-//!   subscription of the topic's name.
+//!   subscription of the topic's name. `courier dlq` and `courier send`
+//!   open the dead-letter store alone (`PubSubStore`): it creates no topic
+//!   and no subscription, and reads letters only through a browsing
+//!   subscription that exists.
 //! - Depth: Pub/Sub counts no backlog; a snapshot of each subscription,
 //!   sought by a shadow subscription of courier's, is counted.
 //!
 //! Files: `connection` (URL, channel, names, what courier creates, the
 //! seal key), `fields` (fields ↔ a Pub/Sub message), `read` (pull, admit,
-//! holding copies), `settle` (ack, retry, dead letter, send), `dead_letters`
-//! (browsing), `depth`.
+//! holding copies), `settle` (ack, retry, dead letter), `dead_letters` (the
+//! dead-letter store: browse, replay, purge, send), `depth`.
 
 mod connection;
 mod dead_letters;
@@ -47,13 +50,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 
 use super::{
     Batcher, Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed,
-    Settlement, Source, SourceError, SourceOptions,
+    Settlement, Source, SourceError, SourceOptions, WithStore,
 };
-use crate::model::{DeadLetter, Delivery};
+use crate::model::Delivery;
 use crate::source::shared::Seal;
 
 pub use connection::{
@@ -62,6 +64,7 @@ pub use connection::{
 pub use fields::{MAX_KEY_BYTES, MAX_VALUE_BYTES, attribute_ok};
 
 use connection::{Client, Names};
+use dead_letters::{PubSubStore, Work};
 
 /// Google Pub/Sub: `pubsub://PROJECT`.
 pub const BROKER: Broker = Broker {
@@ -78,10 +81,8 @@ pub const BROKER: Broker = Broker {
     },
     admin: |url, options| {
         Box::pin(async move {
-            Ok(
-                Arc::new(PubSubSource::connect(url.as_str(), options).await?)
-                    as Arc<dyn DeadLetterStore>,
-            )
+            Ok(Arc::new(PubSubStore::open(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -102,7 +103,7 @@ pub struct PubSubSource {
     /// its `maxDeliveryAttempts`.
     dead_letter_topic: Option<String>,
     max_delivery_attempts: Option<i32>,
-    seal: Seal,
+    seal: Arc<Seal>,
     /// Deliveries with the app (or read ahead), by ack id.
     in_flight: Mutex<HashMap<String, Sub>>,
     work_acks: Batcher<String>,
@@ -112,6 +113,8 @@ pub struct PubSubSource {
     known_dead_letter_topics: Mutex<HashSet<String>>,
     /// One depth count at a time: the shadow subscriptions are shared.
     counting: tokio::sync::Mutex<()>,
+    /// The dead letters and sends, on the same channel.
+    store: PubSubStore,
 }
 
 impl PubSubSource {
@@ -119,13 +122,11 @@ impl PubSubSource {
         let project = connection::project_of(url).map_err(SourceError::invalid)?;
         let client = Client::connect().await?;
         let names = Names::new(&project, &options.queue);
-        let work = connection::work_subscription(&client, &names, options.create).await?;
-        let policy = work.dead_letter_policy.clone();
-        let dead_letter_topic = policy
-            .as_ref()
-            .map(|p| p.dead_letter_topic.clone())
-            .filter(|t| !t.is_empty());
-        let max_delivery_attempts = policy
+        let subscription = connection::work_subscription(&client, &names, options.create).await?;
+        let work = Work::of(&subscription);
+        let dead_letter_topic = work.dead_letter_topic.clone();
+        let max_delivery_attempts = subscription
+            .dead_letter_policy
             .as_ref()
             .map(|p| p.max_delivery_attempts)
             .filter(|_| dead_letter_topic.is_some());
@@ -134,8 +135,9 @@ impl PubSubSource {
         let live = options.live();
         let dead_letters =
             names.dead_letter_topic(&live.dead_letter_queue, dead_letter_topic.as_deref());
-        let seal = connection::prepare(&client, &names, &dead_letters).await?;
+        let seal = Arc::new(connection::prepare(&client, &names, &dead_letters).await?);
         let source = Self {
+            store: PubSubStore::new(client.clone(), names.clone(), work, seal.clone()),
             work_acks: settle::ack_batcher(&client, &names.work),
             retry_acks: settle::ack_batcher(&client, &names.retry),
             client,
@@ -257,33 +259,8 @@ impl Observed for PubSubSource {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for PubSubSource {
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.send_new(body, headers).await
-    }
-
-    async fn flush(&self) {
-        Consumer::close(self).await
+impl WithStore for PubSubSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }

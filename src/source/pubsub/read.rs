@@ -10,11 +10,9 @@
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
-    ModifyAckDeadlineRequest, ReceivedMessage,
-};
+use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::ReceivedMessage;
 
-use super::connection::{MAX_HOLD_SECS, MIN_LEASE_SECS, status_error};
+use super::connection::{MAX_HOLD_SECS, MIN_LEASE_SECS};
 use super::fields::{from_message, publish_time};
 use super::{PubSubSource, Sub, lock};
 use crate::model::{Delivery, F_ATTEMPT, F_FIRST_ATTEMPT_AT, parse_time, rfc3339};
@@ -68,33 +66,6 @@ impl PubSubSource {
         ceil_secs(self.live().visibility_timeout).clamp(MIN_LEASE_SECS, MAX_HOLD_SECS)
     }
 
-    /// Sets the ack deadline of these messages of `subscription`.
-    pub(super) async fn modify_deadline(
-        &self,
-        subscription: &str,
-        ack_ids: Vec<String>,
-        secs: u64,
-    ) -> Result<(), SourceError> {
-        if ack_ids.is_empty() {
-            return Ok(());
-        }
-        let request = self
-            .client
-            .request(ModifyAckDeadlineRequest {
-                subscription: subscription.to_string(),
-                ack_ids,
-                ack_deadline_seconds: secs.min(MAX_HOLD_SECS) as i32,
-            })
-            .await?;
-        self.client
-            .subscriber
-            .clone()
-            .modify_ack_deadline(request)
-            .await
-            .map(drop)
-            .map_err(|s| status_error("changing an ack deadline", &s))
-    }
-
     pub(super) async fn read(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let max = max.max(1);
         let deadline = tokio::time::Instant::now() + RECEIVE_WAIT;
@@ -137,6 +108,7 @@ impl PubSubSource {
                 }
                 Admitted::Hold { ack_id, secs } => {
                     if let Err(e) = self
+                        .client
                         .modify_deadline(&subscription, vec![ack_id], secs)
                         .await
                     {
@@ -149,6 +121,7 @@ impl PubSubSource {
         // A pull leases for the subscription's ack deadline, which may be far
         // from the visibility timeout courier's policy needs.
         if let Err(e) = self
+            .client
             .modify_deadline(&subscription, lease, self.lease_secs())
             .await
         {
@@ -212,7 +185,7 @@ impl PubSubSource {
     /// came back still not due after its one hold.
     async fn renew(&self, ack_id: &str, fields: Vec<(Bytes, Bytes)>) {
         let fields = self.seal.seal(fields);
-        match self.publish(&self.names.retry_topic, &fields).await {
+        match self.client.publish(&self.names.retry_topic, &fields).await {
             Ok(_) => {
                 if let Err(e) = self.retry_acks.submit(ack_id.to_string()).await {
                     tracing::warn!(error = %e, "a retry copy was renewed but the old one not acked: it is received once more");

@@ -1,17 +1,13 @@
 //! Settling a delivery: ack (concurrent acks in one `Acknowledge`), retry
 //! and give-back (a sealed copy on the retry topic, then the ack), dead
-//! letter (a publish to the dead-letter topic, then the ack); sending; and
-//! keeping what the app has leased.
+//! letter (a publish to the dead-letter topic, then the ack); and keeping
+//! what the app has leased.
 
 use std::time::SystemTime;
 
-use bytes::Bytes;
-use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PublishRequest;
-
-use super::connection::{Client, status_error};
-use super::fields::to_message;
+use super::connection::Client;
 use super::{PubSubSource, Sub, lock};
-use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::model::{Delivery, Failure, rfc3339};
 use crate::source::shared::{F_RETRY_AT, replace, without};
 use crate::source::{Batcher, SourceError};
 
@@ -60,34 +56,6 @@ impl PubSubSource {
         result
     }
 
-    /// Publishes fields as one message to `topic`; Pub/Sub's id of it.
-    pub(super) async fn publish(
-        &self,
-        topic: &str,
-        fields: &[(Bytes, Bytes)],
-    ) -> Result<String, SourceError> {
-        let request = self
-            .client
-            .request(PublishRequest {
-                topic: topic.to_string(),
-                messages: vec![to_message(fields)],
-            })
-            .await?;
-        let out = self
-            .client
-            .publisher
-            .clone()
-            .publish(request)
-            .await
-            .map_err(|s| status_error(&format!("publishing to {topic}"), &s))?;
-        Ok(out
-            .into_inner()
-            .message_ids
-            .into_iter()
-            .next()
-            .unwrap_or_default())
-    }
-
     /// Every retry, and every give-back, is a sealed copy on the retry
     /// topic with the attempt and the due time; the original is acked only
     /// once Pub/Sub took the copy.
@@ -101,7 +69,7 @@ impl PubSubSource {
         self.subscription_of_receipt(&delivery.receipt)?;
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
-        if let Err(e) = self.publish(&self.names.retry_topic, &fields).await {
+        if let Err(e) = self.client.publish(&self.names.retry_topic, &fields).await {
             self.unsettled(&delivery.receipt).await;
             return Err(e);
         }
@@ -123,7 +91,7 @@ impl PubSubSource {
             .await?;
         let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
         // Acked only once the dead-letter topic took it.
-        if let Err(e) = self.publish(&topic, &fields).await {
+        if let Err(e) = self.client.publish(&topic, &fields).await {
             self.unsettled(&delivery.receipt).await;
             return Err(e);
         }
@@ -139,39 +107,13 @@ impl PubSubSource {
         };
         let subscription = self.subscription(from).to_string();
         let _ = self
+            .client
             .modify_deadline(
                 &subscription,
                 vec![receipt.to_string()],
                 AFTER_FAILED_SETTLE,
             )
             .await;
-    }
-
-    pub(super) async fn send_new(
-        &self,
-        body: Bytes,
-        headers: &[(String, String)],
-    ) -> Result<String, SourceError> {
-        if body.is_empty() && headers.is_empty() {
-            return Err(SourceError::invalid(
-                "Pub/Sub takes no message without a body and without attributes",
-            ));
-        }
-        if let Some((name, _)) = headers
-            .iter()
-            .find(|(n, v)| !super::fields::attribute_ok(n, v))
-        {
-            return Err(SourceError::invalid(format!(
-                "Pub/Sub cannot carry the header {name:?}: an attribute's name is 1 to 256 bytes not starting with goog, its value at most 1024 bytes"
-            )));
-        }
-        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(
-            headers
-                .iter()
-                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
-        );
-        self.publish(&self.names.work_topic, &fields).await
     }
 
     /// Keeps the deliveries with the app leased for another visibility
@@ -190,9 +132,11 @@ impl PubSubSource {
         }
         let secs = self.lease_secs();
         let work = self
+            .client
             .modify_deadline(&self.names.work.clone(), work, secs)
             .await;
         let retry = self
+            .client
             .modify_deadline(&self.names.retry.clone(), retry, secs)
             .await;
         work.and(retry)

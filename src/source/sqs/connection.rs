@@ -150,6 +150,13 @@ pub(super) async fn queue_url(
     Ok(out.queue_url().map(str::to_string))
 }
 
+/// The work queue is not there, and courier was not asked to create it.
+pub(super) fn missing_queue(name: &str, region: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "SQS queue {name:?} does not exist in {region}; create it, or start courier run with --create"
+    ))
+}
+
 pub(super) async fn queue_attributes(
     client: &Client,
     url: &str,

@@ -1,21 +1,33 @@
-//! Dead-letter queues: their names, and browsing, replaying and purging
-//! the letters in them. SQS has no way to read a message without
-//! receiving it: a listing receives the queue's messages (invisible for
-//! [`BROWSE_VISIBILITY`] so each is seen once) and gives them back; letters
-//! another listing holds are waited for.
+//! Dead-letter queues and the dead-letter store: their names, browsing,
+//! replaying and purging the letters in them, and sending to the work
+//! queue. SQS has no way to read a message without receiving it: a listing
+//! receives the queue's messages (invisible for [`BROWSE_VISIBILITY`] so
+//! each is seen once) and gives them back; letters another listing holds
+//! are waited for.
+//!
+//! Opened alone (`courier dlq`, `courier send`), the store creates nothing:
+//! it finds queues with `GetQueueUrl` only, never `CreateQueue`, and writes
+//! no tag. Listing a dead-letter queue that does not exist lists nothing; a
+//! send or replay needs the work queue and says how to make it when it is
+//! missing; the seal key is read, or written, by the first replay.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
+use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName};
+use bytes::Bytes;
+use tokio::sync::OnceCell;
 
 use super::attributes::from_message;
-use super::connection::{queue_attributes, queue_url, sdk_error};
-use super::settle::{F_GROUP, set_visibility};
-use super::{SqsSource, lock};
-use crate::model::DeadLetter;
-use crate::source::SourceError;
-use crate::source::shared::not_there;
+use super::connection::{self, queue_attributes, queue_url, sdk_error, seal_of};
+use super::lock;
+use super::settle::{F_GROUP, send_fields, set_visibility};
+use crate::model::{DeadLetter, PAYLOAD};
+use crate::source::shared::{Seal, not_there};
+use crate::source::{DeadLetterStore, SourceError, SourceOptions};
 
 /// How long a listing keeps the letters it has seen invisible.
 const BROWSE_VISIBILITY: i32 = 10;
@@ -64,8 +76,97 @@ fn sent_millis(message: &Message) -> u64 {
         .unwrap_or(0)
 }
 
-impl SqsSource {
-    /// The URL of the SQS queue `name`, created when missing and `create`.
+/// The work queue as a send or replay needs it.
+#[derive(Debug, Clone)]
+pub(super) struct WorkQueue {
+    pub url: String,
+    pub fifo: bool,
+}
+
+impl WorkQueue {
+    /// The queue `--queue` names (a name or a URL), looked up and never
+    /// created: `None` when it does not exist.
+    pub(super) async fn find(client: &Client, queue: &str) -> Result<Option<Self>, SourceError> {
+        let name = connection::queue_name(queue);
+        let url = if queue.starts_with("http://") || queue.starts_with("https://") {
+            queue.to_string()
+        } else {
+            match queue_url(client, name, false).await? {
+                Some(url) => url,
+                None => return Ok(None),
+            }
+        };
+        let attributes = queue_attributes(client, &url).await?;
+        let fifo = attributes
+            .get(&QueueAttributeName::FifoQueue)
+            .is_some_and(|v| v == "true")
+            || name.ends_with(".fifo");
+        Ok(Some(Self { url, fifo }))
+    }
+}
+
+/// The dead letters of one work queue, and sends to it.
+pub(super) struct SqsStore {
+    client: Client,
+    /// `--queue`: a name or a queue URL.
+    queue: String,
+    region: String,
+    /// Looked up on first use (by an admin handle), never created.
+    work: OnceCell<WorkQueue>,
+    /// Dead-letter queue URLs by name, once found.
+    dead_letter_urls: Mutex<HashMap<String, String>>,
+    /// The queue's seal: the consumer's, or read (and written if missing)
+    /// when an admin handle first replays.
+    seal: OnceCell<Arc<Seal>>,
+}
+
+impl SqsStore {
+    /// A consumer's store, on its client, work queue and seal.
+    pub(super) fn new(
+        client: Client,
+        options: &SourceOptions,
+        region: &str,
+        work: WorkQueue,
+        seal: Arc<Seal>,
+    ) -> Self {
+        Self {
+            client,
+            queue: options.queue.clone(),
+            region: region.to_string(),
+            work: OnceCell::new_with(Some(work)),
+            dead_letter_urls: Mutex::default(),
+            seal: OnceCell::new_with(Some(seal)),
+        }
+    }
+
+    /// An admin handle: a client, no call made yet.
+    pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let region = connection::region_of(url).map_err(SourceError::invalid)?;
+        Ok(Self {
+            client: connection::client(&region).await,
+            queue: options.queue,
+            region,
+            work: OnceCell::new(),
+            dead_letter_urls: Mutex::default(),
+            seal: OnceCell::new(),
+        })
+    }
+
+    /// The work queue, which a send and a replay write to: it must exist.
+    async fn work(&self) -> Result<&WorkQueue, SourceError> {
+        self.work
+            .get_or_try_init(|| async {
+                WorkQueue::find(&self.client, &self.queue)
+                    .await?
+                    .ok_or_else(|| {
+                        connection::missing_queue(connection::queue_name(&self.queue), &self.region)
+                    })
+            })
+            .await
+    }
+
+    /// The URL of the SQS queue `name`, created when missing and `create`
+    /// (only the consumer's first dead letter asks for that).
     pub(super) async fn dead_letter_url(
         &self,
         name: &str,
@@ -164,20 +265,6 @@ impl SqsSource {
         )
     }
 
-    pub(super) async fn browse_dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        let name = dead_letter_queue_name(dead_letter_queue);
-        let Some(url) = self.dead_letter_url(&name, false).await? else {
-            return Ok(Vec::new());
-        };
-        let messages = self.receive_all(&url, limit, None).await?;
-        self.give_back(&url, &messages).await;
-        Ok(messages.iter().map(Self::letter).collect())
-    }
-
     /// The letter `id`, received (the others seen on the way given back).
     async fn find(
         &self,
@@ -207,8 +294,25 @@ impl SqsSource {
             .map(drop)
             .map_err(|e| sdk_error("deleting a dead letter", e))
     }
+}
 
-    pub(super) async fn replay_dead_letter(
+#[async_trait]
+impl DeadLetterStore for SqsStore {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        let name = dead_letter_queue_name(dead_letter_queue);
+        let Some(url) = self.dead_letter_url(&name, false).await? else {
+            return Ok(Vec::new());
+        };
+        let messages = self.receive_all(&url, limit, None).await?;
+        self.give_back(&url, &messages).await;
+        Ok(messages.iter().map(Self::letter).collect())
+    }
+
+    async fn replay(
         &self,
         dead_letter_queue: &str,
         letter: &DeadLetter,
@@ -216,11 +320,25 @@ impl SqsSource {
         let (url, message) = self.find(dead_letter_queue, &letter.id).await?;
         let stored = Self::letter(&message);
         let group = stored.field(F_GROUP).map(str::to_string);
-        let fields = self.seal.seal(stored.fields_for_replay());
-        if let Err(e) = self
-            .send_fields(&self.queue_url, self.fifo, &fields, 0, group.as_deref())
+        let sent = async {
+            let work = self.work().await?;
+            let seal = self
+                .seal
+                .get_or_try_init(|| async { seal_of(&self.client, &work.url).await.map(Arc::new) })
+                .await?;
+            let fields = seal.seal(stored.fields_for_replay());
+            send_fields(
+                &self.client,
+                &work.url,
+                work.fifo,
+                &fields,
+                0,
+                group.as_deref(),
+            )
             .await
-        {
+        }
+        .await;
+        if let Err(e) = sent {
             self.give_back(&url, std::slice::from_ref(&message)).await;
             return Err(e);
         }
@@ -229,13 +347,37 @@ impl SqsSource {
         self.delete_letter(&url, &message).await
     }
 
-    pub(super) async fn purge_dead_letter(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
         let (url, message) = self.find(dead_letter_queue, &letter.id).await?;
         self.delete_letter(&url, &message).await
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        if body.is_empty() {
+            return Err(SourceError::invalid("SQS takes no empty message body"));
+        }
+        let work = self.work().await?;
+        // FIFO: the group is the header message-group-id, not forwarded.
+        let group = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("message-group-id"))
+            .map(|(_, v)| v.clone());
+        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
+        fields.extend(
+            headers
+                .iter()
+                .filter(|(n, _)| !n.eq_ignore_ascii_case("message-group-id"))
+                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
+        );
+        send_fields(
+            &self.client,
+            &work.url,
+            work.fifo,
+            &fields,
+            0,
+            group.as_deref(),
+        )
+        .await
     }
 }
 

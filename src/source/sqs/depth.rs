@@ -36,7 +36,7 @@ impl SqsSource {
         // those waiting for a retry.
         let held = (lock(&self.in_flight).len() as u64).min(invisible);
         let name = dead_letter_queue_name(&self.live().dead_letter_queue);
-        let dead_letters = match self.dead_letter_url(&name, false).await? {
+        let dead_letters = match self.store.dead_letter_url(&name, false).await? {
             Some(url) => {
                 let dlq = queue_attributes(&self.client, &url).await?;
                 count(&dlq, QueueAttributeName::ApproximateNumberOfMessages)

@@ -37,13 +37,16 @@
 //!   queue; the policy's queue otherwise), created on first use, then the
 //!   original is deleted; a dead letter SQS did not take leaves the original
 //!   invisible for 5 s and then handed out again.
+//! - `courier dlq` and `courier send` open the dead-letter store alone
+//!   (`SqsStore`): queues found with `GetQueueUrl`, never created, no tag
+//!   written but the seal key by a first replay that needs it.
 //! - A native `RedrivePolicy` whose `maxReceiveCount` is below the policy's
 //!   `maxAttempts` is warned about at start and on every policy change.
 //!
 //! Files: `connection` (URL, client, queues, seal, redrive), `attributes`
 //! (fields ↔ body and message attributes), `read` (receive, admit, FIFO
-//! groups), `settle` (ack, retry, dead letter, send), `dead_letters`
-//! (browsing), `depth`.
+//! groups), `settle` (ack, retry, dead letter), `dead_letters` (the
+//! dead-letter store: browse, replay, purge, send), `depth`.
 
 mod attributes;
 mod connection;
@@ -59,15 +62,15 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::QueueAttributeName;
-use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Recent,
-    Settlement, Source, SourceError, SourceOptions,
+    Settlement, Source, SourceError, SourceOptions, WithStore,
 };
-use crate::model::{DeadLetter, Delivery};
+use crate::model::Delivery;
 use crate::source::shared::Seal;
+use dead_letters::{SqsStore, WorkQueue};
 
 pub use attributes::{ENCODING, HEADERS, MAX_ATTRIBUTES, RECORD, attribute_name_ok, is_sqs_text};
 pub use connection::{SEAL_TAG, check_url, redrive_warning};
@@ -95,8 +98,7 @@ pub const BROKER: Broker = Broker {
     },
     admin: |url, options| {
         Box::pin(async move {
-            Ok(Arc::new(SqsSource::connect(url.as_str(), options).await?)
-                as Arc<dyn DeadLetterStore>)
+            Ok(Arc::new(SqsStore::open(url.as_str(), options).await?) as Arc<dyn DeadLetterStore>)
         })
     },
 };
@@ -138,7 +140,7 @@ pub struct SqsSource {
     live: Mutex<LiveSettings>,
     /// The queue's native RedrivePolicy (JSON), read at start.
     redrive_policy: Option<String>,
-    seal: Seal,
+    seal: Arc<Seal>,
     in_flight: Mutex<HashMap<String, InFlight>>,
     groups: Mutex<Groups>,
     /// When the messages waiting behind their group were last kept
@@ -153,9 +155,10 @@ pub struct SqsSource {
     /// SQS id. Kept in the process: a FIFO retry cannot be a copy.
     uncounted: Mutex<Recent<String, u32>>,
     due: Mutex<Recent<String, SystemTime>>,
-    dead_letter_urls: Mutex<HashMap<String, String>>,
     deletes: mpsc::UnboundedSender<Delete>,
     deleter: tokio::task::JoinHandle<()>,
+    /// The dead letters and sends, on the same client.
+    store: SqsStore,
 }
 
 impl SqsSource {
@@ -163,33 +166,39 @@ impl SqsSource {
         let region = connection::region_of(url).map_err(SourceError::invalid)?;
         let client = connection::client(&region).await;
         let name = connection::queue_name(&options.queue).to_string();
-        let queue_url = if options.queue.starts_with("http://")
-            || options.queue.starts_with("https://")
-        {
-            options.queue.clone()
-        } else {
-            connection::queue_url(&client, &name, options.create)
-                .await?
-                .ok_or_else(|| {
-                    SourceError::invalid(format!(
-                        "SQS queue {name:?} does not exist in {region}; create it, or start courier with --create"
-                    ))
-                })?
-        };
+        let queue_url =
+            if options.queue.starts_with("http://") || options.queue.starts_with("https://") {
+                options.queue.clone()
+            } else {
+                connection::queue_url(&client, &name, options.create)
+                    .await?
+                    .ok_or_else(|| connection::missing_queue(&name, &region))?
+            };
         let attributes = connection::queue_attributes(&client, &queue_url).await?;
         let fifo = attributes
             .get(&QueueAttributeName::FifoQueue)
             .is_some_and(|v| v == "true")
             || name.ends_with(".fifo");
         let redrive_policy = attributes.get(&QueueAttributeName::RedrivePolicy).cloned();
-        let seal = connection::seal_of(&client, &queue_url).await?;
+        let seal = Arc::new(connection::seal_of(&client, &queue_url).await?);
         let (deletes, receiver) = mpsc::unbounded_channel();
         let deleter = tokio::spawn(settle::delete_batches(
             client.clone(),
             queue_url.clone(),
             receiver,
         ));
+        let store = SqsStore::new(
+            client.clone(),
+            &options,
+            &region,
+            WorkQueue {
+                url: queue_url.clone(),
+                fifo,
+            },
+            seal.clone(),
+        );
         let source = Self {
+            store,
             live: Mutex::new(options.live()),
             client,
             options,
@@ -203,7 +212,6 @@ impl SqsSource {
             first_attempts: Mutex::new(Recent::new(REMEMBERED)),
             uncounted: Mutex::new(Recent::new(REMEMBERED)),
             due: Mutex::new(Recent::new(REMEMBERED)),
-            dead_letter_urls: Mutex::default(),
             deletes,
             deleter,
         };
@@ -306,34 +314,9 @@ impl Observed for SqsSource {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for SqsSource {
-    async fn dead_letters(
-        &self,
-        dead_letter_queue: &str,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>, SourceError> {
-        self.browse_dead_letters(dead_letter_queue, limit).await
-    }
-
-    async fn replay(
-        &self,
-        dead_letter_queue: &str,
-        letter: &DeadLetter,
-    ) -> Result<(), SourceError> {
-        self.replay_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.purge_dead_letter(dead_letter_queue, letter).await
-    }
-
-    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
-        self.send_new(body, headers).await
-    }
-
-    async fn flush(&self) {
-        Consumer::close(self).await
+impl WithStore for SqsSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
     }
 }
 

@@ -15,7 +15,7 @@ use super::attributes::to_wire;
 use super::connection::{broker, sdk_error};
 use super::dead_letters::dead_letter_queue_name;
 use super::{Delete, SqsSource, lock};
-use crate::model::{Delivery, Failure, PAYLOAD, rfc3339};
+use crate::model::{Delivery, Failure, rfc3339};
 use crate::source::SourceError;
 use crate::source::shared::{F_RETRY_AT, replace, without};
 
@@ -254,15 +254,15 @@ impl SqsSource {
         // A copy that remembers the attempt and the due time.
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
-        if let Err(e) = self
-            .send_fields(
-                &self.queue_url,
-                false,
-                &fields,
-                secs.min(MAX_DELAY_SECONDS),
-                None,
-            )
-            .await
+        if let Err(e) = send_fields(
+            &self.client,
+            &self.queue_url,
+            false,
+            &fields,
+            secs.min(MAX_DELAY_SECONDS),
+            None,
+        )
+        .await
         {
             self.unsettled(receipt).await;
             return Err(e);
@@ -311,10 +311,7 @@ impl SqsSource {
             Waiting::SendOn(delay) => delay,
         };
         let fields = self.seal.seal(fields);
-        match self
-            .send_fields(&self.queue_url, false, &fields, send_on, None)
-            .await
-        {
+        match send_fields(&self.client, &self.queue_url, false, &fields, send_on, None).await {
             Ok(_) => {
                 if let Err(e) = self.delete(receipt).await {
                     tracing::warn!(error = %e, "a retry copy was sent on but the one before it not deleted");
@@ -344,17 +341,28 @@ impl SqsSource {
             .and_then(|h| h.group.clone());
         let stored = async {
             let name = dead_letter_queue_name(&failure.dead_letter_queue);
-            let url = self.dead_letter_url(&name, true).await?.ok_or_else(|| {
-                broker(format!(
-                    "the dead-letter queue {name:?} could not be created"
-                ))
-            })?;
+            let url = self
+                .store
+                .dead_letter_url(&name, true)
+                .await?
+                .ok_or_else(|| {
+                    broker(format!(
+                        "the dead-letter queue {name:?} could not be created"
+                    ))
+                })?;
             let mut fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
             if let Some(group) = &group {
                 fields = replace(fields, F_GROUP, group.clone());
             }
-            self.send_fields(&url, name.ends_with(".fifo"), &fields, 0, group.as_deref())
-                .await
+            send_fields(
+                &self.client,
+                &url,
+                name.ends_with(".fifo"),
+                &fields,
+                0,
+                group.as_deref(),
+            )
+            .await
         }
         .await;
         // Deleted only once the dead-letter queue took it.
@@ -389,64 +397,6 @@ impl SqsSource {
         }
     }
 
-    /// Sends fields as one message; returns SQS's id of it.
-    pub(super) async fn send_fields(
-        &self,
-        queue_url: &str,
-        fifo: bool,
-        fields: &[(Bytes, Bytes)],
-        delay_secs: u64,
-        group: Option<&str>,
-    ) -> Result<String, SourceError> {
-        let wire = to_wire(fields)?;
-        let mut request = self
-            .client
-            .send_message()
-            .queue_url(queue_url)
-            .message_body(wire.body);
-        if !wire.attributes.is_empty() {
-            request = request.set_message_attributes(Some(wire.attributes));
-        }
-        if fifo {
-            // A FIFO queue has no per-message delay; its deduplication id
-            // is new for every write, as each is a message of its own.
-            request = request
-                .message_group_id(group.unwrap_or("courier"))
-                .message_deduplication_id(format!("{:032x}", rand::random::<u128>()));
-        } else if delay_secs > 0 {
-            request = request.delay_seconds(delay_secs as i32);
-        }
-        let out = request
-            .send()
-            .await
-            .map_err(|e| sdk_error("sending to SQS", e))?;
-        Ok(out.message_id().unwrap_or_default().to_string())
-    }
-
-    pub(super) async fn send_new(
-        &self,
-        body: Bytes,
-        headers: &[(String, String)],
-    ) -> Result<String, SourceError> {
-        if body.is_empty() {
-            return Err(SourceError::invalid("SQS takes no empty message body"));
-        }
-        // FIFO: the group is the header message-group-id, not forwarded.
-        let group = headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case("message-group-id"))
-            .map(|(_, v)| v.clone());
-        let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), body)];
-        fields.extend(
-            headers
-                .iter()
-                .filter(|(n, _)| !n.eq_ignore_ascii_case("message-group-id"))
-                .map(|(n, v)| (Bytes::from(n.clone()), Bytes::from(v.clone()))),
-        );
-        self.send_fields(&self.queue_url, self.fifo, &fields, 0, group.as_deref())
-            .await
-    }
-
     /// Keeps what the source holds invisible for another visibility
     /// timeout: the deliveries with the app, and those waiting behind their
     /// FIFO group.
@@ -478,6 +428,40 @@ impl SqsSource {
         )
         .await
     }
+}
+
+/// Sends fields as one message to the queue at `queue_url`; returns SQS's
+/// id of it.
+pub(super) async fn send_fields(
+    client: &Client,
+    queue_url: &str,
+    fifo: bool,
+    fields: &[(Bytes, Bytes)],
+    delay_secs: u64,
+    group: Option<&str>,
+) -> Result<String, SourceError> {
+    let wire = to_wire(fields)?;
+    let mut request = client
+        .send_message()
+        .queue_url(queue_url)
+        .message_body(wire.body);
+    if !wire.attributes.is_empty() {
+        request = request.set_message_attributes(Some(wire.attributes));
+    }
+    if fifo {
+        // A FIFO queue has no per-message delay; its deduplication id
+        // is new for every write, as each is a message of its own.
+        request = request
+            .message_group_id(group.unwrap_or("courier"))
+            .message_deduplication_id(format!("{:032x}", rand::random::<u128>()));
+    } else if delay_secs > 0 {
+        request = request.delay_seconds(delay_secs as i32);
+    }
+    let out = request
+        .send()
+        .await
+        .map_err(|e| sdk_error("sending to SQS", e))?;
+    Ok(out.message_id().unwrap_or_default().to_string())
 }
 
 /// Sets the visibility timeout of the messages with these receipt handles

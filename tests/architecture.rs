@@ -270,3 +270,77 @@ fn the_rule_is_written_down() {
         );
     }
 }
+
+/// Where each broker's part of the interface lives, as docs/architecture.md
+/// lists it for adding a broker: the dead-letter store in its
+/// `dead_letters.rs` (and nowhere else, so no consumer delegates to one),
+/// the consumer's `Consumer` and `Observed` once each, and its `BROKER`.
+fn skeleton_problems(broker: &str, files: &[(String, String)]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let with = |needle: &str| -> Vec<&str> {
+        files
+            .iter()
+            .filter(|(_, text)| text.contains(needle))
+            .map(|(name, _)| name.as_str())
+            .collect()
+    };
+    let stores = with("impl DeadLetterStore for ");
+    if stores != ["dead_letters.rs"] {
+        problems.push(format!(
+            "{broker}: `impl DeadLetterStore` is in {stores:?}, not only in dead_letters.rs"
+        ));
+    }
+    for part in ["impl Consumer for ", "impl Observed for "] {
+        let count: usize = files.iter().map(|(_, t)| t.matches(part).count()).sum();
+        if count != 1 {
+            problems.push(format!("{broker}: `{}` {count} times", part.trim()));
+        }
+    }
+    if with("pub const BROKER: Broker") != ["mod.rs"] {
+        problems.push(format!("{broker}: no `pub const BROKER: Broker` in mod.rs"));
+    }
+    problems
+}
+
+#[test]
+fn every_broker_folder_has_the_same_skeleton() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut problems = Vec::new();
+    for broker in broker_folders(&src) {
+        let mut paths = Vec::new();
+        rust_files(&src.join("source").join(&broker), &mut paths);
+        let files: Vec<(String, String)> = paths
+            .iter()
+            .map(|p| {
+                let name = p
+                    .strip_prefix(src.join("source").join(&broker))
+                    .unwrap()
+                    .display()
+                    .to_string();
+                (name, std::fs::read_to_string(p).unwrap())
+            })
+            .collect();
+        problems.extend(skeleton_problems(&broker, &files));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn a_delegating_consumer_breaks_the_skeleton() {
+    let files = vec![
+        (
+            "mod.rs".to_string(),
+            "pub const BROKER: Broker = x;\nimpl Consumer for S {}\nimpl Observed for S {}\nimpl DeadLetterStore for S {}\n".to_string(),
+        ),
+        (
+            "dead_letters.rs".to_string(),
+            "impl DeadLetterStore for Store {}\n".to_string(),
+        ),
+    ];
+    assert_eq!(
+        skeleton_problems("x", &files),
+        [
+            "x: `impl DeadLetterStore` is in [\"mod.rs\", \"dead_letters.rs\"], not only in dead_letters.rs"
+        ]
+    );
+}

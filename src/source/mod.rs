@@ -89,8 +89,8 @@ pub struct Capabilities {
     pub out_of_order_acks: bool,
     /// Dead letters can be listed, replayed and purged one by one.
     pub dead_letter_browsing: bool,
-    /// A deduplication window can be kept ([`Source::remember_ack`],
-    /// [`Source::was_acked`]).
+    /// A deduplication window can be kept ([`Consumer::remember_ack`],
+    /// [`Consumer::was_acked`]).
     pub dedup: bool,
     /// A read is bounded in bytes as well as in count.
     pub byte_bounded_reads: bool,

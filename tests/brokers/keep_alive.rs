@@ -7,7 +7,7 @@
 //! policy's timeout (`dispatch::live::visibility_for`, and `courier run`
 //! refuses a shorter `--visibility-timeout`), and a Pub/Sub lease at receipt
 //! is that timeout. The keep-alive carries a delivery only where the broker
-//! caps a claim below it: Pub/Sub's 600 s (`Source::longest_claim`), too
+//! caps a claim below it: Pub/Sub's 600 s (`Consumer::longest_claim`), too
 //! long for a test. So the broker here is real, but its claim is capped
 //! short: [`ShortClaim`] wraps the real source, and right after each receive
 //! cuts the message's claim on the broker to [`CLAIM`] with the broker's own

@@ -181,7 +181,7 @@ pub(super) fn fate(seq: u64, stored: &[u8], until: u64, max_deliveries: u32) -> 
 }
 
 /// The dead letter of a record that is not handed out, as
-/// [`Source::dead_letter`] would write it for an `undeliverable` delivery.
+/// [`Settlement::DeadLetter`](crate::source::Settlement::DeadLetter) would write it for an `undeliverable` delivery.
 pub(super) fn undeliverable(
     seq: u64,
     stored: &[u8],

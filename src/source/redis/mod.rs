@@ -104,7 +104,7 @@ pub struct RedisSource {
     /// Proves which copies courier stored (`<queue>.courier-key`).
     seal: Arc<Seal>,
     store: RedisStore,
-    /// Dead-lettered by the scripts, inside Redis ([`Source::dead_lettered_inside`]).
+    /// Dead-lettered by the scripts, inside Redis ([`Observed::dead_lettered_inside`]).
     dead_lettered_inside: std::sync::atomic::AtomicU64,
 }
 

@@ -30,6 +30,7 @@ pub mod sqs;
     not(all(feature = "amqp", feature = "nats", feature = "redis")),
     allow(dead_code)
 )]
+mod seal;
 mod shared;
 pub mod tls;
 mod wire;

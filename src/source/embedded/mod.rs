@@ -54,16 +54,16 @@ mod calls;
 mod dead_letters;
 mod depth;
 mod file;
-mod hand_out;
 mod overlay;
+mod read;
 mod settle;
 mod writer;
 
 use calls::*;
 use dead_letters::EmbeddedStore;
 use file::*;
-use hand_out::*;
 use overlay::*;
+use read::*;
 use settle::*;
 use writer::*;
 

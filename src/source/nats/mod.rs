@@ -65,7 +65,7 @@ mod connection;
 mod dead_letters;
 mod depth;
 mod fields;
-mod pull;
+mod read;
 mod settle;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -84,7 +84,7 @@ use super::{
 };
 use crate::model::Delivery;
 use dead_letters::NatsStore;
-use pull::Puller;
+use read::Puller;
 
 pub use connection::check_url;
 pub use dead_letters::dead_letter_stream;

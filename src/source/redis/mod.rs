@@ -5,7 +5,7 @@
 //!   whose reply courier reads as it arrives (`read_connection.rs`,
 //!   `reply.rs`): an entry over `--max-body` is discarded on the way in,
 //!   never buffered whole, and dead-lettered inside Redis after
-//!   (`poison.rs`, `reader.rs`).
+//!   (`poison.rs`, `read.rs`).
 //! - Acks are pipelined: concurrent acks become one `XACK` with many ids.
 //! - A retry is the message's fields stored in the sorted set
 //!   `<queue>.retry` (score = due time in ms) and the `XACK`, in one script
@@ -33,8 +33,8 @@ mod depth;
 mod entries;
 mod mover;
 mod poison;
+mod read;
 mod read_connection;
-mod reader;
 mod reply;
 mod settle;
 mod tls;
@@ -55,7 +55,7 @@ use super::{
 use crate::model::Delivery;
 use connection::{Connection, Endpoint};
 use dead_letters::RedisStore;
-use reader::{NewEntries, Reader};
+use read::{NewEntries, Reader};
 
 /// Redis Streams on one server (`redis://host:port/db`, `rediss://` for
 /// TLS), a Redis Cluster (`redis+cluster://`) or the master of a set of

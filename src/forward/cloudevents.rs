@@ -149,6 +149,10 @@ fn is_text(content_type: &str) -> bool {
 
 fn from_headers(message: &Message) -> Result<Event, String> {
     let mut attributes: Vec<(String, String)> = Vec::new();
+    // The first occurrence of an attribute wins; a set, not a scan of what
+    // was kept, so that many `ce-*` headers cost linear time (found at
+    // 21da363: the scan was quadratic in the header count).
+    let mut seen = std::collections::HashSet::new();
     let mut datacontenttype = None;
     for (name, value) in &message.headers {
         let Some(attribute) = attribute_of(name) else {
@@ -157,7 +161,7 @@ fn from_headers(message: &Message) -> Result<Event, String> {
         let attribute = attribute_name(attribute)?;
         if attribute == "datacontenttype" {
             datacontenttype.get_or_insert_with(|| value.clone());
-        } else if !attributes.iter().any(|(n, _)| *n == attribute) {
+        } else if seen.insert(attribute.clone()) {
             attributes.push((attribute, value.clone()));
         }
     }
@@ -638,6 +642,30 @@ mod tests {
         assert_eq!(json["note"], "50% \"off\" é");
         assert_eq!(json["datacontenttype"], "text/plain");
         assert_eq!(json["data"], "paid");
+    }
+
+    #[test]
+    fn the_first_of_repeated_attribute_headers_wins() {
+        let m = message(
+            &[
+                ("ce-specversion", "1.0"),
+                ("ce-id", "first"),
+                ("ce-source", "s"),
+                ("ce-type", "t"),
+                ("CE-ID", "second"),
+                ("ce_id", "third"),
+            ],
+            "x",
+        );
+        let event = read(&m).unwrap().unwrap();
+        assert_eq!(event.attribute("id"), Some("first"));
+        let r = event.render(Mode::Binary, &m.body);
+        assert_eq!(
+            r.headers.iter().filter(|(n, _)| n == "ce-id").count(),
+            1,
+            "one ce-id header: {:?}",
+            r.headers
+        );
     }
 
     #[test]

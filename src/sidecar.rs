@@ -199,34 +199,13 @@ async fn run_sidecar(
         move |policy| follow_policy(opened.get(), &options, &url, policy)
     });
     show_policy(metrics, None, &config.policy);
-    let on_reload = report_reloads(metrics.clone(), config.policy.clone());
-    let watcher = if let Some(path) = config.policy_file.clone() {
-        Some(policy::file::watch(
-            path,
-            update,
-            config.policy_poll,
-            on_reload,
-        ))
-    } else if let Some(target) = config.policy_ref.clone() {
-        // Not ready, and nothing pulled, until the policy has been read once.
-        let (watcher, mut status) = policy::cluster::follow(target, update, on_reload)
-            .await
-            .context("--policy: cannot set up a Kubernetes API client")?;
-        tokio::spawn(show_policy_status(
-            status.clone(),
-            metrics.clone(),
-            health.clone(),
-        ));
-        tokio::select! {
-            _ = status.wait_for(|status| status.read) => {}
-            _ = shutdown.cancelled() => {
-                watcher.abort();
-                return Ok(DrainReport { finished: 0, abandoned: 0 });
-            }
-        }
-        Some(watcher)
-    } else {
-        None
+    let PolicyWatch::Started(watcher) =
+        watch_policy(config, update, metrics, health, &shutdown).await?
+    else {
+        return Ok(DrainReport {
+            finished: 0,
+            abandoned: 0,
+        });
     };
     // Opened with the settings of the policy in force now; every later
     // change reaches the source through `follow_policy`.
@@ -240,14 +219,7 @@ async fn run_sidecar(
             abandoned: 0,
         });
     };
-    if config.options.ordering == crate::source::Ordering::Key
-        && !source.capabilities().key_ordering
-    {
-        anyhow::bail!(
-            "--ordering key: the {} source cannot keep the messages of one key in order; use Kafka, or leave --ordering at none",
-            config.source.broker().name
-        );
-    }
+    refuse_unkept_ordering(config, source.as_ref())?;
     let _ = opened.set(source.clone());
     // A change applied while the source was opening has not reached it.
     source.apply(&dispatch::live::settings_for(
@@ -279,6 +251,96 @@ async fn run_sidecar(
             health.set_ready(false);
         })
     };
+    let dispatcher = dispatcher_for(config, source, live, metrics, health, traced);
+    let drains = dispatch::Drains {
+        drain: drain.clone(),
+        resume_after: config.drain_resume_after,
+    };
+    let report = dispatcher.run_with(shutdown, Some(drains)).await;
+    tracing::info!(
+        finished = report.finished,
+        abandoned = report.abandoned,
+        "stopped"
+    );
+    if let Some(watcher) = watcher {
+        watcher.abort();
+    }
+    let _ = poller.await;
+    let _ = not_ready.await;
+    Ok(report)
+}
+
+/// How following the policy started.
+enum PolicyWatch {
+    /// The watcher of the file or the RetryPolicy; none when neither is
+    /// given.
+    Started(Option<tokio::task::JoinHandle<()>>),
+    /// Shut down before the RetryPolicy was read.
+    ShutDown,
+}
+
+/// Starts following the policy file or the RetryPolicy, if either is
+/// given. With a RetryPolicy, waits until it has been read once: nothing is
+/// pulled before.
+async fn watch_policy(
+    config: &RunConfig,
+    update: policy::PolicyUpdate,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<PolicyWatch> {
+    let on_reload = report_reloads(metrics.clone(), config.policy.clone());
+    if let Some(path) = config.policy_file.clone() {
+        return Ok(PolicyWatch::Started(Some(policy::file::watch(
+            path,
+            update,
+            config.policy_poll,
+            on_reload,
+        ))));
+    }
+    let Some(target) = config.policy_ref.clone() else {
+        return Ok(PolicyWatch::Started(None));
+    };
+    let (watcher, mut status) = policy::cluster::follow(target, update, on_reload)
+        .await
+        .context("--policy: cannot set up a Kubernetes API client")?;
+    tokio::spawn(show_policy_status(
+        status.clone(),
+        metrics.clone(),
+        health.clone(),
+    ));
+    tokio::select! {
+        _ = status.wait_for(|status| status.read) => Ok(PolicyWatch::Started(Some(watcher))),
+        _ = shutdown.cancelled() => {
+            watcher.abort();
+            Ok(PolicyWatch::ShutDown)
+        }
+    }
+}
+
+/// `--ordering key` on a source that cannot keep it ends the start.
+fn refuse_unkept_ordering(config: &RunConfig, source: &dyn Source) -> anyhow::Result<()> {
+    if config.options.ordering == crate::source::Ordering::Key
+        && !source.capabilities().key_ordering
+    {
+        anyhow::bail!(
+            "--ordering key: the {} source cannot keep the messages of one key in order; use Kafka, or leave --ordering at none",
+            config.source.broker().name
+        );
+    }
+    Ok(())
+}
+
+/// The dispatcher of this run: its settings from `config`, the dedup
+/// window only where the source keeps one (else a warning).
+fn dispatcher_for(
+    config: &RunConfig,
+    source: Arc<dyn Source>,
+    live: LivePolicy,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+    traced: bool,
+) -> Dispatcher {
     let dedup_window = config.dedup_window.filter(|_| {
         let supported = source.capabilities().dedup;
         if !supported {
@@ -286,7 +348,7 @@ async fn run_sidecar(
         }
         supported
     });
-    let dispatcher = Dispatcher {
+    Dispatcher {
         source,
         forwarder: Forwarder::new(config.app.clone(), config.concurrency)
             .with_cloudevents(config.cloudevents),
@@ -305,23 +367,7 @@ async fn run_sidecar(
             system: config.source.broker().messaging_system,
             group: config.options.group.clone(),
         }),
-    };
-    let drains = dispatch::Drains {
-        drain: drain.clone(),
-        resume_after: config.drain_resume_after,
-    };
-    let report = dispatcher.run_with(shutdown, Some(drains)).await;
-    tracing::info!(
-        finished = report.finished,
-        abandoned = report.abandoned,
-        "stopped"
-    );
-    if let Some(watcher) = watcher {
-        watcher.abort();
     }
-    let _ = poller.await;
-    let _ = not_ready.await;
-    Ok(report)
 }
 
 /// `courier_policy_ready` and the `/readyz` reason follow what the watch

@@ -57,7 +57,7 @@ fn options() -> SourceOptions {
 
 /// The child: four tasks send, one receives and acks, and every call that
 /// returned is printed (`sent <id>`, `acked <id> <wall ms>`) before the next
-/// is made. Without [`CHILD_DIR`] (an ordinary test run) it does nothing.
+/// is made; an ack is also announced before it is made (`acking <id>`). Without [`CHILD_DIR`] (an ordinary test run) it does nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_workload() {
     let Ok(dir) = std::env::var(CHILD_DIR) else {
@@ -87,6 +87,7 @@ async fn child_workload() {
     }
     loop {
         for delivery in source.receive(16).await.unwrap() {
+            say(format!("acking {}", delivery.message.id));
             source.ack(&delivery).await.unwrap();
             say(format!("acked {} {}", delivery.message.id, wall_ms()));
         }
@@ -96,6 +97,8 @@ async fn child_workload() {
 #[derive(Default)]
 struct Said {
     sent: Vec<String>,
+    /// Ids whose ack was started.
+    acking: HashSet<String>,
     /// Id -> wall ms when its ack returned.
     acked: HashMap<String, u64>,
 }
@@ -125,6 +128,9 @@ async fn kill_9_loses_no_send_and_undoes_no_ack_older_than_the_bound() {
                 let words: Vec<&str> = line.split(' ').collect();
                 match words.as_slice() {
                     ["sent", id] => said.sent.push(id.to_string()),
+                    ["acking", id] => {
+                        said.acking.insert(id.to_string());
+                    }
                     ["acked", id, at] => {
                         said.acked.insert(id.to_string(), at.parse().unwrap());
                     }
@@ -166,10 +172,14 @@ async fn kill_9_loses_no_send_and_undoes_no_ack_older_than_the_bound() {
         assert!(Instant::now() < deadline, "not drained: {depth:?}");
     }
 
+    // A message whose ack was under way at the kill may be acked without
+    // the child having said so (found in CI at 9e09c8d: the kill fell
+    // between the ack's return and its line): it is not lost, and nothing
+    // says whether it is delivered again.
     let lost: Vec<&String> = said
         .sent
         .iter()
-        .filter(|id| !said.acked.contains_key(*id) && !again.contains(*id))
+        .filter(|id| !said.acking.contains(*id) && !again.contains(*id))
         .collect();
     assert!(
         lost.is_empty(),

@@ -34,7 +34,6 @@ pub struct RunConfig {
     pub policy_ref: Option<policy::cluster::PolicyRef>,
     /// How often the policy file is checked for changes.
     pub policy_poll: Duration,
-    pub concurrency: usize,
     pub listen: SocketAddr,
     pub drain_timeout: Duration,
     /// The secret `/drain` requires (`COURIER_DRAIN_TOKEN`); none: loopback only.
@@ -42,7 +41,6 @@ pub struct RunConfig {
     /// A `/drain` that no SIGTERM follows within this ends, and pulling
     /// starts again (`--drain-resume-after`).
     pub drain_resume_after: Duration,
-    pub max_body: usize,
     pub depth_interval: Duration,
     pub app_health_path: Option<String>,
     pub app_failure_run: u32,
@@ -350,13 +348,13 @@ fn dispatcher_for(
     });
     Dispatcher {
         source,
-        forwarder: Forwarder::new(config.app.clone(), config.concurrency)
+        forwarder: Forwarder::new(config.app.clone(), config.options.concurrency)
             .with_cloudevents(config.cloudevents),
         policy: live,
         metrics: metrics.clone(),
         queue: config.options.queue.clone(),
-        concurrency: config.concurrency,
-        max_body: config.max_body,
+        concurrency: config.options.concurrency,
+        max_body: config.options.max_body,
         drain_timeout: config.drain_timeout,
         visibility_timeout: config.options.visibility_timeout,
         health: health.clone(),
@@ -536,8 +534,6 @@ async fn open_source(
     metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<Arc<dyn Source>>> {
-    let mut options = options;
-    options.max_in_flight = config.concurrency;
     let mut wait = std::time::Duration::from_secs(1);
     loop {
         match source::open(&config.source, options.clone()).await {

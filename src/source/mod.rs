@@ -232,7 +232,7 @@ pub struct SourceOptions {
     pub ordering: Ordering,
     /// Deliveries this replica has in flight at most (`--concurrency`);
     /// brokers that push (AMQP) prefetch this many.
-    pub max_in_flight: usize,
+    pub concurrency: usize,
     /// A message handed out more than this many times without being
     /// settled is a poison pill: dead-lettered as `undeliverable` by the
     /// broker's own delivery counter, before it is loaded where the broker
@@ -349,7 +349,7 @@ impl SourceOptions {
             create: false,
             queue_type: QueueType::default(),
             ordering: Ordering::default(),
-            max_in_flight: 16,
+            concurrency: 16,
             max_deliveries: 7,
             max_body: 4 << 20,
             tls: Tls::default(),

@@ -481,7 +481,7 @@ async fn survives_a_restart(
             .await;
     }
     let mut config = run_config(fixture, &app, fast_policy());
-    config.concurrency = 4;
+    config.options.concurrency = 4;
     let running = Running::start(config).await;
     let addr = running.metrics_addr;
     wait_for(

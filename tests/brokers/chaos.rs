@@ -75,7 +75,7 @@ struct AppState {
     mode: Mutex<Mode>,
     hits: Mutex<Vec<Hit>>,
     in_flight: AtomicUsize,
-    max_in_flight: AtomicUsize,
+    concurrency: AtomicUsize,
 }
 
 /// A real HTTP app on 127.0.0.1 that can be stopped and started again on the
@@ -110,7 +110,7 @@ impl ChaosApp {
             mode: Mutex::new(mode),
             hits: Mutex::default(),
             in_flight: AtomicUsize::new(0),
-            max_in_flight: AtomicUsize::new(0),
+            concurrency: AtomicUsize::new(0),
         });
         Self::serve("127.0.0.1:0".parse().unwrap(), state).await
     }
@@ -151,8 +151,8 @@ impl ChaosApp {
         self.state.hits.lock().unwrap().clone()
     }
 
-    fn max_in_flight(&self) -> usize {
-        self.state.max_in_flight.load(Ordering::SeqCst)
+    fn concurrency(&self) -> usize {
+        self.state.concurrency.load(Ordering::SeqCst)
     }
 
     /// Distinct bodies among `bodies` that got a 2xx.
@@ -196,7 +196,7 @@ async fn answer(state: Arc<AppState>, req: Request<Incoming>) -> Response<Full<B
         (hits.len() - 1, flaky_first)
     };
     let now = state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-    state.max_in_flight.fetch_max(now, Ordering::SeqCst);
+    state.concurrency.fetch_max(now, Ordering::SeqCst);
     let guard = InFlight {
         state: state.clone(),
         index,
@@ -341,7 +341,7 @@ async fn broker_restarted_twice_mid_flow_loses_nothing() {
         &app.url(),
         chaos_policy(20, Duration::from_secs(2)),
     );
-    config.concurrency = 16;
+    config.options.concurrency = 16;
     let running = Running::start(config).await;
     let producer = tokio::spawn({
         let (source, rest) = (source.clone(), bodies[MESSAGES / 2..].to_vec());
@@ -412,7 +412,7 @@ async fn app_stopped_for_30_seconds(fixture: Fixture, health_path: Option<&str>)
         &app.url(),
         chaos_policy(3, Duration::from_secs(1)),
     );
-    config.concurrency = 4;
+    config.options.concurrency = 4;
     config.app_failure_run = 5;
     config.app_health_path = health_path.map(str::to_string);
     let running = Running::start(config).await;
@@ -502,7 +502,7 @@ async fn a_503_storm_closes_the_gate(fixture: Fixture) {
         &app.url(),
         chaos_policy(3, Duration::from_secs(1)),
     );
-    config.concurrency = 4;
+    config.options.concurrency = 4;
     config.app_failure_run = 5;
     config.app_health_path = Some("/healthz".into());
     let running = Running::start(config).await;
@@ -579,7 +579,7 @@ async fn poison_is_dead_lettered_once_and_does_not_hold_the_rest(fixture: Fixtur
         &app.url(),
         chaos_policy(5, Duration::from_secs(5)),
     );
-    config.concurrency = 16;
+    config.options.concurrency = 16;
     config.app_failure_run = 5;
     let running = Running::start(config).await;
     let gate = watch_app_up(running.metrics_addr);
@@ -801,7 +801,7 @@ async fn slow_app_gets_no_pile_up(fixture: Fixture) {
     send_all(&source, &bodies).await;
     let timeout = Duration::from_millis(200);
     let mut config = run_config_for(&fixture, &app.url(), chaos_policy(20, timeout));
-    config.concurrency = CONCURRENCY;
+    config.options.concurrency = CONCURRENCY;
     config.app_failure_run = 5;
     let running = Running::start(config).await;
     let started = Instant::now();
@@ -829,7 +829,7 @@ async fn slow_app_gets_no_pile_up(fixture: Fixture) {
     let text = scrape(running.metrics_addr).await;
     running.stop().await;
 
-    let max = app.max_in_flight();
+    let max = app.concurrency();
     assert!(
         max <= CONCURRENCY,
         "the app worked on {max} requests at once, over --concurrency {CONCURRENCY}"
@@ -1033,7 +1033,7 @@ async fn retry_after_holds_new_deliveries(fixture: Fixture) {
     let app = TestApp::start().await;
     let source = fixture.open().await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.concurrency = 4;
+    config.options.concurrency = 4;
     let running = Running::start(config).await;
     let first = "script:429ra2,200\nthe one that gets the 429";
     fixture.send(&source, first).await;
@@ -1114,7 +1114,7 @@ async fn the_limit_drops_under_429s_and_recovers(fixture: Fixture) {
             Jitter::Full,
         ),
     );
-    config.concurrency = CONCURRENCY;
+    config.options.concurrency = CONCURRENCY;
     config.app_failure_run = 5;
     let running = Running::start(config).await;
     let limit = async || {

@@ -265,7 +265,7 @@ async fn ordering_by_key_holds_the_later_messages_behind_a_retry() {
     );
     let mut config = run_config(&fixture, &app, policy);
     config.options.ordering = courier::source::Ordering::Key;
-    config.concurrency = 4;
+    config.options.concurrency = 4;
     let running = Running::start(config).await;
     wait_settled(&inspector, SETTLE).await;
     running.stop().await;
@@ -337,7 +337,7 @@ async fn a_replica_joining_mid_drain_loses_nothing() {
         producer.send(body.clone(), &[]).await;
     }
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.concurrency = 2;
+    config.options.concurrency = 2;
     let first = Running::start(config.clone()).await;
     wait_for("the first replica to be draining", SETTLE, async || {
         app.received().len() >= 6
@@ -398,7 +398,7 @@ async fn a_broker_failing_mid_drain_loses_nothing() {
         producer.send(body.clone(), &[]).await;
     }
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.concurrency = 4;
+    config.options.concurrency = 4;
     let running = Running::start(config).await;
     wait_for("the drain to be under way", SETTLE, async || {
         app.received().len() >= 8

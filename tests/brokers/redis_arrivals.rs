@@ -78,7 +78,7 @@ impl Idle {
         let mut con = admin(&redis).await;
         let app = TestApp::start().await;
         let mut config = run_config(&fixture, &app, fast_policy());
-        config.max_body = max_body;
+        config.options.max_body = max_body;
         let running = Running::start(config).await;
         let source = fixture.open().await;
         let reader = wait_reader(&mut con, None).await;

@@ -78,7 +78,7 @@ async fn a_nil_lag_leaves_the_queue_depth_out_until_redis_counts_again() {
     let mut policy = fast_policy();
     policy.timeout = Duration::from_secs(5);
     let mut config = run_config(&fixture, &app, policy);
-    config.concurrency = 1;
+    config.options.concurrency = 1;
     let running = Running::start(config).await;
     let mut seen = String::new();
     // The age is set in the same poll that leaves the depth out, so its

@@ -887,7 +887,6 @@ async fn an_entry_dead_lettered_inside_redis_is_counted() {
     let app = TestApp::start().await;
     let source = fixture.open().await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.max_body = 1024;
     config.options.max_body = 1024;
     let running = Running::start(config).await;
     let mut con = redis().await;

@@ -493,6 +493,8 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
     options.consumer = unique("consumer");
     options.visibility_timeout = policy.timeout + Duration::from_secs(2);
     options.dead_letter_queue = fixture.dlq();
+    options.concurrency = 8;
+    options.max_body = 1 << 20;
     RunConfig {
         source: fixture.url.clone(),
         options,
@@ -501,12 +503,10 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         policy_file: None,
         policy_ref: None,
         policy_poll: Duration::from_millis(100),
-        concurrency: 8,
         listen: "127.0.0.1:0".parse().unwrap(),
         drain_timeout: Duration::from_secs(5),
         drain_token: None,
         drain_resume_after: Duration::from_secs(90),
-        max_body: 1 << 20,
         depth_interval: Duration::from_millis(200),
         app_health_path: None,
         // The conformance scenarios fail on purpose, many in a row; the

@@ -292,7 +292,7 @@ pub async fn bodies_are_bytes(fixture: Fixture) {
     let big = Bytes::from(vec![b'x'; 2048]);
     let big_id = producer.send(big.clone(), &[]).await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.max_body = 1024;
+    config.options.max_body = 1024;
     let running = Running::start(config).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;

@@ -27,7 +27,7 @@ pub async fn waiting_messages_show_as_depth_and_age(fixture: Fixture) {
     let mut policy = fast_policy();
     policy.timeout = Duration::from_secs(20);
     let mut config = run_config(&fixture, &app, policy);
-    config.concurrency = 1;
+    config.options.concurrency = 1;
     let running = Running::start(config).await;
     let queue = fixture.queue.clone();
     // SQS tells no age without receiving the message (CloudWatch has it);

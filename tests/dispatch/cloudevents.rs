@@ -405,7 +405,7 @@ async fn the_dedup_window_knows_an_event_by_source_and_id() {
     let mut config = run_config_for(&fixture, &app.url(), fast_policy());
     config.dedup_window = Some(Duration::from_secs(60));
     // One at a time: the second is checked after the first was acked.
-    config.concurrency = 1;
+    config.options.concurrency = 1;
     let running = Running::start(config).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;

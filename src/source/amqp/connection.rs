@@ -313,7 +313,7 @@ impl AmqpSource {
 
     /// How many unacked deliveries the broker may hand this consumer.
     fn prefetch(&self) -> u16 {
-        self.options.max_in_flight.clamp(1, usize::from(u16::MAX)) as u16
+        self.options.concurrency.clamp(1, usize::from(u16::MAX)) as u16
     }
 
     /// Waits, before the consumer is cancelled, until no delivery can be on

@@ -516,7 +516,10 @@ async fn a_503_storm_closes_the_gate(fixture: Fixture) {
         retry_after: None,
     });
     send_all(&source, &bodies).await;
-    wait_for("a run of 503s", SETTLE, async || app.hits().len() >= 5).await;
+    // The gate closes on a run of 503 deliveries or on the periodic health
+    // check, whichever comes first: on a loaded machine the check came
+    // before the first message was even sent (2 of 3 CI runs at 9e09c8d
+    // timed out waiting for five 503 deliveries that never had to happen).
     wait_for("the gate to close", SETTLE, async || {
         get_status(running.metrics_addr, "/readyz").await == 503
             && plain_metric(&scrape(running.metrics_addr).await, "courier_app_up") == Some(0.0)

@@ -186,12 +186,6 @@ impl SourceError {
         self.message.push_str(more);
         self
     }
-
-    /// The same error as another kind.
-    pub fn as_kind(mut self, kind: ErrorKind) -> Self {
-        self.kind = kind;
-        self
-    }
 }
 
 impl fmt::Display for SourceError {

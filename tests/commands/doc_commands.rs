@@ -52,7 +52,7 @@ const CLASSIFIED: &[(&str, How)] = &[
     (
         "docker build -t REGISTRY/courier:0.1.0 .",
         How::Skip(
-            "builds the release image (many minutes of compiling); the Dockerfile is built by CI's image job",
+            "needs a container engine, which these machines lack: .ci/run never builds the image; scripts/build-image does, where docker or podman is installed",
         ),
     ),
     (

@@ -608,8 +608,14 @@ async fn a_healthy_start_logs_no_error() {
     let source = fixture.open().await;
     fixture.send(&source, "script:503,200\nonce retried").await;
     wait_settled(&source, SETTLE).await;
-    // Depth polls (every 200 ms here) passively declare every tier.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A depth poll passively declares every tier: the retry backlog on
+    // /metrics is that poll's answer, so once it shows, the declares that
+    // used to log the errors have run.
+    let addr = courier.metrics_addr().await;
+    wait_for("a depth poll", SETTLE, async || {
+        series(&scrape(addr).await, "courier_retry_backlog", &fixture.queue).is_some()
+    })
+    .await;
     courier.terminate();
     courier.exit_within(SETTLE).await;
     let log = courier.log();

@@ -305,6 +305,7 @@ pub fn redis_entry(data: &[u8]) {
         policy: "fuzz@1".into(),
         dead_letter_queue: "orders.dlq".into(),
         app_directive: Some("Courier-Dead-Letter: poison".into()),
+        cut: None,
     };
     let letter = delivery.fields_for_dead_letter(&failure);
     for (name, _) in failure.fields() {

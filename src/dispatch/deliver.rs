@@ -13,7 +13,7 @@ use super::{Shared, Traces};
 use crate::forward::{Envelope, TraceHeaders};
 use crate::model::{Class, DeadLetterReason, Delivery, Failure, Outcome};
 use crate::policy::{Decision, Policy, Verdict, decide};
-use crate::source::{Settlement, SourceError};
+use crate::source::{ErrorKind, Settlement, SourceError};
 use crate::telemetry::traces;
 
 impl Shared {
@@ -182,8 +182,23 @@ impl Shared {
         started_at: SystemTime,
     ) {
         let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
-        let settled = match decision.verdict {
-            Verdict::Ack => self.ack(delivery).await,
+        let failure = |reason| Failure {
+            reason,
+            status: outcome.status(),
+            error: outcome.error(),
+            attempts: delivery.attempt,
+            first_attempt_at,
+            last_attempt_at: started_at,
+            queue: self.d.queue.clone(),
+            message_id: delivery.message.id.clone(),
+            excerpt: outcome.excerpt(),
+            policy: policy.label(),
+            dead_letter_queue: policy.dead_letter_queue_for(&self.d.queue),
+            app_directive: policy.directive_in_force(outcome),
+            cut: None,
+        };
+        let (settled, what) = match decision.verdict {
+            Verdict::Ack => (self.ack(delivery).await, "ack"),
             Verdict::Retry {
                 delay,
                 attempt_used,
@@ -201,25 +216,26 @@ impl Shared {
                     tracing::info!(id = %delivery.message.id, attempt = delivery.attempt, result = decision.class.as_str(),
                         status = outcome.status(), error = outcome.error(), delay = ?delay, attempt_used, "retry scheduled");
                 }
-                r
+                (r, "retry copy")
             }
-            Verdict::DeadLetter { reason } => {
-                let failure = Failure {
-                    reason,
-                    status: outcome.status(),
-                    error: outcome.error(),
-                    attempts: delivery.attempt,
-                    first_attempt_at,
-                    last_attempt_at: started_at,
-                    queue: self.d.queue.clone(),
-                    message_id: delivery.message.id.clone(),
-                    excerpt: outcome.excerpt(),
-                    policy: policy.label(),
-                    dead_letter_queue: policy.dead_letter_queue_for(&self.d.queue),
-                    app_directive: policy.directive_in_force(outcome),
+            Verdict::DeadLetter { reason } => (
+                self.dead_letter(delivery, &failure(reason), reason).await,
+                "dead letter",
+            ),
+        };
+        // A copy over the broker's limit would be refused on every
+        // redelivery, holding a Kafka offset or a FIFO group for good: the
+        // message is dead-lettered at once as a letter that fits.
+        let settled = match settled {
+            Err(e) if e.kind() == ErrorKind::TooLarge => {
+                let reason = DeadLetterReason::Undeliverable;
+                let cut = Failure {
+                    cut: Some(cut_note(delivery, what, &e)),
+                    ..failure(reason)
                 };
-                self.dead_letter(delivery, &failure, reason).await
+                self.dead_letter(delivery, &cut, reason).await
             }
+            other => other,
         };
         if let Err(e) = settled {
             self.m.settle_errors.inc();
@@ -333,4 +349,13 @@ fn scopeguard(gauge: &prometheus_client::metrics::gauge::Gauge) -> impl Drop + '
     }
     gauge.inc();
     Counted(gauge)
+}
+
+/// What a letter that fits says it left out, and why.
+fn cut_note(delivery: &Delivery, what: &str, refusal: &SourceError) -> String {
+    format!(
+        "the body ({} bytes) and {} producer headers are left out: the {what} was refused as too large ({refusal})",
+        delivery.message.body.len(),
+        delivery.message.headers.len()
+    )
 }

@@ -22,6 +22,9 @@ pub const F_APP_DIRECTIVE: &str = "courier-app-directive";
 /// Deliveries since the message was last stored, for sources that count
 /// unsettled deliveries themselves (the embedded queue).
 pub const F_DELIVERIES: &str = "courier-deliveries";
+/// On a dead letter that did not fit the dead-letter queue whole: what
+/// was left out of it (the body, the producer headers) and why.
+pub const F_CUT: &str = "courier-cut";
 /// How often a message was sent back from the dead-letter queue.
 pub const F_REPLAYS: &str = "courier-replays";
 /// The proof that courier wrote the `courier-*` state of a stored copy:

@@ -135,14 +135,21 @@ impl Delivery {
     }
 
     /// The original fields plus the failure metadata: a dead letter.
+    /// With [`Failure::cut`], only courier's own fields and an empty body:
+    /// a letter that fits where the whole one did not.
     pub fn fields_for_dead_letter(&self, failure: &Failure) -> Vec<(Bytes, Bytes)> {
+        let kept = |name: &[u8]| failure.cut.is_none() || name.starts_with(b"courier-");
         let mut out: Vec<(Bytes, Bytes)> = self
             .fields
             .iter()
             .filter(|(n, _)| !failure.names().any(|f| f.as_bytes() == n.as_ref()))
             .filter(|(n, _)| !is_transient_bookkeeping(n))
+            .filter(|(n, _)| kept(n))
             .cloned()
             .collect();
+        if failure.cut.is_some() {
+            out.insert(0, (Bytes::from_static(PAYLOAD.as_bytes()), Bytes::new()));
+        }
         out.extend(
             failure
                 .fields()
@@ -178,6 +185,10 @@ pub struct Failure {
     /// <reason>` or `Courier-Retry: never`), written as
     /// `courier-app-directive` only when there was one.
     pub app_directive: Option<String>,
+    /// Set when the whole letter was refused as too large: the letter then
+    /// holds courier's record without the body and the producer headers,
+    /// and this text (its `courier-cut`) says what was left out and why.
+    pub cut: Option<String>,
 }
 
 impl Failure {
@@ -194,6 +205,7 @@ impl Failure {
             F_EXCERPT,
             F_POLICY,
             F_APP_DIRECTIVE,
+            F_CUT,
         ]
         .into_iter()
     }
@@ -216,7 +228,8 @@ impl Failure {
             .app_directive
             .clone()
             .map(|directive| (F_APP_DIRECTIVE, directive));
-        self.names().zip(values).chain(directive)
+        let cut = self.cut.clone().map(|cut| (F_CUT, cut));
+        self.names().zip(values).chain(directive).chain(cut)
     }
 }
 
@@ -354,5 +367,54 @@ mod tests {
         assert_eq!(again.message.body, Bytes::from("x"));
         assert_eq!(again.message.header("traceparent"), Some("00-a-b-01"));
         assert_eq!(again.first_attempt_at, Some(SystemTime::UNIX_EPOCH));
+    }
+
+    /// A letter that fits holds courier's record and the note, an empty
+    /// body and none of the producer's headers; a whole one holds them all.
+    #[test]
+    fn a_cut_dead_letter_keeps_the_record_and_leaves_out_body_and_headers() {
+        let d = Delivery::from_fields(
+            "5-0",
+            vec![
+                ("payload".into(), "a large body".into()),
+                ("traceparent".into(), "00-a-b-01".into()),
+                ("courier-replays".into(), "1".into()),
+            ],
+            0,
+            "r".into(),
+        );
+        let failure = Failure {
+            reason: crate::model::DeadLetterReason::Undeliverable,
+            status: Some(400),
+            error: None,
+            attempts: 1,
+            first_attempt_at: SystemTime::UNIX_EPOCH,
+            last_attempt_at: SystemTime::UNIX_EPOCH,
+            queue: "orders".into(),
+            message_id: "5-0".into(),
+            excerpt: Bytes::new(),
+            policy: "p@1".into(),
+            dead_letter_queue: "orders.dlq".into(),
+            app_directive: None,
+            cut: None,
+        };
+        let letter = |failure: &Failure| {
+            let fields = d.fields_for_dead_letter(failure);
+            DeadLetter::from_fields("1".into(), fields)
+        };
+        let whole = letter(&failure);
+        assert_eq!(whole.body, Bytes::from("a large body"));
+        assert_eq!(whole.field("traceparent"), Some("00-a-b-01"));
+        assert_eq!(whole.field(F_CUT), None);
+        let cut = letter(&Failure {
+            cut: Some("the body (12 bytes) and 1 producer headers are left out".into()),
+            ..failure
+        });
+        assert_eq!(cut.body, Bytes::new());
+        assert_eq!(cut.field("traceparent"), None);
+        assert_eq!(cut.field("courier-replays"), Some("1"));
+        assert_eq!(cut.field(F_STATUS), Some("400"));
+        assert_eq!(cut.field(F_REASON), Some("undeliverable"));
+        assert!(cut.field(F_CUT).is_some_and(|c| c.contains("12 bytes")));
     }
 }

@@ -126,6 +126,12 @@ pub enum ErrorKind {
     /// What the call names is not there (a dead letter already replayed or
     /// purged by someone else).
     Gone,
+    /// The write is over the broker's limit on one message (its size, its
+    /// header or attribute count): the same write never goes through. The
+    /// source leaves the delivery in flight and the dispatcher settles it
+    /// with a dead letter that fits instead ([`Failure::cut`],
+    /// [`SourceError::awaits_a_letter_that_fits`]).
+    TooLarge,
 }
 
 /// A broker failure: its kind, what the operator should check, and the
@@ -166,6 +172,10 @@ impl SourceError {
         Self::new(ErrorKind::Gone, message)
     }
 
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::TooLarge, message)
+    }
+
     /// The same error, caused by `cause` ([`std::error::Error::source`]).
     pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
         self.cause = Some(Arc::new(cause));
@@ -174,6 +184,15 @@ impl SourceError {
 
     pub fn kind(&self) -> ErrorKind {
         self.kind
+    }
+
+    /// Whether this failed write of a retry copy or of `failure`'s dead
+    /// letter leaves the delivery in flight, unsettled, because the
+    /// dispatcher settles it next with a letter that fits: the write was
+    /// too large and was not the cut letter already. A source gives the
+    /// delivery back to the broker only when this is false.
+    pub fn awaits_a_letter_that_fits(&self, failure: Option<&Failure>) -> bool {
+        self.kind == ErrorKind::TooLarge && failure.is_none_or(|f| f.cut.is_none())
     }
 
     /// What the operator reads, without the kind's prefix.

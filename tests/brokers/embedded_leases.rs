@@ -113,6 +113,7 @@ async fn a_kept_alive_delivery_settles_by_retry_and_dead_letter() {
         policy: String::new(),
         dead_letter_queue: fixture.dlq(),
         app_directive: None,
+        cut: None,
     };
     source.dead_letter(&got[1], &failure).await.unwrap();
     let again = receive_some(&source, Duration::from_secs(5)).await;

@@ -473,6 +473,7 @@ async fn a_dead_letter_sqs_refuses_leaves_the_original() {
         policy: "test@1".into(),
         dead_letter_queue: fixture.dlq(),
         app_directive: None,
+        cut: None,
     };
     let err = source.dead_letter(&delivery, &failure).await.unwrap_err();
     assert!(err.to_string().contains("sending to SQS"), "{err}");

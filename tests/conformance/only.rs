@@ -1,7 +1,7 @@
 //! What holds for one broker only: how Redis reads a stream entry a
 //! producer wrote without a `payload` field and how it hands a restarted
-//! consumer its own history, and a RabbitMQ quorum queue declared by
-//! someone else.
+//! consumer its own history, a RabbitMQ quorum queue declared by someone
+//! else, and the limits on one message of Kafka and NATS.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -89,4 +89,103 @@ async fn amqp_quorum_crash_mid_delivery_counts_an_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_crash_restart_same_consumer() {
     process::crash_mid_flight_with(Fixture::redis(), process::Restart::SameConsumer).await;
+}
+
+/// The body of a message the test app answers `status` to every time,
+/// padded to `size` bytes.
+fn padded(status: u16, size: usize) -> Vec<u8> {
+    let mut body = format!("script:{status}\n").into_bytes();
+    body.resize(size, b'x');
+    body
+}
+
+/// Found at 21da363 (tried on the mock cluster): a 1.2 MB record the app
+/// answered 400 was offered 5 times in 40 s, every dead-letter write failed
+/// with `MessageSizeTooLarge` (librdkafka's own default cap of 1,000,000
+/// bytes, below the topic's), `.dlq` stayed empty and the partition's
+/// commits stopped. The topic takes the record, so it takes the letter:
+/// offered once, dead-lettered whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_a_record_over_a_megabyte_is_dead_lettered_whole() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let fixture = Fixture::kafka();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let body = padded(400, 1_200_000);
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap(&fixture))
+        .set("message.max.bytes", "2000000")
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::<(), [u8]>::to(&fixture.queue).payload(&body[..]),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.max_body = 2 << 20;
+    let running = Running::start(config).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(app.received_body(&body).len(), 1, "offered once");
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let [letter] = letters.as_slice() else {
+        panic!("one dead letter, got {}", letters.len());
+    };
+    assert_eq!(letter.field("courier-reason"), Some("permanent-status"));
+    assert_eq!(letter.body.len(), body.len(), "the whole body");
+    assert_eq!(letter.field("courier-cut"), None);
+}
+
+/// A message a hair under the NATS server's `max_payload` whose dead letter
+/// (its body plus courier's record) is over it: at 21da363 the publish of
+/// the letter failed on every delivery and the message came back until
+/// JetStream's own MaxDeliver. Now it is offered once and dead-lettered at
+/// once as a letter that fits: `undeliverable`, courier's record with the
+/// app's 400, no body, and a `courier-cut` that says what was left out and
+/// why. The next message flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_dead_letter_over_max_payload_is_cut_to_fit() {
+    let fixture = Fixture::nats();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let client = async_nats::connect(NATS_URL).await.unwrap();
+    let max_payload = client.server_info().max_payload;
+    let body = padded(400, max_payload - 200);
+    let producer = fixture.producer().await;
+    producer
+        .send(
+            body.clone(),
+            &[("traceparent".to_string(), "00-a-b-01".to_string())],
+        )
+        .await;
+    producer.send("script:400\nsmall", &[]).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_eq!(app.received_body(&body).len(), 1, "offered once");
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    let small = letters
+        .iter()
+        .find(|l| l.body.as_ref() == b"script:400\nsmall")
+        .expect("the small one, whole");
+    assert_eq!(small.field("courier-reason"), Some("permanent-status"));
+    let cut = letters
+        .iter()
+        .find(|l| l.field("courier-cut").is_some())
+        .expect("the large one, cut");
+    assert_eq!(cut.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(cut.field("courier-status"), Some("400"));
+    assert!(cut.body.is_empty());
+    assert_eq!(cut.field("traceparent"), None);
+    let note = cut.field("courier-cut").unwrap();
+    assert!(
+        note.contains(&format!("the body ({} bytes)", body.len()))
+            && note.contains("the dead letter was refused as too large"),
+        "{note}"
+    );
 }

@@ -46,6 +46,9 @@ struct MemorySource {
     fail_reads: AtomicBool,
     /// What `longest_claim` says, as Pub/Sub's 600 s.
     longest_claim: Option<Duration>,
+    /// A retry copy or a whole dead letter of a body longer than this is
+    /// refused as too large, as a broker's limit on one message would.
+    refuse_over: Option<usize>,
 }
 
 fn delivery(id: &str, body: &str) -> Delivery {
@@ -113,6 +116,13 @@ impl Consumer for MemorySource {
                 }
                 self.state().acked.push(delivery.message.id.clone());
                 Ok(())
+            }
+            Settlement::Retry { .. } | Settlement::DeadLetter(Failure { cut: None, .. })
+                if self
+                    .refuse_over
+                    .is_some_and(|limit| delivery.message.body.len() > limit) =>
+            {
+                Err(SourceError::too_large("over the test's limit"))
             }
             Settlement::Retry {
                 next_attempt,

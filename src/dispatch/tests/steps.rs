@@ -187,6 +187,76 @@ async fn judge_and_settle_rows() {
     }
 }
 
+/// A retry copy or a dead letter the broker refuses as too large (at
+/// 21da363 a Kafka record over librdkafka's 1,000,000 bytes: the write
+/// failed on every redelivery and the partition's commits stopped) is
+/// dead-lettered at once as a letter that fits: `undeliverable`, saying
+/// what it left out, with the answer that decided it. Small ones are not.
+#[tokio::test(start_paused = true)]
+async fn a_copy_refused_as_too_large_is_dead_lettered_as_one_that_fits() {
+    let rows = [
+        (
+            answered(503, None),
+            "big body",
+            Some("the retry copy was refused"),
+        ),
+        (
+            answered(400, None),
+            "big body",
+            Some("the dead letter was refused"),
+        ),
+        (answered(400, None), "ok", None),
+    ];
+    for (i, (outcome, body, cut)) in rows.into_iter().enumerate() {
+        let source = Arc::new(MemorySource {
+            refuse_over: Some(3),
+            ..Default::default()
+        });
+        let d = dispatcher(source.clone(), closed_port().await, fast_policy(3));
+        let metrics = d.metrics.clone();
+        let shared = Shared::new(d);
+        let policy = shared.d.policy.current();
+        let decision = shared
+            .judge(&outcome, &policy, 1, Duration::from_millis(1))
+            .await;
+        let message = delivery(&format!("{i}-0"), body);
+        shared
+            .settle(&message, &outcome, &decision, &policy, SystemTime::now())
+            .await;
+        let s = source.state();
+        assert!(s.retried.is_empty(), "row {i}: {:?}", s.retried);
+        let [(_, failure)] = s.dead.as_slice() else {
+            panic!("row {i}: one dead letter, got {:?}", s.dead);
+        };
+        assert_eq!(failure.status, outcome.status(), "row {i}");
+        let text = metrics.encode();
+        match cut {
+            Some(what) => {
+                assert_eq!(failure.reason, DeadLetterReason::Undeliverable, "row {i}");
+                let note = failure.cut.clone().unwrap_or_default();
+                assert!(
+                    note.contains(what) && note.contains("body (8 bytes)"),
+                    "row {i}: {note}"
+                );
+                assert!(
+                    text.contains(
+                        r#"courier_dead_letters_total{queue="orders",reason="undeliverable"} 1"#
+                    ),
+                    "row {i}: {text}"
+                );
+                assert!(
+                    text.contains(r#"courier_settle_errors_total{queue="orders"} 0"#),
+                    "row {i}: {text}"
+                );
+            }
+            None => {
+                assert_eq!(failure.reason, DeadLetterReason::PermanentStatus, "row {i}");
+                assert_eq!(failure.cut, None, "row {i}");
+            }
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn answers_do_not_close_the_gate_a_refused_connection_does() {
     let source = MemorySource::with(&[]);

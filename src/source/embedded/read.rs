@@ -204,6 +204,7 @@ pub(super) fn undeliverable(
         policy: String::new(),
         dead_letter_queue: dead_letter_queue.to_string(),
         app_directive: None,
+        cut: None,
     };
     let mut fields = delivery.fields_for_dead_letter(&failure);
     if !fields.iter().any(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()) {

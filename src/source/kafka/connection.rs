@@ -208,6 +208,13 @@ pub(super) fn inspector(
         .map_err(unavailable)
 }
 
+/// The largest record librdkafka itself lets through (its maximum for
+/// `message.max.bytes`), so that the limit is the cluster's: a topic that
+/// takes records over librdkafka's default of 1,000,000 bytes takes their
+/// retry copies and dead letters too, and what a topic refuses comes back
+/// as the broker's `MESSAGE_TOO_LARGE`.
+const PRODUCER_MAX_BYTES: &str = "1000000000";
+
 /// The producer of retries, dead letters, replays and `send`: idempotent
 /// (a retried produce is not stored twice), every write confirmed by all
 /// in-sync replicas, and given up after 10 s so that a settlement that
@@ -215,6 +222,7 @@ pub(super) fn inspector(
 /// topics on first use, where the brokers allow that.
 pub(super) fn producer(bootstrap: &str, options: &SourceOptions) -> Result<Producer, SourceError> {
     base_config(bootstrap, &format!("{}-producer", options.consumer))
+        .set("message.max.bytes", PRODUCER_MAX_BYTES)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("message.timeout.ms", "10000")

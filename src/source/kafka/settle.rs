@@ -5,6 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::FutureRecord;
 use rdkafka::{Offset, TopicPartitionList};
 
@@ -126,7 +127,9 @@ impl KafkaSource {
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         let topic = self.retry_topic.clone();
         if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
-            self.finish(delivery, out, Settled::NotWritten).await?;
+            if !e.awaits_a_letter_that_fits(None) {
+                self.finish(delivery, out, Settled::NotWritten).await?;
+            }
             return Err(e);
         }
         self.finish(delivery, out, Settled::Retried).await
@@ -170,7 +173,9 @@ impl KafkaSource {
         let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
         let topic = failure.dead_letter_queue.clone();
         if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
-            self.finish(delivery, out, Settled::NotWritten).await?;
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.finish(delivery, out, Settled::NotWritten).await?;
+            }
             return Err(e);
         }
         self.finish(delivery, out, Settled::Final).await
@@ -234,7 +239,15 @@ pub(super) async fn produce(
         .send(record, Duration::from_secs(5))
         .await
         .map_err(|(e, _)| {
-            SourceError::broker(format!("Kafka did not store the record for {topic:?}: {e}"))
+            let text = format!("Kafka did not store the record for {topic:?}: {e}");
+            match e.rdkafka_error_code() {
+                Some(RDKafkaErrorCode::MessageSizeTooLarge) => SourceError::too_large(format!(
+                    "{text}; the record ({} bytes with its headers) is over the topic's max.message.bytes",
+                    body.len() + fields.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()
+                )),
+                _ => SourceError::broker(text),
+            }
+            .caused_by(e)
         })?;
     Ok((delivered.partition, delivered.offset))
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::ErrorCode;
-use async_nats::jetstream::context::Context;
+use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use bytes::Bytes;
@@ -103,7 +103,9 @@ impl NatsSource {
             .or_else(|| self.send_subject.clone())
             .unwrap_or_else(|| self.options.queue.clone());
         if let Err(e) = self.publish(&subject, &self.options.queue, &fields).await {
-            self.unsettled(receipt).await;
+            if !e.awaits_a_letter_that_fits(None) {
+                self.unsettled(receipt).await;
+            }
             return Err(e);
         }
         let result = self.confirmed(receipt, AckKind::Ack).await;
@@ -126,7 +128,9 @@ impl NatsSource {
         .await;
         // Terminated only once the dead-letter stream has stored it.
         if let Err(e) = stored {
-            self.unsettled(receipt).await;
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.unsettled(receipt).await;
+            }
             return Err(e);
         }
         let result = self.confirmed(receipt, AckKind::Term).await;
@@ -222,15 +226,38 @@ pub(super) async fn publish_once(
     let ack = js
         .publish_with_headers(subject.to_string(), headers, body)
         .await
-        .map_err(|e| SourceError::broker(format!("publishing to {subject:?}: {e}")))?
+        .map_err(|e| publish_error(format!("publishing to {subject:?}: {e}"), e))?
         .await
         .map_err(|e| {
-            SourceError::broker(format!(
-                "JetStream did not store the message for {subject:?}: {e}"
-            ))
+            publish_error(
+                format!("JetStream did not store the message for {subject:?}: {e}"),
+                e,
+            )
         })?;
     if ack.duplicate {
         tracing::debug!(%subject, id = ?message_id, "JetStream had this message already and stored it once");
     }
     Ok(ack.sequence)
+}
+
+/// A refused publish as a [`SourceError`]: too large when the message is
+/// over the server's `max_payload` or the stream's `max_msg_size` (the
+/// same write can never be stored), else a broker error.
+fn publish_error(text: String, e: PublishError) -> SourceError {
+    let stream_code = std::error::Error::source(&e)
+        .and_then(|cause| cause.downcast_ref::<async_nats::jetstream::Error>())
+        .map(|cause| cause.error_code());
+    let too_large = e.kind() == PublishErrorKind::MaxPayloadExceeded
+        || matches!(
+            stream_code,
+            Some(
+                ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+                    | ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
+            )
+        );
+    if too_large {
+        SourceError::too_large(text).caused_by(e)
+    } else {
+        SourceError::broker(text).caused_by(e)
+    }
 }

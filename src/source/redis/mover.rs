@@ -270,6 +270,7 @@ impl Mover {
             policy: String::new(),
             dead_letter_queue: dead_letter_queue.to_string(),
             app_directive: None,
+            cut: None,
         })
     }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 use crate::common::*;
 use aws_sdk_sqs::types::QueueAttributeName;
 use bytes::Bytes;
-use courier::source::Source;
+use courier::source::{ErrorKind, Source};
 
 const SETTLE: Duration = Duration::from_secs(60);
 
@@ -200,10 +200,12 @@ async fn refuse_bodies_over_1_kib(queue: &str) {
         .unwrap();
 }
 
-/// A retry copy SQS refuses (here larger than the queue now takes) leaves
-/// the original in the queue, handed out again, and nothing else.
+/// A retry copy SQS refuses as too large (here larger than the queue now
+/// takes) leaves the original in flight, invisible, for the letter that
+/// fits the dispatcher writes next (`dispatch::deliver`); that letter
+/// settles it, and nothing else is left in either queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_copy_sqs_refuses_leaves_the_original() {
+async fn a_copy_sqs_refuses_as_too_large_waits_for_the_letter_that_fits() {
     let fixture = Fixture::sqs();
     let source = fixture.open().await;
     let producer = fixture.producer().await;
@@ -216,17 +218,56 @@ async fn a_copy_sqs_refuses_leaves_the_original() {
         .retry(&delivery, 2, now, now + Duration::from_secs(13 * 3600))
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("sending to SQS"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+    assert!(err.to_string().contains("must be shorter than"), "{err}");
     assert_eq!(
         counts(&fixture).await,
         (0, 1, 0),
-        "only the original, invisible a while"
+        "only the original, still in flight"
     );
-    // Handed out again after a short wait, as the same message.
-    let again = receive_one(&source).await;
-    assert_eq!(again.message.id, id);
-    assert_eq!(again.message.body, Bytes::from(body));
-    assert_eq!(again.attempt, 2);
+    settle_with_a_cut_letter(&fixture, &source, &delivery, &id).await;
+}
+
+/// The letter that fits, written for `delivery` as the dispatcher would:
+/// it settles the original, and it is the only dead letter.
+async fn settle_with_a_cut_letter(
+    fixture: &Fixture,
+    source: &Arc<dyn Source>,
+    delivery: &courier::source::Delivery,
+    id: &str,
+) {
+    let mut failure = failure_of(fixture, id);
+    failure.cut = Some("the body is left out".into());
+    source.dead_letter(delivery, &failure).await.unwrap();
+    assert_eq!(counts(fixture).await, (0, 0, 0), "the original is settled");
+    let letters = fixture.dead_letters(source).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(letters[0].body.is_empty());
+    assert_eq!(
+        letters[0].field("courier-cut"),
+        Some("the body is left out")
+    );
+}
+
+/// A permanent-status failure of message `id`, bound for the fixture's
+/// dead-letter queue.
+fn failure_of(fixture: &Fixture, id: &str) -> courier::model::Failure {
+    let now = SystemTime::now();
+    courier::model::Failure {
+        reason: courier::model::DeadLetterReason::PermanentStatus,
+        status: Some(400),
+        error: None,
+        attempts: 1,
+        first_attempt_at: now,
+        last_attempt_at: now,
+        queue: fixture.queue.clone(),
+        message_id: id.to_string(),
+        excerpt: Bytes::new(),
+        policy: "test@1".into(),
+        dead_letter_queue: fixture.dlq(),
+        app_directive: None,
+        cut: None,
+    }
 }
 
 /// A `DeleteMessageBatch` in which SQS refuses one entry fails only that
@@ -440,11 +481,11 @@ async fn a_poison_pill_is_dead_lettered_by_the_receive_count() {
     );
 }
 
-/// A dead letter the dead-letter queue refuses (larger than it takes)
-/// leaves the original in the work queue, handed out again soon; nothing
-/// is lost and nothing half-written.
+/// A dead letter the dead-letter queue refuses as too large leaves the
+/// original in flight and nothing half-written; the letter that fits the
+/// dispatcher writes next settles it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_sqs_refuses_leaves_the_original() {
+async fn a_dead_letter_sqs_refuses_as_too_large_waits_for_the_letter_that_fits() {
     let fixture = Fixture::sqs();
     let source = fixture.open().await;
     let client = sqs_client().await;
@@ -459,28 +500,14 @@ async fn a_dead_letter_sqs_refuses_leaves_the_original() {
     let producer = fixture.producer().await;
     let id = producer.send("y".repeat(2000), &[]).await;
     let delivery = receive_one(&source).await;
-    let now = SystemTime::now();
-    let failure = courier::model::Failure {
-        reason: courier::model::DeadLetterReason::PermanentStatus,
-        status: Some(400),
-        error: None,
-        attempts: 1,
-        first_attempt_at: now,
-        last_attempt_at: now,
-        queue: fixture.queue.clone(),
-        message_id: id.clone(),
-        excerpt: Bytes::new(),
-        policy: "test@1".into(),
-        dead_letter_queue: fixture.dlq(),
-        app_directive: None,
-        cut: None,
-    };
-    let err = source.dead_letter(&delivery, &failure).await.unwrap_err();
-    assert!(err.to_string().contains("sending to SQS"), "{err}");
+    let err = source
+        .dead_letter(&delivery, &failure_of(&fixture, &id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
     assert_eq!(counts(&fixture).await, (0, 1, 0), "the original stays");
     assert!(fixture.dead_letters(&source).await.is_empty());
-    let again = receive_one(&source).await;
-    assert_eq!(again.message.id, id);
+    settle_with_a_cut_letter(&fixture, &source, &delivery, &id).await;
 }
 
 /// A replay the work queue refuses leaves the letter in the dead-letter

@@ -1,7 +1,7 @@
 //! What holds for one broker only: how Redis reads a stream entry a
 //! producer wrote without a `payload` field and how it hands a restarted
 //! consumer its own history, a RabbitMQ quorum queue declared by someone
-//! else, and the limits on one message of Kafka and NATS.
+//! else, and each broker's limits on one message.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -188,4 +188,85 @@ async fn nats_a_dead_letter_over_max_payload_is_cut_to_fit() {
             && note.contains("the dead letter was refused as too large"),
         "{note}"
     );
+}
+
+/// What the tests of a cut letter assert: offered once, dead-lettered as
+/// `undeliverable` with the app's 400, no body, none of the producer's
+/// headers, and a `courier-cut` naming the body's size and the refusal.
+async fn assert_cut_to_fit(fixture: &Fixture, app: &TestApp, body: &[u8]) {
+    let source = fixture.open().await;
+    assert_eq!(app.received_body(body).len(), 1, "offered once");
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let [cut] = letters.as_slice() else {
+        panic!("one dead letter, got {letters:?}");
+    };
+    assert_eq!(cut.field("courier-reason"), Some("undeliverable"));
+    assert_eq!(cut.field("courier-status"), Some("400"));
+    assert!(cut.body.is_empty());
+    assert_eq!(cut.field("x-wide-0"), None, "no producer header");
+    let note = cut.field("courier-cut").unwrap_or_default();
+    assert!(
+        note.contains(&format!("the body ({} bytes)", body.len()))
+            && note.contains("the dead letter was refused as too large"),
+        "{note}"
+    );
+}
+
+/// Found at 21da363: a message near Pub/Sub's limit of 100 attributes
+/// could not take courier's record in its dead letter; it came back every
+/// 10 s until Pub/Sub's own dead-letter policy moved it, silently. 91
+/// producer attributes (the test app, a hyper server, takes 100 headers)
+/// and a 400: the letter would have 101, so the message is offered once
+/// and dead-lettered as a letter that fits. (The emulator does not check
+/// the limit; courier does, before it publishes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_a_dead_letter_over_100_attributes_is_cut_to_fit() {
+    let fixture = Fixture::pubsub();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let body = b"script:400\nwide".to_vec();
+    let headers: Vec<(String, String)> = (0..91)
+        .map(|i| (format!("x-wide-{i}"), i.to_string()))
+        .collect();
+    fixture.producer().await.send(body.clone(), &headers).await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_cut_to_fit(&fixture, &app, &body).await;
+}
+
+/// Found at 21da363: a message near the SQS queue's MaximumMessageSize
+/// could not take courier's record; it came back every 5-10 s until the
+/// queue's retention or redrive ended it, silently. Here the dead-letter
+/// queue takes at most 1,024 bytes and the message is 2,000: offered once,
+/// dead-lettered as a letter that fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_a_dead_letter_over_the_queues_maximum_is_cut_to_fit() {
+    let fixture = Fixture::sqs();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    sqs_client()
+        .await
+        .create_queue()
+        .queue_name(format!("{}-dlq", fixture.queue))
+        .attributes(
+            aws_sdk_sqs::types::QueueAttributeName::MaximumMessageSize,
+            "1024",
+        )
+        .send()
+        .await
+        .unwrap();
+    let body = padded(400, 2_000);
+    fixture
+        .producer()
+        .await
+        .send(
+            body.clone(),
+            &[("x-wide-0".to_string(), "a header".to_string())],
+        )
+        .await;
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_cut_to_fit(&fixture, &app, &body).await;
 }

@@ -14,7 +14,7 @@ use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
-use super::fields::to_message;
+use super::fields::{fits, to_message};
 use crate::source::SourceError;
 use crate::source::shared::Seal;
 
@@ -227,10 +227,12 @@ impl Client {
         topic: &str,
         fields: &[(Bytes, Bytes)],
     ) -> Result<String, SourceError> {
+        let message = to_message(fields);
+        fits(topic, &message)?;
         let request = self
             .request(PublishRequest {
                 topic: topic.to_string(),
-                messages: vec![to_message(fields)],
+                messages: vec![message],
             })
             .await?;
         let out = self

@@ -13,12 +13,36 @@ use bytes::Bytes;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::PubsubMessage;
 
 use crate::model::PAYLOAD;
+use crate::source::SourceError;
 use crate::source::shared::is_courier_field;
 
 /// The longest attribute key Pub/Sub takes.
 pub const MAX_KEY_BYTES: usize = 256;
 /// The longest attribute value Pub/Sub takes.
 pub const MAX_VALUE_BYTES: usize = 1024;
+
+/// Pub/Sub's limits on one message (cloud.google.com/pubsub/quotas): 100
+/// attributes, and 10 MB of data and attributes together.
+pub const MAX_ATTRIBUTES: usize = 100;
+pub const MAX_MESSAGE_BYTES: usize = 10_000_000;
+
+/// Refuses, before it is sent, a message Pub/Sub would refuse on every
+/// try; the emulator does not check these limits.
+pub(super) fn fits(topic: &str, message: &PubsubMessage) -> Result<(), SourceError> {
+    let bytes = message.data.len()
+        + message
+            .attributes
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>();
+    let attributes = message.attributes.len();
+    if attributes > MAX_ATTRIBUTES || bytes > MAX_MESSAGE_BYTES {
+        return Err(SourceError::too_large(format!(
+            "a message for {topic} with {attributes} attributes and {bytes} bytes is over Pub/Sub's limits of {MAX_ATTRIBUTES} attributes and {MAX_MESSAGE_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
 
 /// Whether Pub/Sub takes `name: value` as an attribute.
 pub fn attribute_ok(name: &str, value: &str) -> bool {

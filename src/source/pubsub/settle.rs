@@ -70,7 +70,9 @@ impl PubSubSource {
         let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
         let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
         if let Err(e) = self.client.publish(&self.names.retry_topic, &fields).await {
-            self.unsettled(&delivery.receipt).await;
+            if !e.awaits_a_letter_that_fits(None) {
+                self.unsettled(&delivery.receipt).await;
+            }
             return Err(e);
         }
         let result = self.settle_ack(&delivery.receipt).await;
@@ -92,7 +94,9 @@ impl PubSubSource {
         let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
         // Acked only once the dead-letter topic took it.
         if let Err(e) = self.client.publish(&topic, &fields).await {
-            self.unsettled(&delivery.receipt).await;
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.unsettled(&delivery.receipt).await;
+            }
             return Err(e);
         }
         self.settle_ack(&delivery.receipt).await

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
 use aws_sdk_sqs::Client;
+use aws_sdk_sqs::error::ProvideErrorMetadata;
 use aws_sdk_sqs::types::{
     ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry,
 };
@@ -12,7 +13,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use super::attributes::to_wire;
-use super::connection::{broker, sdk_error};
+use super::connection::{broker, error_code, sdk_error};
 use super::dead_letters::dead_letter_queue_name;
 use super::{Delete, SqsSource, lock};
 use crate::model::{Delivery, Failure, rfc3339};
@@ -264,7 +265,9 @@ impl SqsSource {
         )
         .await
         {
-            self.unsettled(receipt).await;
+            if !e.awaits_a_letter_that_fits(None) {
+                self.unsettled(receipt).await;
+            }
             return Err(e);
         }
         let result = self.delete(receipt).await;
@@ -367,7 +370,9 @@ impl SqsSource {
         .await;
         // Deleted only once the dead-letter queue took it.
         if let Err(e) = stored {
-            self.unsettled(receipt).await;
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.unsettled(receipt).await;
+            }
             return Err(e);
         }
         let result = self.delete(receipt).await;
@@ -457,10 +462,20 @@ pub(super) async fn send_fields(
     } else if delay_secs > 0 {
         request = request.delay_seconds(delay_secs as i32);
     }
-    let out = request
-        .send()
-        .await
-        .map_err(|e| sdk_error("sending to SQS", e))?;
+    let out = request.send().await.map_err(|e| {
+        // SQS's answer to a message over the queue's MaximumMessageSize
+        // (body and attributes together; moto counts the body).
+        let too_large = error_code(&e).as_deref() == Some("InvalidParameterValue")
+            && e.as_service_error()
+                .and_then(|s| s.message())
+                .is_some_and(|m| m.contains("must be shorter than"));
+        let e = sdk_error("sending to SQS", e);
+        if too_large {
+            SourceError::too_large(e.message().to_string())
+        } else {
+            e
+        }
+    })?;
     Ok(out.message_id().unwrap_or_default().to_string())
 }
 

@@ -6,8 +6,11 @@
 //! stdout and serves until killed. Commands on stdin, one a line, answered
 //! `ok` or `error: ...`: `down <broker>` and `up <broker>` (brokers are
 //! numbered from 1), `leader <topic> <partition> <broker>` (the mock moves
-//! no leader by itself) and `coordinator <group> <broker>`. With `--exit-on-eof` it ends when stdin closes, so a
-//! test that started it cannot leave it behind.
+//! no leader by itself; `none` for the broker leaves the partition without
+//! a leader, so a record for it waits and fails after the producer's
+//! `message.timeout.ms`) and `coordinator <group> <broker>`. With
+//! `--exit-on-eof` it ends when stdin closes, so a test that started it
+//! cannot leave it behind.
 //!
 //! `kafka-mock [--brokers N] [--exit-on-eof]`
 #![deny(rust_2018_idioms)]
@@ -53,12 +56,18 @@ fn main() -> ExitCode {
                 .parse()
                 .map_err(|_| format!("{id:?} is not a broker number"))
                 .and_then(|id| cluster.broker_up(id).map_err(|e| e.to_string())),
-            ["leader", topic, partition, id] => match (partition.parse(), id.parse()) {
-                (Ok(partition), Ok(id)) => cluster
-                    .partition_leader(topic, partition, Some(id))
-                    .map_err(|e| e.to_string()),
-                _ => Err("write leader <topic> <partition> <broker>".into()),
-            },
+            ["leader", topic, partition, id] => {
+                let id = match *id {
+                    "none" => Ok(None),
+                    id => id.parse().map(Some),
+                };
+                match (partition.parse(), id) {
+                    (Ok(partition), Ok(id)) => cluster
+                        .partition_leader(topic, partition, id)
+                        .map_err(|e| e.to_string()),
+                    _ => Err("write leader <topic> <partition> <broker|none>".into()),
+                }
+            }
             ["coordinator", group, id] => id
                 .parse()
                 .map_err(|_| format!("{id:?} is not a broker number"))
@@ -69,7 +78,7 @@ fn main() -> ExitCode {
                 }),
             [] => continue,
             _ => Err(format!(
-                "unknown command {line:?}; write down <broker>, up <broker>, leader <topic> <partition> <broker> or coordinator <group> <broker>"
+                "unknown command {line:?}; write down <broker>, up <broker>, leader <topic> <partition> <broker|none> or coordinator <group> <broker>"
             )),
         };
         let _ = match answer {

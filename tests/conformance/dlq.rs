@@ -289,8 +289,8 @@ pub async fn list_show_replay_purge(fixture: Fixture) {
 /// A replay killed with SIGKILL halfway loses nothing: every message is in
 /// the dead-letter queue, the work queue, or both. The kill falls at a
 /// random point of a 33 ms cycle, seldom between a replay's two writes;
-/// `nats_a_replay_stopped_at_the_publish_loses_nothing` stops one there
-/// on purpose.
+/// `a_replay_stopped_at_the_publish` (`<broker>_a_replay_stopped_at_the_
+/// publish_loses_nothing`) stops one there on purpose.
 pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
     let app = TestApp::start().await;
     let n = 60;
@@ -456,80 +456,381 @@ pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
     remove_queue(&bare).await;
 }
 
-/// The dangerous moment of a replay, on purpose. A replay on NATS is two
-/// steps, a publish to the work stream and then a delete from the
-/// dead-letter stream; a kill at a random point of the replay above
-/// rarely falls between them. Here the work stream takes [`TAKEN`] more
-/// messages and refuses the next publish (`max_msgs`, discard new), so the
-/// replay of letter `TAKEN + 1` stops exactly between the two steps, every
-/// run: a replay that deleted before it published would lose that letter
-/// and every later one. (Redis and the embedded queue replay in one
-/// transaction, so they have no such moment.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_a_replay_stopped_at_the_publish_loses_nothing() {
-    use async_nats::jetstream::stream::DiscardPolicy;
-    const TAKEN: i64 = 3;
-    let fixture = Fixture::nats();
+/// The dangerous moment of a replay, on purpose. A replay is two steps
+/// wherever the broker has no transaction across queues: a publish to the
+/// work queue, then the removal of the dead letter. A kill at a random
+/// point of the replay above rarely falls between them; here `refuse`
+/// makes the work queue take `taken` more messages and refuse every
+/// publish after them, so the replay of every later letter stops exactly
+/// between the two steps, every run: a replay that removed before it
+/// published would lose that letter and every later one. After `lift`
+/// every message is in exactly one place (replayed and delivered again, or
+/// still a dead letter), and a second replay moves the refused letters,
+/// whole. (Redis and the embedded queue replay in one transaction, so they
+/// have no such moment.)
+async fn a_replay_stopped_at_the_publish(
+    fixture: &Fixture,
+    bodies: &[Bytes],
+    taken: usize,
+    refuse: impl AsyncFnOnce(),
+    lift: impl AsyncFnOnce(),
+) {
     let app = TestApp::start().await;
-    let n = 8;
-    let bodies: Vec<Bytes> = (0..n)
-        .map(|i| Bytes::from(format!("script:400,200\n{i}")))
-        .collect();
-    let ids = send_all(&fixture, &bodies).await;
-    drain(&fixture, &app).await;
+    let n = bodies.len();
+    assert!(taken < n, "some letters are refused");
+    let ids = send_all(fixture, bodies).await;
+    drain(fixture, &app).await;
     let listed = || -> Vec<String> {
-        json_lines(&courier(&fixture, &["dlq", "list", "--output", "json"]))
+        json_lines(&courier(fixture, &["dlq", "list", "--output", "json"]))
             .iter()
             .map(|l| l["courier-message-id"].as_str().unwrap().to_string())
             .collect()
     };
-    assert_eq!(listed().len(), n);
-
-    let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await.unwrap());
-    let limit = async |max: Option<i64>| {
-        let mut stream = js.get_stream(&fixture.queue).await.unwrap();
-        let info = stream.info().await.unwrap();
-        let mut config = info.config.clone();
-        config.max_messages = max.map_or(-1, |more| info.state.messages as i64 + more);
-        config.discard = DiscardPolicy::New;
-        js.update_stream(config).await.unwrap();
+    let replayed = |out: &Output| {
+        stdout(out)
+            .lines()
+            .filter(|l| l.starts_with("replayed "))
+            .count()
     };
-    limit(Some(TAKEN)).await;
-    let out = courier(&fixture, &["dlq", "replay", "--all"]);
-    let replayed = stdout(&out)
-        .lines()
-        .filter(|l| l.starts_with("replayed "))
-        .count();
+    assert_eq!(listed().len(), n, "every message is a dead letter");
+
+    refuse().await;
+    let out = courier(fixture, &["dlq", "replay", "--all"]);
     assert_eq!(
-        replayed,
-        TAKEN as usize,
-        "the work stream took {TAKEN}, then refused: {}{}",
+        replayed(&out),
+        taken,
+        "the work queue took {taken}, then refused: {}{}",
         stdout(&out),
         stderr(&out)
     );
-    assert!(!out.status.success(), "the refused replays are reported");
-
+    assert!(
+        !out.status.success(),
+        "the refused replays are reported: {}",
+        stdout(&out)
+    );
     let left = listed();
     assert_eq!(
         left.len(),
-        n - TAKEN as usize,
-        "each refused letter stays a dead letter"
+        n - taken,
+        "each refused letter stays a dead letter: {}",
+        stderr(&out)
     );
-    limit(None).await;
-    drain(&fixture, &app).await;
-    let lost: Vec<&String> = bodies
+
+    lift().await;
+    drain(fixture, &app).await;
+    let delivered = |body: &Bytes| app.received_body(body).len();
+    let in_neither: Vec<&String> = bodies
         .iter()
         .zip(&ids)
-        .filter(|(body, id)| app.received_body(body).len() < 2 && !left.contains(id))
+        .filter(|(body, id)| delivered(body) < 2 && !left.contains(id))
         .map(|(_, id)| id)
         .collect();
-    assert!(lost.is_empty(), "messages {lost:?} are in neither stream");
-    assert_eq!(
-        bodies
-            .iter()
-            .filter(|b| app.received_body(b).len() == 2)
-            .count(),
-        TAKEN as usize,
-        "the replayed ones were delivered again"
+    assert!(
+        in_neither.is_empty(),
+        "messages {in_neither:?} are in neither queue"
     );
+    let in_both: Vec<&String> = bodies
+        .iter()
+        .zip(&ids)
+        .filter(|(body, id)| delivered(body) >= 2 && left.contains(id))
+        .map(|(_, id)| id)
+        .collect();
+    assert!(
+        in_both.is_empty(),
+        "messages {in_both:?} were replayed and are still dead letters"
+    );
+    assert_eq!(
+        bodies.iter().filter(|b| delivered(b) == 2).count(),
+        taken,
+        "the replayed ones were delivered again, once"
+    );
+
+    let out = courier(fixture, &["dlq", "replay", "--all"]);
+    assert!(
+        out.status.success(),
+        "the refused letters replay once the work queue takes them: {}",
+        stderr(&out)
+    );
+    assert_eq!(replayed(&out), n - taken, "{}", stdout(&out));
+    drain(fixture, &app).await;
+    assert_eq!(listed(), Vec::<String>::new(), "no dead letter is left");
+    for body in bodies {
+        assert_eq!(delivered(body), 2, "{body:?}: delivered, then replayed");
+    }
+}
+
+/// `n` messages the app refuses once (a permanent status, so each is a
+/// dead letter at once) and takes when replayed.
+fn refused_once(n: usize) -> Vec<Bytes> {
+    (0..n)
+        .map(|i| Bytes::from(format!("script:400,200\n{i}")))
+        .collect()
+}
+
+/// NATS: the work stream takes [`TAKEN`] more (`max_msgs`, discard new).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_replay_stopped_at_the_publish_loses_nothing() {
+    use async_nats::jetstream::stream::DiscardPolicy;
+    const TAKEN: usize = 3;
+    let fixture = Fixture::nats();
+    let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await.unwrap());
+    let limit = async |max: Option<usize>| {
+        let mut stream = js.get_stream(&fixture.queue).await.unwrap();
+        let info = stream.info().await.unwrap();
+        let mut config = info.config.clone();
+        config.max_messages = max.map_or(-1, |more| (info.state.messages as usize + more) as i64);
+        config.discard = DiscardPolicy::New;
+        js.update_stream(config).await.unwrap();
+    };
+    a_replay_stopped_at_the_publish(
+        &fixture,
+        &refused_once(8),
+        TAKEN,
+        async || limit(Some(TAKEN)).await,
+        async || limit(None).await,
+    )
+    .await;
+}
+
+/// A RabbitMQ policy on one queue, cleared when dropped (a failed test
+/// included): the shared broker keeps no policy of a test.
+struct RabbitPolicy {
+    name: String,
+}
+
+impl RabbitPolicy {
+    /// Sets `definition` (JSON) on the queue `queue` alone and waits until
+    /// the queue shows it in force.
+    async fn set(queue: &str, definition: &str) -> Self {
+        let policy = Self {
+            name: format!("courier-test-{queue}"),
+        };
+        rabbitmqctl(&[
+            "set_policy",
+            "--apply-to",
+            "queues",
+            "--priority",
+            "100",
+            &policy.name,
+            &format!("^{}$", regex_escape(queue)),
+            definition,
+        ]);
+        wait_for(
+            &format!("the policy {} on {queue}", policy.name),
+            SETTLE,
+            async || {
+                rabbitmqctl(&["list_queues", "--no-table-headers", "-q", "name", "policy"])
+                    .lines()
+                    .any(|l| {
+                        l.split_whitespace().collect::<Vec<_>>() == [queue, policy.name.as_str()]
+                    })
+            },
+        )
+        .await;
+        policy
+    }
+}
+
+impl Drop for RabbitPolicy {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["clear_policy", &self.name])
+            .output();
+    }
+}
+
+/// `rabbitmqctl <args>` on the shared broker, its output; fails on an error.
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    stdout(&out)
+}
+
+/// `text` as a regular expression that matches it alone.
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(
+            |c| match c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                true => vec![c],
+                false => vec!['\\', c],
+            },
+        )
+        .collect()
+}
+
+/// RabbitMQ: a policy of `max-length` with `overflow: reject-publish` on
+/// the work queue alone; a publish past it is nacked, which the replay's
+/// publisher confirm sees. The work queue is a quorum queue (as `--create`
+/// makes it), which looks at the limit after each enqueue and so takes one
+/// message past `max-length`: the limit is one less than what it takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_replay_stopped_at_the_publish_loses_nothing() {
+    const TAKEN: usize = 3;
+    let fixture = Fixture::amqp();
+    let policy = Mutex::new(None);
+    a_replay_stopped_at_the_publish(
+        &fixture,
+        &refused_once(8),
+        TAKEN,
+        async || {
+            let ready = amqp_count_without_consumers(fixture.url.as_str(), &fixture.queue).await;
+            let definition = format!(
+                r#"{{"max-length": {}, "overflow": "reject-publish"}}"#,
+                ready as usize + TAKEN - 1
+            );
+            let set = RabbitPolicy::set(&fixture.queue, &definition).await;
+            *policy.lock().unwrap() = Some(set);
+        },
+        async || drop(policy.lock().unwrap().take()),
+    )
+    .await;
+}
+
+/// SQS (moto): the work queue's `MaximumMessageSize` is set to its least,
+/// 1024 bytes, and every letter but the first [`TAKEN`] has a body larger
+/// than that: SQS refuses the publish of each of those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_a_replay_stopped_at_the_publish_loses_nothing() {
+    use aws_sdk_sqs::types::QueueAttributeName;
+    const TAKEN: usize = 3;
+    let fixture = Fixture::sqs();
+    let bodies: Vec<Bytes> = refused_once(8)
+        .into_iter()
+        .enumerate()
+        .map(|(i, body)| match i < TAKEN {
+            true => body,
+            false => Bytes::from([&body[..], &[b'x'; 2048]].concat()),
+        })
+        .collect();
+    let client = sqs_client().await;
+    let max_size = async |bytes: u32| {
+        let url = sqs_queue_url(&client, &fixture.queue)
+            .await
+            .expect("the work queue");
+        client
+            .set_queue_attributes()
+            .queue_url(url)
+            .attributes(QueueAttributeName::MaximumMessageSize, bytes.to_string())
+            .send()
+            .await
+            .expect("set MaximumMessageSize");
+    };
+    a_replay_stopped_at_the_publish(
+        &fixture,
+        &bodies,
+        TAKEN,
+        async || max_size(1024).await,
+        async || max_size(262_144).await,
+    )
+    .await;
+}
+
+/// Pub/Sub (emulator): the work topic is deleted, so no publish is taken
+/// (every letter stays a dead letter); then the topic is made again, and
+/// the subscriptions on it with it, as an operator would: a subscription
+/// of a deleted topic stays bound to `_deleted-topic_` and gets nothing
+/// published afterwards. That is the work subscription and courier's
+/// shadow that counts it (`<queue>.courier-depth`), which courier remakes
+/// at start when it is missing but not when it is bound to the old topic
+/// (a depth poll then fails: seeking it is refused). The second replay
+/// moves them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_a_replay_stopped_at_the_publish_loses_nothing() {
+    use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+        DeleteSubscriptionRequest, DeleteTopicRequest,
+    };
+    let fixture = Fixture::pubsub();
+    let (mut publisher, mut subscriber) = pubsub_clients().await;
+    a_replay_stopped_at_the_publish(
+        &fixture,
+        &refused_once(6),
+        0,
+        async || {
+            publisher
+                .delete_topic(DeleteTopicRequest {
+                    topic: pubsub_topic(&fixture.queue),
+                })
+                .await
+                .expect("delete the work topic");
+        },
+        async || {
+            for name in [
+                fixture.queue.clone(),
+                format!("{}.courier-depth", fixture.queue),
+            ] {
+                subscriber
+                    .delete_subscription(DeleteSubscriptionRequest {
+                        subscription: pubsub_subscription(&name),
+                    })
+                    .await
+                    .expect("delete a subscription of the deleted topic");
+            }
+            create_pubsub_subscription(&fixture.queue, Some(100)).await;
+        },
+    )
+    .await;
+}
+
+/// Kafka (the mock cluster): a replay of one letter is two records, one
+/// to the work topic and then the letter's id to `<dlq>.removed`. Every
+/// partition of the work topic is left without a leader, so the first
+/// record of every replay fails (after the producer's
+/// `message.timeout.ms`, 10 s) and the second is written as ever: no
+/// replay is taken. (Refusals the mock pushes for Produce requests are
+/// counted over every topic, so they would refuse the record to
+/// `<dlq>.removed` of a replay that removed first, and such a replay
+/// would pass.) The leaders come back, and the second replay moves them
+/// all. Three letters: each refusal takes the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_a_replay_stopped_at_the_publish_loses_nothing() {
+    let fixture = Fixture::kafka();
+    let leaders = |leader: &'static str| {
+        let (bootstrap, topic) = (kafka_bootstrap(&fixture), fixture.queue.clone());
+        async move {
+            for partition in kafka_partitions(&bootstrap, &topic).await {
+                shared_kafka().command(&format!("leader {topic} {partition} {leader}"));
+            }
+        }
+    };
+    a_replay_stopped_at_the_publish(
+        &fixture,
+        &refused_once(3),
+        0,
+        async || leaders("none").await,
+        async || leaders("1").await,
+    )
+    .await;
+}
+
+/// The partitions of `topic`, as the cluster's metadata lists them.
+async fn kafka_partitions(bootstrap: &str, topic: &str) -> Vec<i32> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let (bootstrap, topic) = (bootstrap.to_string(), topic.to_string());
+    tokio::task::spawn_blocking(move || {
+        let reader: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .set("allow.auto.create.topics", "false")
+            .create()
+            .expect("an rdkafka consumer");
+        let metadata = reader
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .expect("topic metadata");
+        let partitions: Vec<i32> = metadata
+            .topics()
+            .iter()
+            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+            .collect();
+        assert!(!partitions.is_empty(), "{topic} has partitions");
+        partitions
+    })
+    .await
+    .unwrap()
 }

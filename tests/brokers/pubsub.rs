@@ -122,7 +122,8 @@ async fn a_retry_past_600_s_is_held_once_then_published_afresh() {
     // nothing. The depth counts the copy from its publish on, before the
     // sidecar's next pull has taken it, and no figure shows that pull: a
     // plain pull inside that window would take the copy itself (and its
-    // one delivery with it).
+    // one delivery with it), so the check waits for a read that began
+    // after the copy existed (`read_again`).
     read_again(&producer, &app, "after the copy").await;
     let retry = pubsub_subscription(&format!("{}.retry", fixture.queue));
     assert!(pubsub_messages(&retry).await.is_empty(), "the copy is held");

@@ -788,7 +788,7 @@ async fn pubsub_a_replay_stopped_at_the_publish_loses_nothing() {
 /// counted over every topic, so they would refuse the record to
 /// `<dlq>.removed` of a replay that removed first, and such a replay
 /// would pass.) The leaders come back, and the second replay moves them
-/// all. Three letters: each refusal takes the timeout.
+/// all. Two letters, as each refusal takes the timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_a_replay_stopped_at_the_publish_loses_nothing() {
     let fixture = Fixture::kafka();
@@ -802,7 +802,7 @@ async fn kafka_a_replay_stopped_at_the_publish_loses_nothing() {
     };
     a_replay_stopped_at_the_publish(
         &fixture,
-        &refused_once(3),
+        &refused_once(2),
         0,
         async || leaders("none").await,
         async || leaders("1").await,

@@ -17,7 +17,7 @@ use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
 use crate::sidecar::{RunConfig, Sidecar};
 
-use crate::source::{Ordering, QueueType, SourceOptions, default_consumer_name};
+use crate::source::{MAX_UNSETTLED, Ordering, QueueType, SourceOptions, default_consumer_name};
 use crate::telemetry::Readiness;
 use crate::telemetry::traces::Traces;
 
@@ -196,6 +196,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         concurrency: args.concurrency,
         max_deliveries: policy.max_deliveries(),
         max_body: args.max_body,
+        max_unsettled: MAX_UNSETTLED,
         tls,
     };
     Ok(RunConfig {

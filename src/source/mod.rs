@@ -255,10 +255,19 @@ pub struct SourceOptions {
     /// ([`Capabilities::byte_bounded_reads`]) dead-letters a larger entry as
     /// `undeliverable` without loading it.
     pub max_body: usize,
+    /// Records read and not yet settled that a source keeps track of at
+    /// most (Kafka: the offsets of its ledgers, the later records of a
+    /// retrying key with `--ordering key`). At the bound it stops reading
+    /// new ones until half of them are settled, instead of growing.
+    pub max_unsettled: usize,
     /// `--tls-ca-file`, `--tls-cert-file`, `--tls-key-file`, read and
     /// checked; empty unless the URL's scheme is a TLS one.
     pub tls: Tls,
 }
+
+/// [`SourceOptions::max_unsettled`] of `courier run`: about a megabyte of
+/// bookkeeping, plus the parked records' bodies.
+pub const MAX_UNSETTLED: usize = 10_000;
 
 /// In what order messages reach the app (`--ordering`). `None`: as many at
 /// once as `--concurrency` allows. `Key`: messages with the same key (a
@@ -365,6 +374,7 @@ impl SourceOptions {
             concurrency: 16,
             max_deliveries: 7,
             max_body: 4 << 20,
+            max_unsettled: MAX_UNSETTLED,
             tls: Tls::default(),
         }
     }

@@ -139,6 +139,9 @@ struct Reading {
     /// answered after its own would move the group's offsets back.
     committing: usize,
     subscribed: bool,
+    /// The work topic's partitions are paused: its ledgers reached
+    /// `max_unsettled` offsets ([`KafkaSource::bound_reads`]).
+    paused_at_bound: bool,
     /// Bumped on every ledger change; what a commit has carried.
     version: u64,
 }

@@ -107,6 +107,12 @@ impl Ledger {
         point != before
     }
 
+    /// How many offsets the ledger holds: those read and not settled, and
+    /// those settled above the lowest open one.
+    pub(super) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
     /// Whether `offset` is read and not settled.
     pub(super) fn is_open(&self, offset: i64) -> bool {
         offset < self.next && matches!(self.entries.get(&offset), Some(Entry::Open(_)))

@@ -23,6 +23,7 @@ impl KafkaSource {
     /// group's partitions have, waiting up to [`RECEIVE_WAIT`] for a first.
     pub(super) async fn read_batch(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         self.subscribe()?;
+        self.bound_reads();
         let mut out = Vec::new();
         self.release_due(&mut out, max);
         let deadline = Instant::now() + RECEIVE_WAIT;
@@ -55,6 +56,7 @@ impl KafkaSource {
                 Some(Ok(message)) => message.detach(),
             };
             self.admit(message, &mut out).await?;
+            self.bound_reads();
         }
         if !out.is_empty() {
             // The hand-outs are counted in the commit's metadata before the
@@ -65,6 +67,52 @@ impl KafkaSource {
             }
         }
         Ok(out)
+    }
+
+    /// Pauses the work topic's partitions while its ledgers hold
+    /// `max_unsettled` offsets or more (a key retrying for an hour with
+    /// `--ordering key` parks every later record of it; one offset left
+    /// open keeps every later one), and resumes them once under half.
+    /// Records librdkafka fetched before a pause are dropped by it and
+    /// fetched again on resume. The retry topic is read on: a retrying
+    /// key's copy there is what frees its parked records. Checked on every
+    /// read: a rebalance hands over partitions unpaused.
+    fn bound_reads(&self) {
+        let bound = self.options.max_unsettled.max(1);
+        let mut reading = self.reading();
+        let unsettled: usize = reading
+            .ledgers
+            .iter()
+            .filter(|((topic, _), _)| *topic == self.options.queue)
+            .map(|(_, ledger)| ledger.len())
+            .sum();
+        let pause = unsettled >= bound || (reading.paused_at_bound && unsettled > bound / 2);
+        if !pause && !reading.paused_at_bound {
+            return;
+        }
+        let mut work = TopicPartitionList::new();
+        if let Ok(assigned) = self.consumer.assignment() {
+            for element in assigned.elements_for_topic(&self.options.queue) {
+                work.add_partition(&self.options.queue, element.partition());
+            }
+        }
+        let done = if pause {
+            self.consumer.pause(&work)
+        } else {
+            self.consumer.resume(&work)
+        };
+        match done {
+            Ok(()) if pause != reading.paused_at_bound => {
+                reading.paused_at_bound = pause;
+                if pause {
+                    tracing::warn!(queue = %self.options.queue, unsettled, bound, "reading paused: this many records are read and not settled; it goes on once half of them are");
+                } else {
+                    tracing::info!(queue = %self.options.queue, unsettled, "reading goes on");
+                }
+            }
+            Ok(()) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot pause or resume the Kafka work topic"),
+        }
     }
 
     fn subscribe(&self) -> Result<(), SourceError> {

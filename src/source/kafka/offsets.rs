@@ -140,7 +140,19 @@ impl Ledger {
                 _ => None,
             })
             .collect();
-        let mut out = format!("1;h={}", handed.join(","));
+        // Kafka refuses a commit whose metadata is too long, and then no
+        // commit goes through: counts beyond the room are left out (each
+        // such offset can be handed out once more than the rule says).
+        let mut out = String::from("1;h=");
+        for (i, item) in handed.iter().enumerate() {
+            if out.len() + item.len() + 1 > METADATA_BYTES / 2 {
+                break;
+            }
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(item);
+        }
         let mut ranges: Vec<(i64, i64)> = Vec::new();
         for (o, e) in self.entries.range(point..) {
             if *e != Entry::Done {
@@ -172,9 +184,15 @@ impl Ledger {
     }
 }
 
+/// The most offsets a commit's metadata may make the ledger hold: it is
+/// read from the broker, where anyone with the group's rights can write
+/// it, so it is not trusted to allocate without limit.
+const DECODED_MAX: usize = 100_000;
+
 /// What a committed offset's metadata says about the offsets at and above
 /// it, as [`Ledger::metadata`] wrote it; anything else (another consumer's
-/// metadata, a newer format) says nothing.
+/// metadata, a newer format) says nothing. At most [`DECODED_MAX`]
+/// offsets: the rest is ignored (read again, handed out again).
 fn decode(metadata: &str) -> BTreeMap<i64, Entry> {
     let mut entries = BTreeMap::new();
     let mut parts = metadata.split(';');
@@ -187,6 +205,9 @@ fn decode(metadata: &str) -> BTreeMap<i64, Entry> {
                 let Some((o, n)) = item.split_once(':') else {
                     continue;
                 };
+                if entries.len() >= DECODED_MAX {
+                    break;
+                }
                 if let (Ok(o), Ok(n)) = (o.parse::<i64>(), n.parse::<u32>()) {
                     entries.insert(o, Entry::Open(n));
                 }
@@ -197,9 +218,10 @@ fn decode(metadata: &str) -> BTreeMap<i64, Entry> {
                 let (Ok(start), Ok(end)) = (start.parse::<i64>(), end.parse::<i64>()) else {
                     continue;
                 };
-                // A bound on what one range may claim: metadata is not
-                // trusted to allocate without limit.
-                for o in start..=end.min(start + 100_000) {
+                for o in start..=end {
+                    if entries.len() >= DECODED_MAX {
+                        return entries;
+                    }
                     entries.insert(o, Entry::Done);
                 }
             }
@@ -230,6 +252,30 @@ pub(super) fn summary(metadata: &str, from: i64, to: i64) -> (u64, u64, Option<i
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found at 21da363: the hand-out list had no bound, so 1,000 open
+    /// offsets made metadata Kafka refuses (over `offset.metadata.max.bytes`)
+    /// and every commit failed; and hostile metadata of many large ranges
+    /// could make the ledger allocate without end (each range was capped,
+    /// their number was not).
+    #[test]
+    fn metadata_fits_and_hostile_metadata_is_bounded() {
+        let mut ledger = Ledger::resume(None, 1_000_000_000);
+        for o in 1_000_000_000..1_000_001_000 {
+            ledger.read(o);
+            ledger.hand_out(o);
+        }
+        let metadata = ledger.metadata();
+        assert!(metadata.len() <= METADATA_BYTES, "{}", metadata.len());
+        assert!(metadata.starts_with("1;h=1000000000:1,"), "{metadata}");
+        let hostile: String = (0..400)
+            .map(|i| format!("{}-{},", i * 1_000_000, i * 1_000_000 + 999_999))
+            .collect();
+        let entries = decode(&format!("1;h=;d={hostile}"));
+        assert_eq!(entries.len(), DECODED_MAX);
+        let handed: String = (0..200_000).map(|i| format!("{i}:1,")).collect();
+        assert_eq!(decode(&format!("1;h={handed};d=")).len(), DECODED_MAX);
+    }
 
     #[test]
     fn out_of_order_settles_commit_in_order() {
@@ -306,7 +352,7 @@ mod tests {
         for metadata in ["", "2;h=1:9", "garbage", "1;h=x:y;d=a-b"] {
             assert!(decode(metadata).is_empty(), "{metadata}");
         }
-        assert_eq!(decode("1;d=0-99999999999").len(), 100_001);
+        assert_eq!(decode("1;d=0-99999999999").len(), DECODED_MAX);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::common::*;
 use bytes::Bytes;
-use courier::model::{DeadLetter, DeadLetterReason, Delivery, Failure};
+use courier::model::{DeadLetter, Delivery};
 use courier::source::{self, LiveSettings, Source, SourceOptions};
 
 /// Opens the fixture's queue with these options changed.
@@ -100,21 +100,7 @@ async fn a_kept_alive_delivery_settles_by_retry_and_dead_letter() {
 
     let now = SystemTime::now();
     source.retry(&got[0], 2, now, now).await.unwrap();
-    let failure = Failure {
-        reason: DeadLetterReason::PermanentStatus,
-        status: Some(400),
-        error: None,
-        attempts: 1,
-        first_attempt_at: now,
-        last_attempt_at: now,
-        queue: fixture.queue.clone(),
-        message_id: got[1].message.id.clone(),
-        excerpt: Bytes::new(),
-        policy: String::new(),
-        dead_letter_queue: fixture.dlq(),
-        app_directive: None,
-        cut: None,
-    };
+    let failure = fixture.failure_of(&got[1].message.id);
     source.dead_letter(&got[1], &failure).await.unwrap();
     let again = receive_some(&source, Duration::from_secs(5)).await;
     assert_eq!(again.len(), 1, "{again:?}");

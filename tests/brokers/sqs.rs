@@ -13,7 +13,6 @@ use std::time::{Duration, SystemTime};
 
 use crate::common::*;
 use aws_sdk_sqs::types::QueueAttributeName;
-use bytes::Bytes;
 use courier::source::{ErrorKind, Source};
 
 const SETTLE: Duration = Duration::from_secs(60);
@@ -236,7 +235,7 @@ async fn settle_with_a_cut_letter(
     delivery: &courier::source::Delivery,
     id: &str,
 ) {
-    let mut failure = failure_of(fixture, id);
+    let mut failure = fixture.failure_of(id);
     failure.cut = Some("the body is left out".into());
     source.dead_letter(delivery, &failure).await.unwrap();
     assert_eq!(counts(fixture).await, (0, 0, 0), "the original is settled");
@@ -247,27 +246,6 @@ async fn settle_with_a_cut_letter(
         letters[0].field("courier-cut"),
         Some("the body is left out")
     );
-}
-
-/// A permanent-status failure of message `id`, bound for the fixture's
-/// dead-letter queue.
-fn failure_of(fixture: &Fixture, id: &str) -> courier::model::Failure {
-    let now = SystemTime::now();
-    courier::model::Failure {
-        reason: courier::model::DeadLetterReason::PermanentStatus,
-        status: Some(400),
-        error: None,
-        attempts: 1,
-        first_attempt_at: now,
-        last_attempt_at: now,
-        queue: fixture.queue.clone(),
-        message_id: id.to_string(),
-        excerpt: Bytes::new(),
-        policy: "test@1".into(),
-        dead_letter_queue: fixture.dlq(),
-        app_directive: None,
-        cut: None,
-    }
 }
 
 /// A `DeleteMessageBatch` in which SQS refuses one entry fails only that
@@ -501,7 +479,7 @@ async fn a_dead_letter_sqs_refuses_as_too_large_waits_for_the_letter_that_fits()
     let id = producer.send("y".repeat(2000), &[]).await;
     let delivery = receive_one(&source).await;
     let err = source
-        .dead_letter(&delivery, &failure_of(&fixture, &id))
+        .dead_letter(&delivery, &fixture.failure_of(&id))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");

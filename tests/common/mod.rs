@@ -422,6 +422,27 @@ impl Fixture {
         format!("{}.dlq", self.queue)
     }
 
+    /// A permanent-status failure (a 400 at attempt 1) of message `id`,
+    /// bound for [`Fixture::dlq`], as the dispatcher would describe it.
+    pub fn failure_of(&self, id: &str) -> courier::model::Failure {
+        let now = std::time::SystemTime::now();
+        courier::model::Failure {
+            reason: courier::model::DeadLetterReason::PermanentStatus,
+            status: Some(400),
+            error: None,
+            attempts: 1,
+            first_attempt_at: now,
+            last_attempt_at: now,
+            queue: self.queue.clone(),
+            message_id: id.to_string(),
+            excerpt: Bytes::new(),
+            policy: "test@1".into(),
+            dead_letter_queue: self.dlq(),
+            app_directive: None,
+            cut: None,
+        }
+    }
+
     /// A handle for producing and inspecting; in-process it shares the
     /// embedded queue with a sidecar started in this process.
     ///

@@ -52,13 +52,15 @@ pub(super) fn from_record(message: &OwnedMessage) -> Vec<(Bytes, Bytes)> {
 }
 
 /// Fields as a record's value and headers. A header name must be text:
-/// one that is not is left out (the forwarder would drop it anyway).
+/// one that is not is left out (the forwarder would drop it anyway). The
+/// first `payload` field is the value, as `Delivery::from_fields` reads
+/// it; a later one is a producer's header of that name.
 pub(super) fn to_record(fields: &[(Bytes, Bytes)]) -> (Bytes, OwnedHeaders) {
-    let mut body = Bytes::new();
+    let mut body = None;
     let mut headers = OwnedHeaders::new_with_capacity(fields.len());
     for (name, value) in fields {
-        if name.as_ref() == PAYLOAD.as_bytes() {
-            body = value.clone();
+        if name.as_ref() == PAYLOAD.as_bytes() && body.is_none() {
+            body = Some(value.clone());
             continue;
         }
         match std::str::from_utf8(name) {
@@ -71,7 +73,7 @@ pub(super) fn to_record(fields: &[(Bytes, Bytes)]) -> (Bytes, OwnedHeaders) {
             Err(_) => tracing::debug!("a header name that is not UTF-8 is left out"),
         }
     }
-    (body, headers)
+    (body.unwrap_or_default(), headers)
 }
 
 #[cfg(test)]
@@ -89,6 +91,11 @@ mod tests {
             (Bytes::from("content-type"), Bytes::from("text/plain")),
             (Bytes::from("x-multi"), Bytes::from("line\r\nbreak é")),
             (Bytes::from("empty"), Bytes::new()),
+            // A producer's header named like the body's field, after it.
+            (
+                Bytes::from_static(PAYLOAD.as_bytes()),
+                Bytes::from("a header"),
+            ),
         ];
         let (body, headers) = to_record(&fields);
         let message = OwnedMessage::new(

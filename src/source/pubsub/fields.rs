@@ -66,11 +66,13 @@ fn cut(text: String, limit: usize) -> String {
 
 /// Fields as a Pub/Sub message.
 pub(super) fn to_message(fields: &[(Bytes, Bytes)]) -> PubsubMessage {
-    let mut data = Bytes::new();
+    // The first `payload` field is the data, as `Delivery::from_fields`
+    // reads it; a later one is a producer's attribute of that name.
+    let mut data = None;
     let mut attributes = HashMap::new();
     for (name, value) in fields {
-        if name.as_ref() == PAYLOAD.as_bytes() {
-            data = value.clone();
+        if name.as_ref() == PAYLOAD.as_bytes() && data.is_none() {
+            data = Some(value.clone());
             continue;
         }
         let name = String::from_utf8_lossy(name).into_owned();
@@ -81,7 +83,7 @@ pub(super) fn to_message(fields: &[(Bytes, Bytes)]) -> PubsubMessage {
         attributes.insert(name, value);
     }
     PubsubMessage {
-        data,
+        data: data.unwrap_or_default(),
         attributes,
         ..PubsubMessage::default()
     }
@@ -113,6 +115,23 @@ pub(super) fn publish_time(message: &PubsubMessage) -> Option<SystemTime> {
 mod tests {
     use super::*;
     use crate::source::shared::field;
+
+    /// Found by the torture run (on NATS and RabbitMQ, the same loop
+    /// here): a copy of a message with a producer's attribute named
+    /// `payload` took that attribute as its body.
+    #[test]
+    fn a_header_named_payload_stays_an_attribute_in_a_copy() {
+        let fields = vec![
+            (Bytes::from("payload"), Bytes::from("the body")),
+            (Bytes::from("payload"), Bytes::from("an attribute")),
+        ];
+        let message = to_message(&fields);
+        assert_eq!(message.data.as_ref(), b"the body");
+        assert_eq!(
+            message.attributes.get("payload").map(String::as_str),
+            Some("an attribute")
+        );
+    }
 
     #[test]
     fn a_round_trip_keeps_body_headers_and_record() {

@@ -10,10 +10,15 @@
 //!   plan decided from the seed and the id, and logging what it saw.
 //! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
 //!   app, edits the policy, and for a broker the harness runs privately
-//!   (Redis, NATS) SIGSTOPs and SIGKILLs the broker.
+//!   (Redis, NATS) SIGSTOPs and SIGKILLs the broker; a shared one
+//!   (RabbitMQ) is never faulted.
 //! - The checker (after a settle period in which the app answers 200 to all
 //!   but the poisoned ids) reads the dead letters and what the broker still
 //!   holds, and the app's log; see [`check`].
+//!
+//! Each broker's part (its server, producer and reader) is a module of its
+//! own: `private_redis`, `private_nats`, `shared_rabbitmq`,
+//! `embedded_queue`; [`Broker`] dispatches to them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -10,10 +10,15 @@
 //!   plan decided from the seed and the id, and logging what it saw.
 //! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
 //!   app, edits the policy, and for a broker the harness runs privately
-//!   (Redis) SIGSTOPs and SIGKILLs the broker.
+//!   (Redis, NATS) SIGSTOPs and SIGKILLs the broker; a shared one
+//!   (RabbitMQ) is never faulted.
 //! - The checker (after a settle period in which the app answers 200 to all
 //!   but the poisoned ids) reads the dead letters and what the broker still
 //!   holds, and the app's log; see [`check`].
+//!
+//! Each broker's part (its server, producer and reader) is a module of its
+//! own: `private_redis`, `private_nats`, `shared_rabbitmq`,
+//! `embedded_queue`; [`Broker`] dispatches to them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -25,17 +30,23 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 
 use crate::child::{Courier, Process};
-use crate::sources::{Kind, Target};
 use crate::torture_app::{self, ID_HEADER, Plan, Rng, Seen, id_of, ids_in};
-use courier::model::PAYLOAD;
-use courier::source::decode_fields;
-use futures::StreamExt;
+use courier::model::{PAYLOAD, default_dead_letter_queue};
+use courier::source::{SourceOptions, SourceUrl};
+use private_nats::PrivateNats;
+use private_redis::PrivateRedis;
+
+mod embedded_queue;
+mod private_nats;
+mod private_redis;
+mod shared_rabbitmq;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TortureArgs {
-    /// The broker: redis (a private redis-server the harness starts, kills
-    /// and stops) or embedded (courier's own queue; production happens while
-    /// courier is down, since one process holds the file).
+    /// The broker: redis or nats (a private redis-server or `nats-server
+    /// -js` the harness starts, kills and stops), or embedded (courier's own
+    /// queue; production happens while courier is down, since one process
+    /// holds the file).
     #[arg(long)]
     pub broker: String,
     /// Minutes of traffic and faults, before the settle period.
@@ -66,6 +77,10 @@ pub struct TortureArgs {
     /// A life shorter than warm-up plus this many seconds is reported, not judged.
     #[arg(long, default_value_t = 30)]
     pub rss_min_secs: u64,
+    /// RabbitMQ: the `frame_max` courier asks for (`?frame_max=` in its
+    /// --source) [default: courier's own, 16 KiB].
+    #[arg(long)]
+    pub amqp_frame_max: Option<u32>,
     /// No faults: the producer, courier and the app only.
     #[arg(long)]
     pub no_nemesis: bool,
@@ -81,7 +96,7 @@ pub struct TortureArgs {
 }
 
 /// The brokers the torture run supports.
-pub const BROKERS: [&str; 2] = ["redis", "embedded"];
+pub const BROKERS: [&str; 4] = ["redis", "nats", "rabbitmq", "embedded"];
 
 // === The hostile corpus ===
 
@@ -286,69 +301,83 @@ struct Holdings {
     pending: HashSet<u64>,
 }
 
-/// A redis-server of the harness's own (never the shared one on 6379),
-/// with an append-only file fsynced on every write, so a SIGKILL loses
-/// nothing it acknowledged.
-struct PrivateRedis {
-    port: u16,
-    dir: PathBuf,
-    process: Option<Process>,
-    starts: u32,
+/// The dead letters of `queue` (its default dead-letter queue, which the
+/// run's policy keeps), read through courier's own dead-letter store: what
+/// `courier dlq list` shows, the same code on every broker.
+async fn admin_letters(url: &str, queue: &str) -> anyhow::Result<Vec<Letter>> {
+    let source_url = SourceUrl::parse(url).map_err(anyhow::Error::msg)?;
+    let store = courier::source::open_admin(&source_url, SourceOptions::new(queue)).await?;
+    let letters = store
+        .dead_letters(&default_dead_letter_queue(queue), usize::MAX)
+        .await?;
+    Ok(letters
+        .iter()
+        .map(|l| {
+            let mut fields = vec![(Bytes::from_static(PAYLOAD.as_bytes()), l.body.clone())];
+            fields.extend(
+                l.fields
+                    .iter()
+                    .map(|(n, v)| (b(n.as_bytes()), b(v.as_bytes()))),
+            );
+            Letter::of(&fields)
+        })
+        .collect())
 }
 
-impl PrivateRedis {
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    async fn start(&mut self) -> anyhow::Result<()> {
-        self.starts += 1;
-        let mut command = Command::new("redis-server");
-        command
-            .args(["--port", &self.port.to_string()])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "yes"])
-            .args(["--appendfsync", "always"])
-            .args(["--dir", &self.dir.display().to_string()]);
-        let log = self.dir.join(format!("redis-{}.log", self.starts));
-        self.process = Some(Process::spawn(command, &log).context("start redis-server")?);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(mut con) = self.connect().await
-                && redis::cmd("PING")
-                    .query_async::<String>(&mut con)
-                    .await
-                    .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("the private redis-server did not answer within 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn connect(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
-        let client = redis::Client::open(self.url())?;
-        Ok(tokio::time::timeout(
-            Duration::from_secs(3),
-            client.get_multiplexed_async_connection(),
-        )
-        .await??)
-    }
-}
-
+/// One broker's part of the run; each variant's code is in its module.
 enum Broker {
     Redis(PrivateRedis),
+    Nats(PrivateNats),
+    /// The shared node: the queue's name and courier's `frame_max`.
+    RabbitMq(String, Option<u32>),
     Embedded(PathBuf),
 }
 
 impl Broker {
+    /// The broker `name` (one of [`BROKERS`]), started when the harness runs
+    /// it, with the work queue made ready for the producer.
+    async fn start(args: &TortureArgs, dir: &Path, queue: &str) -> anyhow::Result<Self> {
+        let name = args.broker.as_str();
+        Ok(match name {
+            "redis" => {
+                let mut r = PrivateRedis {
+                    port: free_port(),
+                    dir: dir.join("redis"),
+                    process: None,
+                    starts: 0,
+                };
+                std::fs::create_dir_all(&r.dir)?;
+                r.start().await?;
+                Broker::Redis(r)
+            }
+            "nats" => {
+                let mut n = PrivateNats {
+                    port: free_port(),
+                    dir: dir.join("nats"),
+                    process: None,
+                    starts: 0,
+                };
+                std::fs::create_dir_all(&n.dir)?;
+                n.start().await?;
+                n.create_stream(queue).await?;
+                Broker::Nats(n)
+            }
+            "rabbitmq" => {
+                shared_rabbitmq::create_queue(queue).await?;
+                Broker::RabbitMq(queue.to_string(), args.amqp_frame_max)
+            }
+            _ => Broker::Embedded(dir.join("queue")),
+        })
+    }
+
     fn source(&self) -> String {
         match self {
             Broker::Redis(r) => r.url(),
+            Broker::Nats(n) => n.url(),
+            Broker::RabbitMq(_, frame_max) => match frame_max {
+                Some(bytes) => format!("{}?frame_max={bytes}", shared_rabbitmq::url()),
+                None => shared_rabbitmq::url(),
+            },
             Broker::Embedded(dir) => format!("embedded:{}", dir.display()),
         }
     }
@@ -359,170 +388,101 @@ impl Broker {
         matches!(self, Broker::Embedded(_))
     }
 
+    /// The broker's server, when the harness runs its own: the nemesis
+    /// stops and kills it.
+    fn server(&mut self) -> Option<&mut Process> {
+        match self {
+            Broker::Redis(r) => r.process.as_mut(),
+            Broker::Nats(n) => n.process.as_mut(),
+            Broker::RabbitMq(..) | Broker::Embedded(_) => None,
+        }
+    }
+
+    /// Starts the server again after a SIGKILL, on its port and files.
+    async fn restart(&mut self) -> anyhow::Result<()> {
+        match self {
+            Broker::Redis(r) => r.start().await,
+            Broker::Nats(n) => n.start().await,
+            Broker::RabbitMq(..) | Broker::Embedded(_) => Ok(()),
+        }
+    }
+
+    /// The producer task at `--rate`; none for the embedded queue, written
+    /// while courier is down ([`Run::produce_embedded`]).
+    fn spawn_producer(
+        &self,
+        queue: &str,
+        args: &TortureArgs,
+        produced: &Arc<Mutex<Produced>>,
+        stop: &Arc<std::sync::atomic::AtomicBool>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let (queue, args, produced, stop) = (
+            queue.to_string(),
+            args.clone(),
+            produced.clone(),
+            stop.clone(),
+        );
+        match self {
+            Broker::Redis(r) => Some(private_redis::spawn_producer(
+                r.url(),
+                queue,
+                args,
+                produced,
+                stop,
+            )),
+            Broker::Nats(n) => Some(private_nats::spawn_producer(
+                n.url(),
+                queue,
+                args,
+                produced,
+                stop,
+            )),
+            Broker::RabbitMq(..) => {
+                Some(shared_rabbitmq::spawn_producer(queue, args, produced, stop))
+            }
+            Broker::Embedded(_) => None,
+        }
+    }
+
     async fn holdings(&self, queue: &str) -> anyhow::Result<Holdings> {
         match self {
-            Broker::Redis(r) => redis_holdings(r, queue).await,
+            Broker::Redis(r) => private_redis::holdings(r, queue).await,
+            Broker::Nats(n) => n.holdings(queue).await,
+            Broker::RabbitMq(..) => shared_rabbitmq::holdings(queue, &self.source()).await,
             Broker::Embedded(dir) => {
                 let (dir, queue) = (dir.clone(), queue.to_string());
-                tokio::task::spawn_blocking(move || embedded_holdings(&dir, &queue)).await?
+                tokio::task::spawn_blocking(move || embedded_queue::holdings(&dir, &queue)).await?
             }
         }
     }
-}
 
-/// `XRANGE key from to`: each entry's fields.
-async fn xrange(
-    con: &mut redis::aio::MultiplexedConnection,
-    key: &str,
-    from: &str,
-    to: &str,
-) -> anyhow::Result<Vec<Vec<(Bytes, Bytes)>>> {
-    let entries: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
-        .arg(key)
-        .arg(from)
-        .arg(to)
-        .query_async(con)
-        .await?;
-    Ok(entries
-        .into_iter()
-        .map(|(_, flat)| {
-            flat.chunks(2)
-                .filter(|c| c.len() == 2)
-                .map(|c| (Bytes::from(c[0].clone()), Bytes::from(c[1].clone())))
-                .collect()
-        })
-        .collect())
-}
+    /// Whether the broker holds nothing unsettled any more (the settle
+    /// period ends early). The embedded queue's file is courier's while it
+    /// runs: the settle loop judges it by the app's log instead.
+    async fn settled(&self, queue: &str) -> bool {
+        match self {
+            Broker::Redis(_) => self
+                .holdings(queue)
+                .await
+                .is_ok_and(|h| h.pending.is_empty()),
+            Broker::Nats(n) => n.settled(queue).await,
+            Broker::RabbitMq(..) => shared_rabbitmq::settled(queue).await,
+            Broker::Embedded(_) => false,
+        }
+    }
 
-/// The group's last-delivered id on `key` ("0-0" before it read anything).
-async fn last_delivered(
-    con: &mut redis::aio::MultiplexedConnection,
-    key: &str,
-) -> anyhow::Result<String> {
-    let groups: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(key)
-        .query_async(con)
-        .await?;
-    let text = |v: &redis::Value| redis::from_redis_value_ref::<String>(v).ok();
-    for group in groups {
-        let map: HashMap<String, &redis::Value> = group
-            .chunks(2)
-            .filter_map(|pair| Some((text(pair.first()?)?, pair.get(1)?)))
-            .collect();
-        if map.get("name").and_then(|v| text(v)).as_deref() == Some(GROUP) {
-            return Ok(map
-                .get("last-delivered-id")
-                .and_then(|v| text(v))
-                .unwrap_or_else(|| "0-0".into()));
+    /// After the check: the harness's own server goes, and the run's queues
+    /// on a shared one.
+    async fn finish(&mut self) {
+        if let Some(p) = self.server() {
+            p.kill9();
+        }
+        if let Broker::RabbitMq(queue, _) = self
+            && let Err(e) = shared_rabbitmq::cleanup(queue).await
+        {
+            eprintln!("torture: the queues of {queue} were not all deleted: {e:#}");
         }
     }
-    Ok("0-0".into())
-}
-
-/// Every key of the queue (`<queue>*`: the stream, `.retry`, `.dlq` and
-/// whatever else courier keeps), read whole: the dead letters from `.dlq`,
-/// and the ids of everything else except the stream's acked entries.
-async fn redis_holdings(r: &PrivateRedis, queue: &str) -> anyhow::Result<Holdings> {
-    let mut con = r.connect().await?;
-    let mut out = Holdings::default();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{queue}*"))
-        .query_async(&mut con)
-        .await?;
-    let dlq = format!("{queue}.dlq");
-    for key in keys {
-        let kind: String = redis::cmd("TYPE").arg(&key).query_async(&mut con).await?;
-        let mut entries = Vec::new();
-        let mut blobs: Vec<Vec<u8>> = Vec::new();
-        match kind.as_str() {
-            "stream" if key == dlq => {
-                for fields in xrange(&mut con, &key, "-", "+").await? {
-                    out.letters.push(Letter::of(&fields));
-                }
-            }
-            "stream" if key == queue => {
-                // Unacked: the group's pending entries, and every entry after
-                // its last-delivered id.
-                let last = last_delivered(&mut con, &key).await?;
-                entries.extend(xrange(&mut con, &key, &format!("({last}"), "+").await?);
-                let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-                    .arg(&key)
-                    .arg(GROUP)
-                    .arg("-")
-                    .arg("+")
-                    .arg(1_000_000)
-                    .query_async(&mut con)
-                    .await
-                    .unwrap_or_default();
-                for (id, ..) in pending {
-                    entries.extend(xrange(&mut con, &key, &id, &id).await?);
-                }
-            }
-            "stream" => entries.extend(xrange(&mut con, &key, "-", "+").await?),
-            "string" => blobs = vec![redis::cmd("GET").arg(&key).query_async(&mut con).await?],
-            other => {
-                let (command, range): (&str, &[i64]) = match other {
-                    "zset" => ("ZRANGE", &[0, -1]),
-                    "list" => ("LRANGE", &[0, -1]),
-                    "hash" => ("HGETALL", &[]),
-                    "set" => ("SMEMBERS", &[]),
-                    _ => continue,
-                };
-                blobs = redis::cmd(command)
-                    .arg(&key)
-                    .arg(range)
-                    .query_async(&mut con)
-                    .await?;
-            }
-        }
-        for (_, value) in entries.iter().flatten() {
-            ids_in(value, &mut out.pending);
-        }
-        for blob in blobs {
-            ids_in(&blob, &mut out.pending);
-        }
-    }
-    Ok(out)
-}
-
-fn embedded_holdings(dir: &Path, queue: &str) -> anyhow::Result<Holdings> {
-    use redb::{ReadableDatabase, ReadableTable};
-    type QueueTable<'a> = redb::TableDefinition<'a, (u64, u64), &'static [u8]>;
-    type DlqTable<'a> = redb::TableDefinition<'a, u64, &'static [u8]>;
-    let db = redb::Database::create(dir.join("courier.redb"))?;
-    let tx = db.begin_read()?;
-    let mut out = Holdings::default();
-    for name in [format!("ready/{queue}"), format!("leased/{queue}")] {
-        let Ok(table) = tx.open_table(QueueTable::new(&name)) else {
-            continue;
-        };
-        for row in table.iter()? {
-            let (_, v) = row?;
-            ids_in(v.value(), &mut out.pending);
-        }
-    }
-    if let Ok(table) = tx.open_table(DlqTable::new(&format!("dlq/{queue}.dlq"))) {
-        for row in table.iter()? {
-            let (_, v) = row?;
-            let data = Bytes::copy_from_slice(v.value());
-            match decode_fields(&data) {
-                Some(fields) => out.letters.push(Letter::of(&fields)),
-                None => {
-                    let mut ids = Vec::new();
-                    ids_in(&data, &mut ids);
-                    out.letters.push(Letter {
-                        ids,
-                        reason: "(undecodable letter)".into(),
-                        status: String::new(),
-                        error: String::new(),
-                        attempts: String::new(),
-                    });
-                }
-            }
-        }
-    }
-    Ok(out)
 }
 
 const GROUP: &str = "torture";
@@ -740,62 +700,6 @@ impl Run {
         }
         Ok(())
     }
-
-    /// Embedded: writes every message due by now, while courier is down,
-    /// with courier's own `Source::send` (as `courier send` does: it drops
-    /// a producer's `courier-*` headers and refuses a record over the
-    /// queue's limit).
-    async fn produce_embedded(&mut self, started: Instant, until: Instant) -> anyhow::Result<()> {
-        let Broker::Embedded(_) = &self.broker else {
-            return Ok(());
-        };
-        let due = (until.min(Instant::now()) - started).as_secs_f64() * self.args.rate;
-        let due = due.ceil() as u64;
-        if due <= self.next_n {
-            return Ok(());
-        }
-        let target = Target {
-            kind: Kind::Embedded,
-            url: self.broker.source(),
-            queue: self.queue.clone(),
-        };
-        let producer = target.producer().await?;
-        let (seed, share, max_body) = (self.args.seed, self.args.hostile, self.args.max_body);
-        let results: Vec<_> = futures::stream::iter(self.next_n..due)
-            .map(|n| {
-                let kind = Hostile::of(seed, n, share);
-                let mut fields = message(n, kind, max_body, true);
-                let body = fields.remove(0).1;
-                let headers: Vec<(String, String)> = fields
-                    .iter()
-                    .map(|(k, v)| {
-                        (
-                            String::from_utf8_lossy(k).into_owned(),
-                            String::from_utf8_lossy(v).into_owned(),
-                        )
-                    })
-                    .collect();
-                let producer = producer.clone();
-                async move { (n, kind, producer.send(body, &headers).await) }
-            })
-            .buffer_unordered(64)
-            .collect()
-            .await;
-        producer.close().await;
-        let mut produced = self.produced.lock().unwrap();
-        for (n, kind, result) in results {
-            match result {
-                Ok(_) => produced.ids.push((n, kind)),
-                Err(e) => produced.refused.push(format!(
-                    "{} ({:?}): {e}",
-                    id_of(n),
-                    kind.map(Hostile::name)
-                )),
-            }
-        }
-        self.next_n = due;
-        Ok(())
-    }
 }
 
 /// A fault in progress, undone at its time.
@@ -805,73 +709,6 @@ enum Undo {
     AppStart,
     BrokerCont,
     BrokerStart,
-}
-
-/// The Redis producer: XADD at the rate, each id tried until it is written.
-fn spawn_redis_producer(
-    url: String,
-    queue: String,
-    args: TortureArgs,
-    produced: Arc<Mutex<Produced>>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let client = match redis::Client::open(url) {
-            Ok(c) => c,
-            Err(_) => return,
-        };
-        let mut con: Option<redis::aio::MultiplexedConnection> = None;
-        let period = Duration::from_secs_f64(1.0 / args.rate.max(0.1));
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut n = 0u64;
-        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-            tick.tick().await;
-            let kind = Hostile::of(args.seed, n, args.hostile);
-            let fields = message(n, kind, args.max_body, false);
-            let give_up = Instant::now() + Duration::from_secs(60);
-            loop {
-                if con.is_none() {
-                    con = tokio::time::timeout(
-                        Duration::from_secs(3),
-                        client.get_multiplexed_async_connection(),
-                    )
-                    .await
-                    .ok()
-                    .and_then(Result::ok);
-                }
-                let written = match &mut con {
-                    Some(c) => {
-                        let mut cmd = redis::cmd("XADD");
-                        cmd.arg(&queue).arg("*");
-                        for (k, v) in &fields {
-                            cmd.arg(k.as_ref()).arg(v.as_ref());
-                        }
-                        matches!(
-                            tokio::time::timeout(
-                                Duration::from_secs(5),
-                                cmd.query_async::<String>(c)
-                            )
-                            .await,
-                            Ok(Ok(_))
-                        )
-                    }
-                    None => false,
-                };
-                if written {
-                    produced.lock().unwrap().ids.push((n, kind));
-                    break;
-                }
-                con = None;
-                produced.lock().unwrap().write_retries += 1;
-                if Instant::now() > give_up {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            n += 1;
-        }
-    })
 }
 
 pub fn main(args: TortureArgs) -> anyhow::Result<bool> {
@@ -921,20 +758,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
     let courier_bin = keep(&courier_bin, &dir.join("courier"))?;
     let app_bin = keep(&std::env::current_exe()?, &dir.join("courier-bench"))?;
     let queue = format!("courier-torture-{}-{}", std::process::id(), args.seed);
-    let broker = match args.broker.as_str() {
-        "redis" => {
-            let mut r = PrivateRedis {
-                port: free_port(),
-                dir: dir.join("redis"),
-                process: None,
-                starts: 0,
-            };
-            std::fs::create_dir_all(&r.dir)?;
-            r.start().await?;
-            Broker::Redis(r)
-        }
-        _ => Broker::Embedded(dir.join("queue")),
-    };
+    let broker = Broker::start(&args, &dir, &queue).await?;
     let traffic = Duration::from_secs_f64(args.seconds.unwrap_or(args.minutes * 60.0).max(1.0));
     eprintln!(
         "torture: {} for {:.0} s at {} msg/s (seed {}), then up to {} s to settle; logs in {}",
@@ -970,20 +794,13 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
     let started = Instant::now();
     let end = started + traffic;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let producer = match &run.broker {
-        Broker::Redis(r) => Some(spawn_redis_producer(
-            r.url(),
-            queue.clone(),
-            args.clone(),
-            run.produced.clone(),
-            stop.clone(),
-        )),
-        Broker::Embedded(_) => {
-            run.produce_embedded(started - Duration::from_secs(2), started)
-                .await?;
-            None
-        }
-    };
+    let producer = run
+        .broker
+        .spawn_producer(&queue, &args, &run.produced, &stop);
+    if producer.is_none() {
+        run.produce_embedded(started - Duration::from_secs(2), started)
+            .await?;
+    }
     run.start_courier()?;
 
     // The traffic, and the nemesis.
@@ -1017,15 +834,11 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
                 Undo::AppCont => run.app.as_ref().unwrap().signal("CONT"),
                 Undo::AppStart => run.start_app(false)?,
                 Undo::BrokerCont => {
-                    if let Broker::Redis(r) = &run.broker {
-                        r.process.as_ref().unwrap().signal("CONT");
+                    if let Some(p) = run.broker.server() {
+                        p.signal("CONT");
                     }
                 }
-                Undo::BrokerStart => {
-                    if let Broker::Redis(r) = &mut run.broker {
-                        r.start().await?;
-                    }
-                }
+                Undo::BrokerStart => run.broker.restart().await?,
             }
         }
         if undo.is_none() {
@@ -1036,9 +849,16 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
             continue;
         }
         let exclusive = run.broker.exclusive();
+        let broker_faults = run.broker.server().is_some();
         next_fault = Instant::now() + gap(&mut rng, exclusive);
         let roll = rng.below(100);
         let ms = |rng: &mut Rng, lo, hi| Instant::now() + Duration::from_millis(rng.range(lo, hi));
+        // A shared broker is never faulted: its share goes to courier.
+        let roll = if !exclusive && !broker_faults && (60..80).contains(&roll) {
+            roll - 60
+        } else {
+            roll
+        };
         let (name, next) = match (exclusive, roll) {
             (true, 0..45) | (false, 0..25) => {
                 run.stop_courier(false);
@@ -1062,8 +882,8 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
                 )
             }
             (false, 60..70) => {
-                if let Broker::Redis(r) = &run.broker {
-                    r.process.as_ref().unwrap().signal("STOP");
+                if let Some(p) = run.broker.server() {
+                    p.signal("STOP");
                 }
                 (
                     "broker SIGSTOP",
@@ -1071,8 +891,8 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
                 )
             }
             (false, 70..80) => {
-                if let Broker::Redis(r) = &mut run.broker {
-                    r.process.as_mut().unwrap().kill9();
+                if let Some(p) = run.broker.server() {
+                    p.kill9();
                 }
                 (
                     "broker SIGKILL",
@@ -1130,15 +950,23 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
             } else if quiet_since.0.elapsed() >= Duration::from_secs(10) {
                 break;
             }
-        } else if let Ok(h) = run.broker.holdings(&queue).await
-            && h.pending.is_empty()
-        {
+        } else if run.broker.settled(&queue).await {
             break;
         }
     }
     let settle_secs = settle_start.elapsed().as_secs_f64();
     run.stop_courier(true);
-    let holdings = run.broker.holdings(&queue).await?;
+    // Bounded: a reader that hangs is an error of the run, not a wait forever.
+    let holdings = match tokio::time::timeout(Duration::from_secs(120), run.broker.holdings(&queue))
+        .await
+        .context("reading what the broker holds took over 120 s")
+    {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) | Err(e) => {
+            run.broker.finish().await;
+            return Err(e);
+        }
+    };
     if let Some(app) = &mut run.app {
         app.kill9();
     }
@@ -1157,11 +985,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report.json)?)?;
     }
-    if let Broker::Redis(r) = &mut run.broker
-        && let Some(p) = &mut r.process
-    {
-        p.kill9();
-    }
+    run.broker.finish().await;
     if report.passed && temporary {
         let _ = std::fs::remove_dir_all(&dir);
     } else {
@@ -1283,8 +1107,9 @@ fn check(
         }
         if holdings.pending.contains(&n) {
             stuck.push(format!(
-                "{id} ({label}), delivered {} times",
-                deliveries.len()
+                "{id} ({label}), delivered {} times{}",
+                deliveries.len(),
+                if got_2xx { ", answered 2xx" } else { "" }
             ));
             continue;
         }

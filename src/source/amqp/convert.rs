@@ -124,12 +124,14 @@ pub(super) fn message_for(
         props = props.with_message_id(id);
     }
     // The body is shared, not copied: lapin copies it into frames anyway.
-    let mut body = Bytes::new();
+    // The first `payload` field is the body, as `Delivery::from_fields`
+    // reads it; a later one is a producer's header of that name.
+    let mut body = None;
     let mut headers = FieldTable::default();
     for (name, value) in fields {
         let name = String::from_utf8_lossy(name);
-        if name == PAYLOAD {
-            body = value.clone();
+        if name == PAYLOAD && body.is_none() {
+            body = Some(value.clone());
             continue;
         }
         if name.eq_ignore_ascii_case(CONTENT_TYPE)
@@ -143,7 +145,7 @@ pub(super) fn message_for(
             headers.insert(name, AMQPValue::LongString(value.to_vec().into()));
         }
     }
-    (body, props.with_headers(headers))
+    (body.unwrap_or_default(), props.with_headers(headers))
 }
 
 /// A stable id for a dead letter someone else wrote without a `message_id`.
@@ -197,6 +199,23 @@ mod tests {
             Some(Bytes::from("00-a-b-01"))
         );
         assert!(header(&props, "content-type").is_none());
+    }
+
+    #[test]
+    fn a_header_named_payload_stays_a_header_in_a_copy() {
+        // A producer's header called `payload` is read after the body's own
+        // field; a copy courier publishes (a retry, a dead letter) must keep
+        // the body as the body and the header as a header.
+        let mut table = FieldTable::default();
+        table.insert(
+            "payload".into(),
+            AMQPValue::LongString(b"not the body".to_vec().into()),
+        );
+        let props = BasicProperties::default().with_headers(table);
+        let fields = fields_with_body(&props, Bytes::from("the body"));
+        let (body, copy) = message_for(&fields, None, "id-1");
+        assert_eq!(body, Bytes::from("the body"));
+        assert_eq!(fields_with_body(&copy, body), fields);
     }
 
     #[test]

@@ -24,13 +24,15 @@ fn header_value(value: &[u8]) -> HeaderValue {
 /// Fields as NATS headers; the body is returned apart. Names NATS cannot
 /// carry are left out (the forwarder would drop them anyway), and so are
 /// `Nats-*` headers, which steer the publish (a `Nats-Msg-Id` would make
-/// JetStream drop a retry copy as a duplicate).
+/// JetStream drop a retry copy as a duplicate). The first `payload` field
+/// is the body, as [`Delivery::from_fields`](crate::model::Delivery) reads
+/// it; a later one is a producer's header of that name and stays a header.
 pub(super) fn to_headers(fields: &[(Bytes, Bytes)]) -> (Bytes, HeaderMap) {
-    let mut body = Bytes::new();
+    let mut body = None;
     let mut headers = HeaderMap::new();
     for (name, value) in fields {
-        if name.as_ref() == PAYLOAD.as_bytes() {
-            body = value.clone();
+        if name.as_ref() == PAYLOAD.as_bytes() && body.is_none() {
+            body = Some(value.clone());
             continue;
         }
         let name = String::from_utf8_lossy(name);
@@ -44,7 +46,7 @@ pub(super) fn to_headers(fields: &[(Bytes, Bytes)]) -> (Bytes, HeaderMap) {
             }
         }
     }
-    (body, headers)
+    (body.unwrap_or_default(), headers)
 }
 
 fn text(name: &HeaderName) -> &str {
@@ -189,6 +191,20 @@ mod tests {
         assert_eq!(field(&back, "courier-response-excerpt"), Some("a  b"));
         assert_eq!(field(&back, "Nats-Msg-Id"), None);
         assert_eq!(back.len(), 3);
+    }
+
+    #[test]
+    fn a_header_named_payload_stays_a_header_in_a_copy() {
+        // A producer's header called `payload` is read after the body's own
+        // field; a copy courier stores (a retry, a dead letter) must keep
+        // the body as the body and the header as a header.
+        let mut headers = HeaderMap::new();
+        headers.insert("payload", "not the body");
+        headers.insert("x-id", "7");
+        let fields = from_headers(&Bytes::from("the body"), Some(&headers));
+        let (body, copy) = to_headers(&fields);
+        assert_eq!(body, Bytes::from("the body"));
+        assert_eq!(from_headers(&body, Some(&copy)), fields);
     }
 
     #[test]

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
-    AcknowledgeRequest, DeadLetterPolicy, GetSubscriptionRequest, GetTopicRequest,
-    ModifyAckDeadlineRequest, PublishRequest, PullRequest, ReceivedMessage, Subscription, Topic,
-    UpdateTopicRequest, publisher_client::PublisherClient, subscriber_client::SubscriberClient,
+    AcknowledgeRequest, DeadLetterPolicy, DeleteSubscriptionRequest, GetSubscriptionRequest,
+    GetTopicRequest, ModifyAckDeadlineRequest, PublishRequest, PullRequest, ReceivedMessage,
+    Subscription, Topic, UpdateTopicRequest, publisher_client::PublisherClient,
+    subscriber_client::SubscriberClient,
 };
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
@@ -300,6 +301,33 @@ impl Client {
     }
 
     /// Creates the subscription unless one of that name exists.
+    /// Makes courier's shadow `shadow` of `subscription` again, on the
+    /// topic `subscription` reads now: a topic deleted and made again
+    /// leaves the old shadow bound to `_deleted-topic_`, where seeking it
+    /// to a snapshot of `subscription` is refused.
+    pub async fn remake_shadow(&self, subscription: &str, shadow: &str) -> Result<(), SourceError> {
+        let topic = self
+            .get_subscription(subscription)
+            .await?
+            .map(|s| s.topic)
+            .ok_or_else(|| {
+                SourceError::gone(format!("the subscription {subscription} is not there"))
+            })?;
+        let request = self
+            .request(DeleteSubscriptionRequest {
+                subscription: shadow.to_string(),
+            })
+            .await?;
+        match self.subscriber.clone().delete_subscription(request).await {
+            Ok(_) => {}
+            Err(s) if s.code() == Code::NotFound => {}
+            Err(s) => return Err(status_error(&format!("deleting subscription {shadow}"), &s)),
+        }
+        tracing::info!(%shadow, %topic, "the depth shadow was bound to a deleted topic; made again on the subscription's topic");
+        self.ensure_subscription(subscription_of(shadow, &topic, MIN_LEASE_SECS))
+            .await
+    }
+
     pub async fn ensure_subscription(&self, subscription: Subscription) -> Result<(), SourceError> {
         let name = subscription.name.clone();
         let request = self.request(subscription).await?;

@@ -150,25 +150,35 @@ impl PubSubSource {
             snapshot: snapshot.clone(),
         };
         let counted = async {
-            let request = self
-                .client
-                .request(SeekRequest {
-                    subscription: shadow.clone(),
-                    target: Some(seek_request::Target::Snapshot(snapshot.clone())),
-                })
-                .await?;
-            self.client
-                .subscriber
-                .clone()
-                .seek(request)
-                .await
-                .map_err(|s| status_error(&format!("seeking {shadow} to count it"), &s))?;
+            if let Err(s) = self.seek(&shadow, &snapshot).await {
+                // The shadow is bound to another topic than the
+                // subscription's (its topic was deleted and made again).
+                if s.code() != tonic::Code::FailedPrecondition {
+                    return Err(status_error(&format!("seeking {shadow} to count it"), &s));
+                }
+                self.client.remake_shadow(subscription, &shadow).await?;
+                self.seek(&shadow, &snapshot)
+                    .await
+                    .map_err(|s| status_error(&format!("seeking {shadow} to count it"), &s))?;
+            }
             self.count_shadow(&shadow).await
         }
         .await;
         unlock.client = None;
         self.delete_snapshot(&snapshot).await;
         counted
+    }
+
+    async fn seek(&self, shadow: &str, snapshot: &str) -> Result<(), tonic::Status> {
+        let request = self
+            .client
+            .request(SeekRequest {
+                subscription: shadow.to_string(),
+                target: Some(seek_request::Target::Snapshot(snapshot.to_string())),
+            })
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        self.client.subscriber.clone().seek(request).await.map(drop)
     }
 
     /// Counts what the shadow holds after its seek a batch at a time,

@@ -78,7 +78,7 @@ pub struct TortureArgs {
     #[arg(long, default_value_t = 30)]
     pub rss_min_secs: u64,
     /// RabbitMQ: the `frame_max` courier asks for (`?frame_max=` in its
-    /// --source) [default: courier's own, 16 KiB].
+    /// --source) [default: courier's own].
     #[arg(long)]
     pub amqp_frame_max: Option<u32>,
     /// No faults: the producer, courier and the app only.

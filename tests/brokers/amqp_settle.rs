@@ -607,6 +607,13 @@ async fn a_healthy_start_logs_no_error() {
     courier.wait_running().await;
     let source = fixture.open().await;
     fixture.send(&source, "script:503,200\nonce retried").await;
+    // The retry delivered first: this process's depth counts a delay tier
+    // only once it has seen it exist, and its first reading may come
+    // before the sidecar made the tier.
+    wait_for("the retry delivered", SETTLE, async || {
+        app.received_body(b"script:503,200\nonce retried").len() == 2
+    })
+    .await;
     wait_settled(&source, SETTLE).await;
     // A depth poll passively declares every tier: the retry backlog on
     // /metrics is that poll's answer, so once it shows, the declares that

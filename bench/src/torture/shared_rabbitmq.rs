@@ -108,7 +108,7 @@ pub(super) async fn holdings(queue: &str, source: &str) -> anyhow::Result<Holdin
         {
             ids_in(&got.delivery.data, &mut out.pending);
             if let Some(headers) = got.delivery.properties.headers() {
-                for (_, value) in headers.inner() {
+                for value in headers.inner().values() {
                     if let AMQPValue::LongString(s) = value {
                         ids_in(s.as_bytes(), &mut out.pending);
                     }

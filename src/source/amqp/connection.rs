@@ -56,6 +56,13 @@ pub(super) struct Link {
     tls: Tls,
     pub(super) state: Arc<QueueState>,
     pub(super) generation: AtomicU64,
+    /// Set when the consumer failed on a frame over the frame size courier
+    /// asked for: a message's headers travel in one frame, so that message
+    /// would come first again, forever. Connections from then on take the
+    /// broker's frame size.
+    large_frames: Arc<AtomicBool>,
+    /// `?frame_max=` was in the URL: the operator's choice stands.
+    frame_max_given: bool,
 }
 
 impl Link {
@@ -71,6 +78,7 @@ impl Link {
         // two heartbeats.
         uri.query.heartbeat.get_or_insert(10);
         uri.query.connection_timeout.get_or_insert(5_000);
+        let frame_max_given = uri.query.frame_max.is_some();
         uri.query.frame_max.get_or_insert(FRAME_MAX);
         short(&options.queue)?;
         let key = format!(
@@ -84,6 +92,8 @@ impl Link {
             tls: options.tls.clone(),
             state: queue_state(&key),
             generation: AtomicU64::new(0),
+            large_frames: Arc::default(),
+            frame_max_given,
         })
     }
 
@@ -94,14 +104,14 @@ impl Link {
             ConnectionProperties::default().with_connection_name(self.name.clone().into());
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| SourceError::unavailable(format!("{}: {e}", self.redacted)))?;
+        let mut uri = self.uri.clone();
+        if self.large_frames.load(Ordering::SeqCst) {
+            // lapin takes the broker's frame_max when courier asks for none.
+            uri.query.frame_max = Some(0);
+        }
         let connection = tokio::time::timeout(
             CONNECT_TIMEOUT,
-            Connection::connect_uri_with_config(
-                self.uri.clone(),
-                properties,
-                tls_config(&self.tls),
-                runtime,
-            ),
+            Connection::connect_uri_with_config(uri, properties, tls_config(&self.tls), runtime),
         )
         .await
         .map_err(|_| {
@@ -137,6 +147,15 @@ impl Link {
             broken: Arc::default(),
             state: self.state.clone(),
         })
+    }
+
+    /// Connections of this link take the broker's frame size from the
+    /// start, unless the URL gives one: for the commands (`courier dlq`),
+    /// which read whatever a queue holds once and keep no buffers for long.
+    pub(super) fn with_broker_frames(self) -> Self {
+        self.large_frames
+            .store(!self.frame_max_given, Ordering::SeqCst);
+        self
     }
 
     fn connect_error(&self, e: lapin::Error) -> SourceError {
@@ -285,6 +304,7 @@ impl AmqpSource {
             session.state.clone(),
         );
         let queue = self.options.queue.clone();
+        let large_frames = (!self.link.frame_max_given).then(|| self.link.large_frames.clone());
         let pump = tokio::spawn(async move {
             while let Some(item) = consumer.next().await {
                 match item {
@@ -300,6 +320,12 @@ impl AmqpSource {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, %queue, "the RabbitMQ consumer failed");
+                        if let Some(large_frames) = &large_frames
+                            && is_frame_error(&e)
+                            && !large_frames.swap(true, Ordering::SeqCst)
+                        {
+                            tracing::warn!(%queue, "a message's headers did not fit courier's {FRAME_MAX}-byte frames; reconnecting with the broker's frame size, which costs about 7 MiB more memory (set ?frame_max= in --source to choose)");
+                        }
                         break;
                     }
                 }
@@ -496,4 +522,10 @@ impl AmqpSource {
         let _ = session.connection.close(200, "courier stops".into()).await;
         *self.session.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
+}
+
+/// lapin's answer to a frame over the frame size courier asked for.
+fn is_frame_error(e: &lapin::Error) -> bool {
+    matches!(e.kind(), ErrorKind::ProtocolError(p)
+        if matches!(p.kind(), AMQPErrorKind::Hard(AMQPHardError::FRAMEERROR)))
 }

@@ -104,7 +104,8 @@ impl AmqpStore {
 
     /// An admin handle: one connection, nothing declared.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let store = Self::new(Arc::new(Link::parse(url, &options)?), &options.queue, None);
+        let link = Link::parse(url, &options)?.with_broker_frames();
+        let store = Self::new(Arc::new(link), &options.queue, None);
         store.session().await?;
         Ok(store)
     }

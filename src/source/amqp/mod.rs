@@ -107,7 +107,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// when RabbitMQ tunes 128 KiB it grows both to 4 MiB by zero-filling them:
 /// 8 MiB resident from the start, a third of courier's memory. At 16 KiB
 /// they are 1 MiB at most. A bigger body is split into more frames, 8 bytes
-/// of overhead each. `?frame_max=` in `--source` overrides it.
+/// of overhead each. `?frame_max=` in `--source` overrides it. A message's
+/// headers travel in one frame, so one whose headers are larger makes lapin
+/// drop the connection; courier then connects with the broker's frame size
+/// (`Link::large_frames`) rather than meet that message first again, forever.
 const FRAME_MAX: u32 = 16 * 1024;
 
 /// How an AMQP URL is written, for errors.

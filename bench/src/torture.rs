@@ -499,6 +499,34 @@ struct Produced {
     refused: Vec<String>,
 }
 
+impl Produced {
+    /// Message `n` was refused for good: noted, not produced.
+    fn refuse(&mut self, n: u64, kind: Option<Hostile>, error: impl std::fmt::Display) {
+        self.refused.push(format!(
+            "{} ({:?}): {error}",
+            id_of(n),
+            kind.map(Hostile::name)
+        ));
+    }
+
+    /// A write of message `n` failed: counted as retried, and past
+    /// `give_up` refused; returns whether the producer moves on.
+    fn write_failed(
+        &mut self,
+        n: u64,
+        kind: Option<Hostile>,
+        error: impl std::fmt::Display,
+        give_up: Instant,
+    ) -> bool {
+        self.write_retries += 1;
+        let past = Instant::now() > give_up;
+        if past {
+            self.refuse(n, kind, error);
+        }
+        past
+    }
+}
+
 /// One courier process's life: its RSS samples, seconds since it started.
 struct Life {
     pid: u32,

@@ -11,7 +11,7 @@ use futures::StreamExt;
 
 use super::{Broker, Holdings, Hostile, Letter, Run, message};
 use crate::sources::{Kind, Target};
-use crate::torture_app::{id_of, ids_in};
+use crate::torture_app::ids_in;
 
 pub(super) fn holdings(dir: &Path, queue: &str) -> anyhow::Result<Holdings> {
     use redb::{ReadableDatabase, ReadableTable};
@@ -102,11 +102,7 @@ impl Run {
         for (n, kind, result) in results {
             match result {
                 Ok(_) => produced.ids.push((n, kind)),
-                Err(e) => produced.refused.push(format!(
-                    "{} ({:?}): {e}",
-                    id_of(n),
-                    kind.map(Hostile::name)
-                )),
+                Err(e) => produced.refuse(n, kind, e),
             }
         }
         self.next_n = due;

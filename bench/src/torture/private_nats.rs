@@ -194,13 +194,11 @@ pub(super) fn spawn_producer(
                     Ok(Err(e)) => e.to_string(),
                     Err(_) => "no acknowledgement within 6 s".to_string(),
                 };
-                produced.lock().unwrap().write_retries += 1;
-                if Instant::now() > give_up {
-                    produced.lock().unwrap().refused.push(format!(
-                        "{} ({:?}): {error}",
-                        id_of(n),
-                        kind.map(Hostile::name)
-                    ));
+                if produced
+                    .lock()
+                    .unwrap()
+                    .write_failed(n, kind, error, give_up)
+                {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;

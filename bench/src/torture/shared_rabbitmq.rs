@@ -225,13 +225,11 @@ pub(super) fn spawn_producer(
                     None => "cannot connect".into(),
                 };
                 link = None;
-                produced.lock().unwrap().write_retries += 1;
-                if Instant::now() > give_up {
-                    produced.lock().unwrap().refused.push(format!(
-                        "{} ({:?}): {error}",
-                        id_of(n),
-                        kind.map(Hostile::name)
-                    ));
+                if produced
+                    .lock()
+                    .unwrap()
+                    .write_failed(n, kind, error, give_up)
+                {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;

@@ -60,9 +60,15 @@ impl PrivateRedis {
 
     async fn connect(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
         let client = redis::Client::open(self.url())?;
+        // The checker's XRANGE of an hour's dead letters (442 MB in the
+        // 60-minute run) takes seconds; the client's default of 500 ms
+        // ended that run's check with "timed out". Calls the nemesis can
+        // stall have their own timeouts.
+        let config =
+            redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
         Ok(tokio::time::timeout(
             Duration::from_secs(3),
-            client.get_multiplexed_async_connection(),
+            client.get_multiplexed_async_connection_with_config(&config),
         )
         .await??)
     }

@@ -341,23 +341,15 @@ impl Broker {
         Ok(match name {
             "redis" => {
                 let mut r = PrivateRedis {
-                    port: free_port(),
-                    dir: dir.join("redis"),
-                    process: None,
-                    starts: 0,
+                    server: PrivateServer::new(dir.join("redis"))?,
                 };
-                std::fs::create_dir_all(&r.dir)?;
                 r.start().await?;
                 Broker::Redis(r)
             }
             "nats" => {
                 let mut n = PrivateNats {
-                    port: free_port(),
-                    dir: dir.join("nats"),
-                    process: None,
-                    starts: 0,
+                    server: PrivateServer::new(dir.join("nats"))?,
                 };
-                std::fs::create_dir_all(&n.dir)?;
                 n.start().await?;
                 n.create_stream(queue).await?;
                 Broker::Nats(n)
@@ -392,8 +384,8 @@ impl Broker {
     /// stops and kills it.
     fn server(&mut self) -> Option<&mut Process> {
         match self {
-            Broker::Redis(r) => r.process.as_mut(),
-            Broker::Nats(n) => n.process.as_mut(),
+            Broker::Redis(r) => r.server.process.as_mut(),
+            Broker::Nats(n) => n.server.process.as_mut(),
             Broker::RabbitMq(..) | Broker::Embedded(_) => None,
         }
     }
@@ -570,6 +562,53 @@ struct Run {
     produced: Arc<Mutex<Produced>>,
     /// Embedded: ids due to be written at the next courier-down window.
     next_n: u64,
+}
+
+/// A broker process of the harness's own: on a free port, with its files
+/// in `dir`; the nemesis stops and kills `process`. Start `n` logs to
+/// `<name>-<n>.log` in `dir`.
+pub(super) struct PrivateServer {
+    pub(super) port: u16,
+    pub(super) dir: PathBuf,
+    pub(super) process: Option<Process>,
+    starts: u32,
+}
+
+impl PrivateServer {
+    fn new(dir: PathBuf) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self {
+            port: free_port(),
+            dir,
+            process: None,
+            starts: 0,
+        })
+    }
+
+    /// Starts `command` (the server on this port and these files).
+    pub(super) fn spawn(&mut self, name: &str, command: Command) -> anyhow::Result<()> {
+        self.starts += 1;
+        let log = self.dir.join(format!("{name}-{}.log", self.starts));
+        self.process =
+            Some(Process::spawn(command, &log).with_context(|| format!("start {name}-server"))?);
+        Ok(())
+    }
+}
+
+/// Waits until `answers` says the server `what` answers, trying every
+/// 50 ms for 30 s.
+pub(super) async fn wait_answering(
+    what: &str,
+    mut answers: impl AsyncFnMut() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !answers().await {
+        if Instant::now() > deadline {
+            bail!("{what} did not answer within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 fn free_port() -> u16 {

@@ -4,19 +4,18 @@
 //! the checker reads: every message the work stream still holds, and the
 //! dead letters through courier's own dead-letter store.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
 use async_nats::jetstream::{self, stream::RawMessageErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 
-use super::{Holdings, Hostile, Produced, TortureArgs, admin_letters, message};
-use crate::child::Process;
+use super::{
+    Holdings, Hostile, PrivateServer, Produced, TortureArgs, admin_letters, message, wait_answering,
+};
 use crate::torture_app::{id_of, ids_in};
 
 /// A nats-server of the harness's own. A work-queue stream keeps only what
@@ -24,43 +23,40 @@ use crate::torture_app::{id_of, ids_in};
 /// messages: unread, in flight, `Nak`ed for a retry, or a retry's copy
 /// waiting for its time.
 pub(super) struct PrivateNats {
-    pub(super) port: u16,
-    pub(super) dir: PathBuf,
-    pub(super) process: Option<Process>,
-    pub(super) starts: u32,
+    pub(super) server: PrivateServer,
 }
 
 impl PrivateNats {
     pub(super) fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://127.0.0.1:{}", self.server.port)
     }
 
     /// Starts the server on its port and store (a restart finds the
     /// streams and consumers it had), and waits until JetStream answers.
     pub(super) async fn start(&mut self) -> anyhow::Result<()> {
-        self.starts += 1;
         let mut command = Command::new("nats-server");
         command
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(["-js", "-sd", &self.dir.join("store").display().to_string()]);
-        let log = self.dir.join(format!("nats-{}.log", self.starts));
-        self.process = Some(Process::spawn(command, &log).context("start nats-server")?);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(client) = self.connect().await
-                && let Ok(Ok(_)) = tokio::time::timeout(
+            .args(["-a", "127.0.0.1", "-p", &self.server.port.to_string()])
+            .args([
+                "-js",
+                "-sd",
+                &self.server.dir.join("store").display().to_string(),
+            ]);
+        self.server.spawn("nats", command)?;
+        wait_answering("the private nats-server's JetStream", async || {
+            let Ok(client) = self.connect().await else {
+                return false;
+            };
+            matches!(
+                tokio::time::timeout(
                     Duration::from_secs(2),
                     client.request("$JS.API.INFO", Bytes::new()),
                 )
-                .await
-            {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("the private nats-server's JetStream did not answer within 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+                .await,
+                Ok(Ok(_))
+            )
+        })
+        .await
     }
 
     async fn connect(&self) -> anyhow::Result<async_nats::Client> {

@@ -2,60 +2,49 @@
 //! producer (`XADD`), and what the checker reads of every key of the queue.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
 use bytes::Bytes;
 
-use super::{GROUP, Holdings, Hostile, Letter, Produced, TortureArgs, message};
-use crate::child::Process;
+use super::{
+    GROUP, Holdings, Hostile, Letter, PrivateServer, Produced, TortureArgs, message, wait_answering,
+};
 use crate::torture_app::ids_in;
 
 /// A redis-server of the harness's own (never the shared one on 6379),
 /// with an append-only file fsynced on every write, so a SIGKILL loses
 /// nothing it acknowledged.
 pub(super) struct PrivateRedis {
-    pub(super) port: u16,
-    pub(super) dir: PathBuf,
-    pub(super) process: Option<Process>,
-    pub(super) starts: u32,
+    pub(super) server: PrivateServer,
 }
 
 impl PrivateRedis {
     pub(super) fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        format!("redis://127.0.0.1:{}/0", self.server.port)
     }
 
     pub(super) async fn start(&mut self) -> anyhow::Result<()> {
-        self.starts += 1;
         let mut command = Command::new("redis-server");
         command
-            .args(["--port", &self.port.to_string()])
+            .args(["--port", &self.server.port.to_string()])
             .args(["--bind", "127.0.0.1"])
             .args(["--save", ""])
             .args(["--appendonly", "yes"])
             .args(["--appendfsync", "always"])
-            .args(["--dir", &self.dir.display().to_string()]);
-        let log = self.dir.join(format!("redis-{}.log", self.starts));
-        self.process = Some(Process::spawn(command, &log).context("start redis-server")?);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(mut con) = self.connect().await
-                && redis::cmd("PING")
-                    .query_async::<String>(&mut con)
-                    .await
-                    .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("the private redis-server did not answer within 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            .args(["--dir", &self.server.dir.display().to_string()]);
+        self.server.spawn("redis", command)?;
+        wait_answering("the private redis-server", async || {
+            let Ok(mut con) = self.connect().await else {
+                return false;
+            };
+            redis::cmd("PING")
+                .query_async::<String>(&mut con)
+                .await
+                .is_ok()
+        })
+        .await
     }
 
     async fn connect(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {

@@ -243,7 +243,7 @@ pub(super) async fn produce(
             match e.rdkafka_error_code() {
                 Some(RDKafkaErrorCode::MessageSizeTooLarge) => SourceError::too_large(format!(
                     "{text}; the record ({} bytes with its headers) is over the topic's max.message.bytes",
-                    body.len() + fields.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()
+                    fields.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()
                 )),
                 _ => SourceError::broker(text),
             }

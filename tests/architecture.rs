@@ -274,7 +274,9 @@ fn the_rule_is_written_down() {
 /// Where each broker's part of the interface lives, as docs/architecture.md
 /// lists it for adding a broker: the dead-letter store in its
 /// `dead_letters.rs` (and nowhere else, so no consumer delegates to one),
-/// the consumer's `Consumer` and `Observed` once each, and its `BROKER`.
+/// the consumer's `Consumer` and `Observed` once each, its three ways of
+/// settling in `settle.rs` (`impl SettleParts`, so that no broker writes
+/// its own match over `Settlement`), and its `BROKER`.
 fn skeleton_problems(broker: &str, files: &[(String, String)]) -> Vec<String> {
     let mut problems = Vec::new();
     let with = |needle: &str| -> Vec<&str> {
@@ -288,6 +290,18 @@ fn skeleton_problems(broker: &str, files: &[(String, String)]) -> Vec<String> {
     if stores != ["dead_letters.rs"] {
         problems.push(format!(
             "{broker}: `impl DeadLetterStore` is in {stores:?}, not only in dead_letters.rs"
+        ));
+    }
+    let settles = with("impl SettleParts for ");
+    if settles != ["settle.rs"] {
+        problems.push(format!(
+            "{broker}: `impl SettleParts` is in {settles:?}, not only in settle.rs"
+        ));
+    }
+    let matches = with("Settlement::Ack");
+    if !matches.is_empty() {
+        problems.push(format!(
+            "{broker}: a match over `Settlement` in {matches:?}; settle with `settle_by_parts`"
         ));
     }
     for part in ["impl Consumer for ", "impl Observed for "] {
@@ -336,11 +350,28 @@ fn a_delegating_consumer_breaks_the_skeleton() {
             "dead_letters.rs".to_string(),
             "impl DeadLetterStore for Store {}\n".to_string(),
         ),
+        (
+            "settle.rs".to_string(),
+            "impl SettleParts for S {}\n".to_string(),
+        ),
     ];
     assert_eq!(
         skeleton_problems("x", &files),
         [
             "x: `impl DeadLetterStore` is in [\"mod.rs\", \"dead_letters.rs\"], not only in dead_letters.rs"
+        ]
+    );
+    let mut own_match = files.clone();
+    own_match[0]
+        .1
+        .push_str("match s { Settlement::Ack => self.ack(d).await }\n");
+    own_match[2].1 = String::new();
+    assert_eq!(
+        skeleton_problems("x", &own_match),
+        [
+            "x: `impl DeadLetterStore` is in [\"mod.rs\", \"dead_letters.rs\"], not only in dead_letters.rs",
+            "x: `impl SettleParts` is in [], not only in settle.rs",
+            "x: a match over `Settlement` in [\"mod.rs\"]; settle with `settle_by_parts`",
         ]
     );
 }

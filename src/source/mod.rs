@@ -555,6 +555,47 @@ pub trait SettleBy: Consumer {
 
 impl<T: Consumer + ?Sized> SettleBy for T {}
 
+/// The three ways a broker settles, implemented in its `settle.rs`, so
+/// that its `Consumer::settle` is [`settle_by_parts`] and the match over
+/// [`Settlement`] is written once.
+#[async_trait]
+pub(crate) trait SettleParts: Send + Sync {
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError>;
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError>;
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError>;
+}
+
+/// [`Consumer::settle`] of a broker that implements [`SettleParts`].
+pub(crate) async fn settle_by_parts<S: SettleParts + ?Sized>(
+    source: &S,
+    delivery: &Delivery,
+    settlement: Settlement<'_>,
+) -> Result<(), SourceError> {
+    match settlement {
+        Settlement::Ack => source.settle_ack(delivery).await,
+        Settlement::Retry {
+            next_attempt,
+            first_attempt_at,
+            at,
+        } => {
+            source
+                .settle_retry(delivery, next_attempt, first_attempt_at, at)
+                .await
+        }
+        Settlement::DeadLetter(failure) => source.settle_dead_letter(delivery, failure).await,
+    }
+}
+
 /// What the sidecar watches and steers while the dispatcher consumes:
 /// depth for metrics, the connection for readiness, live settings.
 #[async_trait]

@@ -36,6 +36,18 @@ pub fn replace(fields: Vec<(Bytes, Bytes)>, name: &str, value: String) -> Vec<(B
     fields
 }
 
+/// `fields` with a body field, empty when they had none: a dead letter
+/// always has one, so that tools and replays read it alike.
+pub fn with_payload(mut fields: Vec<(Bytes, Bytes)>) -> Vec<(Bytes, Bytes)> {
+    if !fields
+        .iter()
+        .any(|(n, _)| n.as_ref() == crate::model::PAYLOAD.as_bytes())
+    {
+        fields.insert(0, (crate::model::PAYLOAD.into(), Bytes::new()));
+    }
+    fields
+}
+
 /// The first field called `name`, when it is text.
 pub fn field<'a>(fields: &'a [(Bytes, Bytes)], name: &str) -> Option<&'a str> {
     fields

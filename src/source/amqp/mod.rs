@@ -78,6 +78,7 @@ mod errors;
 mod queues;
 mod seal;
 mod session;
+mod settle;
 mod tiers;
 
 use std::collections::{BTreeSet, HashMap};
@@ -96,7 +97,7 @@ use self::queues::QueueKind;
 use self::session::Session;
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions, WithStore,
+    Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 
@@ -267,39 +268,7 @@ impl Consumer for AmqpSource {
         delivery: &Delivery,
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        match settlement {
-            Settlement::Ack => {
-                self.take_properties(&delivery.receipt);
-                let (session, tag) = self.session_for(&delivery.receipt)?;
-                session.ack(tag).await
-            }
-            Settlement::Retry {
-                next_attempt,
-                first_attempt_at,
-                at,
-            } => {
-                let original = self.take_properties(&delivery.receipt);
-                let (session, tag) = self.session_for(&delivery.receipt)?;
-                let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-                let scheduled = self
-                    .schedule(
-                        &session,
-                        tag,
-                        fields,
-                        original.as_ref(),
-                        &delivery.message.id,
-                        at,
-                    )
-                    .await;
-                // The ack follows only a confirmed publish: a retry that could not
-                // be stored leaves the message with the broker.
-                scheduled.map_err(|e| {
-                    session.give_back(tag);
-                    dead_letters::handed_back(e)
-                })
-            }
-            Settlement::DeadLetter(failure) => self.write_dead_letter(delivery, failure).await,
-        }
+        settle_by_parts(self, delivery, settlement).await
     }
 
     /// Stops consuming and gives back, without counting an attempt, what

@@ -45,8 +45,9 @@ use tokio::sync::oneshot;
 
 use super::shared::{self, RECEIVE_WAIT};
 use super::{
-    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions, SourceUrl, WithStore, decode_fields, encode_fields,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, SettleParts,
+    Settlement, Source, SourceError, SourceOptions, SourceUrl, WithStore, decode_fields,
+    encode_fields, settle_by_parts,
 };
 use crate::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
 
@@ -277,35 +278,7 @@ impl Consumer for EmbeddedSource {
         delivery: &Delivery,
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        match settlement {
-            Settlement::Ack => {
-                let key = parse_receipt(&delivery.receipt)?;
-                let tables = self.tables.clone();
-                self.call(|reply| Call::Ack(Ack { tables, key, reply }))
-                    .await
-            }
-            Settlement::Retry {
-                next_attempt,
-                first_attempt_at,
-                at,
-            } => {
-                let data =
-                    encode_fields(&delivery.fields_for_retry(next_attempt, first_attempt_at));
-                self.settle(delivery, Then::Retry { at: ms(at), data })
-                    .await
-            }
-            Settlement::DeadLetter(failure) => {
-                let mut fields = delivery.fields_for_dead_letter(failure);
-                if !fields.iter().any(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()) {
-                    fields.insert(0, (PAYLOAD.into(), Bytes::new()));
-                }
-                let then = Then::DeadLetter {
-                    table: dlq_table(&failure.dead_letter_queue),
-                    data: encode_fields(&fields),
-                };
-                self.settle(delivery, then).await
-            }
-        }
+        settle_by_parts(self, delivery, settlement).await
     }
 
     /// Extends the leases of `in_flight` to now + the visibility timeout, in

@@ -206,10 +206,7 @@ pub(super) fn undeliverable(
         app_directive: None,
         cut: None,
     };
-    let mut fields = delivery.fields_for_dead_letter(&failure);
-    if !fields.iter().any(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()) {
-        fields.insert(0, (PAYLOAD.into(), Bytes::new()));
-    }
+    let fields = shared::with_payload(delivery.fields_for_dead_letter(&failure));
     encode_fields(&fields)
 }
 

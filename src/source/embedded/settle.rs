@@ -3,6 +3,42 @@
 
 use super::*;
 
+/// The async side: each settlement is one call to the writer thread.
+#[async_trait]
+impl SettleParts for EmbeddedSource {
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        let key = parse_receipt(&delivery.receipt)?;
+        let tables = self.tables.clone();
+        self.call(|reply| Call::Ack(Ack { tables, key, reply }))
+            .await
+    }
+
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let data = encode_fields(&delivery.fields_for_retry(next_attempt, first_attempt_at));
+        self.settle(delivery, Then::Retry { at: ms(at), data })
+            .await
+    }
+
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let fields = shared::with_payload(delivery.fields_for_dead_letter(failure));
+        let then = Then::DeadLetter {
+            table: dlq_table(&failure.dead_letter_queue),
+            data: encode_fields(&fields),
+        };
+        self.settle(delivery, then).await
+    }
+}
+
 pub(super) fn apply(
     tx: &WriteTransaction,
     change: &mut Change,

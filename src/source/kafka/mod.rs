@@ -68,7 +68,7 @@ use rdkafka::message::OwnedMessage;
 use super::shared::Seal;
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions, WithStore,
+    Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 use connection::{GroupConsumer, Inspector, Producer};
@@ -186,18 +186,7 @@ impl Consumer for KafkaSource {
         delivery: &Delivery,
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        match settlement {
-            Settlement::Ack => self.settle_ack(delivery).await,
-            Settlement::Retry {
-                next_attempt,
-                first_attempt_at,
-                at,
-            } => {
-                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-                    .await
-            }
-            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
-        }
+        settle_by_parts(self, delivery, settlement).await
     }
 
     /// Commits what is settled (never past what is not) and waits for the

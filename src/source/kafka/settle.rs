@@ -1,6 +1,7 @@
 //! Settling a delivery: ack, retry (a copy in the retry topic), dead
 //! letter; committing the ledgers; producing.
 
+use async_trait::async_trait;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -13,6 +14,7 @@ use super::connection::{Producer, blocking, unavailable};
 use super::fields::{F_RETRY_AT, to_record};
 use super::{AFTER_FAILED_SETTLE, KafkaSource, Out};
 use crate::model::{Delivery, Failure, rfc3339};
+use crate::source::SettleParts;
 use crate::source::SourceError;
 use crate::source::shared::{replace, without};
 
@@ -106,35 +108,6 @@ impl KafkaSource {
         if commit { self.commit().await } else { Ok(()) }
     }
 
-    pub(super) async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        let out = self.out_of(delivery)?;
-        self.finish(delivery, out, Settled::Final).await
-    }
-
-    pub(super) async fn settle_retry(
-        &self,
-        delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
-    ) -> Result<(), SourceError> {
-        let out = self.out_of(delivery)?;
-        if next_attempt == delivery.attempt {
-            self.give_back(delivery, out, first_attempt_at, at);
-            return Ok(());
-        }
-        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
-        let topic = self.retry_topic.clone();
-        if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
-            if !e.awaits_a_letter_that_fits(None) {
-                self.finish(delivery, out, Settled::NotWritten).await?;
-            }
-            return Err(e);
-        }
-        self.finish(delivery, out, Settled::Retried).await
-    }
-
     /// A retry that uses no attempt (the app was unreachable, or the
     /// dispatcher gives back what it read ahead): the record stays in the
     /// work topic, uncommitted, its hand-out not counted, and is handed out
@@ -162,23 +135,6 @@ impl KafkaSource {
         again.attempt = again.attempt.saturating_sub(1);
         again.first_attempt_at = delivery.first_attempt_at.or(Some(first_attempt_at));
         reading.again.push_back((at, again, out));
-    }
-
-    pub(super) async fn settle_dead_letter(
-        &self,
-        delivery: &Delivery,
-        failure: &Failure,
-    ) -> Result<(), SourceError> {
-        let out = self.out_of(delivery)?;
-        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
-        let topic = failure.dead_letter_queue.clone();
-        if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
-            if !e.awaits_a_letter_that_fits(Some(failure)) {
-                self.finish(delivery, out, Settled::NotWritten).await?;
-            }
-            return Err(e);
-        }
-        self.finish(delivery, out, Settled::Final).await
     }
 
     /// Commits every ledger's point and metadata, once the ones before it
@@ -250,4 +206,53 @@ pub(super) async fn produce(
             .caused_by(e)
         })?;
     Ok((delivered.partition, delivered.offset))
+}
+
+#[async_trait]
+impl SettleParts for KafkaSource {
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        let out = self.out_of(delivery)?;
+        self.finish(delivery, out, Settled::Final).await
+    }
+
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let out = self.out_of(delivery)?;
+        if next_attempt == delivery.attempt {
+            self.give_back(delivery, out, first_attempt_at, at);
+            return Ok(());
+        }
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
+        let topic = self.retry_topic.clone();
+        if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
+            if !e.awaits_a_letter_that_fits(None) {
+                self.finish(delivery, out, Settled::NotWritten).await?;
+            }
+            return Err(e);
+        }
+        self.finish(delivery, out, Settled::Retried).await
+    }
+
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let out = self.out_of(delivery)?;
+        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+        let topic = failure.dead_letter_queue.clone();
+        if let Err(e) = produce(&self.producer, &topic, out.key.as_deref(), &fields).await {
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.finish(delivery, out, Settled::NotWritten).await?;
+            }
+            return Err(e);
+        }
+        self.finish(delivery, out, Settled::Final).await
+    }
 }

@@ -80,7 +80,7 @@ use async_trait::async_trait;
 
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions, WithStore,
+    Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 use dead_letters::NatsStore;
@@ -167,18 +167,7 @@ impl Consumer for NatsSource {
         delivery: &Delivery,
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        match settlement {
-            Settlement::Ack => self.settle_ack(delivery).await,
-            Settlement::Retry {
-                next_attempt,
-                first_attempt_at,
-                at,
-            } => {
-                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-                    .await
-            }
-            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
-        }
+        settle_by_parts(self, delivery, settlement).await
     }
 
     async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {

@@ -362,7 +362,7 @@ mod tests {
     use async_nats::jetstream::consumer::pull::BatchConfig;
 
     use super::*;
-    use crate::source::{DeadLetterStore, SourceOptions};
+    use crate::source::{DeadLetterStore, SettleParts, SourceOptions};
 
     #[test]
     fn reply_subject_rows() {

@@ -1,6 +1,7 @@
 //! Settling a delivery: ack, retry (`Nak` or a waiting copy), dead letter;
 //! and publishing.
 
+use async_trait::async_trait;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
@@ -15,6 +16,7 @@ use super::connection::{js_code, unavailable};
 use super::dead_letters::dead_letter_stream;
 use super::fields::{F_SUBJECT, field, to_headers};
 use crate::model::{Delivery, Failure, rfc3339};
+use crate::source::SettleParts;
 use crate::source::SourceError;
 use crate::source::shared::{F_RETRY_AT, replace, without};
 
@@ -62,80 +64,6 @@ impl NatsSource {
                     "NATS did not confirm the settlement ({e}); the message is handed out again after AckWait"
                 ))
             })
-    }
-
-    pub(super) async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        // Queued to the connection's writer, which writes what concurrent
-        // deliveries queued together; `close` flushes it. An ack lost with
-        // the connection only means a redelivery.
-        let result = self
-            .client
-            .publish(delivery.receipt.clone(), AckKind::Ack.into())
-            .await
-            .map_err(unavailable);
-        self.settled(&delivery.receipt, true);
-        result
-    }
-
-    pub(super) async fn settle_retry(
-        &self,
-        delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
-    ) -> Result<(), SourceError> {
-        let receipt = &delivery.receipt;
-        if next_attempt > delivery.attempt {
-            let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
-            let result = self
-                .client
-                .publish(receipt.clone(), AckKind::Nak(Some(delay)).into())
-                .await
-                .map_err(unavailable);
-            self.settled(receipt, false);
-            return result;
-        }
-        // The attempt is not used up: a copy that remembers the attempt.
-        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
-        let subject = field(&fields, F_SUBJECT)
-            .map(str::to_string)
-            .or_else(|| self.send_subject.clone())
-            .unwrap_or_else(|| self.options.queue.clone());
-        if let Err(e) = self.publish(&subject, &self.options.queue, &fields).await {
-            if !e.awaits_a_letter_that_fits(None) {
-                self.unsettled(receipt).await;
-            }
-            return Err(e);
-        }
-        let result = self.confirmed(receipt, AckKind::Ack).await;
-        self.settled(receipt, result.is_ok());
-        result
-    }
-
-    pub(super) async fn settle_dead_letter(
-        &self,
-        delivery: &Delivery,
-        failure: &Failure,
-    ) -> Result<(), SourceError> {
-        let receipt = &delivery.receipt;
-        let stored = async {
-            let subject = &failure.dead_letter_queue;
-            let stream = self.dead_letter_stream(subject).await?;
-            let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
-            self.publish(subject, &stream, &fields).await
-        }
-        .await;
-        // Terminated only once the dead-letter stream has stored it.
-        if let Err(e) = stored {
-            if !e.awaits_a_letter_that_fits(Some(failure)) {
-                self.unsettled(receipt).await;
-            }
-            return Err(e);
-        }
-        let result = self.confirmed(receipt, AckKind::Term).await;
-        self.settled(receipt, result.is_ok());
-        result
     }
 
     /// The write that was to settle this delivery failed: the message stays
@@ -259,5 +187,82 @@ fn publish_error(text: String, e: PublishError) -> SourceError {
         SourceError::too_large(text).caused_by(e)
     } else {
         SourceError::broker(text).caused_by(e)
+    }
+}
+
+#[async_trait]
+impl SettleParts for NatsSource {
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        // Queued to the connection's writer, which writes what concurrent
+        // deliveries queued together; `close` flushes it. An ack lost with
+        // the connection only means a redelivery.
+        let result = self
+            .client
+            .publish(delivery.receipt.clone(), AckKind::Ack.into())
+            .await
+            .map_err(unavailable);
+        self.settled(&delivery.receipt, true);
+        result
+    }
+
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let receipt = &delivery.receipt;
+        if next_attempt > delivery.attempt {
+            let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
+            let result = self
+                .client
+                .publish(receipt.clone(), AckKind::Nak(Some(delay)).into())
+                .await
+                .map_err(unavailable);
+            self.settled(receipt, false);
+            return result;
+        }
+        // The attempt is not used up: a copy that remembers the attempt.
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
+        let subject = field(&fields, F_SUBJECT)
+            .map(str::to_string)
+            .or_else(|| self.send_subject.clone())
+            .unwrap_or_else(|| self.options.queue.clone());
+        if let Err(e) = self.publish(&subject, &self.options.queue, &fields).await {
+            if !e.awaits_a_letter_that_fits(None) {
+                self.unsettled(receipt).await;
+            }
+            return Err(e);
+        }
+        let result = self.confirmed(receipt, AckKind::Ack).await;
+        self.settled(receipt, result.is_ok());
+        result
+    }
+
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let receipt = &delivery.receipt;
+        let stored = async {
+            let subject = &failure.dead_letter_queue;
+            let stream = self.dead_letter_stream(subject).await?;
+            let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+            self.publish(subject, &stream, &fields).await
+        }
+        .await;
+        // Terminated only once the dead-letter stream has stored it.
+        if let Err(e) = stored {
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.unsettled(receipt).await;
+            }
+            return Err(e);
+        }
+        let result = self.confirmed(receipt, AckKind::Term).await;
+        self.settled(receipt, result.is_ok());
+        result
     }
 }

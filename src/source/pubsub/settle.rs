@@ -3,11 +3,13 @@
 //! letter (a publish to the dead-letter topic, then the ack); and keeping
 //! what the app has leased.
 
+use async_trait::async_trait;
 use std::time::SystemTime;
 
 use super::connection::Client;
 use super::{PubSubSource, Sub, lock};
 use crate::model::{Delivery, Failure, rfc3339};
+use crate::source::SettleParts;
 use crate::source::shared::{F_RETRY_AT, replace, without};
 use crate::source::{Batcher, SourceError};
 
@@ -45,7 +47,8 @@ impl PubSubSource {
             .ok_or_else(|| SourceError::invalid("the message is not in flight here"))
     }
 
-    pub(super) async fn settle_ack(&self, receipt: &str) -> Result<(), SourceError> {
+    /// The ack of the message with this receipt, batched per subscription.
+    async fn ack_receipt(&self, receipt: &str) -> Result<(), SourceError> {
         let from = self.subscription_of_receipt(receipt)?;
         let batcher = match from {
             Sub::Work => &self.work_acks,
@@ -54,52 +57,6 @@ impl PubSubSource {
         let result = batcher.submit(receipt.to_string()).await;
         lock(&self.in_flight).remove(receipt);
         result
-    }
-
-    /// Every retry, and every give-back, is a sealed copy on the retry
-    /// topic with the attempt and the due time; the original is acked only
-    /// once Pub/Sub took the copy.
-    pub(super) async fn settle_retry(
-        &self,
-        delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
-    ) -> Result<(), SourceError> {
-        self.subscription_of_receipt(&delivery.receipt)?;
-        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
-        if let Err(e) = self.client.publish(&self.names.retry_topic, &fields).await {
-            if !e.awaits_a_letter_that_fits(None) {
-                self.unsettled(&delivery.receipt).await;
-            }
-            return Err(e);
-        }
-        let result = self.settle_ack(&delivery.receipt).await;
-        if let Err(e) = &result {
-            tracing::warn!(error = %e, id = %delivery.message.id, "the retry copy is stored but the original was not acked: the message comes back once more");
-        }
-        result
-    }
-
-    pub(super) async fn settle_dead_letter(
-        &self,
-        delivery: &Delivery,
-        failure: &Failure,
-    ) -> Result<(), SourceError> {
-        self.subscription_of_receipt(&delivery.receipt)?;
-        let topic = self
-            .dead_letter_topic_of(&failure.dead_letter_queue)
-            .await?;
-        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
-        // Acked only once the dead-letter topic took it.
-        if let Err(e) = self.client.publish(&topic, &fields).await {
-            if !e.awaits_a_letter_that_fits(Some(failure)) {
-                self.unsettled(&delivery.receipt).await;
-            }
-            return Err(e);
-        }
-        self.settle_ack(&delivery.receipt).await
     }
 
     /// The write that was to settle this delivery failed: the message stays
@@ -144,5 +101,58 @@ impl PubSubSource {
             .modify_deadline(&self.names.retry.clone(), retry, secs)
             .await;
         work.and(retry)
+    }
+}
+
+#[async_trait]
+impl SettleParts for PubSubSource {
+    /// Every retry, and every give-back, is a sealed copy on the retry
+    /// topic with the attempt and the due time; the original is acked only
+    /// once Pub/Sub took the copy.
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.ack_receipt(&delivery.receipt).await
+    }
+
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        self.subscription_of_receipt(&delivery.receipt)?;
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
+        if let Err(e) = self.client.publish(&self.names.retry_topic, &fields).await {
+            if !e.awaits_a_letter_that_fits(None) {
+                self.unsettled(&delivery.receipt).await;
+            }
+            return Err(e);
+        }
+        let result = self.ack_receipt(&delivery.receipt).await;
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, id = %delivery.message.id, "the retry copy is stored but the original was not acked: the message comes back once more");
+        }
+        result
+    }
+
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        self.subscription_of_receipt(&delivery.receipt)?;
+        let topic = self
+            .dead_letter_topic_of(&failure.dead_letter_queue)
+            .await?;
+        let fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+        // Acked only once the dead-letter topic took it.
+        if let Err(e) = self.client.publish(&topic, &fields).await {
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.unsettled(&delivery.receipt).await;
+            }
+            return Err(e);
+        }
+        self.ack_receipt(&delivery.receipt).await
     }
 }

@@ -50,7 +50,7 @@ use tokio::sync::Mutex;
 use super::shared::{RECEIVE_WAIT, Seal};
 use super::{
     Batcher, Broker, Capabilities, Consumer, DeadLetterStore, Depth, ErrorKind, LiveSettings,
-    Observed, Settlement, Source, SourceError, SourceOptions, WithStore,
+    Observed, Settlement, Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 use connection::{Connection, Endpoint};
@@ -291,18 +291,7 @@ impl Consumer for RedisSource {
         delivery: &Delivery,
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        match settlement {
-            Settlement::Ack => self.acks.submit(delivery.receipt.clone()).await,
-            Settlement::Retry {
-                next_attempt,
-                first_attempt_at,
-                at,
-            } => {
-                self.store_retry(delivery, next_attempt, first_attempt_at, at)
-                    .await
-            }
-            Settlement::DeadLetter(failure) => self.store_dead_letter(delivery, failure).await,
-        }
+        settle_by_parts(self, delivery, settlement).await
     }
 
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {

@@ -4,12 +4,13 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::connection::Connection;
+use async_trait::async_trait;
 use bytes::Bytes;
 use redis::{Script, Value};
 
 use super::{RedisSource, broker_error};
-use crate::model::{Delivery, Failure, PAYLOAD};
-use crate::source::{Batcher, SourceError, encode_fields};
+use crate::model::{Delivery, Failure};
+use crate::source::{Batcher, SettleParts, SourceError, encode_fields, shared};
 
 /// Concurrent acks become one `XACK` with many ids.
 pub(super) fn ack_batcher(commands: &Connection, stream: &str, group: &str) -> Batcher<String> {
@@ -86,64 +87,6 @@ return kept
 ";
 
 impl RedisSource {
-    pub(super) async fn store_retry(
-        &self,
-        delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
-    ) -> Result<(), SourceError> {
-        let member = encode_fields(
-            &self
-                .seal
-                .seal(delivery.fields_for_retry(next_attempt, first_attempt_at)),
-        );
-        let due = at
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis() as u64;
-        let mut con = self.commands.clone();
-        Script::new(RETRY)
-            .key(&self.retry_key)
-            .key(&self.options.queue)
-            .arg(&self.options.group)
-            .arg(&delivery.receipt)
-            .arg(due)
-            .arg(member)
-            .invoke_async::<Value>(&mut con)
-            .await
-            .map(drop)
-            .map_err(broker_error)
-    }
-
-    pub(super) async fn store_dead_letter(
-        &self,
-        delivery: &Delivery,
-        failure: &Failure,
-    ) -> Result<(), SourceError> {
-        let mut fields = delivery.fields_for_dead_letter(failure);
-        // A dead letter always has a body field, even when the entry had none.
-        if !fields.iter().any(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()) {
-            fields.insert(0, (PAYLOAD.into(), Bytes::new()));
-        }
-        let mut con = self.commands.clone();
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .add_command(xadd(&failure.dead_letter_queue, &fields))
-            .ignore()
-            .cmd("EVAL")
-            .arg(ACK_IF_WRITTEN)
-            .arg(2)
-            .arg(&failure.dead_letter_queue)
-            .arg(&self.options.queue)
-            .arg(&self.options.group)
-            .arg(&delivery.receipt);
-        pipe.query_async::<Value>(&mut con)
-            .await
-            .map(drop)
-            .map_err(broker_error)
-    }
-
     pub(super) async fn keep_claimed(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {
         if in_flight.is_empty() {
             return Ok(());
@@ -173,4 +116,65 @@ pub(super) fn xadd(stream: &str, fields: &[(Bytes, Bytes)]) -> redis::Cmd {
         xadd.arg(name.as_ref()).arg(value.as_ref());
     }
     xadd
+}
+
+#[async_trait]
+impl SettleParts for RedisSource {
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.acks.submit(delivery.receipt.clone()).await
+    }
+
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let member = encode_fields(
+            &self
+                .seal
+                .seal(delivery.fields_for_retry(next_attempt, first_attempt_at)),
+        );
+        let due = at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis() as u64;
+        let mut con = self.commands.clone();
+        Script::new(RETRY)
+            .key(&self.retry_key)
+            .key(&self.options.queue)
+            .arg(&self.options.group)
+            .arg(&delivery.receipt)
+            .arg(due)
+            .arg(member)
+            .invoke_async::<Value>(&mut con)
+            .await
+            .map(drop)
+            .map_err(broker_error)
+    }
+
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let fields = shared::with_payload(delivery.fields_for_dead_letter(failure));
+        let mut con = self.commands.clone();
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .add_command(xadd(&failure.dead_letter_queue, &fields))
+            .ignore()
+            .cmd("EVAL")
+            .arg(ACK_IF_WRITTEN)
+            .arg(2)
+            .arg(&failure.dead_letter_queue)
+            .arg(&self.options.queue)
+            .arg(&self.options.group)
+            .arg(&delivery.receipt);
+        pipe.query_async::<Value>(&mut con)
+            .await
+            .map(drop)
+            .map_err(broker_error)
+    }
 }

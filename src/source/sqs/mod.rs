@@ -66,7 +66,7 @@ use tokio::sync::mpsc;
 
 use super::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Recent,
-    Settlement, Source, SourceError, SourceOptions, WithStore,
+    Settlement, Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 use crate::source::shared::Seal;
@@ -263,18 +263,7 @@ impl Consumer for SqsSource {
         delivery: &Delivery,
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
-        match settlement {
-            Settlement::Ack => self.settle_ack(delivery).await,
-            Settlement::Retry {
-                next_attempt,
-                first_attempt_at,
-                at,
-            } => {
-                self.settle_retry(delivery, next_attempt, first_attempt_at, at)
-                    .await
-            }
-            Settlement::DeadLetter(failure) => self.settle_dead_letter(delivery, failure).await,
-        }
+        settle_by_parts(self, delivery, settlement).await
     }
 
     async fn keep_alive(&self, in_flight: &[Delivery]) -> Result<(), SourceError> {

@@ -1,6 +1,7 @@
 //! Settling a delivery: ack (batched deletes), retry (a visibility change
 //! or a delayed copy), dead letter; and sending.
 
+use async_trait::async_trait;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
@@ -17,6 +18,7 @@ use super::connection::{broker, error_code, sdk_error};
 use super::dead_letters::dead_letter_queue_name;
 use super::{Delete, SqsSource, lock};
 use crate::model::{Delivery, Failure, rfc3339};
+use crate::source::SettleParts;
 use crate::source::SourceError;
 use crate::source::shared::{F_RETRY_AT, replace, without};
 
@@ -196,90 +198,6 @@ impl SqsSource {
         lock(&self.due).remove(sqs_id);
     }
 
-    pub(super) async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
-        let result = self.delete(&delivery.receipt).await;
-        if let Some(held) = self.settled(&delivery.receipt)
-            && result.is_ok()
-        {
-            self.forget(&held.sqs_id);
-        }
-        result
-    }
-
-    pub(super) async fn settle_retry(
-        &self,
-        delivery: &Delivery,
-        next_attempt: u32,
-        first_attempt_at: SystemTime,
-        at: SystemTime,
-    ) -> Result<(), SourceError> {
-        let receipt = &delivery.receipt;
-        let now = SystemTime::now();
-        let secs = ceil_secs(at.duration_since(now).unwrap_or_default());
-        let Some(held) = lock(&self.in_flight).get(receipt).cloned() else {
-            return Err(SourceError::invalid(format!(
-                "message {} is not in flight here",
-                delivery.message.id
-            )));
-        };
-        let uses_attempt = next_attempt > delivery.attempt;
-        let room = visibility_room(held.sent_at, now);
-        if self.fifo || (uses_attempt && secs <= room) {
-            if self.fifo {
-                if !uses_attempt {
-                    *lock(&self.uncounted).get_or_insert_with(held.sqs_id.clone(), || 0) += 1;
-                }
-                if secs > room {
-                    lock(&self.due).insert(held.sqs_id.clone(), at);
-                }
-            }
-            lock(&self.first_attempts).get_or_insert_with(held.sqs_id.clone(), || first_attempt_at);
-            let result = self
-                .change_visibility(&self.queue_url, receipt, secs.min(room))
-                .await;
-            self.settled(receipt);
-            // The later messages of its group go back to SQS, which holds
-            // the group while this one is invisible and then hands them out
-            // after it.
-            for waiting in self.take_waiting(held.group.as_deref()) {
-                lock(&self.in_flight).remove(&waiting.receipt);
-                if let Err(e) = self
-                    .change_visibility(&self.queue_url, &waiting.receipt, 0)
-                    .await
-                {
-                    tracing::debug!(error = %e, "a waiting message of the group stays invisible until its timeout");
-                }
-            }
-            return result;
-        }
-        // A copy that remembers the attempt and the due time.
-        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
-        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
-        if let Err(e) = send_fields(
-            &self.client,
-            &self.queue_url,
-            false,
-            &fields,
-            secs.min(MAX_DELAY_SECONDS),
-            None,
-        )
-        .await
-        {
-            if !e.awaits_a_letter_that_fits(None) {
-                self.unsettled(receipt).await;
-            }
-            return Err(e);
-        }
-        let result = self.delete(receipt).await;
-        if let Some(held) = self.settled(receipt) {
-            self.forget(&held.sqs_id);
-        }
-        if let Err(e) = &result {
-            tracing::warn!(error = %e, id = %delivery.message.id, "the retry copy is stored but the original was not deleted: the message comes back once more");
-        }
-        result
-    }
-
     /// The first receive of a copy not yet due: invisible for the time
     /// still to wait when SQS allows that long, else sent on as a new copy.
     /// FIFO (`in_process`): invisible for as long as SQS allows, and the
@@ -331,57 +249,6 @@ impl SqsSource {
         if let Err(e) = self.change_visibility(&self.queue_url, receipt, secs).await {
             tracing::warn!(error = %e, "a retry copy not yet due could not be put back; it is received again after its visibility timeout");
         }
-    }
-
-    pub(super) async fn settle_dead_letter(
-        &self,
-        delivery: &Delivery,
-        failure: &Failure,
-    ) -> Result<(), SourceError> {
-        let receipt = &delivery.receipt;
-        let group = lock(&self.in_flight)
-            .get(receipt)
-            .and_then(|h| h.group.clone());
-        let stored = async {
-            let name = dead_letter_queue_name(&failure.dead_letter_queue);
-            let url = self
-                .store
-                .dead_letter_url(&name, true)
-                .await?
-                .ok_or_else(|| {
-                    broker(format!(
-                        "the dead-letter queue {name:?} could not be created"
-                    ))
-                })?;
-            let mut fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
-            if let Some(group) = &group {
-                fields = replace(fields, F_GROUP, group.clone());
-            }
-            send_fields(
-                &self.client,
-                &url,
-                name.ends_with(".fifo"),
-                &fields,
-                0,
-                group.as_deref(),
-            )
-            .await
-        }
-        .await;
-        // Deleted only once the dead-letter queue took it.
-        if let Err(e) = stored {
-            if !e.awaits_a_letter_that_fits(Some(failure)) {
-                self.unsettled(receipt).await;
-            }
-            return Err(e);
-        }
-        let result = self.delete(receipt).await;
-        if let Some(held) = self.settled(receipt)
-            && result.is_ok()
-        {
-            self.forget(&held.sqs_id);
-        }
-        result
     }
 
     /// The write that was to settle this delivery failed: the message stays
@@ -515,6 +382,144 @@ pub(super) async fn set_visibility(
         }
     }
     failed.map_or(Ok(()), Err)
+}
+
+#[async_trait]
+impl SettleParts for SqsSource {
+    async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        let result = self.delete(&delivery.receipt).await;
+        if let Some(held) = self.settled(&delivery.receipt)
+            && result.is_ok()
+        {
+            self.forget(&held.sqs_id);
+        }
+        result
+    }
+
+    async fn settle_retry(
+        &self,
+        delivery: &Delivery,
+        next_attempt: u32,
+        first_attempt_at: SystemTime,
+        at: SystemTime,
+    ) -> Result<(), SourceError> {
+        let receipt = &delivery.receipt;
+        let now = SystemTime::now();
+        let secs = ceil_secs(at.duration_since(now).unwrap_or_default());
+        let Some(held) = lock(&self.in_flight).get(receipt).cloned() else {
+            return Err(SourceError::invalid(format!(
+                "message {} is not in flight here",
+                delivery.message.id
+            )));
+        };
+        let uses_attempt = next_attempt > delivery.attempt;
+        let room = visibility_room(held.sent_at, now);
+        if self.fifo || (uses_attempt && secs <= room) {
+            if self.fifo {
+                if !uses_attempt {
+                    *lock(&self.uncounted).get_or_insert_with(held.sqs_id.clone(), || 0) += 1;
+                }
+                if secs > room {
+                    lock(&self.due).insert(held.sqs_id.clone(), at);
+                }
+            }
+            lock(&self.first_attempts).get_or_insert_with(held.sqs_id.clone(), || first_attempt_at);
+            let result = self
+                .change_visibility(&self.queue_url, receipt, secs.min(room))
+                .await;
+            self.settled(receipt);
+            // The later messages of its group go back to SQS, which holds
+            // the group while this one is invisible and then hands them out
+            // after it.
+            for waiting in self.take_waiting(held.group.as_deref()) {
+                lock(&self.in_flight).remove(&waiting.receipt);
+                if let Err(e) = self
+                    .change_visibility(&self.queue_url, &waiting.receipt, 0)
+                    .await
+                {
+                    tracing::debug!(error = %e, "a waiting message of the group stays invisible until its timeout");
+                }
+            }
+            return result;
+        }
+        // A copy that remembers the attempt and the due time.
+        let fields = delivery.fields_for_retry(next_attempt, first_attempt_at);
+        let fields = self.seal.seal(replace(fields, F_RETRY_AT, rfc3339(at)));
+        if let Err(e) = send_fields(
+            &self.client,
+            &self.queue_url,
+            false,
+            &fields,
+            secs.min(MAX_DELAY_SECONDS),
+            None,
+        )
+        .await
+        {
+            if !e.awaits_a_letter_that_fits(None) {
+                self.unsettled(receipt).await;
+            }
+            return Err(e);
+        }
+        let result = self.delete(receipt).await;
+        if let Some(held) = self.settled(receipt) {
+            self.forget(&held.sqs_id);
+        }
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, id = %delivery.message.id, "the retry copy is stored but the original was not deleted: the message comes back once more");
+        }
+        result
+    }
+
+    async fn settle_dead_letter(
+        &self,
+        delivery: &Delivery,
+        failure: &Failure,
+    ) -> Result<(), SourceError> {
+        let receipt = &delivery.receipt;
+        let group = lock(&self.in_flight)
+            .get(receipt)
+            .and_then(|h| h.group.clone());
+        let stored = async {
+            let name = dead_letter_queue_name(&failure.dead_letter_queue);
+            let url = self
+                .store
+                .dead_letter_url(&name, true)
+                .await?
+                .ok_or_else(|| {
+                    broker(format!(
+                        "the dead-letter queue {name:?} could not be created"
+                    ))
+                })?;
+            let mut fields = without(delivery.fields_for_dead_letter(failure), F_RETRY_AT);
+            if let Some(group) = &group {
+                fields = replace(fields, F_GROUP, group.clone());
+            }
+            send_fields(
+                &self.client,
+                &url,
+                name.ends_with(".fifo"),
+                &fields,
+                0,
+                group.as_deref(),
+            )
+            .await
+        }
+        .await;
+        // Deleted only once the dead-letter queue took it.
+        if let Err(e) = stored {
+            if !e.awaits_a_letter_that_fits(Some(failure)) {
+                self.unsettled(receipt).await;
+            }
+            return Err(e);
+        }
+        let result = self.delete(receipt).await;
+        if let Some(held) = self.settled(receipt)
+            && result.is_ok()
+        {
+            self.forget(&held.sqs_id);
+        }
+        result
+    }
 }
 
 #[cfg(test)]

@@ -6,14 +6,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use http::Uri;
-
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{self, Dispatcher, DrainReport};
-use crate::forward::Forwarder;
-use crate::forward::cloudevents::Mode as CloudEventsMode;
+use crate::dispatch::{self, AppSettings, DeliverySettings, Dispatcher, DrainReport};
 use crate::model::{Class, DeadLetterReason};
 use crate::policy::file::Reload;
 use crate::policy::{self, LivePolicy, Policy};
@@ -22,33 +18,56 @@ use crate::telemetry::{
     self, Drain, Health, Metrics, PolicyLabels, QueueLabels, Readiness, ResultLabels,
 };
 
-/// Everything `courier run` needs, checked.
+/// Everything `courier run` needs, checked, grouped by the part that uses
+/// it.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
+    /// The broker, and how its source is opened (the queue, the
+    /// concurrency, the body limit, the visibility timeout).
     pub source: SourceUrl,
     pub options: SourceOptions,
-    pub app: Uri,
-    pub policy: Policy,
-    pub policy_file: Option<PathBuf>,
+    pub app: AppSettings,
+    pub delivery: DeliverySettings,
+    pub policy: PolicySettings,
+    pub endpoint: EndpointSettings,
+}
+
+/// The policy at start, and where its changes come from.
+#[derive(Debug, Clone)]
+pub struct PolicySettings {
+    pub initial: Policy,
+    /// `--policy-file`, checked for changes every `poll`.
+    pub file: Option<PathBuf>,
     /// The RetryPolicy to watch in the cluster (`--policy`).
-    pub policy_ref: Option<policy::cluster::PolicyRef>,
-    /// How often the policy file is checked for changes.
-    pub policy_poll: Duration,
+    pub cluster: Option<policy::cluster::PolicyRef>,
+    pub poll: Duration,
+}
+
+impl PolicySettings {
+    /// `initial`, never changed.
+    pub fn fixed(initial: Policy) -> Self {
+        Self {
+            initial,
+            file: None,
+            cluster: None,
+            poll: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The metrics port and what it answers besides the metrics.
+#[derive(Debug, Clone)]
+pub struct EndpointSettings {
     pub listen: SocketAddr,
-    pub drain_timeout: Duration,
     /// The secret `/drain` requires (`COURIER_DRAIN_TOKEN`); none: loopback only.
     pub drain_token: Option<String>,
     /// A `/drain` that no SIGTERM follows within this ends, and pulling
     /// starts again (`--drain-resume-after`).
     pub drain_resume_after: Duration,
+    /// How often the queue's depth is read for the metrics.
     pub depth_interval: Duration,
-    pub app_health_path: Option<String>,
-    pub app_failure_run: u32,
-    pub dedup_window: Option<Duration>,
     /// What `/readyz` looks at.
     pub readiness: Readiness,
-    /// How CloudEvents are offered to the app (`--cloudevents`).
-    pub cloudevents: CloudEventsMode,
 }
 
 /// A sidecar ready to start; its metrics and health are readable from
@@ -73,13 +92,13 @@ impl Sidecar {
         // Without --policy there is nothing to read: ready from the start.
         metrics
             .policy_ready
-            .set(i64::from(config.policy_ref.is_none()));
+            .set(i64::from(config.policy.cluster.is_none()));
         // Presumed up until a delivery or a check says otherwise, as the
         // gate does: a 0 before courier has even tried the app would blame
         // it (CourierAppDown) for a broker that cannot be reached.
         metrics.app_up.set(1);
         Self {
-            health: Arc::new(Health::new(config.readiness)),
+            health: Arc::new(Health::new(config.endpoint.readiness)),
             config,
             metrics,
             traced: false,
@@ -103,9 +122,11 @@ impl Sidecar {
         SocketAddr,
         tokio::task::JoinHandle<anyhow::Result<DrainReport>>,
     )> {
-        let listener = telemetry::bind(self.config.listen)
+        let listener = telemetry::bind(self.config.endpoint.listen)
             .await
-            .with_context(|| format!("cannot listen on --listen {}", self.config.listen))?;
+            .with_context(|| {
+                format!("cannot listen on --listen {}", self.config.endpoint.listen)
+            })?;
         let addr = listener.local_addr()?;
         let handle = tokio::spawn(self.run(listener, shutdown));
         Ok((addr, handle))
@@ -123,7 +144,7 @@ impl Sidecar {
             traced,
         } = self;
         let server_stop = CancellationToken::new();
-        let drain = Arc::new(Drain::new(config.drain_token.clone()));
+        let drain = Arc::new(Drain::new(config.endpoint.drain_token.clone()));
         let server = tokio::spawn(telemetry::serve(
             listener,
             metrics.clone(),
@@ -190,13 +211,13 @@ async fn run_sidecar(
     shutdown: CancellationToken,
 ) -> anyhow::Result<DrainReport> {
     let opened: Arc<OnceLock<Arc<dyn Source>>> = Arc::default();
-    let (live, update) = LivePolicy::new(config.policy.clone());
+    let (live, update) = LivePolicy::new(config.policy.initial.clone());
     let update = update.admit_with({
         let (opened, options) = (opened.clone(), config.options.clone());
         let url = config.source.to_string();
         move |policy| follow_policy(opened.get(), &options, &url, policy)
     });
-    show_policy(metrics, None, &config.policy);
+    show_policy(metrics, None, &config.policy.initial);
     let PolicyWatch::Started(watcher) =
         watch_policy(config, update, metrics, health, &shutdown).await?
     else {
@@ -229,7 +250,7 @@ async fn run_sidecar(
         queue = %config.options.queue,
         group = %config.options.group,
         consumer = %config.options.consumer,
-        app = %config.app,
+        app = %config.app.url,
         policy = %live.current().label(),
         "courier is running"
     );
@@ -238,7 +259,7 @@ async fn run_sidecar(
         source.clone(),
         metrics.clone(),
         config.options.queue.clone(),
-        config.depth_interval,
+        config.endpoint.depth_interval,
         shutdown.clone(),
     ));
     let not_ready = {
@@ -252,7 +273,7 @@ async fn run_sidecar(
     let dispatcher = dispatcher_for(config, source, live, metrics, health, traced);
     let drains = dispatch::Drains {
         drain: drain.clone(),
-        resume_after: config.drain_resume_after,
+        resume_after: config.endpoint.drain_resume_after,
     };
     let report = dispatcher.run_with(shutdown, Some(drains)).await;
     tracing::info!(
@@ -287,16 +308,16 @@ async fn watch_policy(
     health: &Arc<Health>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<PolicyWatch> {
-    let on_reload = report_reloads(metrics.clone(), config.policy.clone());
-    if let Some(path) = config.policy_file.clone() {
+    let on_reload = report_reloads(metrics.clone(), config.policy.initial.clone());
+    if let Some(path) = config.policy.file.clone() {
         return Ok(PolicyWatch::Started(Some(policy::file::watch(
             path,
             update,
-            config.policy_poll,
+            config.policy.poll,
             on_reload,
         ))));
     }
-    let Some(target) = config.policy_ref.clone() else {
+    let Some(target) = config.policy.cluster.clone() else {
         return Ok(PolicyWatch::Started(None));
     };
     let (watcher, mut status) = policy::cluster::follow(target, update, on_reload)
@@ -329,8 +350,7 @@ fn refuse_unkept_ordering(config: &RunConfig, source: &dyn Source) -> anyhow::Re
     Ok(())
 }
 
-/// The dispatcher of this run: its settings from `config`, the dedup
-/// window only where the source keeps one (else a warning).
+/// The dispatcher of this run, with a span per delivery when traced.
 fn dispatcher_for(
     config: &RunConfig,
     source: Arc<dyn Source>,
@@ -339,33 +359,22 @@ fn dispatcher_for(
     health: &Arc<Health>,
     traced: bool,
 ) -> Dispatcher {
-    let dedup_window = config.dedup_window.filter(|_| {
-        let supported = source.capabilities().dedup;
-        if !supported {
-            tracing::warn!("--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated");
-        }
-        supported
-    });
-    Dispatcher {
+    let dispatcher = Dispatcher::new(
         source,
-        forwarder: Forwarder::new(config.app.clone(), config.options.concurrency)
-            .with_cloudevents(config.cloudevents),
-        policy: live,
-        metrics: metrics.clone(),
-        queue: config.options.queue.clone(),
-        concurrency: config.options.concurrency,
-        max_body: config.options.max_body,
-        drain_timeout: config.drain_timeout,
-        visibility_timeout: config.options.visibility_timeout,
-        health: health.clone(),
-        app_health_path: config.app_health_path.clone(),
-        app_failure_run: config.app_failure_run,
-        dedup_window,
-        traces: traced.then(|| dispatch::Traces {
-            system: config.source.broker().messaging_system,
-            group: config.options.group.clone(),
-        }),
+        live,
+        &config.options,
+        &config.app,
+        &config.delivery,
+        metrics.clone(),
+        health.clone(),
+    );
+    if !traced {
+        return dispatcher;
     }
+    dispatcher.with_traces(dispatch::Traces {
+        system: config.source.broker().messaging_system,
+        group: config.options.group.clone(),
+    })
 }
 
 /// `courier_policy_ready` and the `/readyz` reason follow what the watch

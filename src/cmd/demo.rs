@@ -18,9 +18,10 @@ use tokio_util::sync::CancellationToken;
 use clap::Args;
 
 use super::args::UsageError;
+use crate::dispatch::{AppSettings, DeliverySettings};
 use crate::model::default_dead_letter_queue;
 use crate::policy::{Jitter, Policy};
-use crate::sidecar::{RunConfig, Sidecar};
+use crate::sidecar::{EndpointSettings, PolicySettings, RunConfig, Sidecar};
 use crate::source::{self, SourceOptions, embedded};
 use crate::telemetry::{DeadLetterLabels, Metrics, QueueLabels, serve_http};
 
@@ -159,21 +160,19 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let config = RunConfig {
         source: url,
         options,
-        app: format!("http://{app_addr}/").parse()?,
-        policy,
-        policy_file: None,
-        policy_ref: None,
-        policy_poll: Duration::from_secs(1),
-        listen: "127.0.0.1:0".parse()?,
-        drain_timeout: Duration::from_secs(5),
-        drain_token: None,
-        drain_resume_after: Duration::from_secs(90),
-        depth_interval: Duration::from_secs(1),
-        app_health_path: None,
-        app_failure_run: crate::dispatch::gate::FAILURE_RUN,
-        dedup_window: None,
-        readiness: crate::telemetry::Readiness::default(),
-        cloudevents: Default::default(),
+        app: AppSettings::new(format!("http://{app_addr}/").parse()?),
+        delivery: DeliverySettings {
+            drain_timeout: Duration::from_secs(5),
+            dedup_window: None,
+        },
+        policy: PolicySettings::fixed(policy),
+        endpoint: EndpointSettings {
+            listen: "127.0.0.1:0".parse()?,
+            drain_token: None,
+            drain_resume_after: Duration::from_secs(90),
+            depth_interval: Duration::from_secs(1),
+            readiness: crate::telemetry::Readiness::default(),
+        },
     };
     println!(
         "courier demo: {messages} orders through the embedded queue to a sample app at http://{app_addr}/"

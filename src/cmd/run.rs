@@ -12,10 +12,11 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use tokio_util::sync::CancellationToken;
 
 use super::args::{SourceArgs, UsageError, parse_app, parse_size};
+use crate::dispatch::{AppSettings, DeliverySettings};
 use crate::duration;
 use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
-use crate::sidecar::{RunConfig, Sidecar};
+use crate::sidecar::{EndpointSettings, PolicySettings, RunConfig, Sidecar};
 
 use crate::source::{MAX_UNSETTLED, Ordering, QueueType, SourceOptions, default_consumer_name};
 use crate::telemetry::Readiness;
@@ -202,21 +203,29 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
     Ok(RunConfig {
         source,
         options,
-        app,
-        policy,
-        policy_file: args.policy_file.clone(),
-        policy_ref,
-        policy_poll: Duration::from_secs(1),
-        listen,
-        drain_timeout: args.drain_timeout,
-        drain_token,
-        drain_resume_after: args.drain_resume_after,
-        depth_interval: args.depth_interval,
-        app_health_path: args.app_health_path.clone(),
-        app_failure_run: args.app_failure_run,
-        dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
-        readiness: args.readiness,
-        cloudevents: args.cloudevents,
+        app: AppSettings {
+            url: app,
+            health_path: args.app_health_path.clone(),
+            failure_run: args.app_failure_run,
+            cloudevents: args.cloudevents,
+        },
+        delivery: DeliverySettings {
+            drain_timeout: args.drain_timeout,
+            dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
+        },
+        policy: PolicySettings {
+            initial: policy,
+            file: args.policy_file.clone(),
+            cluster: policy_ref,
+            poll: Duration::from_secs(1),
+        },
+        endpoint: EndpointSettings {
+            listen,
+            drain_token,
+            drain_resume_after: args.drain_resume_after,
+            depth_interval: args.depth_interval,
+            readiness: args.readiness,
+        },
     })
 }
 

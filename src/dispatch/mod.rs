@@ -28,10 +28,13 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use http::Uri;
+
+use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::forward::{Forwarder, QueueName};
 use crate::model::{Class, DeadLetterReason, Delivery};
 use crate::policy::LivePolicy;
-use crate::source::{Consumer, ErrorKind, Settlement};
+use crate::source::{Consumer, ErrorKind, Settlement, SourceOptions};
 use crate::telemetry::{self, Metrics, QueueLabels, QueueMetrics};
 
 use deliveries::Deliveries;
@@ -56,31 +59,115 @@ const START_PROBE_MAX: Duration = Duration::from_millis(500);
 /// Failed reads in a row after which `/readyz` says not ready.
 pub const READ_FAILURE_RUN: u32 = 3;
 
+/// The delivery loop of one queue; [`Dispatcher::new`] takes each setting
+/// from the part that owns it.
 pub struct Dispatcher {
-    pub source: Arc<dyn Consumer>,
-    pub forwarder: Forwarder,
-    pub policy: LivePolicy,
-    pub metrics: Arc<Metrics>,
-    pub queue: String,
-    pub concurrency: usize,
-    pub max_body: usize,
-    pub drain_timeout: Duration,
+    source: Arc<dyn Consumer>,
+    forwarder: Forwarder,
+    policy: LivePolicy,
+    metrics: Arc<Metrics>,
+    /// Readiness follows the gate and the broker reads.
+    health: Arc<telemetry::Health>,
+    /// From the [`SourceOptions`].
+    queue: String,
+    concurrency: usize,
+    max_body: usize,
     /// The configured visibility timeout; the one in force follows the
     /// policy's timeout ([`live::visibility_for`]).
-    pub visibility_timeout: Duration,
-    /// Readiness follows the gate and the broker reads.
-    pub health: Arc<telemetry::Health>,
+    visibility_timeout: Duration,
+    /// From the [`AppSettings`].
+    app_health_path: Option<String>,
+    app_failure_run: u32,
+    /// From the [`DeliverySettings`], the window only where the source
+    /// keeps one.
+    drain_timeout: Duration,
+    dedup_window: Option<Duration>,
+    /// With the trace export running: a span per delivery attempt, whose
+    /// `traceparent` the app receives.
+    traces: Option<Traces>,
+}
+
+/// The app: where it listens and how courier follows its health.
+#[derive(Debug, Clone)]
+pub struct AppSettings {
+    /// `--app`: where each message is POSTed.
+    pub url: Uri,
     /// GET on this path says whether the app is up (2xx) or down.
-    pub app_health_path: Option<String>,
+    pub health_path: Option<String>,
     /// Consecutive 503s or timeouts after which the health path is asked at
     /// once; 0: only the periodic check asks. No effect without a path.
-    pub app_failure_run: u32,
+    pub failure_run: u32,
+    /// How CloudEvents are offered to the app (`--cloudevents`).
+    pub cloudevents: CloudEventsMode,
+}
+
+impl AppSettings {
+    /// The app at `url`, with no health path and the default failure run.
+    pub fn new(url: Uri) -> Self {
+        Self {
+            url,
+            health_path: None,
+            failure_run: gate::FAILURE_RUN,
+            cloudevents: CloudEventsMode::default(),
+        }
+    }
+}
+
+/// How deliveries end, beyond what the policy says.
+#[derive(Debug, Clone)]
+pub struct DeliverySettings {
+    /// How long what is in flight may finish after SIGTERM.
+    pub drain_timeout: Duration,
     /// Acked idempotency keys are remembered this long, and a redelivery of
     /// one is acked without reaching the app.
     pub dedup_window: Option<Duration>,
-    /// With the trace export running: a span per delivery attempt, whose
-    /// `traceparent` the app receives.
-    pub traces: Option<Traces>,
+}
+
+impl Dispatcher {
+    /// The dispatcher of `source`'s queue: the queue, the concurrency, the
+    /// body limit and the visibility timeout from the `options` it was
+    /// opened with; the app's address and health from `app`. A dedup
+    /// window on a source that keeps none is ignored, with a warning.
+    pub fn new(
+        source: Arc<dyn Consumer>,
+        policy: LivePolicy,
+        options: &SourceOptions,
+        app: &AppSettings,
+        delivery: &DeliverySettings,
+        metrics: Arc<Metrics>,
+        health: Arc<telemetry::Health>,
+    ) -> Self {
+        let dedup_window = delivery.dedup_window.filter(|_| {
+            let supported = source.capabilities().dedup;
+            if !supported {
+                tracing::warn!("--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated");
+            }
+            supported
+        });
+        Self {
+            forwarder: Forwarder::new(app.url.clone(), options.concurrency)
+                .with_cloudevents(app.cloudevents),
+            source,
+            policy,
+            metrics,
+            health,
+            queue: options.queue.clone(),
+            concurrency: options.concurrency,
+            max_body: options.max_body,
+            visibility_timeout: options.visibility_timeout,
+            app_health_path: app.health_path.clone(),
+            app_failure_run: app.failure_run,
+            drain_timeout: delivery.drain_timeout,
+            dedup_window,
+            traces: None,
+        }
+    }
+
+    /// A span per delivery attempt, for the trace export.
+    pub fn with_traces(mut self, traces: Traces) -> Self {
+        self.traces = Some(traces);
+        self
+    }
 }
 
 /// What every delivery span of this run says besides the message's own.

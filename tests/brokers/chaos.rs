@@ -413,8 +413,8 @@ async fn app_stopped_for_30_seconds(fixture: Fixture, health_path: Option<&str>)
         chaos_policy(3, Duration::from_secs(1)),
     );
     config.options.concurrency = 4;
-    config.app_failure_run = 5;
-    config.app_health_path = health_path.map(str::to_string);
+    config.app.failure_run = 5;
+    config.app.health_path = health_path.map(str::to_string);
     let running = Running::start(config).await;
     wait_for("a third of the messages delivered", SETTLE, async || {
         app.delivered(&all) >= MESSAGES / 3
@@ -503,8 +503,8 @@ async fn a_503_storm_closes_the_gate(fixture: Fixture) {
         chaos_policy(3, Duration::from_secs(1)),
     );
     config.options.concurrency = 4;
-    config.app_failure_run = 5;
-    config.app_health_path = Some("/healthz".into());
+    config.app.failure_run = 5;
+    config.app.health_path = Some("/healthz".into());
     let running = Running::start(config).await;
     wait_for("ready", SETTLE, async || {
         get_status(running.metrics_addr, "/readyz").await == 200
@@ -583,7 +583,7 @@ async fn poison_is_dead_lettered_once_and_does_not_hold_the_rest(fixture: Fixtur
         chaos_policy(5, Duration::from_secs(5)),
     );
     config.options.concurrency = 16;
-    config.app_failure_run = 5;
+    config.app.failure_run = 5;
     let running = Running::start(config).await;
     let gate = watch_app_up(running.metrics_addr);
 
@@ -805,7 +805,7 @@ async fn slow_app_gets_no_pile_up(fixture: Fixture) {
     let timeout = Duration::from_millis(200);
     let mut config = run_config_for(&fixture, &app.url(), chaos_policy(20, timeout));
     config.options.concurrency = CONCURRENCY;
-    config.app_failure_run = 5;
+    config.app.failure_run = 5;
     let running = Running::start(config).await;
     let started = Instant::now();
     let mut lowest_limit = f64::MAX;
@@ -1118,7 +1118,7 @@ async fn the_limit_drops_under_429s_and_recovers(fixture: Fixture) {
         ),
     );
     config.options.concurrency = CONCURRENCY;
-    config.app_failure_run = 5;
+    config.app.failure_run = 5;
     let running = Running::start(config).await;
     let limit = async || {
         metric(

@@ -20,8 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use courier::dispatch::Dispatcher;
-use courier::forward::Forwarder;
+use courier::dispatch::{AppSettings, DeliverySettings, Dispatcher};
 use courier::model::Delivery;
 use courier::policy::LivePolicy;
 use courier::source::{
@@ -144,28 +143,31 @@ async fn held_past_its_claim(fixture: Fixture, cut: Box<dyn CutClaim>) {
     options.consumer = unique("consumer");
     options.dead_letter_queue = fixture.dlq();
     options.visibility_timeout = policy.timeout + Duration::from_secs(2);
+    options.concurrency = 8;
+    options.max_body = 1 << 20;
     let inner = source::open(&fixture.url, options.clone())
         .await
         .expect("open the source");
     inner.apply(&courier::dispatch::live::settings_for(&options, &policy));
     let source: Arc<dyn Consumer> = Arc::new(ShortClaim { inner, cut });
     let metrics = Arc::new(Metrics::new());
-    let dispatcher = Dispatcher {
-        source,
-        forwarder: Forwarder::new(app.url().parse().unwrap(), 8),
-        policy: LivePolicy::fixed(policy),
-        metrics: metrics.clone(),
-        queue: fixture.queue.clone(),
-        concurrency: 8,
-        max_body: 1 << 20,
-        drain_timeout: Duration::from_secs(5),
-        visibility_timeout: options.visibility_timeout,
-        health: Arc::new(Health::new(Readiness::default())),
-        app_health_path: None,
-        app_failure_run: 0,
-        dedup_window: None,
-        traces: None,
+    let app_settings = AppSettings {
+        failure_run: 0,
+        ..AppSettings::new(app.url().parse().unwrap())
     };
+    let delivery = DeliverySettings {
+        drain_timeout: Duration::from_secs(5),
+        dedup_window: None,
+    };
+    let dispatcher = Dispatcher::new(
+        source,
+        LivePolicy::fixed(policy),
+        &options,
+        &app_settings,
+        &delivery,
+        metrics.clone(),
+        Arc::new(Health::new(Readiness::default())),
+    );
     let stop = CancellationToken::new();
     let running = tokio::spawn(dispatcher.run(stop.clone()));
     let count = |name: &str| metric(&metrics.encode(), name, &fixture.queue);

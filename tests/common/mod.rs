@@ -45,9 +45,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use courier::dispatch::{AppSettings, DeliverySettings};
 use courier::policy::{Jitter, Policy};
-use courier::sidecar::RunConfig;
 use courier::sidecar::Sidecar;
+use courier::sidecar::{EndpointSettings, PolicySettings, RunConfig};
 use courier::source::{self, Depth, Source, SourceOptions, SourceUrl};
 use courier::telemetry::serve_http;
 use http::Response;
@@ -519,23 +520,27 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
     RunConfig {
         source: fixture.url.clone(),
         options,
-        app: app_url.parse().unwrap(),
-        policy,
-        policy_file: None,
-        policy_ref: None,
-        policy_poll: Duration::from_millis(100),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        drain_timeout: Duration::from_secs(5),
-        drain_token: None,
-        drain_resume_after: Duration::from_secs(90),
-        depth_interval: Duration::from_millis(200),
-        app_health_path: None,
-        // The conformance scenarios fail on purpose, many in a row; the
-        // 503/timeout gate is tested on its own in tests/brokers/chaos.rs.
-        app_failure_run: 0,
-        dedup_window: None,
-        readiness: courier::telemetry::Readiness::default(),
-        cloudevents: Default::default(),
+        app: AppSettings {
+            // The conformance scenarios fail on purpose, many in a row; the
+            // 503/timeout gate is tested on its own in tests/brokers/chaos.rs.
+            failure_run: 0,
+            ..AppSettings::new(app_url.parse().unwrap())
+        },
+        delivery: DeliverySettings {
+            drain_timeout: Duration::from_secs(5),
+            dedup_window: None,
+        },
+        policy: PolicySettings {
+            poll: Duration::from_millis(100),
+            ..PolicySettings::fixed(policy)
+        },
+        endpoint: EndpointSettings {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            drain_token: None,
+            drain_resume_after: Duration::from_secs(90),
+            depth_interval: Duration::from_millis(200),
+            readiness: courier::telemetry::Readiness::default(),
+        },
     }
 }
 

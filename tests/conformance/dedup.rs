@@ -17,7 +17,7 @@ async fn duplicates_reaching_the_app(
     let producer = fixture.producer().await;
     let key = [("idempotency-key".to_string(), "charge-7".to_string())];
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.dedup_window = window;
+    config.delivery.dedup_window = window;
     let running = Running::start(config).await;
     producer.send("charge 7", &key).await;
     wait_for("the first delivery", Duration::from_secs(10), async || {
@@ -59,7 +59,7 @@ pub async fn the_window_expires(fixture: Fixture) {
     let producer = fixture.producer().await;
     let key = [("idempotency-key".to_string(), "charge-8".to_string())];
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.dedup_window = Some(Duration::from_millis(300));
+    config.delivery.dedup_window = Some(Duration::from_millis(300));
     let running = Running::start(config).await;
     producer.send("charge 8", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;

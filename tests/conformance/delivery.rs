@@ -388,7 +388,7 @@ pub async fn policy_file_reload(fixture: Fixture) {
     let source = fixture.open().await;
     let producer = fixture.producer().await;
     let mut config = run_config(&fixture, &app, courier::policy::file::load(&path).unwrap());
-    config.policy_file = Some(path.clone());
+    config.policy.file = Some(path.clone());
     let running = Running::start(config).await;
     // Each message ends as a dead letter; waiting for it, not only for a
     // settled depth, because a depth read can fall between two queues: on

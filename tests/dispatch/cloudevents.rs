@@ -196,7 +196,7 @@ async fn deliver_three(mode: Mode) -> (Fixture, Vec<Value>, String) {
     let fixture = Fixture::embedded();
     let plain = send_three(&fixture).await;
     let mut config = run_config_for(&fixture, &app.url(), fast_policy());
-    config.cloudevents = mode;
+    config.app.cloudevents = mode;
     let running = Running::start(config).await;
     let records = app.wait_for(3).await;
     running.stop().await;
@@ -403,7 +403,7 @@ async fn the_dedup_window_knows_an_event_by_source_and_id() {
             .unwrap();
     }
     let mut config = run_config_for(&fixture, &app.url(), fast_policy());
-    config.dedup_window = Some(Duration::from_secs(60));
+    config.delivery.dedup_window = Some(Duration::from_secs(60));
     // One at a time: the second is checked after the first was acked.
     config.options.concurrency = 1;
     let running = Running::start(config).await;

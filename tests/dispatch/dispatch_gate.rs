@@ -117,7 +117,7 @@ async fn a_message_that_crashes_the_app_is_dead_lettered_after_its_attempts(fixt
         fixture.send(&source, body.clone()).await;
     }
     let mut config = run_config_for(&fixture, &app.url(), fast_policy());
-    config.app_failure_run = gate_default();
+    config.app.failure_run = gate_default();
     let running = Running::start(config).await;
     // Polled while courier may still be declaring the dead-letter queue: a
     // quorum queue whose process is not up yet answers INTERNAL_ERROR
@@ -173,7 +173,7 @@ async fn a_few_always_503_messages_do_not_hold_the_rest(fixture: Fixture) {
     }
     let mut config = run_config(&fixture, &app, fast_policy());
     // The default run: before issue 14 five 503s in a row closed the gate.
-    config.app_failure_run = gate_default();
+    config.app.failure_run = gate_default();
     let running = Running::start(config).await;
     wait_for("every message settled", SETTLE, async || {
         let text = scrape(running.metrics_addr).await;
@@ -206,7 +206,7 @@ async fn an_outage_by_refused_connections_uses_no_attempts(fixture: Fixture) {
     let addr = first.addr;
     let source = fixture.open().await;
     let mut config = run_config_for(&fixture, &first.url(), fast_policy());
-    config.app_failure_run = gate_default();
+    config.app.failure_run = gate_default();
     let running = Running::start(config).await;
     // The answer closes its connection, so courier keeps none open to the
     // app: a request written on a pooled connection while the app goes

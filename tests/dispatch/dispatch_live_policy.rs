@@ -22,7 +22,7 @@ async fn a_timeout_raised_live_keeps_a_slow_delivery_with_one_consumer(fixture: 
     );
     let initial = policy::file::load(&path).expect("the first policy");
     let mut config = run_config(&fixture, &app, initial);
-    config.policy_file = Some(path.clone());
+    config.policy.file = Some(path.clone());
     config.options.visibility_timeout = Duration::from_secs(2);
     let running = Running::start(config).await;
     let generation = async |running: &Running| {
@@ -102,7 +102,7 @@ async fn an_edit_applies_to_a_retry_already_waiting(fixture: Fixture) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_policy(dir.path(), BEFORE);
     let mut config = run_config(&fixture, &app, policy::file::load(&path).unwrap());
-    config.policy_file = Some(path.clone());
+    config.policy.file = Some(path.clone());
     let running = Running::start(config).await;
     let text = async || scrape(running.metrics_addr).await;
     let generation = async || {

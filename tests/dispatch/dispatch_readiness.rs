@@ -23,7 +23,7 @@ async fn delivering(readiness: Readiness) -> (PrivateRedis, Fixture, TestApp, Ru
     fixture.url = SourceUrl::parse(&redis.url()).unwrap();
     let app = TestApp::start().await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.readiness = readiness;
+    config.endpoint.readiness = readiness;
     let running = Running::start(config).await;
     let source = fixture.open().await;
     fixture.send(&source, "before").await;

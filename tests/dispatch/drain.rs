@@ -51,7 +51,7 @@ async fn drain_returns_after_the_deliveries_in_flight_are_acked_and_pulls_nothin
         ..fast_policy()
     };
     let mut config = run_config(&fixture, &app, policy);
-    config.drain_timeout = Duration::from_secs(20);
+    config.delivery.drain_timeout = Duration::from_secs(20);
     let running = Running::start(config.clone()).await;
     let source = fixture.open().await;
     let slow: Vec<String> = (0..4)
@@ -177,7 +177,7 @@ async fn drain_without_the_pods_secret_is_refused_and_changes_nothing() {
     let fixture = Fixture::redis();
     let app = TestApp::start().await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.drain_token = Some(TOKEN.into());
+    config.endpoint.drain_token = Some(TOKEN.into());
     let running = Running::start(config).await;
     let source = fixture.open().await;
     wait_for("ready", SETTLE, async || {
@@ -234,7 +234,7 @@ async fn a_drain_no_sigterm_follows_ends_and_courier_pulls_again() {
     let fixture = Fixture::redis();
     let app = TestApp::start().await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.drain_resume_after = Duration::from_secs(3);
+    config.endpoint.drain_resume_after = Duration::from_secs(3);
     let running = Running::start(config).await;
     let source = fixture.open().await;
     wait_for("ready", SETTLE, async || {

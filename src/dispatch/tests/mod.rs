@@ -180,22 +180,22 @@ fn fast_policy(max_attempts: u32) -> Policy {
 }
 
 fn dispatcher(source: Arc<MemorySource>, app: SocketAddr, policy: Policy) -> Dispatcher {
-    Dispatcher {
+    let mut options = SourceOptions::new("orders");
+    options.concurrency = 4;
+    options.max_body = 1 << 20;
+    options.visibility_timeout = Duration::from_secs(60);
+    Dispatcher::new(
         source,
-        forwarder: Forwarder::new(format!("http://{app}/").parse().unwrap(), 4),
-        policy: LivePolicy::fixed(policy),
-        metrics: Arc::new(Metrics::new()),
-        queue: "orders".into(),
-        concurrency: 4,
-        max_body: 1 << 20,
-        drain_timeout: Duration::from_secs(5),
-        visibility_timeout: Duration::from_secs(60),
-        health: Arc::new(telemetry::Health::default()),
-        app_health_path: None,
-        app_failure_run: gate::FAILURE_RUN,
-        dedup_window: None,
-        traces: None,
-    }
+        LivePolicy::fixed(policy),
+        &options,
+        &AppSettings::new(format!("http://{app}/").parse().unwrap()),
+        &DeliverySettings {
+            drain_timeout: Duration::from_secs(5),
+            dedup_window: None,
+        },
+        Arc::new(Metrics::new()),
+        Arc::new(telemetry::Health::default()),
+    )
 }
 
 /// An address nothing listens on.

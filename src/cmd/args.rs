@@ -3,11 +3,13 @@
 //! wrong and what to do, and exit code 2, before anything has started.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Args;
 use http::Uri;
 
-use crate::source::{SourceUrl, Tls, TlsFiles};
+use crate::source::{Seal, SourceUrl, Tls, TlsFiles};
 
 /// Bad usage: the message is printed as is and the process exits with 2.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +89,35 @@ impl SourceArgs {
         }
         let tls = Tls::load(&files).map_err(UsageError)?;
         Ok((url, tls))
+    }
+}
+
+/// The seal's keys, for the commands that seal copies (`run`, `dlq
+/// replay`): from a file, or the broker's own key per queue.
+#[derive(Debug, Clone, Args)]
+pub struct SealArgs {
+    /// File of the keys that seal courier's copies (a mounted Secret), instead of the random key
+    /// the broker keeps per queue: a line per key, `<id> <in force from, RFC 3339> <secret as
+    /// 32-128 hex digits>`. The newest key in force signs; a key whose time has not come is
+    /// already accepted. Every replica of a queue needs the same file.
+    #[arg(long, env = "COURIER_SEAL_KEYS_FILE")]
+    pub seal_keys_file: Option<PathBuf>,
+    /// How long a key of --seal-keys-file is still accepted after a newer one came into force:
+    /// longer than the longest a retry waits, so that copies sealed before a rotation keep their
+    /// attempt.
+    #[arg(long, env = "COURIER_SEAL_KEY_WINDOW", default_value = "24h", value_parser = crate::duration::parse_flag)]
+    pub seal_key_window: Duration,
+}
+
+impl SealArgs {
+    /// The keys of `--seal-keys-file`, read and checked; none without it.
+    pub fn load(&self) -> Result<Option<Arc<Seal>>, UsageError> {
+        let Some(path) = &self.seal_keys_file else {
+            return Ok(None);
+        };
+        Seal::from_keys_file(path, self.seal_key_window)
+            .map(|seal| Some(Arc::new(seal)))
+            .map_err(|e| UsageError(format!("--seal-keys-file {e}")))
     }
 }
 

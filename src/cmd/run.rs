@@ -11,7 +11,7 @@ use clap::Args;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use tokio_util::sync::CancellationToken;
 
-use super::args::{SourceArgs, UsageError, parse_app, parse_size};
+use super::args::{SealArgs, SourceArgs, UsageError, parse_app, parse_size};
 use crate::dispatch::{AppSettings, DeliverySettings};
 use crate::duration;
 use crate::forward::cloudevents::Mode as CloudEventsMode;
@@ -26,6 +26,8 @@ use crate::telemetry::traces::Traces;
 pub struct RunArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    #[command(flatten)]
+    pub seal: SealArgs,
     /// Consumer group every replica joins.
     #[arg(long, env = "COURIER_GROUP", default_value = "courier")]
     pub group: String,
@@ -199,6 +201,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         max_body: args.max_body,
         max_unsettled: MAX_UNSETTLED,
         tls,
+        seal: args.seal.load()?,
     };
     Ok(RunConfig {
         source,

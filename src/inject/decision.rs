@@ -10,8 +10,9 @@ use serde_json::{Value, json};
 
 use super::settings::{
     CONTAINER_NAME, DEFAULT_DRAIN, DEFAULT_GRACE_SECONDS, DRAIN_PATH, GRACE_MARGIN, INJECT_LABEL,
-    METRICS_PORT_NAME, SIDECAR_UID, Settings, SidecarDefaults, SourceSetting, TLS_MOUNT_PATH,
-    TLS_VOLUME, TOKEN_MOUNT_PATH, annotations, read_settings,
+    METRICS_PORT_NAME, SEAL_KEYS_FILE, SEAL_MOUNT_PATH, SEAL_VOLUME, SIDECAR_UID, Settings,
+    SidecarDefaults, SourceSetting, TLS_MOUNT_PATH, TLS_VOLUME, TOKEN_MOUNT_PATH, annotations,
+    read_settings,
 };
 use crate::duration;
 use crate::source::redact;
@@ -249,6 +250,19 @@ pub fn decide_with_token(pod: &Pod, defaults: &SidecarDefaults, drain_token: &st
             _ => ops.push(add("/spec/volumes", json!([volume]))),
         }
     }
+    if let Some(secret) = &settings.seal_keys {
+        mounts.push(json!({
+            "name": SEAL_VOLUME,
+            "mountPath": SEAL_MOUNT_PATH,
+            "readOnly": true,
+        }));
+        let volume = json!({"name": SEAL_VOLUME, "secret": {"secretName": secret}});
+        match (&spec.volumes, settings.tls.is_some()) {
+            (Some(list), _) if !list.is_empty() => ops.push(add("/spec/volumes/-", volume)),
+            (_, true) => ops.push(add("/spec/volumes/-", volume)),
+            _ => ops.push(add("/spec/volumes", json!([volume]))),
+        }
+    }
     if !mounts.is_empty() {
         container["volumeMounts"] = Value::Array(mounts);
     }
@@ -432,6 +446,12 @@ fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
             var("COURIER_TLS_CERT_FILE", format!("{TLS_MOUNT_PATH}/tls.crt"));
             var("COURIER_TLS_KEY_FILE", format!("{TLS_MOUNT_PATH}/tls.key"));
         }
+    }
+    if settings.seal_keys.is_some() {
+        var(
+            "COURIER_SEAL_KEYS_FILE",
+            format!("{SEAL_MOUNT_PATH}/{SEAL_KEYS_FILE}"),
+        );
     }
     if !settings.traces.is_empty() {
         // Defined before the variables that may use it: Kubernetes expands

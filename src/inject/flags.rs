@@ -71,6 +71,12 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         kind: Kind::Duration,
     },
     Passthrough {
+        annotation: "courier.dev/seal-key-window",
+        flag: "seal-key-window",
+        env: "COURIER_SEAL_KEY_WINDOW",
+        kind: Kind::Duration,
+    },
+    Passthrough {
         annotation: "courier.dev/max-body",
         flag: "max-body",
         env: "COURIER_MAX_BODY",
@@ -106,6 +112,7 @@ pub const ANNOTATED: &[(&str, &str)] = &[
     ("listen", "courier.dev/metrics-port"),
     ("log-level", "courier.dev/log-level"),
     ("tls-ca-file", "courier.dev/tls-secret"),
+    ("seal-keys-file", "courier.dev/seal-keys-secret"),
     (
         "tls-cert-file",
         "courier.dev/tls-secret, courier.dev/tls-client-cert",

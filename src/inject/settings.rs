@@ -21,6 +21,12 @@ pub const METRICS_PORT_NAME: &str = "courier-metrics";
 pub(super) const TLS_MOUNT_PATH: &str = "/etc/courier/tls";
 /// The pod volume of that Secret.
 pub(super) const TLS_VOLUME: &str = "courier-tls";
+/// Where the sidecar finds the Secret of `courier.dev/seal-keys-secret`.
+pub(super) const SEAL_MOUNT_PATH: &str = "/etc/courier/seal";
+/// The pod volume of that Secret.
+pub(super) const SEAL_VOLUME: &str = "courier-seal";
+/// The key of that Secret that holds the keys file.
+pub(super) const SEAL_KEYS_FILE: &str = "keys";
 /// Where Kubernetes mounts the service account token.
 pub(super) const TOKEN_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// The UID and GID of the image's non-root user (distroless `nonroot`).
@@ -68,6 +74,10 @@ pub mod annotations {
     /// `true`: the sidecar presents `tls.crt` and `tls.key` of that Secret
     /// (mutual TLS).
     pub const TLS_CLIENT_CERT: &str = "courier.dev/tls-client-cert";
+    /// Name of a Secret in the pod's namespace whose key `keys` is the
+    /// seal's keys file (`--seal-keys-file`), mounted read-only into the
+    /// sidecar; without it the broker keeps a key per queue.
+    pub const SEAL_KEYS_SECRET: &str = "courier.dev/seal-keys-secret";
     /// The OpenTelemetry collector that trace spans go to
     /// (`OTEL_EXPORTER_OTLP_ENDPOINT`); `$(HOST_IP)` is the node's address.
     pub const OTEL_ENDPOINT: &str = "courier.dev/otel-endpoint";
@@ -173,6 +183,8 @@ pub(super) struct Settings {
     pub(super) native: bool,
     pub(super) resources: Resources,
     pub(super) tls: Option<TlsSecret>,
+    /// The Secret of the seal's keys (`courier.dev/seal-keys-secret`).
+    pub(super) seal_keys: Option<String>,
     /// Annotations of [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH):
     /// (variable, value), checked.
     pub(super) passthrough: Vec<(&'static str, String)>,
@@ -375,6 +387,7 @@ pub(super) fn read_settings(
             native,
             resources,
             tls,
+            seal_keys: get(a::SEAL_KEYS_SECRET).map(str::to_string),
             passthrough,
             traces,
         }),

@@ -49,6 +49,7 @@ pub use crate::model::{DeadLetter, Delivery, Failure};
 pub use batch::Batcher;
 pub use recent::Recent;
 pub use redact::{redact, redact_error, secrets_of};
+pub use seal::Seal;
 pub use tls::{Tls, TlsFiles};
 pub use wire::{decode_fields, encode_fields};
 
@@ -263,6 +264,9 @@ pub struct SourceOptions {
     /// `--tls-ca-file`, `--tls-cert-file`, `--tls-key-file`, read and
     /// checked; empty unless the URL's scheme is a TLS one.
     pub tls: Tls,
+    /// The seal's keys from `--seal-keys-file`; none: the key the broker
+    /// keeps per queue, made on first use.
+    pub seal: Option<Arc<Seal>>,
 }
 
 /// [`SourceOptions::max_unsettled`] of `courier run`: about a megabyte of
@@ -376,6 +380,7 @@ impl SourceOptions {
             max_body: 4 << 20,
             max_unsettled: MAX_UNSETTLED,
             tls: Tls::default(),
+            seal: None,
         }
     }
 }

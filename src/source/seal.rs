@@ -2,6 +2,9 @@
 //! (attempt, first attempt, deliveries, replays) was written by courier
 //! and not by a producer. Every broker that stores copies uses it.
 
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
 use bytes::Bytes;
 use ring::hmac;
 
@@ -27,29 +30,50 @@ pub const SEAL_KEY_BYTES: usize = 32;
 
 /// Proof that courier wrote the `courier-*` state of a copy it stored
 /// (a retry, a re-published redelivery, a replayed dead letter): the field
-/// `courier-seal`, an HMAC over [`STATE_FIELDS`] with a random key kept in
-/// the broker per queue. A producer can write any `courier-*` field, but
-/// not a seal: a copy without a valid one is a new message, and its
-/// `courier-*` fields are dropped ([`Seal::open`]).
+/// `courier-seal`, an HMAC over [`STATE_FIELDS`]. A producer can write any
+/// `courier-*` field, but not a seal: a copy without a valid one is a new
+/// message, and its `courier-*` fields are dropped ([`Seal::open`]).
+///
+/// The keys are either the one random key kept in the broker per queue
+/// ([`Seal::new`]; its seals carry no id), or the keys of a file, each
+/// with an id and a time it comes into force ([`Seal::parse_keys`]; its
+/// seals say `<id>:<hex>`). Of a file's keys, the newest in force signs; a
+/// key whose time has not come is accepted but does not sign yet, so
+/// every replica knows it before any uses it; a key replaced by a newer
+/// one is still accepted for `window` after the newer one came into force,
+/// so copies sealed before a rotation keep their state.
 ///
 /// HMAC-SHA1, because Redis's scripts must check a seal too (a poison pill
 /// is dead-lettered inside Redis) and SHA-1 is the one hash they have
 /// (`redis.sha1hex`); an HMAC does not rely on the hash's collision
 /// resistance, only on it being a pseudo-random function.
 pub struct Seal {
+    /// By the time each comes into force, oldest first.
+    keys: Vec<SealKey>,
+    window: Duration,
+}
+
+struct SealKey {
+    /// None for the broker-kept key.
+    id: Option<String>,
+    since: SystemTime,
     key: hmac::Key,
     secret: Vec<u8>,
 }
 
 impl std::fmt::Debug for Seal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Seal(..)")
+        let ids: Vec<&str> = self.keys.iter().filter_map(|k| k.id.as_deref()).collect();
+        write!(f, "Seal(keys {ids:?}, ..)")
     }
 }
 
-impl Seal {
-    /// A seal with the key `secret` (as kept in the broker).
-    pub fn new(secret: &[u8]) -> Result<Self, String> {
+/// A key id in a seal keys file: what `courier-seal` names, so short and
+/// without the `:` that ends it.
+const MAX_ID_LEN: usize = 32;
+
+impl SealKey {
+    fn new(id: Option<String>, since: SystemTime, secret: &[u8]) -> Result<Self, String> {
         if secret.is_empty() || secret.len() > 64 {
             return Err(format!(
                 "a seal key is 1 to 64 bytes, this one is {}",
@@ -57,8 +81,31 @@ impl Seal {
             ));
         }
         Ok(Self {
+            id,
+            since,
             key: hmac::Key::new(hmac::HMAC_SHA1_FOR_LEGACY_USE_ONLY, secret),
             secret: secret.to_vec(),
+        })
+    }
+
+    /// The HMAC's inner and outer key blocks (`K ^ 0x36…`, `K ^ 0x5c…`),
+    /// for a Redis script to compute the same seal with `redis.sha1hex`.
+    fn pads(&self) -> (Vec<u8>, Vec<u8>) {
+        let mut block = self.secret.clone();
+        block.resize(64, 0);
+        (
+            block.iter().map(|b| b ^ 0x36).collect(),
+            block.iter().map(|b| b ^ 0x5c).collect(),
+        )
+    }
+}
+
+impl Seal {
+    /// A seal with the key `secret` (as kept in the broker).
+    pub fn new(secret: &[u8]) -> Result<Self, String> {
+        Ok(Self {
+            keys: vec![SealKey::new(None, SystemTime::UNIX_EPOCH, secret)?],
+            window: Duration::ZERO,
         })
     }
 
@@ -68,31 +115,146 @@ impl Seal {
         hex(&bytes)
     }
 
-    /// The HMAC's inner and outer key blocks (`K ^ 0x36…`, `K ^ 0x5c…`),
-    /// for a Redis script to compute the same seal with `redis.sha1hex`.
-    pub fn pads(&self) -> (Vec<u8>, Vec<u8>) {
-        let mut block = self.secret.clone();
-        block.resize(64, 0);
-        (
-            block.iter().map(|b| b ^ 0x36).collect(),
-            block.iter().map(|b| b ^ 0x5c).collect(),
-        )
+    /// The keys of a seal keys file (`--seal-keys-file`, a mounted
+    /// Secret): one per line, `<id> <in-force-from, RFC 3339> <secret as
+    /// hex, 16 to 64 bytes>`; blank lines and lines starting with `#` are
+    /// skipped. At least one key must be in force `now`.
+    pub fn parse_keys(text: &str, window: Duration, now: SystemTime) -> Result<Self, String> {
+        let mut keys: Vec<SealKey> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let at = |what: String| format!("line {}: {what}", n + 1);
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let [id, since, secret] = words[..] else {
+                return Err(at(format!(
+                    "{} words; a key is `<id> <in-force-from, RFC 3339> <secret as hex>`",
+                    words.len()
+                )));
+            };
+            if id.len() > MAX_ID_LEN
+                || !id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            {
+                return Err(at(format!(
+                    "the id {id:?} is not 1 to {MAX_ID_LEN} letters, digits, '.', '_' or '-'"
+                )));
+            }
+            let since = crate::model::parse_time(since.as_bytes()).ok_or_else(|| {
+                at(format!(
+                    "{since:?} is not an RFC 3339 time like 2026-12-01T00:00:00Z"
+                ))
+            })?;
+            let secret = unhex(secret.as_bytes())
+                .filter(|s| (16..=64).contains(&s.len()))
+                .ok_or_else(|| {
+                    at(format!(
+                        "the secret of {id:?} is not 32 to 128 hex digits (16 to 64 bytes); make one with `openssl rand -hex 32`"
+                    ))
+                })?;
+            if let Some(other) = keys
+                .iter()
+                .find(|k| k.id.as_deref() == Some(id) || k.since == since)
+            {
+                return Err(at(format!(
+                    "{id:?} has the id or the in-force time of {:?}; each key needs its own of both",
+                    other.id.as_deref().unwrap_or_default()
+                )));
+            }
+            keys.push(SealKey::new(Some(id.to_string()), since, &secret).map_err(at)?);
+        }
+        keys.sort_by_key(|k| k.since);
+        let Some(first) = keys.first() else {
+            return Err(
+                "no key in it; a key is `<id> <in-force-from, RFC 3339> <secret as hex>`".into(),
+            );
+        };
+        if first.since > now {
+            return Err(format!(
+                "no key is in force yet (the earliest, {:?}, is from {}); give one whose time has come",
+                first.id.as_deref().unwrap_or_default(),
+                crate::model::rfc3339(first.since)
+            ));
+        }
+        Ok(Self { keys, window })
+    }
+
+    /// [`Seal::parse_keys`] of the file at `path`.
+    pub fn from_keys_file(path: &Path, window: Duration) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("{}: cannot read it: {e}", path.display()))?;
+        Self::parse_keys(&text, window, SystemTime::now())
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// The key that signs at `now`: the newest in force.
+    fn signing(&self, now: SystemTime) -> &SealKey {
+        self.keys
+            .iter()
+            .rev()
+            .find(|k| k.since <= now)
+            .unwrap_or(&self.keys[0])
+    }
+
+    /// The keys whose seals are accepted at `now`: all but those replaced
+    /// by a newer key longer than the window ago.
+    fn accepted(&self, now: SystemTime) -> impl Iterator<Item = &SealKey> {
+        self.keys.iter().enumerate().filter_map(move |(i, key)| {
+            let replaced = self.keys.get(i + 1).map(|next| next.since + self.window);
+            replaced.is_none_or(|until| now < until).then_some(key)
+        })
+    }
+
+    /// The accepted keys for a Redis script: for each, its id's length (one
+    /// byte; 0 for the broker-kept key), the id, and the HMAC's inner and
+    /// outer key blocks (64 bytes each).
+    pub fn script_keys(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for key in self.accepted(SystemTime::now()) {
+            let id = key.id.as_deref().unwrap_or_default();
+            let (inner, outer) = key.pads();
+            out.push(id.len() as u8);
+            out.extend_from_slice(id.as_bytes());
+            out.extend_from_slice(&inner);
+            out.extend_from_slice(&outer);
+        }
+        out
     }
 
     /// `fields` with a seal over their state, any older seal replaced.
     pub fn seal(&self, fields: Vec<(Bytes, Bytes)>) -> Vec<(Bytes, Bytes)> {
         let mut fields = without(fields, F_SEAL);
-        let tag = hmac::sign(&self.key, &covered(&fields));
-        fields.push((F_SEAL.into(), Bytes::from(hex(tag.as_ref()))));
+        let key = self.signing(SystemTime::now());
+        let tag = hex(hmac::sign(&key.key, &covered(&fields)).as_ref());
+        let value = match &key.id {
+            Some(id) => format!("{id}:{tag}"),
+            None => tag,
+        };
+        fields.push((F_SEAL.into(), Bytes::from(value)));
         fields
     }
 
-    /// Whether `fields` carry a valid seal over their state.
+    /// Whether `fields` carry a valid seal over their state, by a key
+    /// accepted now. The first `courier-seal` counts, as the first of
+    /// every field does ([`covered`], `Delivery::from_fields`).
     pub fn is_sealed(&self, fields: &[(Bytes, Bytes)]) -> bool {
-        let Some((_, tag)) = fields.iter().find(|(n, _)| n.as_ref() == F_SEAL.as_bytes()) else {
+        let Some((_, value)) = fields.iter().find(|(n, _)| n.as_ref() == F_SEAL.as_bytes()) else {
             return false;
         };
-        unhex(tag).is_some_and(|tag| hmac::verify(&self.key, &covered(fields), &tag).is_ok())
+        let (id, tag) = match value.iter().position(|&b| b == b':') {
+            Some(colon) => (Some(&value[..colon]), &value[colon + 1..]),
+            None => (None, &value[..]),
+        };
+        let Some(tag) = unhex(tag) else {
+            return false;
+        };
+        let data = covered(fields);
+        self.accepted(SystemTime::now())
+            .filter(|k| k.id.as_deref().map(str::as_bytes) == id)
+            .any(|k| hmac::verify(&k.key, &data, &tag).is_ok())
     }
 
     /// The fields of a stored copy as courier may read them: a sealed copy
@@ -206,7 +368,7 @@ mod tests {
     #[test]
     fn the_pads_are_the_hmac_key_blocks() {
         let seal = Seal::new(b"key").unwrap();
-        let (inner, outer) = seal.pads();
+        let (inner, outer) = seal.keys[0].pads();
         let data = covered(&stored());
         let sha1 = |data: &[u8]| {
             ring::digest::digest(&ring::digest::SHA1_FOR_LEGACY_USE_ONLY, data)
@@ -215,6 +377,127 @@ mod tests {
         };
         let inner_hash = sha1(&[inner, data.clone()].concat());
         let tag = sha1(&[outer, inner_hash].concat());
-        assert_eq!(tag, hmac::sign(&seal.key, &data).as_ref());
+        assert_eq!(tag, hmac::sign(&seal.keys[0].key, &data).as_ref());
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn key_line(id: &str, since: SystemTime, secret: &str) -> String {
+        format!("{id} {} {secret}\n", crate::model::rfc3339(since))
+    }
+
+    /// A file of `(id, offset from now, secret)`; negative offsets are in
+    /// the past.
+    fn file(keys: &[(&str, f64, &str)], window: Duration) -> Seal {
+        let now = SystemTime::now();
+        let text: String = keys
+            .iter()
+            .map(|(id, hours, secret)| {
+                let at = if *hours < 0.0 {
+                    now - HOUR.mul_f64(-hours)
+                } else {
+                    now + HOUR.mul_f64(*hours)
+                };
+                key_line(id, at, secret)
+            })
+            .collect();
+        Seal::parse_keys(&format!("# the queue's keys\n\n{text}"), window, now).unwrap()
+    }
+
+    const A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    const B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+    const C: &str = "cccccccccccccccccccccccccccccccc";
+
+    #[test]
+    fn the_newest_key_in_force_signs_and_says_its_id() {
+        let seal = file(&[("a", -240.0, A), ("b", -1.0, B), ("c", 1.0, C)], HOUR * 2);
+        let sealed = seal.seal(stored());
+        let value = crate::source::shared::field(&sealed, F_SEAL).unwrap();
+        assert!(value.starts_with("b:"), "{value}");
+        assert!(seal.is_sealed(&sealed));
+        assert_eq!(seal.open(sealed), stored());
+    }
+
+    #[test]
+    fn an_old_key_is_accepted_for_the_window_after_its_successor_and_not_after() {
+        let by_a = file(&[("a", -240.0, A)], HOUR).seal(stored());
+        let by_c = file(&[("c", -1.0, C)], HOUR).seal(stored());
+        // b came into force an hour ago: a is accepted for 2 h after that,
+        // and c, whose time has not come, is accepted already.
+        let rotating = file(&[("a", -240.0, A), ("b", -1.0, B), ("c", 1.0, C)], HOUR * 2);
+        assert!(rotating.is_sealed(&by_a));
+        assert!(rotating.is_sealed(&by_c));
+        // With a 30 min window, a's time ended half an hour ago.
+        let rotated = file(&[("a", -240.0, A), ("b", -1.0, B)], HOUR / 2);
+        assert!(!rotated.is_sealed(&by_a));
+        assert_eq!(
+            rotated.open(by_a.clone()),
+            vec![
+                (Bytes::from("payload"), Bytes::from("x")),
+                (Bytes::from("traceparent"), Bytes::from("00-a-b-01")),
+            ]
+        );
+        // A seal naming a key the file does not have, or another key's
+        // id, fails; so does a seal without an id (the broker-kept key's).
+        let renamed = replace(
+            by_a.clone(),
+            F_SEAL,
+            crate::source::shared::field(&by_a, F_SEAL)
+                .unwrap()
+                .replacen("a:", "b:", 1),
+        );
+        assert!(!rotating.is_sealed(&renamed));
+        let broker_kept = Seal::new(A.as_bytes()).unwrap().seal(stored());
+        assert!(!rotating.is_sealed(&broker_kept));
+        assert!(!Seal::new(A.as_bytes()).unwrap().is_sealed(&by_a));
+    }
+
+    #[test]
+    fn a_keys_file_that_is_wrong_says_which_line_and_why() {
+        let now = SystemTime::now();
+        let past = now - HOUR;
+        let cases = [
+            ("a 2026-01-01T00:00:00Z\n".to_string(), "line 1: 2 words"),
+            (key_line("a:b", past, A), "the id \"a:b\" is not"),
+            (
+                "a yesterday ".to_string() + A,
+                "\"yesterday\" is not an RFC 3339 time",
+            ),
+            (key_line("a", past, "abcd"), "not 32 to 128 hex digits"),
+            (
+                key_line("a", past, &"zz".repeat(16)),
+                "not 32 to 128 hex digits",
+            ),
+            (
+                key_line("a", past, A) + &key_line("a", past - HOUR, B),
+                "line 2: \"a\" has the id or the in-force time of \"a\"",
+            ),
+            (
+                key_line("a", past, A) + &key_line("b", past, B),
+                "line 2: \"b\" has the id or the in-force time of \"a\"",
+            ),
+            (key_line("a", now + HOUR, A), "no key is in force yet"),
+            ("# nothing\n".to_string(), "no key in it"),
+        ];
+        for (text, want) in cases {
+            let err = Seal::parse_keys(&text, HOUR, now).unwrap_err();
+            assert!(err.contains(want), "{text:?}: {err}");
+        }
+        let debug = format!("{:?}", file(&[("a", -1.0, A)], HOUR));
+        assert!(!debug.contains(A) && debug.contains("\"a\""), "{debug}");
+    }
+
+    /// The first `courier-seal` is the one checked, as the first of every
+    /// state field is the one covered and read.
+    #[test]
+    fn the_first_seal_counts() {
+        let seal = file(&[("a", -1.0, A)], HOUR);
+        let sealed = seal.seal(stored());
+        let mut second_bad = sealed.clone();
+        second_bad.push((Bytes::from(F_SEAL), Bytes::from("a:00")));
+        assert!(seal.is_sealed(&second_bad));
+        let mut first_bad = vec![(Bytes::from(F_SEAL), Bytes::from("a:00"))];
+        first_bad.extend(sealed);
+        assert!(!seal.is_sealed(&first_bad));
     }
 }

@@ -249,6 +249,61 @@ fn an_unreadable_policy_file_is_named() {
     }
 }
 
+/// A seal keys file that cannot be read or is wrong is refused before
+/// anything connects, naming the file, the line and what to write, on
+/// `run` and on `dlq replay`, from the flag or the environment.
+#[test]
+fn a_wrong_seal_keys_file_is_refused_and_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let short = file("short.keys", "k1 2026-01-01T00:00:00Z abcd\n");
+    let future = file(
+        "future.keys",
+        &format!("k1 2999-01-01T00:00:00Z {}\n", "ab".repeat(32)),
+    );
+    let cases = [
+        ("/nonexistent/seal.keys".to_string(), "cannot read it"),
+        (
+            short.clone(),
+            "line 1: the secret of \"k1\" is not 32 to 128 hex digits",
+        ),
+        (future, "no key is in force yet"),
+    ];
+    for target in Target::all() {
+        for (path, why) in &cases {
+            let stderr = refused_run(&[
+                "--source",
+                &target.source(),
+                "--queue",
+                &target.queue(),
+                "--seal-keys-file",
+                path,
+            ]);
+            assert_mentions(&stderr, &["--seal-keys-file", path, why]);
+            target.assert_untouched();
+        }
+    }
+    let out = courier(
+        &[
+            "dlq",
+            "replay",
+            "--all",
+            "--source",
+            "redis://127.0.0.1:6379",
+            "--queue",
+            "seal-keys-cli",
+        ],
+        &[("COURIER_SEAL_KEYS_FILE", &short)],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
+    assert_mentions(&out.stderr, &["--seal-keys-file", &short, "hex digits"]);
+}
+
 #[test]
 fn an_invalid_policy_file_names_the_field_and_the_rule() {
     let rows: &[(&str, &[&str])] = &[

@@ -101,6 +101,18 @@ const CLASSIFIED: &[(&str, How)] = &[
         "courier inject --pod deployment.yaml --values my-values.yaml",
         How::Run,
     ),
+    (
+        "printf 'k1 2026-12-01T00:00:00Z %s\\n' \"$(openssl rand -hex 32)\" > keys",
+        How::Run,
+    ),
+    (
+        "kubectl -n shop create secret generic orders-seal --from-file=keys",
+        How::Run,
+    ),
+    (
+        "kubectl -n shop patch deployment orders --type merge -p \\",
+        How::Run,
+    ),
     ("kubectl -n shop get rp", How::Run),
     ("kubectl -n shop edit rp orders", How::Run),
     (
@@ -659,6 +671,31 @@ impl World {
         } else if text.starts_with("kubectl get crd") || text.starts_with("kubectl apply -f charts")
         {
             assert!(stdout.contains("retrypolicies.courier.dev"), "{stdout}");
+        } else if text.ends_with("> keys") {
+            let keys = self.path("keys");
+            courier::source::Seal::from_keys_file(&keys, Duration::from_secs(3600))
+                .unwrap_or_else(|e| panic!("the doc's keys file is refused: {e}"));
+        } else if text.contains("create secret generic orders-seal") {
+            let secret = self
+                .stub
+                .json(&["-n", "shop", "get", "secret", "orders-seal"]);
+            let keys = base64::Engine::decode(
+                &base64::engine::general_purpose::STANDARD,
+                secret["data"]["keys"].as_str().unwrap(),
+            )
+            .unwrap();
+            assert_eq!(
+                text_of(&keys),
+                std::fs::read_to_string(self.path("keys")).unwrap()
+            );
+        } else if text.contains("courier.dev/seal-keys-secret") {
+            let deployment = self
+                .stub
+                .json(&["-n", "shop", "get", "deployment", "orders"]);
+            assert_eq!(
+                deployment["spec"]["template"]["metadata"]["annotations"]["courier.dev/seal-keys-secret"],
+                "orders-seal"
+            );
         } else if text.contains("create secret generic orders-broker") {
             let secret = self
                 .stub

@@ -458,6 +458,18 @@ impl Fixture {
             .expect("open the source")
     }
 
+    /// [`Fixture::open`] with the seal's keys from a keys file, so that
+    /// nothing makes a key in the broker.
+    pub async fn open_sealed(&self, seal: Arc<courier::source::Seal>) -> Arc<dyn Source> {
+        let mut options = SourceOptions::new(&self.queue);
+        options.consumer = "inspector".into();
+        options.create = true;
+        options.seal = Some(seal);
+        source::open(&self.url, options)
+            .await
+            .expect("open the source")
+    }
+
     /// [`Fixture::open`], named for tests that are about what
     /// `courier run --create` makes.
     pub async fn open_as_created(&self) -> Arc<dyn Source> {

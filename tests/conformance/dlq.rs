@@ -829,3 +829,134 @@ async fn kafka_partitions(bootstrap: &str, topic: &str) -> Vec<i32> {
     .await
     .unwrap()
 }
+
+/// Found at 21da363 (issue 26): the seal key sat in the broker, where
+/// producers can usually read it, and an old key was never accepted, so a
+/// rotation made every copy in flight a new message. With
+/// `--seal-keys-file` (a mounted Secret) courier keeps no key in the
+/// broker, and a key replaced by a newer one is still accepted for the
+/// window. Two dead letters are replayed with `courier dlq replay
+/// --seal-keys-file`: one sealed by "old", one by "older". A sidecar whose
+/// file has "older" (replaced by "old" 48 h ago), "old" (replaced by "new"
+/// 1 h ago) and "new", with a window of 2 h, keeps the first copy's state
+/// (its original message id, the Idempotency-Key's) and takes the second
+/// for a new message (the copy's own id). The embedded queue is courier's
+/// file alone and needs no seal: both keep their state there.
+pub async fn a_key_rotation_keeps_copies_sealed_within_the_window(fixture: Fixture) {
+    // A queue the suite's harness has not opened with a broker-kept key.
+    let fixture = fixture.broker.fixture();
+    let app = TestApp::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let now = std::time::SystemTime::now();
+    let hour = Duration::from_secs(3600);
+    let line = |id: &str, hours_ago: u32, secret: &str| {
+        let since = courier::model::rfc3339(now - hour * hours_ago);
+        format!("{id} {since} {secret}\n")
+    };
+    let older = line("older", 100, &"a1".repeat(32));
+    let old = line("old", 48, &"b2".repeat(32));
+    let new = line("new", 1, &"c3".repeat(24));
+    let file = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let older_file = file("older.keys", older.clone());
+    let old_file = file("old.keys", format!("{older}{old}"));
+    let rotated = file("rotated.keys", format!("{older}{old}{new}"));
+    let seal = |path: &str, window: Duration| {
+        Arc::new(courier::source::Seal::from_keys_file(path.as_ref(), window).unwrap())
+    };
+
+    let source = fixture.open_sealed(seal(&old_file, hour)).await;
+    let bodies = [
+        "script:400\nrotation by old",
+        "script:400\nrotation by older",
+    ];
+    let mut ids = Vec::new();
+    for body in bodies {
+        ids.push(fixture.send(&source, body).await);
+    }
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.seal = Some(seal(&old_file, hour));
+    let running = Running::start(config).await;
+    wait_for("both dead-lettered", SETTLE, async || {
+        source
+            .dead_letters(&fixture.dlq(), 10)
+            .await
+            .is_ok_and(|l| l.len() == 2)
+    })
+    .await;
+    running.stop().await;
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let letter_of = |id: &str| {
+        letters
+            .iter()
+            .find(|l| l.field("courier-message-id") == Some(id))
+            .unwrap_or_else(|| panic!("no dead letter of {id}: {letters:?}"))
+            .id
+            .clone()
+    };
+    let (by_old, by_older) = (letter_of(&ids[0]), letter_of(&ids[1]));
+    drop(source);
+    release(&fixture).await;
+    for (letter, keys) in [(&by_old, &old_file), (&by_older, &older_file)] {
+        let out = courier(
+            &fixture,
+            &["dlq", "replay", "--id", letter, "--seal-keys-file", keys],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+
+    let source = fixture.open_sealed(seal(&rotated, 2 * hour)).await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.seal = Some(seal(&rotated, 2 * hour));
+    let running = Running::start(config).await;
+    wait_for("both replays delivered", SETTLE, async || {
+        bodies
+            .iter()
+            .all(|b| app.received_body(b.as_bytes()).len() >= 2)
+    })
+    .await;
+    wait_for("both dead-lettered again", SETTLE, async || {
+        source
+            .dead_letters(&fixture.dlq(), 10)
+            .await
+            .is_ok_and(|l| l.len() == 2)
+    })
+    .await;
+    running.stop().await;
+    let replayed_id = app.received_body(bodies[0].as_bytes())[1]
+        .header("courier-message-id")
+        .map(str::to_string);
+    assert_eq!(
+        replayed_id.as_deref(),
+        Some(ids[0].as_str()),
+        "the copy sealed by \"old\", replaced an hour ago, keeps its message id"
+    );
+    // The state a dead letter keeps of the copy: its replay count.
+    let letters = source.dead_letters(&fixture.dlq(), 10).await.unwrap();
+    let replays = |body: &str| {
+        letters
+            .iter()
+            .find(|l| l.body.as_ref() == body.as_bytes())
+            .unwrap_or_else(|| panic!("no dead letter of {body:?}: {letters:?}"))
+            .field("courier-replays")
+            .map(str::to_string)
+    };
+    assert_eq!(replays(bodies[0]).as_deref(), Some("1"), "{letters:?}");
+    let older_state = (fixture.broker == BrokerKind::Embedded).then_some("1");
+    assert_eq!(
+        replays(bodies[1]).as_deref(),
+        older_state,
+        "the copy sealed by \"older\", replaced 48 h ago, is a new message (but on the embedded queue, which needs no seal): {letters:?}"
+    );
+    drop(source);
+    release(&fixture).await;
+    let kept: Vec<String> = inventory(&fixture)
+        .await
+        .into_iter()
+        .filter(|name| name.contains("courier-key") || name.contains("courier-seal-key"))
+        .collect();
+    assert!(kept.is_empty(), "a seal key in the broker: {kept:?}");
+}

@@ -181,6 +181,7 @@ suite!(
         dlq::list_show_replay_purge if DeadLetterBrowsing,
         dlq::replay_killed_halfway_loses_nothing if DeadLetterBrowsing,
         dlq::read_only_commands_leave_the_broker_as_found if Nothing,
+        dlq::a_key_rotation_keeps_copies_sealed_within_the_window if DeadLetterBrowsing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
     ]

@@ -258,6 +258,81 @@ fn a_bad_trace_annotation_refuses_the_pod() {
     }
 }
 
+/// `courier.dev/seal-keys-secret` mounts the Secret into the sidecar only
+/// and points `--seal-keys-file` at its `keys`; beside a TLS Secret both
+/// volumes are there.
+#[test]
+fn a_seal_keys_secret_is_mounted_into_the_sidecar_and_names_the_file() {
+    let given = json!({
+        "courier.dev/seal-keys-secret": "orders-seal",
+        "courier.dev/seal-key-window": "48h",
+    });
+    let env =
+        mounted_in_the_sidecar_only(given, "courier-seal", "orders-seal", "/etc/courier/seal");
+    for (name, value) in [
+        ("COURIER_SEAL_KEYS_FILE", "/etc/courier/seal/keys"),
+        ("COURIER_SEAL_KEY_WINDOW", "48h"),
+    ] {
+        assert!(
+            env.contains(&json!({"name": name, "value": value})),
+            "{name}={value} in {env:?}"
+        );
+    }
+
+    let both = json!({
+        "courier.dev/seal-keys-secret": "orders-seal",
+        "courier.dev/tls-secret": "broker-ca",
+    });
+    let (doc, _) = inject_document(deployment(both), &SidecarDefaults::chart()).unwrap();
+    assert_eq!(
+        doc["spec"]["template"]["spec"]["volumes"],
+        json!([
+            {"name": "courier-tls", "secret": {"secretName": "broker-ca"}},
+            {"name": "courier-seal", "secret": {"secretName": "orders-seal"}},
+        ])
+    );
+
+    let (_, decision) = inject_document(
+        deployment(json!({"courier.dev/seal-key-window": "a day"})),
+        &SidecarDefaults::chart(),
+    )
+    .unwrap();
+    let Decision::Deny(message) = decision else {
+        panic!("a bad window must be refused, got {decision}");
+    };
+    assert!(message.contains("courier.dev/seal-key-window"), "{message}");
+}
+
+/// Injects a Deployment with `annotations` and checks that the Secret
+/// `secret` is the pod volume `volume`, mounted read-only at `path` in the
+/// sidecar and not in the app; returns the sidecar's variables.
+fn mounted_in_the_sidecar_only(
+    annotations: Value,
+    volume: &str,
+    secret: &str,
+    path: &str,
+) -> Vec<Value> {
+    let (doc, decision) =
+        inject_document(deployment(annotations), &SidecarDefaults::chart()).unwrap();
+    assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
+    let spec = &doc["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["volumes"],
+        json!([{"name": volume, "secret": {"secretName": secret}}])
+    );
+    let sidecar = &spec["initContainers"][0];
+    assert_eq!(
+        sidecar["volumeMounts"],
+        json!([{"name": volume, "mountPath": path, "readOnly": true}])
+    );
+    assert!(
+        spec["containers"][0].get("volumeMounts").is_none(),
+        "the app does not get the Secret: {}",
+        spec["containers"][0]
+    );
+    sidecar["env"].as_array().unwrap().clone()
+}
+
 /// `courier.dev/tls-secret` mounts the Secret read-only into the sidecar
 /// only and points the TLS flags' variables at its keys; with
 /// `courier.dev/tls-client-cert: "true"` the client certificate too.
@@ -267,24 +342,7 @@ fn a_tls_secret_is_mounted_into_the_sidecar_and_sets_the_tls_flags() {
         "courier.dev/tls-secret": "broker-tls",
         "courier.dev/tls-client-cert": "true",
     });
-    let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
-    assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
-    let spec = &doc["spec"]["template"]["spec"];
-    assert_eq!(
-        spec["volumes"],
-        json!([{"name": "courier-tls", "secret": {"secretName": "broker-tls"}}])
-    );
-    let sidecar = &spec["initContainers"][0];
-    assert_eq!(
-        sidecar["volumeMounts"],
-        json!([{"name": "courier-tls", "mountPath": "/etc/courier/tls", "readOnly": true}])
-    );
-    assert!(
-        spec["containers"][0].get("volumeMounts").is_none(),
-        "the app does not get the Secret: {}",
-        spec["containers"][0]
-    );
-    let env = sidecar["env"].as_array().unwrap();
+    let env = mounted_in_the_sidecar_only(given, "courier-tls", "broker-tls", "/etc/courier/tls");
     for (name, value) in [
         ("COURIER_TLS_CA_FILE", "/etc/courier/tls/ca.crt"),
         ("COURIER_TLS_CERT_FILE", "/etc/courier/tls/tls.crt"),

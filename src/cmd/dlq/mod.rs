@@ -14,7 +14,7 @@ use anyhow::Context;
 use base64::Engine;
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::args::{SourceArgs, UsageError};
+use super::args::{SealArgs, SourceArgs, UsageError};
 use crate::duration;
 use crate::model::default_dead_letter_queue;
 use crate::source::{self, DeadLetterStore, SourceOptions};
@@ -88,6 +88,8 @@ pub enum DlqAction {
 pub struct Target {
     #[command(flatten)]
     pub source: SourceArgs,
+    #[command(flatten)]
+    pub seal: SealArgs,
     /// The dead-letter queue [default: the policy's deadLetterQueue, else <queue>.dlq].
     #[arg(long, env = "COURIER_DLQ")]
     pub dlq: Option<String>,
@@ -178,6 +180,7 @@ async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, Stri
     let mut options = SourceOptions::new(queue);
     options.dead_letter_queue = dlq.clone();
     options.tls = tls;
+    options.seal = target.seal.load()?;
     let source = source::open_admin(&url, options)
         .await
         .with_context(|| format!("cannot open --source {url}"))?;

@@ -197,11 +197,14 @@ impl AmqpSource {
                     &link.uri.vhost,
                 )
                 .await?;
-            read_seal(&session, &options.queue).await
+            match &options.seal {
+                Some(seal) => Ok(seal.clone()),
+                None => read_seal(&session, &options.queue).await.map(Arc::new),
+            }
         }
         .await;
         let seal = match opened {
-            Ok(seal) => Arc::new(seal),
+            Ok(seal) => seal,
             Err(e) => {
                 session.retire();
                 return Err(e);

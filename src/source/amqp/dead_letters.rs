@@ -105,7 +105,7 @@ impl AmqpStore {
     /// An admin handle: one connection, nothing declared.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let link = Link::parse(url, &options)?.with_broker_frames();
-        let store = Self::new(Arc::new(link), &options.queue, None);
+        let store = Self::new(Arc::new(link), &options.queue, options.seal.clone());
         store.session().await?;
         Ok(store)
     }

@@ -87,7 +87,7 @@ impl KafkaStore {
             producer: connection::producer(&bootstrap, &options)?,
             inspector: Arc::new(connection::inspector(&bootstrap, &options)?),
             work_topic: OnceCell::new(),
-            seal: OnceCell::new(),
+            seal: OnceCell::new_with(options.seal.clone()),
         })
     }
 

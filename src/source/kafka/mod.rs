@@ -266,7 +266,10 @@ impl KafkaSource {
             })
             .await?;
         }
-        let seal = Arc::new(connection::seal_of(&producer, &inspector, &options.queue).await?);
+        let seal = match &options.seal {
+            Some(seal) => seal.clone(),
+            None => Arc::new(connection::seal_of(&producer, &inspector, &options.queue).await?),
+        };
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
         let _ = consumer.context().shared.set(rebalance::Shared {

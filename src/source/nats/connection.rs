@@ -282,7 +282,10 @@ impl NatsSource {
             options.queue,
             options.group
         ));
-        let seal = Arc::new(seal_of(&js, &options.queue, work.replicas).await?);
+        let seal = match &options.seal {
+            Some(seal) => seal.clone(),
+            None => Arc::new(seal_of(&js, &options.queue, work.replicas).await?),
+        };
         Ok(Self {
             store: NatsStore::new(
                 client.clone(),

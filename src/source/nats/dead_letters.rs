@@ -116,7 +116,7 @@ impl NatsStore {
             &options.queue,
             &crate::source::redact(url),
             None,
-            None,
+            options.seal.clone(),
         ))
     }
 

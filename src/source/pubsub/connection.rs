@@ -456,12 +456,23 @@ pub(super) async fn work_subscription(
 /// subscription, and the shadows that count them. The shadows exist before
 /// the messages they count: the emulator's seek brings back only messages
 /// published after a subscription was made.
+/// With `given` keys (`--seal-keys-file`) the retry topic is made without
+/// a key of its own.
 pub(super) async fn prepare(
     client: &Client,
     names: &Names,
     dead_letter_topic: &str,
-) -> Result<Seal, SourceError> {
-    let seal = seal_of(client, &names.retry_topic).await?;
+    given: Option<&Arc<Seal>>,
+) -> Result<Arc<Seal>, SourceError> {
+    let seal = match given {
+        Some(seal) => {
+            client
+                .ensure_topic(&names.retry_topic, HashMap::new())
+                .await?;
+            seal.clone()
+        }
+        None => Arc::new(seal_of(client, &names.retry_topic).await?),
+    };
     client
         .ensure_topic(dead_letter_topic, HashMap::new())
         .await?;

@@ -109,7 +109,7 @@ impl PubSubStore {
             client: Client::connect().await?,
             names: Names::new(&project, &options.queue),
             work: OnceCell::new(),
-            seal: OnceCell::new(),
+            seal: OnceCell::new_with(options.seal.clone()),
         })
     }
 

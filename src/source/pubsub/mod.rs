@@ -135,7 +135,8 @@ impl PubSubSource {
         let live = options.live();
         let dead_letters =
             names.dead_letter_topic(&live.dead_letter_queue, dead_letter_topic.as_deref());
-        let seal = Arc::new(connection::prepare(&client, &names, &dead_letters).await?);
+        let seal =
+            connection::prepare(&client, &names, &dead_letters, options.seal.as_ref()).await?;
         let source = Self {
             store: PubSubStore::new(client.clone(), names.clone(), work, seal.clone()),
             work_acks: settle::ack_batcher(&client, &names.work),

@@ -53,9 +53,9 @@ impl RedisStore {
         let commands =
             super::connect_to(&endpoint, url, &options, std::time::Duration::from_secs(10)).await?;
         Ok(Self {
+            seal: OnceCell::new_with(options.seal.clone()),
             queue: options.queue,
             commands,
-            seal: OnceCell::new(),
         })
     }
 

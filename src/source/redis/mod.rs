@@ -202,7 +202,10 @@ impl RedisSource {
         {
             return Err(broker_error(e));
         }
-        let seal = Arc::new(seal_of(&mut con, &options.queue).await?);
+        let seal = match &options.seal {
+            Some(seal) => seal.clone(),
+            None => Arc::new(seal_of(&mut con, &options.queue).await?),
+        };
         let source = Self {
             store: RedisStore {
                 queue: options.queue.clone(),

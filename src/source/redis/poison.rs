@@ -27,8 +27,10 @@ const WIDEST: usize = 7_800;
 /// KEYS[1] (its `fields`) to the dead-letter stream KEYS[2] and acks it;
 /// `too_large` says why an entry is over the byte budget, or nil;
 /// `writable` whether the dead-letter key can take an `XADD`; `sealed`
-/// whether an entry's `courier-*` state carries courier's seal
-/// (`shared::Seal`, recomputed from the HMAC pads): only then are its
+/// whether an entry's `courier-*` state carries courier's seal by one of
+/// the accepted keys (`Seal::script_keys`: for each, its id's length in
+/// one byte, the id, and the HMAC's 64-byte inner and outer pads, from
+/// which the seal is recomputed): only then are its
 /// message id, attempt and first-attempt time courier's.
 const SHARED: &str = r"
 local skip = {
@@ -45,19 +47,33 @@ local state = {
 local function unhex(h)
   return (h:gsub('..', function(c) return string.char(tonumber(c, 16)) end))
 end
-local function sealed(fields, ipad, opad)
+local function sealed(fields, keys)
   local first = {}
   for i = 1, #fields, 2 do
     if first[fields[i]] == nil then first[fields[i]] = fields[i + 1] end
   end
   local seal = first['courier-seal']
   if seal == nil then return false end
+  local id, tag = '', seal
+  local colon = string.find(seal, ':', 1, true)
+  if colon then id, tag = string.sub(seal, 1, colon - 1), string.sub(seal, colon + 1) end
   local covered = {}
   for _, name in ipairs(state) do
     local v = first[name]
     if v ~= nil then covered[#covered + 1] = name .. '=' .. #v .. ':' .. v .. ';' end
   end
-  return redis.sha1hex(opad .. unhex(redis.sha1hex(ipad .. table.concat(covered)))) == seal
+  local data, at = table.concat(covered), 1
+  while at <= #keys do
+    local n = string.byte(keys, at)
+    local ipad = string.sub(keys, at + 1 + n, at + n + 64)
+    local opad = string.sub(keys, at + n + 65, at + n + 128)
+    if string.sub(keys, at + 1, at + n) == id
+      and redis.sha1hex(opad .. unhex(redis.sha1hex(ipad .. data))) == tag then
+      return true
+    end
+    at = at + n + 129
+  end
+  return false
 end
 local function writable(key)
   local t = redis.call('TYPE', key).ok
@@ -73,10 +89,10 @@ local function too_large(fields, max)
   if rest > max then return 'its fields besides the body are ' .. rest .. ' bytes, over --max-body ' .. max end
   return nil
 end
-local function dead_letter(group, id, fields, err, extra, now, widest, ipad, opad)
+local function dead_letter(group, id, fields, err, extra, now, widest, keys)
   local out, has_payload = {}, false
   local message_id, attempt, first = id, 1, now
-  local trusted = sealed(fields, ipad, opad)
+  local trusted = sealed(fields, keys)
   local keep = #fields <= widest
   if not keep then
     err = err .. ' (its ' .. (#fields / 2) .. ' fields were too many to keep; the body is kept)'
@@ -121,7 +137,7 @@ end
 /// ARGV[4]) and dead-letters those delivered ARGV[6] times or more, and
 /// those over ARGV[9] bytes. KEYS[1] the stream, KEYS[2] the dead-letter
 /// stream; ARGV[1] the group, ARGV[7] now (RFC 3339), ARGV[8] the widest
-/// entry to keep whole, ARGV[10] and ARGV[11] the seal's HMAC pads.
+/// entry to keep whole, ARGV[10] the seal's accepted keys.
 /// Returns how many it dead-lettered.
 const PENDING: &str = r"
 local range = {KEYS[1], ARGV[1], 'IDLE', ARGV[2], ARGV[3], '+', ARGV[4]}
@@ -143,7 +159,7 @@ for _, p in ipairs(pending) do
       err = too_large(entry[2], budget)
     end
     if err then
-      dead_letter(ARGV[1], id, entry[2], err, times - 1, ARGV[7], widest, ARGV[10], ARGV[11])
+      dead_letter(ARGV[1], id, entry[2], err, times - 1, ARGV[7], widest, ARGV[10])
       moved = moved + 1
     end
   end
@@ -151,20 +167,20 @@ end
 return moved
 ";
 
-/// Dead-letters the new entries ARGV[7..] that the reader found over
+/// Dead-letters the new entries ARGV[6..] that the reader found over
 /// ARGV[2] bytes and discarded on the way in (`reply.rs`): each is read
 /// again here, inside Redis, and written to the dead-letter stream whole
 /// with its `XACK`, as an entry over the limit always was. KEYS[1] the
 /// stream, KEYS[2] the dead-letter stream; ARGV[1] the group, ARGV[3] now
-/// (RFC 3339), ARGV[4] the widest entry to keep whole, ARGV[5] and ARGV[6]
-/// the seal's HMAC pads. An entry deleted since is acked. A dead-letter
+/// (RFC 3339), ARGV[4] the widest entry to keep whole, ARGV[5] the seal's
+/// accepted keys. An entry deleted since is acked. A dead-letter
 /// key of another type writes nothing: the entries stay pending, and are
 /// handed out again when reclaimed. Returns how many it dead-lettered.
 const OVERSIZED: &str = r"
 if not writable(KEYS[2]) then return 0 end
 local budget, widest = tonumber(ARGV[2]), tonumber(ARGV[4])
 local moved = 0
-for i = 7, #ARGV do
+for i = 6, #ARGV do
   local id = ARGV[i]
   local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
   if not entry then
@@ -172,7 +188,7 @@ for i = 7, #ARGV do
   else
     local err = too_large(entry[2], budget)
     if err then
-      dead_letter(ARGV[1], id, entry[2], err, 0, ARGV[3], widest, ARGV[5], ARGV[6])
+      dead_letter(ARGV[1], id, entry[2], err, 0, ARGV[3], widest, ARGV[5])
       moved = moved + 1
     end
   end
@@ -205,7 +221,7 @@ impl RedisSource {
         pending: Pending<'_>,
     ) -> Result<u64, SourceError> {
         let live = self.live();
-        let (inner, outer) = self.seal.pads();
+        let keys = self.seal.script_keys();
         PENDING_SCRIPT
             .key(&self.options.queue)
             .key(&live.dead_letter_queue)
@@ -218,8 +234,7 @@ impl RedisSource {
             .arg(rfc3339(std::time::SystemTime::now()))
             .arg(WIDEST)
             .arg(self.options.max_body)
-            .arg(&inner)
-            .arg(&outer)
+            .arg(&keys)
             .invoke_async(con)
             .await
             .map_err(broker_error)
@@ -235,7 +250,7 @@ impl RedisSource {
     /// (`ids`), inside Redis; returns how many.
     pub(super) async fn dead_letter_oversized(&self, ids: &[&str]) -> Result<u64, SourceError> {
         let live = self.live();
-        let (inner, outer) = self.seal.pads();
+        let keys = self.seal.script_keys();
         let mut invocation = OVERSIZED_SCRIPT.prepare_invoke();
         invocation
             .key(&self.options.queue)
@@ -244,8 +259,7 @@ impl RedisSource {
             .arg(self.options.max_body)
             .arg(rfc3339(std::time::SystemTime::now()))
             .arg(WIDEST)
-            .arg(&inner)
-            .arg(&outer);
+            .arg(&keys);
         for id in ids {
             invocation.arg(*id);
         }
@@ -266,7 +280,9 @@ mod tests {
     use crate::source::shared::{Seal, replace};
 
     /// Against the Redis on loopback: the scripts' `sealed` accepts the seal
-    /// courier computes in Rust, and refuses a forged state or no seal.
+    /// courier computes in Rust, by the broker-kept key or by any accepted
+    /// key of a keys file, and refuses a forged state, no seal, or a key
+    /// that is no longer accepted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_scripts_check_the_seal_courier_writes() {
         let client = redis::Client::open("redis://127.0.0.1:6379/").unwrap();
@@ -274,12 +290,10 @@ mod tests {
             .get_multiplexed_async_connection()
             .await
             .expect("Redis on 127.0.0.1:6379");
-        let seal = Seal::new(Seal::new_secret().as_bytes()).unwrap();
-        let (inner, outer) = seal.pads();
         let check = Script::new(&format!(
-            "{SHARED}\nlocal f = {{}}\nfor i = 3, #ARGV do f[#f + 1] = ARGV[i] end\nreturn sealed(f, ARGV[1], ARGV[2]) and 1 or 0"
+            "{SHARED}\nlocal f = {{}}\nfor i = 2, #ARGV do f[#f + 1] = ARGV[i] end\nreturn sealed(f, ARGV[1]) and 1 or 0"
         ));
-        let stored = seal.seal(vec![
+        let fields = vec![
             (Bytes::from("payload"), Bytes::from_static(&[0, 255])),
             (Bytes::from("courier-message-id"), Bytes::from("17-0")),
             (Bytes::from("courier-attempt"), Bytes::from("3")),
@@ -288,21 +302,45 @@ mod tests {
                 Bytes::from("2026-01-01T00:00:00.000Z"),
             ),
             (Bytes::from("courier-replays"), Bytes::from("1")),
-        ]);
-        let forged = replace(stored.clone(), "courier-attempt", "99".into());
-        let unsealed: Vec<_> = stored
-            .iter()
-            .filter(|(n, _)| n.as_ref() != b"courier-seal")
-            .cloned()
-            .collect();
-        for (fields, want) in [(&stored, 1), (&forged, 0), (&unsealed, 0)] {
+        ];
+        let now = std::time::SystemTime::now();
+        let hour = std::time::Duration::from_secs(3600);
+        let line = |id: &str, ago: u32, secret: &str| {
+            format!("{id} {} {secret}\n", rfc3339(now - hour * ago))
+        };
+        let (old, new) = ("0f".repeat(32), "e1".repeat(20));
+        let by_old = Seal::parse_keys(&line("old", 48, &old), hour, now).unwrap();
+        let rotating = format!("{}{}", line("old", 48, &old), line("new-1", 1, &new));
+        let within = Seal::parse_keys(&rotating, 2 * hour, now).unwrap();
+        let after = Seal::parse_keys(&rotating, hour / 2, now).unwrap();
+        let broker_kept = Seal::new(Seal::new_secret().as_bytes()).unwrap();
+        let old_copy = by_old.seal(fields.clone());
+        let cases = [
+            (&broker_kept, broker_kept.seal(fields.clone()), 1),
+            (
+                &broker_kept,
+                replace(
+                    broker_kept.seal(fields.clone()),
+                    "courier-attempt",
+                    "99".into(),
+                ),
+                0,
+            ),
+            (&broker_kept, fields.clone(), 0),
+            (&within, within.seal(fields.clone()), 1),
+            (&within, old_copy.clone(), 1),
+            (&after, old_copy.clone(), 0),
+            (&within, broker_kept.seal(fields.clone()), 0),
+        ];
+        for (n, (seal, fields, want)) in cases.into_iter().enumerate() {
+            assert_eq!(seal.is_sealed(&fields), want == 1, "case {n} in Rust");
             let mut invocation = check.prepare_invoke();
-            invocation.arg(&inner).arg(&outer);
+            invocation.arg(seal.script_keys());
             for (name, value) in fields.iter() {
                 invocation.arg(name.as_ref()).arg(value.as_ref());
             }
             let got: i64 = invocation.invoke_async(&mut con).await.unwrap();
-            assert_eq!(got, want, "{fields:?}");
+            assert_eq!(got, want, "case {n} in the script: {fields:?}");
         }
     }
 }

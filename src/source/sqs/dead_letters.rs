@@ -144,11 +144,11 @@ impl SqsStore {
         let region = connection::region_of(url).map_err(SourceError::invalid)?;
         Ok(Self {
             client: connection::client(&region).await,
+            seal: OnceCell::new_with(options.seal.clone()),
             queue: options.queue,
             region,
             work: OnceCell::new(),
             dead_letter_urls: Mutex::default(),
-            seal: OnceCell::new(),
         })
     }
 

@@ -180,7 +180,10 @@ impl SqsSource {
             .is_some_and(|v| v == "true")
             || name.ends_with(".fifo");
         let redrive_policy = attributes.get(&QueueAttributeName::RedrivePolicy).cloned();
-        let seal = Arc::new(connection::seal_of(&client, &queue_url).await?);
+        let seal = match &options.seal {
+            Some(seal) => seal.clone(),
+            None => Arc::new(connection::seal_of(&client, &queue_url).await?),
+        };
         let (deletes, receiver) = mpsc::unbounded_channel();
         let deleter = tokio::spawn(settle::delete_batches(
             client.clone(),

@@ -524,3 +524,56 @@ async fn ordering_by_key_stops_reading_at_the_bound_instead_of_growing() {
     );
     nothing_for(&source, Duration::from_secs(1)).await;
 }
+
+/// Found at 21da363 (issue 26): with the default `--threads 1` the
+/// rebalance callback runs on courier's only runtime thread, where nothing
+/// can settle while it waits, so it did not wait: it forgot the
+/// deliveries in flight on the partitions taken away at once, and their
+/// new owner delivered them again while the app still worked on them
+/// (8-9 s after the second replica started, on the mock cluster). Now the
+/// partitions are given up only once their deliveries settled: while the
+/// app holds the message (12 s, longer than the mock's rebalance takes)
+/// nobody delivers it again.
+///
+/// After the hold the mock may hand it out once more: it refuses offset
+/// commits while a group is joining (`REBALANCE_IN_PROGRESS`, or the member
+/// is gone by then, `rdkafka_mock_cgrp.c`), where a Kafka broker takes a
+/// commit of the current generation while a rebalance is prepared. So only
+/// the hold is asserted, and that nothing is dead-lettered or lost.
+#[tokio::test(flavor = "current_thread")]
+async fn a_revoke_on_one_thread_waits_for_the_delivery_in_flight() {
+    const HELD: &str = "script:hold\nheld across a rebalance";
+    let fixture = Fixture::kafka();
+    let app = TestApp::start().await;
+    let inspector = fixture.open().await;
+    fixture.producer().await.send(HELD, &[]).await;
+    let mut policy = fast_policy();
+    policy.timeout = Duration::from_secs(60);
+    let mut config = run_config(&fixture, &app, policy);
+    config.options.concurrency = 4;
+    let first = Running::start(config.clone()).await;
+    wait_for("the app to hold the message", SETTLE, async || {
+        app.held() == 1
+    })
+    .await;
+    let mut second_config = config;
+    second_config.options.consumer = unique("second");
+    let second = Running::start(second_config).await;
+    let delivered_again = tokio::time::timeout(Duration::from_secs(12), async {
+        while app.received_body(HELD.as_bytes()).len() < 2 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .is_ok();
+    app.release_held();
+    wait_settled(&inspector, Duration::from_secs(60)).await;
+    first.stop().await;
+    second.stop().await;
+    assert!(
+        !delivered_again,
+        "delivered again while the app held it: {:?}",
+        app.received_body(HELD.as_bytes())
+    );
+    assert_eq!(inspector.depth().await.unwrap().dead_letters, 0);
+}

@@ -7,10 +7,13 @@ use std::time::Duration;
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{
+    BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
+};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::source::redact::redact;
@@ -133,9 +136,44 @@ impl ClientContext for Group {
 }
 
 impl ConsumerContext for Group {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let (Rebalance::Revoke(partitions), Some(shared)) = (rebalance, self.shared.get()) {
-            shared.revoke(consumer, partitions);
+    /// librdkafka's rebalance callback, in place of rdkafka's, which gives
+    /// revoked partitions up as soon as `pre_rebalance` returns: a revoke
+    /// gives them up once their deliveries in flight settled
+    /// (`rebalance.rs`).
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        partitions: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let done = match (err, self.shared.get()) {
+            (RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS, _) if cooperative => {
+                consumer.incremental_assign(partitions)
+            }
+            (RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS, _) => {
+                consumer.assign(partitions)
+            }
+            (RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS, Some(shared)) => {
+                shared.revoke(consumer, partitions);
+                Ok(())
+            }
+            (err, _) => {
+                if err != RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS {
+                    tracing::warn!(error = ?err, "a Kafka rebalance failed; the partitions are given up and assigned again");
+                }
+                if cooperative {
+                    consumer.incremental_unassign(partitions)
+                } else {
+                    consumer.unassign()
+                }
+            }
+        };
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "a Kafka rebalance could not be applied");
         }
     }
 }

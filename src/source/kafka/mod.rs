@@ -57,7 +57,7 @@ mod read;
 mod rebalance;
 mod settle;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -144,6 +144,9 @@ struct Reading {
     paused_at_bound: bool,
     /// Bumped on every ledger change; what a commit has carried.
     version: u64,
+    /// Partitions being taken away while their deliveries in flight
+    /// finish (`rebalance.rs`): nothing more of them is handed out.
+    revoking: HashSet<Partition>,
 }
 
 pub struct KafkaSource {
@@ -277,6 +280,7 @@ impl KafkaSource {
             retry_topic: retry_topic.clone(),
             bound: options.visibility_timeout,
             closing: closing.clone(),
+            consumer: Arc::downgrade(&consumer),
         });
         Ok(Self {
             store: KafkaStore::new(

@@ -149,6 +149,11 @@ impl KafkaSource {
         let mut resume = TopicPartitionList::new();
         {
             let mut reading = self.reading();
+            if !reading.revoking.is_empty() {
+                // What would come out may be of a partition being taken
+                // away; the revoke forgets it, or it comes after.
+                return;
+            }
             while out.len() + due.len() < max {
                 match reading.unblocked.pop_front() {
                     Some(message) => due.push(message),
@@ -217,6 +222,10 @@ impl KafkaSource {
         out: &mut Vec<Delivery>,
     ) -> Result<(), SourceError> {
         let key = (message.topic().to_string(), message.partition());
+        if self.reading().revoking.contains(&key) {
+            // Its new owner reads it from the commit the revoke makes.
+            return Ok(());
+        }
         let known = self.reading().ledgers.contains_key(&key);
         if !known {
             let ledger = self.resume_ledger(&key, message.offset()).await?;

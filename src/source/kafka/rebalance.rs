@@ -1,23 +1,34 @@
-//! A rebalance that takes partitions away: no new work is taken from them
-//! (the reader is inside the rebalance callback meanwhile), deliveries in
-//! flight on them get until the visibility timeout to settle, what is
-//! settled is committed, and what the source held of them is forgotten.
-//! Their new owner reads them from that commit, so nothing settled here is
-//! delivered twice. A stop does not wait: what is unsettled then is
-//! abandoned, and the commit never passes it.
+//! A rebalance that takes partitions away: no new work is taken from them,
+//! deliveries in flight on them get until the visibility timeout to
+//! settle, what is settled is committed, and what the source held of them
+//! is forgotten; only then are they given up. Their new owner reads them
+//! from that commit, so nothing settled here is delivered twice, and
+//! nothing in flight here is delivered there meanwhile. A stop does not
+//! wait: what is unsettled then is abandoned, and the commit never passes
+//! it.
+//!
+//! The callback runs inside a read, on a runtime thread. Where the runtime
+//! has others, it waits there (they run the deliveries). On one thread
+//! (`--threads 1`, the default) nothing could settle while it waited, so
+//! it returns at once without giving the partitions up, and a thread of
+//! its own waits, commits and gives them up (`unassign`): the group's
+//! rebalance does not go on before that. The group keeps a member that
+//! waits for about its session timeout; a wait past it loses the commit,
+//! and the new owner delivers what was settled meanwhile again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, RebalanceProtocol};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::Reading;
-use super::connection::Group;
+use super::connection::{Group, GroupConsumer};
 
 /// What the group consumer's context shares with the source.
+#[derive(Clone)]
 pub(super) struct Shared {
     pub(super) reading: Arc<Mutex<Reading>>,
     pub(super) retry_topic: String,
@@ -26,6 +37,8 @@ pub(super) struct Shared {
     /// Set when the source closes or is dropped: a revoke then waits for
     /// nothing.
     pub(super) closing: Arc<AtomicBool>,
+    /// The consumer, for giving up partitions after the callback returned.
+    pub(super) consumer: Weak<GroupConsumer>,
 }
 
 impl Shared {
@@ -33,50 +46,78 @@ impl Shared {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The revoke of `revoked`, by the consumer in the callback; gives the
+    /// partitions up itself, now or from a thread of its own.
     pub(super) fn revoke(&self, consumer: &BaseConsumer<Group>, revoked: &TopicPartitionList) {
-        let partitions: Vec<(String, i32)> = revoked
-            .elements()
-            .iter()
-            .map(|p| (p.topic().to_string(), p.partition()))
-            .collect();
-        let work = |wait: bool| {
-            let deadline = Instant::now() + self.bound;
-            let (wanted, abandoned) = loop {
-                let mut reading = self.reading();
-                let in_flight = reading
-                    .out
-                    .values()
-                    .filter(|o| partitions.contains(&(o.topic.clone(), o.partition)))
-                    .count();
-                let settled = in_flight == 0 && reading.committing == 0;
-                let waited =
-                    !wait || self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline;
-                if settled || waited {
-                    break self.forget(&mut reading, &partitions, in_flight);
-                }
-                drop(reading);
-                std::thread::sleep(Duration::from_millis(10));
-            };
-            if wanted.count() > 0
-                && let Err(e) = consumer.commit(&wanted, CommitMode::Sync)
-            {
-                tracing::warn!(error = %e, "the commit before a rebalance failed; its new owner delivers what it covered again");
-            }
-            tracing::info!(
-                partitions = partitions.len(),
-                abandoned,
-                "Kafka took partitions away (rebalance); settled work committed"
-            );
-        };
-        // The callback runs inside a read, on a runtime thread: where the
-        // runtime has others, they run the deliveries meanwhile; on a
-        // single thread nothing could settle while it waits.
-        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
-                tokio::task::block_in_place(|| work(true))
-            }
-            _ => work(false),
+        let partitions = partitions_of(revoked);
+        let multi_thread = matches!(
+            tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread)
+        );
+        if multi_thread {
+            tokio::task::block_in_place(|| self.settle_then_forget(consumer, &partitions, true));
+            give_up(consumer, revoked);
+            return;
         }
+        let waits = !self.closing.load(Ordering::SeqCst) && self.bound > Duration::ZERO;
+        if waits {
+            self.reading().revoking.extend(partitions.iter().cloned());
+            let (shared, revoked) = (self.clone(), revoked.clone());
+            let spawned = std::thread::Builder::new()
+                .name("courier-revoke".into())
+                .spawn(move || {
+                    let Some(consumer) = shared.consumer.upgrade() else {
+                        return;
+                    };
+                    shared.settle_then_forget(consumer.as_ref(), &partitions_of(&revoked), true);
+                    give_up(consumer.as_ref(), &revoked);
+                });
+            match spawned {
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot start a thread to wait for the deliveries on the partitions taken away; they are given up now");
+                }
+            }
+        }
+        self.settle_then_forget(consumer, &partitions, false);
+        give_up(consumer, revoked);
+    }
+
+    /// Waits (with `wait`, up to the bound, or until the source closes) for
+    /// the deliveries in flight on `partitions` and the commits under way,
+    /// then commits what is settled and forgets the partitions.
+    fn settle_then_forget<C: Consumer<Group>>(
+        &self,
+        consumer: &C,
+        partitions: &[(String, i32)],
+        wait: bool,
+    ) {
+        let deadline = Instant::now() + self.bound;
+        let (wanted, abandoned) = loop {
+            let mut reading = self.reading();
+            let in_flight = reading
+                .out
+                .values()
+                .filter(|o| partitions.contains(&(o.topic.clone(), o.partition)))
+                .count();
+            let settled = in_flight == 0 && reading.committing == 0;
+            let waited = !wait || self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline;
+            if settled || waited {
+                break self.forget(&mut reading, partitions, in_flight);
+            }
+            drop(reading);
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if wanted.count() > 0
+            && let Err(e) = consumer.commit(&wanted, CommitMode::Sync)
+        {
+            tracing::warn!(error = %e, "the commit before a rebalance failed; its new owner delivers what it covered again");
+        }
+        tracing::info!(
+            partitions = partitions.len(),
+            abandoned,
+            "Kafka took partitions away (rebalance); settled work committed"
+        );
     }
 
     /// Drops what the source held of `partitions`; returns their commit
@@ -113,7 +154,30 @@ impl Shared {
                 waiting.retain(elsewhere);
             }
         }
+        for partition in partitions {
+            reading.revoking.remove(partition);
+        }
         reading.version += 1;
         (wanted, abandoned)
+    }
+}
+
+/// The topic and partition of each element of `list`.
+fn partitions_of(list: &TopicPartitionList) -> Vec<(String, i32)> {
+    list.elements()
+        .iter()
+        .map(|p| (p.topic().to_string(), p.partition()))
+        .collect()
+}
+
+/// Gives up `revoked` as the group's protocol wants: all of the
+/// assignment (eager) or these partitions (cooperative).
+fn give_up<C: Consumer<Group>>(consumer: &C, revoked: &TopicPartitionList) {
+    let given_up = match consumer.rebalance_protocol() {
+        RebalanceProtocol::Cooperative => consumer.incremental_unassign(revoked),
+        _ => consumer.unassign(),
+    };
+    if let Err(e) = given_up {
+        tracing::warn!(error = %e, "giving up the partitions taken away failed");
     }
 }

@@ -10,7 +10,8 @@
 //!   plan decided from the seed and the id, and logging what it saw.
 //! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
 //!   app, edits the policy, and for a broker the harness runs privately
-//!   (Redis, NATS) SIGSTOPs and SIGKILLs the broker; a shared one
+//!   SIGSTOPs it, and SIGKILLs it too where it keeps its data on disk
+//!   (Redis, NATS; not the in-memory Kafka mock); a shared one
 //!   (RabbitMQ) is never faulted.
 //! - The checker (after a settle period in which the app answers 200 to all
 //!   but the poisoned ids) reads the dead letters and what the broker still
@@ -18,7 +19,7 @@
 //!
 //! Each broker's part (its server, producer and reader) is a module of its
 //! own: `private_redis`, `private_nats`, `shared_rabbitmq`,
-//! `embedded_queue`; [`Broker`] dispatches to them.
+//! `embedded_queue`, `private_kafka`; [`Broker`] dispatches to them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -33,10 +34,12 @@ use crate::child::{Courier, Process};
 use crate::torture_app::{self, ID_HEADER, Plan, Rng, Seen, id_of, ids_in};
 use courier::model::{PAYLOAD, default_dead_letter_queue};
 use courier::source::{SourceOptions, SourceUrl};
+use private_kafka::PrivateKafka;
 use private_nats::PrivateNats;
 use private_redis::PrivateRedis;
 
 mod embedded_queue;
+mod private_kafka;
 mod private_nats;
 mod private_redis;
 mod shared_rabbitmq;
@@ -44,7 +47,9 @@ mod shared_rabbitmq;
 #[derive(Debug, Clone, clap::Args)]
 pub struct TortureArgs {
     /// The broker: redis or nats (a private redis-server or `nats-server
-    /// -js` the harness starts, kills and stops), or embedded (courier's own
+    /// -js` the harness starts, kills and stops), rabbitmq (the shared
+    /// node, never faulted), kafka (a private `kafka-mock`, stopped, never
+    /// killed: it keeps everything in memory), or embedded (courier's own
     /// queue; production happens while courier is down, since one process
     /// holds the file).
     #[arg(long)]
@@ -87,6 +92,10 @@ pub struct TortureArgs {
     /// The courier binary [default: `courier` beside this program].
     #[arg(long)]
     pub courier: Option<PathBuf>,
+    /// Kafka: the `kafka-mock` binary [default: `kafka-mock`, else
+    /// `courier-bench-kafka-mock`, beside this program].
+    #[arg(long)]
+    pub kafka_mock: Option<PathBuf>,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -96,7 +105,7 @@ pub struct TortureArgs {
 }
 
 /// The brokers the torture run supports.
-pub const BROKERS: [&str; 4] = ["redis", "nats", "rabbitmq", "embedded"];
+pub const BROKERS: [&str; 5] = ["redis", "nats", "rabbitmq", "embedded", "kafka"];
 
 // === The hostile corpus ===
 
@@ -331,6 +340,7 @@ enum Broker {
     /// The shared node: the queue's name and courier's `frame_max`.
     RabbitMq(String, Option<u32>),
     Embedded(PathBuf),
+    Kafka(PrivateKafka),
 }
 
 impl Broker {
@@ -358,6 +368,18 @@ impl Broker {
                 shared_rabbitmq::create_queue(queue).await?;
                 Broker::RabbitMq(queue.to_string(), args.amqp_frame_max)
             }
+            "kafka" => {
+                let mut k = PrivateKafka::new(
+                    PrivateServer::new(dir.join("kafka"))?,
+                    beside_this(
+                        args.kafka_mock.as_deref(),
+                        &["kafka-mock", "courier-bench-kafka-mock"],
+                    )?,
+                );
+                k.start().await?;
+                k.create_topics(queue).await?;
+                Broker::Kafka(k)
+            }
             _ => Broker::Embedded(dir.join("queue")),
         })
     }
@@ -371,6 +393,7 @@ impl Broker {
                 None => shared_rabbitmq::url(),
             },
             Broker::Embedded(dir) => format!("embedded:{}", dir.display()),
+            Broker::Kafka(k) => k.url(),
         }
     }
 
@@ -386,8 +409,16 @@ impl Broker {
         match self {
             Broker::Redis(r) => r.server.process.as_mut(),
             Broker::Nats(n) => n.server.process.as_mut(),
+            Broker::Kafka(k) => k.server.process.as_mut(),
             Broker::RabbitMq(..) | Broker::Embedded(_) => None,
         }
+    }
+
+    /// Whether the nemesis may SIGKILL the server: not where the broker
+    /// keeps its messages in memory only (the Kafka mock), where a kill
+    /// loses them all by design and says nothing about courier.
+    fn killable(&self) -> bool {
+        matches!(self, Broker::Redis(_) | Broker::Nats(_))
     }
 
     /// Starts the server again after a SIGKILL, on its port and files.
@@ -395,7 +426,7 @@ impl Broker {
         match self {
             Broker::Redis(r) => r.start().await,
             Broker::Nats(n) => n.start().await,
-            Broker::RabbitMq(..) | Broker::Embedded(_) => Ok(()),
+            Broker::RabbitMq(..) | Broker::Embedded(_) | Broker::Kafka(_) => Ok(()),
         }
     }
 
@@ -432,6 +463,13 @@ impl Broker {
             Broker::RabbitMq(..) => {
                 Some(shared_rabbitmq::spawn_producer(queue, args, produced, stop))
             }
+            Broker::Kafka(k) => Some(private_kafka::spawn_producer(
+                k.bootstrap().to_string(),
+                queue,
+                args,
+                produced,
+                stop,
+            )),
             Broker::Embedded(_) => None,
         }
     }
@@ -445,6 +483,7 @@ impl Broker {
                 let (dir, queue) = (dir.clone(), queue.to_string());
                 tokio::task::spawn_blocking(move || embedded_queue::holdings(&dir, &queue)).await?
             }
+            Broker::Kafka(k) => k.holdings(queue).await,
         }
     }
 
@@ -459,6 +498,7 @@ impl Broker {
                 .is_ok_and(|h| h.pending.is_empty()),
             Broker::Nats(n) => n.settled(queue).await,
             Broker::RabbitMq(..) => shared_rabbitmq::settled(queue).await,
+            Broker::Kafka(k) => k.settled(queue).await,
             Broker::Embedded(_) => false,
         }
     }
@@ -748,6 +788,24 @@ impl Run {
         }
     }
 
+    /// A line of `nemesis.log`: when (Unix seconds) the fault began, and
+    /// for how long, so a finding can be laid beside courier's log.
+    fn log_fault(&self, name: &str, until: Option<Instant>) {
+        use std::io::Write as _;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64();
+        let secs = until.map_or(0.0, |at| (at - Instant::now()).as_secs_f64());
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("nemesis.log"))
+        {
+            let _ = writeln!(f, "{now:.3}\t{name}\t{secs:.1} s");
+        }
+    }
+
     /// Restarts courier if it exited on its own (a crash is a finding).
     fn watch_courier(&mut self) -> anyhow::Result<()> {
         let exited = self.courier.as_mut().and_then(|c| c.process.exited());
@@ -917,12 +975,17 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         }
         let exclusive = run.broker.exclusive();
         let broker_faults = run.broker.server().is_some();
+        let broker_kills = run.broker.killable();
         next_fault = Instant::now() + gap(&mut rng, exclusive);
         let roll = rng.below(100);
         let ms = |rng: &mut Rng, lo, hi| Instant::now() + Duration::from_millis(rng.range(lo, hi));
         // A shared broker is never faulted: its share goes to courier.
         let roll = if !exclusive && !broker_faults && (60..80).contains(&roll) {
             roll - 60
+        } else if !exclusive && !broker_kills && (70..80).contains(&roll) {
+            // A broker that keeps its messages in memory only is stopped
+            // instead of killed.
+            roll - 10
         } else {
             roll
         };
@@ -975,6 +1038,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
             }
         };
         *run.faults.entry(name).or_default() += 1;
+        run.log_fault(name, next.as_ref().map(|(at, _)| *at));
         undo = next;
     }
 
@@ -1059,6 +1123,20 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         eprintln!("torture: logs kept in {}", dir.display());
     }
     Ok(report.passed)
+}
+
+/// `given`, or the first of `names` beside this program.
+fn beside_this(given: Option<&Path>, names: &[&str]) -> anyhow::Result<PathBuf> {
+    if let Some(path) = given {
+        return Ok(path.to_path_buf());
+    }
+    let exe = std::env::current_exe()?;
+    let here = exe.parent().context("no directory")?;
+    names
+        .iter()
+        .map(|n| here.join(n))
+        .find(|p| p.exists())
+        .with_context(|| format!("none of {} beside {}", names.join(", "), exe.display()))
 }
 
 /// A hard link to `binary` at `to` (a copy across file systems).

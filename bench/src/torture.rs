@@ -11,7 +11,7 @@
 //! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
 //!   app, edits the policy, and for a broker the harness runs privately
 //!   SIGSTOPs it, and SIGKILLs it too where it keeps its data on disk
-//!   (Redis, NATS; not the in-memory Kafka mock); a shared one
+//!   (Redis, NATS; not the in-memory Kafka mock and moto); a shared one
 //!   (RabbitMQ) is never faulted.
 //! - The checker (after a settle period in which the app answers 200 to all
 //!   but the poisoned ids) reads the dead letters and what the broker still
@@ -19,7 +19,8 @@
 //!
 //! Each broker's part (its server, producer and reader) is a module of its
 //! own: `private_redis`, `private_nats`, `shared_rabbitmq`,
-//! `embedded_queue`, `private_kafka`; [`Broker`] dispatches to them.
+//! `embedded_queue`, `private_kafka`, `private_moto` (SQS);
+//! [`Broker`] dispatches to them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -35,11 +36,13 @@ use crate::torture_app::{self, ID_HEADER, Plan, Rng, Seen, id_of, ids_in};
 use courier::model::{PAYLOAD, default_dead_letter_queue};
 use courier::source::{SourceOptions, SourceUrl};
 use private_kafka::PrivateKafka;
+use private_moto::PrivateMoto;
 use private_nats::PrivateNats;
 use private_redis::PrivateRedis;
 
 mod embedded_queue;
 mod private_kafka;
+mod private_moto;
 mod private_nats;
 mod private_redis;
 mod shared_rabbitmq;
@@ -48,8 +51,9 @@ mod shared_rabbitmq;
 pub struct TortureArgs {
     /// The broker: redis or nats (a private redis-server or `nats-server
     /// -js` the harness starts, kills and stops), rabbitmq (the shared
-    /// node, never faulted), kafka (a private `kafka-mock`, stopped, never
-    /// killed: it keeps everything in memory), or embedded (courier's own
+    /// node, never faulted), kafka or sqs (a private `kafka-mock` or moto
+    /// server, stopped, never killed: they keep everything in memory), or
+    /// embedded (courier's own
     /// queue; production happens while courier is down, since one process
     /// holds the file).
     #[arg(long)]
@@ -73,7 +77,9 @@ pub struct TortureArgs {
     /// healthy (ends sooner once the broker holds nothing).
     #[arg(long, default_value_t = 90)]
     pub settle_secs: u64,
-    /// courier's --max-body; the corpus has bodies just under and over it.
+    /// courier's --max-body; the corpus has bodies just under and over it
+    /// (on SQS at most 240 KiB, so that the one over it is a message SQS
+    /// takes).
     #[arg(long, default_value_t = 256 * 1024)]
     pub max_body: usize,
     /// Seconds of each courier process's life before its RSS counts as the start.
@@ -105,7 +111,7 @@ pub struct TortureArgs {
 }
 
 /// The brokers the torture run supports.
-pub const BROKERS: [&str; 5] = ["redis", "nats", "rabbitmq", "embedded", "kafka"];
+pub const BROKERS: [&str; 6] = ["redis", "nats", "rabbitmq", "embedded", "kafka", "sqs"];
 
 // === The hostile corpus ===
 
@@ -341,12 +347,20 @@ enum Broker {
     RabbitMq(String, Option<u32>),
     Embedded(PathBuf),
     Kafka(PrivateKafka),
+    Sqs(PrivateMoto),
 }
 
 impl Broker {
     /// The broker `name` (one of [`BROKERS`]), started when the harness runs
     /// it, with the work queue made ready for the producer.
-    async fn start(args: &TortureArgs, dir: &Path, queue: &str) -> anyhow::Result<Self> {
+    /// `port`: the one chosen for the broker before the runtime started,
+    /// where its address had to be in the environment ([`main`]).
+    async fn start(
+        args: &TortureArgs,
+        dir: &Path,
+        queue: &str,
+        port: Option<u16>,
+    ) -> anyhow::Result<Self> {
         let name = args.broker.as_str();
         Ok(match name {
             "redis" => {
@@ -380,6 +394,14 @@ impl Broker {
                 k.create_topics(queue).await?;
                 Broker::Kafka(k)
             }
+            "sqs" => {
+                let mut server = PrivateServer::new(dir.join("moto"))?;
+                server.port = port.context("no port for moto")?;
+                let mut m = PrivateMoto { server };
+                m.start().await?;
+                m.create_queue(queue).await?;
+                Broker::Sqs(m)
+            }
             _ => Broker::Embedded(dir.join("queue")),
         })
     }
@@ -394,6 +416,7 @@ impl Broker {
             },
             Broker::Embedded(dir) => format!("embedded:{}", dir.display()),
             Broker::Kafka(k) => k.url(),
+            Broker::Sqs(m) => m.url(),
         }
     }
 
@@ -410,12 +433,13 @@ impl Broker {
             Broker::Redis(r) => r.server.process.as_mut(),
             Broker::Nats(n) => n.server.process.as_mut(),
             Broker::Kafka(k) => k.server.process.as_mut(),
+            Broker::Sqs(m) => m.server.process.as_mut(),
             Broker::RabbitMq(..) | Broker::Embedded(_) => None,
         }
     }
 
     /// Whether the nemesis may SIGKILL the server: not where the broker
-    /// keeps its messages in memory only (the Kafka mock), where a kill
+    /// keeps its messages in memory only (the Kafka mock, moto), where a kill
     /// loses them all by design and says nothing about courier.
     fn killable(&self) -> bool {
         matches!(self, Broker::Redis(_) | Broker::Nats(_))
@@ -426,7 +450,9 @@ impl Broker {
         match self {
             Broker::Redis(r) => r.start().await,
             Broker::Nats(n) => n.start().await,
-            Broker::RabbitMq(..) | Broker::Embedded(_) | Broker::Kafka(_) => Ok(()),
+            Broker::RabbitMq(..) | Broker::Embedded(_) | Broker::Kafka(_) | Broker::Sqs(_) => {
+                Ok(())
+            }
         }
     }
 
@@ -470,6 +496,13 @@ impl Broker {
                 produced,
                 stop,
             )),
+            Broker::Sqs(m) => Some(private_moto::spawn_producer(
+                queue,
+                args,
+                produced,
+                stop,
+                m.endpoint(),
+            )),
             Broker::Embedded(_) => None,
         }
     }
@@ -484,6 +517,7 @@ impl Broker {
                 tokio::task::spawn_blocking(move || embedded_queue::holdings(&dir, &queue)).await?
             }
             Broker::Kafka(k) => k.holdings(queue).await,
+            Broker::Sqs(m) => m.holdings(queue).await,
         }
     }
 
@@ -499,6 +533,7 @@ impl Broker {
             Broker::Nats(n) => n.settled(queue).await,
             Broker::RabbitMq(..) => shared_rabbitmq::settled(queue).await,
             Broker::Kafka(k) => k.settled(queue).await,
+            Broker::Sqs(m) => m.settled(queue).await,
             Broker::Embedded(_) => false,
         }
     }
@@ -836,7 +871,7 @@ enum Undo {
     BrokerStart,
 }
 
-pub fn main(args: TortureArgs) -> anyhow::Result<bool> {
+pub fn main(mut args: TortureArgs) -> anyhow::Result<bool> {
     if !BROKERS.contains(&args.broker.as_str()) {
         bail!(
             "--broker {:?}: the torture run supports {}",
@@ -844,14 +879,32 @@ pub fn main(args: TortureArgs) -> anyhow::Result<bool> {
             BROKERS.join(", ")
         );
     }
+    // courier and the SDKs find moto only through the environment, which
+    // is set here, before the runtime's threads exist.
+    let port = match args.broker.as_str() {
+        "sqs" => {
+            let port = free_port();
+            private_moto::set_environment(port);
+            if args.max_body > private_moto::SQS_MAX_BODY {
+                eprintln!(
+                    "torture: --max-body {} is {} on SQS, so that the corpus's body one byte over it is still a message SQS takes",
+                    args.max_body,
+                    private_moto::SQS_MAX_BODY
+                );
+                args.max_body = private_moto::SQS_MAX_BODY;
+            }
+            Some(port)
+        }
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(run(args))
+    runtime.block_on(run(args, port))
 }
 
-async fn run(args: TortureArgs) -> anyhow::Result<bool> {
+async fn run(args: TortureArgs, port: Option<u16>) -> anyhow::Result<bool> {
     let (dir, temporary) = match &args.work_dir {
         Some(d) => (d.clone(), false),
         None => (
@@ -883,7 +936,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
     let courier_bin = keep(&courier_bin, &dir.join("courier"))?;
     let app_bin = keep(&std::env::current_exe()?, &dir.join("courier-bench"))?;
     let queue = format!("courier-torture-{}-{}", std::process::id(), args.seed);
-    let broker = Broker::start(&args, &dir, &queue).await?;
+    let broker = Broker::start(&args, &dir, &queue, port).await?;
     let traffic = Duration::from_secs_f64(args.seconds.unwrap_or(args.minutes * 60.0).max(1.0));
     eprintln!(
         "torture: {} for {:.0} s at {} msg/s (seed {}), then up to {} s to settle; logs in {}",

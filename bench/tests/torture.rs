@@ -1,8 +1,8 @@
 //! Short torture runs (`courier-bench torture`, about 30 s of traffic and
 //! faults each, then the settle period) on the brokers that need no shared
 //! service (a private redis-server, a private nats-server with JetStream,
-//! the embedded queue, a private Kafka mock cluster) and on the shared
-//! RabbitMQ, with queues of the run's own. Each asserts the checker's verdict: no message lost, stuck or
+//! the embedded queue, a private Kafka mock cluster and moto) and on the
+//! shared RabbitMQ, with queues of the run's own. Each asserts the checker's verdict: no message lost, stuck or
 //! settled unexpectedly, and courier's RSS within 10 % over a life long
 //! enough to judge.
 
@@ -91,4 +91,11 @@ fn torture_rabbitmq_accounts_for_every_message() {
 fn torture_kafka_accounts_for_every_message() {
     let mock = env!("CARGO_BIN_EXE_courier-bench-kafka-mock");
     torture_with_seed("kafka", "3", &["--kafka-mock", mock]);
+}
+
+/// SQS on a private moto server (`scripts/moto-server`, which installs
+/// moto into `.venv-moto/` on its first run).
+#[test]
+fn torture_sqs_accounts_for_every_message() {
+    torture("sqs", &[]);
 }

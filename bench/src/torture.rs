@@ -11,16 +11,16 @@
 //! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
 //!   app, edits the policy, and for a broker the harness runs privately
 //!   SIGSTOPs it, and SIGKILLs it too where it keeps its data on disk
-//!   (Redis, NATS; not the in-memory Kafka mock and moto); a shared one
-//!   (RabbitMQ) is never faulted.
+//!   (Redis, NATS; not the in-memory Kafka mock, moto and the Pub/Sub
+//!   emulator); a shared one (RabbitMQ) is never faulted.
 //! - The checker (after a settle period in which the app answers 200 to all
 //!   but the poisoned ids) reads the dead letters and what the broker still
 //!   holds, and the app's log; see [`check`].
 //!
 //! Each broker's part (its server, producer and reader) is a module of its
 //! own: `private_redis`, `private_nats`, `shared_rabbitmq`,
-//! `embedded_queue`, `private_kafka`, `private_moto` (SQS);
-//! [`Broker`] dispatches to them.
+//! `embedded_queue`, `private_kafka`, `private_moto` (SQS),
+//! `private_pubsub`; [`Broker`] dispatches to them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -38,12 +38,14 @@ use courier::source::{SourceOptions, SourceUrl};
 use private_kafka::PrivateKafka;
 use private_moto::PrivateMoto;
 use private_nats::PrivateNats;
+use private_pubsub::PrivatePubSub;
 use private_redis::PrivateRedis;
 
 mod embedded_queue;
 mod private_kafka;
 mod private_moto;
 mod private_nats;
+mod private_pubsub;
 mod private_redis;
 mod shared_rabbitmq;
 
@@ -51,9 +53,9 @@ mod shared_rabbitmq;
 pub struct TortureArgs {
     /// The broker: redis or nats (a private redis-server or `nats-server
     /// -js` the harness starts, kills and stops), rabbitmq (the shared
-    /// node, never faulted), kafka or sqs (a private `kafka-mock` or moto
-    /// server, stopped, never killed: they keep everything in memory), or
-    /// embedded (courier's own
+    /// node, never faulted), kafka, sqs or pubsub (a private `kafka-mock`,
+    /// moto server or Pub/Sub emulator, stopped, never killed: they keep
+    /// everything in memory), or embedded (courier's own
     /// queue; production happens while courier is down, since one process
     /// holds the file).
     #[arg(long)]
@@ -111,7 +113,9 @@ pub struct TortureArgs {
 }
 
 /// The brokers the torture run supports.
-pub const BROKERS: [&str; 6] = ["redis", "nats", "rabbitmq", "embedded", "kafka", "sqs"];
+pub const BROKERS: [&str; 7] = [
+    "redis", "nats", "rabbitmq", "embedded", "kafka", "sqs", "pubsub",
+];
 
 // === The hostile corpus ===
 
@@ -348,6 +352,7 @@ enum Broker {
     Embedded(PathBuf),
     Kafka(PrivateKafka),
     Sqs(PrivateMoto),
+    PubSub(PrivatePubSub),
 }
 
 impl Broker {
@@ -402,6 +407,14 @@ impl Broker {
                 m.create_queue(queue).await?;
                 Broker::Sqs(m)
             }
+            "pubsub" => {
+                let mut server = PrivateServer::new(dir.join("pubsub"))?;
+                server.port = port.context("no port for the Pub/Sub emulator")?;
+                let mut p = PrivatePubSub { server };
+                p.start().await?;
+                p.create(queue).await?;
+                Broker::PubSub(p)
+            }
             _ => Broker::Embedded(dir.join("queue")),
         })
     }
@@ -417,6 +430,7 @@ impl Broker {
             Broker::Embedded(dir) => format!("embedded:{}", dir.display()),
             Broker::Kafka(k) => k.url(),
             Broker::Sqs(m) => m.url(),
+            Broker::PubSub(p) => p.url(),
         }
     }
 
@@ -424,6 +438,15 @@ impl Broker {
     /// process holds the embedded queue's file).
     fn exclusive(&self) -> bool {
         matches!(self, Broker::Embedded(_))
+    }
+
+    /// Whether the harness can tell that the broker holds nothing
+    /// unsettled while courier runs; where it cannot (the embedded queue's
+    /// file is courier's; counting a Pub/Sub subscription without taking
+    /// its messages from courier needs snapshots), the settle period ends
+    /// once the app has heard nothing for 10 s.
+    fn countable(&self) -> bool {
+        !matches!(self, Broker::Embedded(_) | Broker::PubSub(_))
     }
 
     /// The broker's server, when the harness runs its own: the nemesis
@@ -434,12 +457,14 @@ impl Broker {
             Broker::Nats(n) => n.server.process.as_mut(),
             Broker::Kafka(k) => k.server.process.as_mut(),
             Broker::Sqs(m) => m.server.process.as_mut(),
+            Broker::PubSub(p) => p.server.process.as_mut(),
             Broker::RabbitMq(..) | Broker::Embedded(_) => None,
         }
     }
 
     /// Whether the nemesis may SIGKILL the server: not where the broker
-    /// keeps its messages in memory only (the Kafka mock, moto), where a kill
+    /// keeps its messages in memory only (the Kafka mock, moto, the Pub/Sub
+    /// emulator), where a kill
     /// loses them all by design and says nothing about courier.
     fn killable(&self) -> bool {
         matches!(self, Broker::Redis(_) | Broker::Nats(_))
@@ -450,9 +475,11 @@ impl Broker {
         match self {
             Broker::Redis(r) => r.start().await,
             Broker::Nats(n) => n.start().await,
-            Broker::RabbitMq(..) | Broker::Embedded(_) | Broker::Kafka(_) | Broker::Sqs(_) => {
-                Ok(())
-            }
+            Broker::RabbitMq(..)
+            | Broker::Embedded(_)
+            | Broker::Kafka(_)
+            | Broker::Sqs(_)
+            | Broker::PubSub(_) => Ok(()),
         }
     }
 
@@ -503,6 +530,13 @@ impl Broker {
                 stop,
                 m.endpoint(),
             )),
+            Broker::PubSub(p) => Some(private_pubsub::spawn_producer(
+                queue,
+                args,
+                produced,
+                stop,
+                p.endpoint(),
+            )),
             Broker::Embedded(_) => None,
         }
     }
@@ -518,12 +552,13 @@ impl Broker {
             }
             Broker::Kafka(k) => k.holdings(queue).await,
             Broker::Sqs(m) => m.holdings(queue).await,
+            Broker::PubSub(p) => p.holdings(queue).await,
         }
     }
 
     /// Whether the broker holds nothing unsettled any more (the settle
-    /// period ends early). The embedded queue's file is courier's while it
-    /// runs: the settle loop judges it by the app's log instead.
+    /// period ends early); for a broker not [`Broker::countable`], the
+    /// settle loop judges by the app's log instead.
     async fn settled(&self, queue: &str) -> bool {
         match self {
             Broker::Redis(_) => self
@@ -534,7 +569,7 @@ impl Broker {
             Broker::RabbitMq(..) => shared_rabbitmq::settled(queue).await,
             Broker::Kafka(k) => k.settled(queue).await,
             Broker::Sqs(m) => m.settled(queue).await,
-            Broker::Embedded(_) => false,
+            Broker::Embedded(_) | Broker::PubSub(_) => false,
         }
     }
 
@@ -879,8 +914,9 @@ pub fn main(mut args: TortureArgs) -> anyhow::Result<bool> {
             BROKERS.join(", ")
         );
     }
-    // courier and the SDKs find moto only through the environment, which
-    // is set here, before the runtime's threads exist.
+    // courier and the clients find moto and the Pub/Sub emulator only
+    // through the environment, which is set here, before the runtime's
+    // threads exist.
     let port = match args.broker.as_str() {
         "sqs" => {
             let port = free_port();
@@ -893,6 +929,11 @@ pub fn main(mut args: TortureArgs) -> anyhow::Result<bool> {
                 );
                 args.max_body = private_moto::SQS_MAX_BODY;
             }
+            Some(port)
+        }
+        "pubsub" => {
+            let port = free_port();
+            private_pubsub::set_environment(port);
             Some(port)
         }
         _ => None,
@@ -1125,9 +1166,9 @@ async fn run(args: TortureArgs, port: Option<u16>) -> anyhow::Result<bool> {
         if Instant::now() >= settle_end {
             break;
         }
-        if run.broker.exclusive() {
-            // The file is courier's while it runs: settled once the app has
-            // heard nothing for 10 s (longer than any backoff and Retry-After).
+        if !run.broker.countable() {
+            // Settled once the app has heard nothing for 10 s (longer than
+            // any backoff and Retry-After).
             let len = file_len(&app_log);
             if len != quiet_since.1 {
                 quiet_since = (Instant::now(), len);

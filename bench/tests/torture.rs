@@ -1,8 +1,8 @@
 //! Short torture runs (`courier-bench torture`, about 30 s of traffic and
 //! faults each, then the settle period) on the brokers that need no shared
 //! service (a private redis-server, a private nats-server with JetStream,
-//! the embedded queue, a private Kafka mock cluster and moto) and on the
-//! shared RabbitMQ, with queues of the run's own. Each asserts the checker's verdict: no message lost, stuck or
+//! the embedded queue, a private Kafka mock cluster, moto and Pub/Sub
+//! emulator) and on the shared RabbitMQ, with queues of the run's own. Each asserts the checker's verdict: no message lost, stuck or
 //! settled unexpectedly, and courier's RSS within 10 % over a life long
 //! enough to judge.
 
@@ -98,4 +98,10 @@ fn torture_kafka_accounts_for_every_message() {
 #[test]
 fn torture_sqs_accounts_for_every_message() {
     torture("sqs", &[]);
+}
+
+/// Pub/Sub on a private emulator (the Cloud SDK's, a JVM).
+#[test]
+fn torture_pubsub_accounts_for_every_message() {
+    torture("pubsub", &[]);
 }

@@ -85,7 +85,8 @@ pub struct TortureArgs {
     /// each, keep every dead letter).
     #[arg(long, default_value_t = 256 * 1024)]
     pub max_body: usize,
-    /// Seconds of each courier process's life before its RSS counts as the start.
+    /// Seconds of each courier process's life before its RSS counts as the
+    /// start (on Kafka at least 25).
     #[arg(long, default_value_t = 15)]
     pub warmup_secs: u64,
     /// A life shorter than warm-up plus this many seconds is reported, not judged.
@@ -941,13 +942,23 @@ pub fn main(mut args: TortureArgs) -> anyhow::Result<bool> {
             private_pubsub::set_environment(port);
             Some(port)
         }
-        "kafka" if args.max_body > private_kafka::KAFKA_MAX_BODY => {
-            eprintln!(
-                "torture: --max-body {} is {} on Kafka, so that the mock's partitions (5 MiB each) hold 10 minutes of dead letters",
-                args.max_body,
-                private_kafka::KAFKA_MAX_BODY
-            );
-            args.max_body = private_kafka::KAFKA_MAX_BODY;
+        "kafka" => {
+            if args.max_body > private_kafka::KAFKA_MAX_BODY {
+                eprintln!(
+                    "torture: --max-body {} is {} on Kafka, so that the mock's partitions (5 MiB each) hold 10 minutes of dead letters",
+                    args.max_body,
+                    private_kafka::KAFKA_MAX_BODY
+                );
+                args.max_body = private_kafka::KAFKA_MAX_BODY;
+            }
+            if args.warmup_secs < private_kafka::KAFKA_WARMUP_SECS {
+                eprintln!(
+                    "torture: --warmup-secs {} is {} on Kafka, where a restarted courier waits for the group's rebalance",
+                    args.warmup_secs,
+                    private_kafka::KAFKA_WARMUP_SECS
+                );
+                args.warmup_secs = private_kafka::KAFKA_WARMUP_SECS;
+            }
             None
         }
         _ => None,

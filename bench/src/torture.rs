@@ -10,15 +10,17 @@
 //!   plan decided from the seed and the id, and logging what it saw.
 //! - The nemesis SIGKILLs and restarts courier, SIGSTOPs and restarts the
 //!   app, edits the policy, and for a broker the harness runs privately
-//!   (Redis, NATS) SIGSTOPs and SIGKILLs the broker; a shared one
-//!   (RabbitMQ) is never faulted.
+//!   SIGSTOPs it, and SIGKILLs it too where it keeps its data on disk
+//!   (Redis, NATS; not the in-memory Kafka mock, moto and the Pub/Sub
+//!   emulator); a shared one (RabbitMQ) is never faulted.
 //! - The checker (after a settle period in which the app answers 200 to all
 //!   but the poisoned ids) reads the dead letters and what the broker still
 //!   holds, and the app's log; see [`check`].
 //!
 //! Each broker's part (its server, producer and reader) is a module of its
 //! own: `private_redis`, `private_nats`, `shared_rabbitmq`,
-//! `embedded_queue`; [`Broker`] dispatches to them.
+//! `embedded_queue`, `private_kafka`, `private_moto` (SQS),
+//! `private_pubsub`; [`Broker`] dispatches to them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -33,18 +35,27 @@ use crate::child::{Courier, Process};
 use crate::torture_app::{self, ID_HEADER, Plan, Rng, Seen, id_of, ids_in};
 use courier::model::{PAYLOAD, default_dead_letter_queue};
 use courier::source::{SourceOptions, SourceUrl};
+use private_kafka::PrivateKafka;
+use private_moto::PrivateMoto;
 use private_nats::PrivateNats;
+use private_pubsub::PrivatePubSub;
 use private_redis::PrivateRedis;
 
 mod embedded_queue;
+mod private_kafka;
+mod private_moto;
 mod private_nats;
+mod private_pubsub;
 mod private_redis;
 mod shared_rabbitmq;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TortureArgs {
     /// The broker: redis or nats (a private redis-server or `nats-server
-    /// -js` the harness starts, kills and stops), or embedded (courier's own
+    /// -js` the harness starts, kills and stops), rabbitmq (the shared
+    /// node, never faulted), kafka, sqs or pubsub (a private `kafka-mock`,
+    /// moto server or Pub/Sub emulator, stopped, never killed: they keep
+    /// everything in memory), or embedded (courier's own
     /// queue; production happens while courier is down, since one process
     /// holds the file).
     #[arg(long)]
@@ -68,10 +79,14 @@ pub struct TortureArgs {
     /// healthy (ends sooner once the broker holds nothing).
     #[arg(long, default_value_t = 90)]
     pub settle_secs: u64,
-    /// courier's --max-body; the corpus has bodies just under and over it.
+    /// courier's --max-body; the corpus has bodies just under and over it
+    /// (on SQS at most 240 KiB, so that the one over it is a message SQS
+    /// takes; on Kafka at most 32 KiB, so that the mock's partitions, 5 MiB
+    /// each, keep every dead letter).
     #[arg(long, default_value_t = 256 * 1024)]
     pub max_body: usize,
-    /// Seconds of each courier process's life before its RSS counts as the start.
+    /// Seconds of each courier process's life before its RSS counts as the
+    /// start (on Kafka at least 25).
     #[arg(long, default_value_t = 15)]
     pub warmup_secs: u64,
     /// A life shorter than warm-up plus this many seconds is reported, not judged.
@@ -87,6 +102,10 @@ pub struct TortureArgs {
     /// The courier binary [default: `courier` beside this program].
     #[arg(long)]
     pub courier: Option<PathBuf>,
+    /// Kafka: the `kafka-mock` binary [default: `kafka-mock`, else
+    /// `courier-bench-kafka-mock`, beside this program].
+    #[arg(long)]
+    pub kafka_mock: Option<PathBuf>,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -96,7 +115,9 @@ pub struct TortureArgs {
 }
 
 /// The brokers the torture run supports.
-pub const BROKERS: [&str; 4] = ["redis", "nats", "rabbitmq", "embedded"];
+pub const BROKERS: [&str; 7] = [
+    "redis", "nats", "rabbitmq", "embedded", "kafka", "sqs", "pubsub",
+];
 
 // === The hostile corpus ===
 
@@ -299,6 +320,10 @@ impl Letter {
 struct Holdings {
     letters: Vec<Letter>,
     pending: HashSet<u64>,
+    /// What the broker lost on its own (the Kafka mock drops the oldest
+    /// records past 5 MiB a partition): each a failure of the run, since
+    /// the ids it held cannot be accounted for, with the figures.
+    discrepancies: Vec<String>,
 }
 
 /// The dead letters of `queue` (its default dead-letter queue, which the
@@ -331,12 +356,22 @@ enum Broker {
     /// The shared node: the queue's name and courier's `frame_max`.
     RabbitMq(String, Option<u32>),
     Embedded(PathBuf),
+    Kafka(PrivateKafka),
+    Sqs(PrivateMoto),
+    PubSub(PrivatePubSub),
 }
 
 impl Broker {
     /// The broker `name` (one of [`BROKERS`]), started when the harness runs
     /// it, with the work queue made ready for the producer.
-    async fn start(args: &TortureArgs, dir: &Path, queue: &str) -> anyhow::Result<Self> {
+    /// `port`: the one chosen for the broker before the runtime started,
+    /// where its address had to be in the environment ([`main`]).
+    async fn start(
+        args: &TortureArgs,
+        dir: &Path,
+        queue: &str,
+        port: Option<u16>,
+    ) -> anyhow::Result<Self> {
         let name = args.broker.as_str();
         Ok(match name {
             "redis" => {
@@ -358,6 +393,34 @@ impl Broker {
                 shared_rabbitmq::create_queue(queue).await?;
                 Broker::RabbitMq(queue.to_string(), args.amqp_frame_max)
             }
+            "kafka" => {
+                let mut k = PrivateKafka::new(
+                    PrivateServer::new(dir.join("kafka"))?,
+                    beside_this(
+                        args.kafka_mock.as_deref(),
+                        &["kafka-mock", "courier-bench-kafka-mock"],
+                    )?,
+                );
+                k.start().await?;
+                k.create_topics(queue).await?;
+                Broker::Kafka(k)
+            }
+            "sqs" => {
+                let mut server = PrivateServer::new(dir.join("moto"))?;
+                server.port = port.context("no port for moto")?;
+                let mut m = PrivateMoto { server };
+                m.start().await?;
+                m.create_queue(queue).await?;
+                Broker::Sqs(m)
+            }
+            "pubsub" => {
+                let mut server = PrivateServer::new(dir.join("pubsub"))?;
+                server.port = port.context("no port for the Pub/Sub emulator")?;
+                let mut p = PrivatePubSub { server };
+                p.start().await?;
+                p.create(queue).await?;
+                Broker::PubSub(p)
+            }
             _ => Broker::Embedded(dir.join("queue")),
         })
     }
@@ -371,6 +434,9 @@ impl Broker {
                 None => shared_rabbitmq::url(),
             },
             Broker::Embedded(dir) => format!("embedded:{}", dir.display()),
+            Broker::Kafka(k) => k.url(),
+            Broker::Sqs(m) => m.url(),
+            Broker::PubSub(p) => p.url(),
         }
     }
 
@@ -380,14 +446,34 @@ impl Broker {
         matches!(self, Broker::Embedded(_))
     }
 
+    /// Whether the harness can tell that the broker holds nothing
+    /// unsettled while courier runs; where it cannot (the embedded queue's
+    /// file is courier's; counting a Pub/Sub subscription without taking
+    /// its messages from courier needs snapshots), the settle period ends
+    /// once the app has heard nothing for 10 s.
+    fn countable(&self) -> bool {
+        !matches!(self, Broker::Embedded(_) | Broker::PubSub(_))
+    }
+
     /// The broker's server, when the harness runs its own: the nemesis
     /// stops and kills it.
     fn server(&mut self) -> Option<&mut Process> {
         match self {
             Broker::Redis(r) => r.server.process.as_mut(),
             Broker::Nats(n) => n.server.process.as_mut(),
+            Broker::Kafka(k) => k.server.process.as_mut(),
+            Broker::Sqs(m) => m.server.process.as_mut(),
+            Broker::PubSub(p) => p.server.process.as_mut(),
             Broker::RabbitMq(..) | Broker::Embedded(_) => None,
         }
+    }
+
+    /// Whether the nemesis may SIGKILL the server: not where the broker
+    /// keeps its messages in memory only (the Kafka mock, moto, the Pub/Sub
+    /// emulator), where a kill
+    /// loses them all by design and says nothing about courier.
+    fn killable(&self) -> bool {
+        matches!(self, Broker::Redis(_) | Broker::Nats(_))
     }
 
     /// Starts the server again after a SIGKILL, on its port and files.
@@ -395,7 +481,11 @@ impl Broker {
         match self {
             Broker::Redis(r) => r.start().await,
             Broker::Nats(n) => n.start().await,
-            Broker::RabbitMq(..) | Broker::Embedded(_) => Ok(()),
+            Broker::RabbitMq(..)
+            | Broker::Embedded(_)
+            | Broker::Kafka(_)
+            | Broker::Sqs(_)
+            | Broker::PubSub(_) => Ok(()),
         }
     }
 
@@ -432,6 +522,27 @@ impl Broker {
             Broker::RabbitMq(..) => {
                 Some(shared_rabbitmq::spawn_producer(queue, args, produced, stop))
             }
+            Broker::Kafka(k) => Some(private_kafka::spawn_producer(
+                k.bootstrap().to_string(),
+                queue,
+                args,
+                produced,
+                stop,
+            )),
+            Broker::Sqs(m) => Some(private_moto::spawn_producer(
+                queue,
+                args,
+                produced,
+                stop,
+                m.endpoint(),
+            )),
+            Broker::PubSub(p) => Some(private_pubsub::spawn_producer(
+                queue,
+                args,
+                produced,
+                stop,
+                p.endpoint(),
+            )),
             Broker::Embedded(_) => None,
         }
     }
@@ -445,12 +556,15 @@ impl Broker {
                 let (dir, queue) = (dir.clone(), queue.to_string());
                 tokio::task::spawn_blocking(move || embedded_queue::holdings(&dir, &queue)).await?
             }
+            Broker::Kafka(k) => k.holdings(queue).await,
+            Broker::Sqs(m) => m.holdings(queue).await,
+            Broker::PubSub(p) => p.holdings(queue).await,
         }
     }
 
     /// Whether the broker holds nothing unsettled any more (the settle
-    /// period ends early). The embedded queue's file is courier's while it
-    /// runs: the settle loop judges it by the app's log instead.
+    /// period ends early); for a broker not [`Broker::countable`], the
+    /// settle loop judges by the app's log instead.
     async fn settled(&self, queue: &str) -> bool {
         match self {
             Broker::Redis(_) => self
@@ -459,7 +573,9 @@ impl Broker {
                 .is_ok_and(|h| h.pending.is_empty()),
             Broker::Nats(n) => n.settled(queue).await,
             Broker::RabbitMq(..) => shared_rabbitmq::settled(queue).await,
-            Broker::Embedded(_) => false,
+            Broker::Kafka(k) => k.settled(queue).await,
+            Broker::Sqs(m) => m.settled(queue).await,
+            Broker::Embedded(_) | Broker::PubSub(_) => false,
         }
     }
 
@@ -748,6 +864,24 @@ impl Run {
         }
     }
 
+    /// A line of `nemesis.log`: when (Unix seconds) the fault began, and
+    /// for how long, so a finding can be laid beside courier's log.
+    fn log_fault(&self, name: &str, until: Option<Instant>) {
+        use std::io::Write as _;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64();
+        let secs = until.map_or(0.0, |at| (at - Instant::now()).as_secs_f64());
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("nemesis.log"))
+        {
+            let _ = writeln!(f, "{now:.3}\t{name}\t{secs:.1} s");
+        }
+    }
+
     /// Restarts courier if it exited on its own (a crash is a finding).
     fn watch_courier(&mut self) -> anyhow::Result<()> {
         let exited = self.courier.as_mut().and_then(|c| c.process.exited());
@@ -778,7 +912,7 @@ enum Undo {
     BrokerStart,
 }
 
-pub fn main(args: TortureArgs) -> anyhow::Result<bool> {
+pub fn main(mut args: TortureArgs) -> anyhow::Result<bool> {
     if !BROKERS.contains(&args.broker.as_str()) {
         bail!(
             "--broker {:?}: the torture run supports {}",
@@ -786,14 +920,57 @@ pub fn main(args: TortureArgs) -> anyhow::Result<bool> {
             BROKERS.join(", ")
         );
     }
+    // courier and the clients find moto and the Pub/Sub emulator only
+    // through the environment, which is set here, before the runtime's
+    // threads exist.
+    let port = match args.broker.as_str() {
+        "sqs" => {
+            let port = free_port();
+            private_moto::set_environment(port);
+            if args.max_body > private_moto::SQS_MAX_BODY {
+                eprintln!(
+                    "torture: --max-body {} is {} on SQS, so that the corpus's body one byte over it is still a message SQS takes",
+                    args.max_body,
+                    private_moto::SQS_MAX_BODY
+                );
+                args.max_body = private_moto::SQS_MAX_BODY;
+            }
+            Some(port)
+        }
+        "pubsub" => {
+            let port = free_port();
+            private_pubsub::set_environment(port);
+            Some(port)
+        }
+        "kafka" => {
+            if args.max_body > private_kafka::KAFKA_MAX_BODY {
+                eprintln!(
+                    "torture: --max-body {} is {} on Kafka, so that the mock's partitions (5 MiB each) hold 10 minutes of dead letters",
+                    args.max_body,
+                    private_kafka::KAFKA_MAX_BODY
+                );
+                args.max_body = private_kafka::KAFKA_MAX_BODY;
+            }
+            if args.warmup_secs < private_kafka::KAFKA_WARMUP_SECS {
+                eprintln!(
+                    "torture: --warmup-secs {} is {} on Kafka, where a restarted courier waits for the group's rebalance",
+                    args.warmup_secs,
+                    private_kafka::KAFKA_WARMUP_SECS
+                );
+                args.warmup_secs = private_kafka::KAFKA_WARMUP_SECS;
+            }
+            None
+        }
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(run(args))
+    runtime.block_on(run(args, port))
 }
 
-async fn run(args: TortureArgs) -> anyhow::Result<bool> {
+async fn run(args: TortureArgs, port: Option<u16>) -> anyhow::Result<bool> {
     let (dir, temporary) = match &args.work_dir {
         Some(d) => (d.clone(), false),
         None => (
@@ -825,7 +1002,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
     let courier_bin = keep(&courier_bin, &dir.join("courier"))?;
     let app_bin = keep(&std::env::current_exe()?, &dir.join("courier-bench"))?;
     let queue = format!("courier-torture-{}-{}", std::process::id(), args.seed);
-    let broker = Broker::start(&args, &dir, &queue).await?;
+    let broker = Broker::start(&args, &dir, &queue, port).await?;
     let traffic = Duration::from_secs_f64(args.seconds.unwrap_or(args.minutes * 60.0).max(1.0));
     eprintln!(
         "torture: {} for {:.0} s at {} msg/s (seed {}), then up to {} s to settle; logs in {}",
@@ -917,12 +1094,17 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         }
         let exclusive = run.broker.exclusive();
         let broker_faults = run.broker.server().is_some();
+        let broker_kills = run.broker.killable();
         next_fault = Instant::now() + gap(&mut rng, exclusive);
         let roll = rng.below(100);
         let ms = |rng: &mut Rng, lo, hi| Instant::now() + Duration::from_millis(rng.range(lo, hi));
         // A shared broker is never faulted: its share goes to courier.
         let roll = if !exclusive && !broker_faults && (60..80).contains(&roll) {
             roll - 60
+        } else if !exclusive && !broker_kills && (70..80).contains(&roll) {
+            // A broker that keeps its messages in memory only is stopped
+            // instead of killed.
+            roll - 10
         } else {
             roll
         };
@@ -975,6 +1157,7 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
             }
         };
         *run.faults.entry(name).or_default() += 1;
+        run.log_fault(name, next.as_ref().map(|(at, _)| *at));
         undo = next;
     }
 
@@ -1008,9 +1191,9 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         if Instant::now() >= settle_end {
             break;
         }
-        if run.broker.exclusive() {
-            // The file is courier's while it runs: settled once the app has
-            // heard nothing for 10 s (longer than any backoff and Retry-After).
+        if !run.broker.countable() {
+            // Settled once the app has heard nothing for 10 s (longer than
+            // any backoff and Retry-After).
             let len = file_len(&app_log);
             if len != quiet_since.1 {
                 quiet_since = (Instant::now(), len);
@@ -1024,9 +1207,12 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
     let settle_secs = settle_start.elapsed().as_secs_f64();
     run.stop_courier(true);
     // Bounded: a reader that hangs is an error of the run, not a wait forever.
-    let holdings = match tokio::time::timeout(Duration::from_secs(120), run.broker.holdings(&queue))
+    // 300 s: moto answers a receive of 10 in milliseconds when idle, but
+    // scans the whole queue for each, and after a 10-minute SQS run under
+    // load 120 s were not enough for the queue and its dead letters.
+    let holdings = match tokio::time::timeout(Duration::from_secs(300), run.broker.holdings(&queue))
         .await
-        .context("reading what the broker holds took over 120 s")
+        .context("reading what the broker holds took over 300 s")
     {
         Ok(Ok(h)) => h,
         Ok(Err(e)) | Err(e) => {
@@ -1059,6 +1245,20 @@ async fn run(args: TortureArgs) -> anyhow::Result<bool> {
         eprintln!("torture: logs kept in {}", dir.display());
     }
     Ok(report.passed)
+}
+
+/// `given`, or the first of `names` beside this program.
+fn beside_this(given: Option<&Path>, names: &[&str]) -> anyhow::Result<PathBuf> {
+    if let Some(path) = given {
+        return Ok(path.to_path_buf());
+    }
+    let exe = std::env::current_exe()?;
+    let here = exe.parent().context("no directory")?;
+    names
+        .iter()
+        .map(|n| here.join(n))
+        .find(|p| p.exists())
+        .with_context(|| format!("none of {} beside {}", names.join(", "), exe.display()))
 }
 
 /// A hard link to `binary` at `to` (a copy across file systems).
@@ -1249,7 +1449,8 @@ fn check(
         && stuck.is_empty()
         && unexpected.is_empty()
         && rss_over.is_empty()
-        && run.unplanned_exits.is_empty();
+        && run.unplanned_exits.is_empty()
+        && holdings.discrepancies.is_empty();
 
     let mut t = String::new();
     use std::fmt::Write as _;
@@ -1286,6 +1487,9 @@ fn check(
     );
     for r in produced.refused.iter().take(5) {
         let _ = writeln!(t, "  refused by the producer's client: {r}");
+    }
+    for d in &holdings.discrepancies {
+        let _ = writeln!(t, "  DISCREPANCY: {d}");
     }
     if strangers > 0 || orphan_letters > 0 {
         let _ = writeln!(
@@ -1377,6 +1581,7 @@ fn check(
         "courier_lives": lives,
         "unplanned_exits": run.unplanned_exits,
         "courier_panics": panics,
+        "discrepancies": holdings.discrepancies,
         "passed": passed,
     });
     Report {

@@ -47,7 +47,7 @@ use futures::future::BoxFuture;
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
 pub use batch::Batcher;
-pub use recent::Recent;
+pub use recent::{REMEMBERED, Recent};
 pub use redact::{redact, redact_error, secrets_of};
 pub use seal::Seal;
 pub use tls::{Tls, TlsFiles};

@@ -4,8 +4,15 @@
 //! replica is never settled here, so nothing would remove its entry).
 
 use std::borrow::Borrow;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::Hash;
+
+/// Messages remembered per map of what a broker cannot carry (first offer,
+/// free receives, due times, the last retry): past it the oldest is
+/// forgotten, and such a message's first-attempt time falls back to when it
+/// was stored, a free receive counts as an attempt, a FIFO retry's far due
+/// time is lost. About 100 bytes each.
+pub const REMEMBERED: usize = 100_000;
 
 /// At most `cap` entries; inserting a new key at the cap forgets the key
 /// inserted longest ago. The order queue holds one slot per insertion and
@@ -13,7 +20,8 @@ use std::hash::Hash;
 #[derive(Debug)]
 pub struct Recent<K, V> {
     cap: usize,
-    entries: HashMap<K, (u64, V)>,
+    /// foldhash: sources write these maps once or twice per message.
+    entries: foldhash::HashMap<K, (u64, V)>,
     order: VecDeque<(K, u64)>,
     next: u64,
 }
@@ -22,7 +30,7 @@ impl<K: Eq + Hash + Clone, V> Recent<K, V> {
     pub fn new(cap: usize) -> Self {
         Self {
             cap: cap.max(1),
-            entries: HashMap::new(),
+            entries: foldhash::HashMap::default(),
             order: VecDeque::new(),
             next: 0,
         }

@@ -454,6 +454,63 @@ pub async fn policy_file_reload(fixture: Fixture) {
     }
 }
 
+/// Findings 4 and 10: a live edit that lowers `maxAttempts` below the
+/// attempts a message has used dead-letters it `attempts-exhausted` at its
+/// next answer. On NATS and SQS the broker's delivery count, which the
+/// poison-pill limit (`maxAttempts + 2`) reads, also counts the retries
+/// courier settled in place; it made this `undeliverable`, "handed out 6
+/// times without being settled", without offering it again.
+pub async fn a_live_lower_max_attempts_exhausts_attempts(fixture: Fixture) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    let doc = |max: &str| {
+        format!(
+            "apiVersion: courier.dev/v1alpha1\nkind: RetryPolicy\nmetadata:\n  name: orders\nspec:\n  maxAttempts: {max}\n  timeout: 500ms\n  backoff: {{initial: 700ms, max: 700ms, jitter: none}}\n"
+        )
+    };
+    std::fs::write(&path, doc("10")).unwrap();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let producer = fixture.producer().await;
+    let mut config = run_config(&fixture, &app, courier::policy::file::load(&path).unwrap());
+    config.policy.file = Some(path.clone());
+    let running = Running::start(config).await;
+    let body = b"script:503\nlowered";
+    let id = producer.send(&body[..], &[]).await;
+    wait_for("five attempts", Duration::from_secs(20), async || {
+        app.received_body(body).len() >= 5
+    })
+    .await;
+    // maxAttempts 2: the limit is 4 hand-outs, and the next one is the 6th.
+    std::fs::write(&path, doc("2")).unwrap();
+    wait_for("the edit to apply", Duration::from_secs(5), async || {
+        scrape(running.metrics_addr)
+            .await
+            .contains("courier_policy_generation{policy=\"orders\"} 2")
+    })
+    .await;
+    wait_for("the dead letter", SETTLE, async || {
+        source.depth().await.unwrap().dead_letters == 1
+    })
+    .await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    let letter = dead_letter_of(&source, &fixture, &id).await;
+    assert_eq!(
+        letter.field("courier-reason"),
+        Some("attempts-exhausted"),
+        "error: {:?}",
+        letter.field("courier-error")
+    );
+    assert_eq!(letter.field("courier-status"), Some("503"));
+    let seen = app.received_body(body);
+    assert!(
+        (6..=7).contains(&seen.len()),
+        "offered once more after the edit: {} deliveries",
+        seen.len()
+    );
+}
+
 /// A dead letter is there for the broker's own tools too: read with the
 /// broker's client, it has the body byte for byte, the producer's headers
 /// and courier's failure fields, and reading it leaves it in place.

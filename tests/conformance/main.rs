@@ -161,6 +161,7 @@ suite!(
         delivery::bodies_are_bytes if DeadLetterBrowsing,
         delivery::unreachable_app_uses_no_attempts if DeadLetterBrowsing,
         delivery::policy_file_reload if DeadLetterBrowsing,
+        delivery::a_live_lower_max_attempts_exhausts_attempts if DeadLetterBrowsing,
         delivery::dead_letters_are_readable_with_the_brokers_own_client if Nothing,
         process::crash_mid_flight_loses_nothing if DeadLetterBrowsing,
         process::scheduled_retry_survives_restart if DeadLetterBrowsing,

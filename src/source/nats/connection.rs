@@ -30,6 +30,7 @@ use super::fields::seal_of;
 use crate::model::Delivery;
 use crate::source::redact::{percent_decode, redact, redact_error};
 use crate::source::{LiveSettings, SourceError, SourceOptions};
+use crate::source::{REMEMBERED, Recent};
 
 /// Checks a `nats://` URL at start.
 pub fn check_url(text: &str) -> Result<(), String> {
@@ -302,7 +303,8 @@ impl NatsSource {
             replicas: work.replicas,
             consumer: Arc::default(),
             in_flight: Arc::default(),
-            first_attempts: Mutex::default(),
+            first_attempts: Mutex::new(Recent::new(REMEMBERED)),
+            retried: Mutex::new(Recent::new(REMEMBERED)),
             held,
             puller: tokio::sync::Mutex::new(None),
             dead_letter_streams: Mutex::new(Vec::new()),

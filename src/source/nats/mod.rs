@@ -79,8 +79,8 @@ use async_nats::jetstream::context::Context;
 use async_trait::async_trait;
 
 use super::{
-    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
-    Source, SourceError, SourceOptions, WithStore, settle_by_parts,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Recent,
+    Settlement, Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 use dead_letters::NatsStore;
@@ -126,7 +126,13 @@ pub struct NatsSource {
     in_flight: Arc<Mutex<foldhash::HashMap<String, u64>>>,
     /// When messages this source retried with `Nak` were first offered, by
     /// stream sequence: a `Nak` cannot carry `courier-first-attempt-at`.
-    first_attempts: Mutex<foldhash::HashMap<u64, SystemTime>>,
+    /// Bounded: a message another replica then took is never settled here.
+    first_attempts: Mutex<Recent<u64, SystemTime>>,
+    /// The delivery count at which this process last retried a message with
+    /// `Nak`, by stream sequence: JetStream's count goes on with deliveries
+    /// courier settled, so only a delivery after one not settled here can
+    /// make a poison pill.
+    retried: Mutex<Recent<u64, u64>>,
     held: Arc<AtomicI64>,
     /// Created on the first read.
     puller: tokio::sync::Mutex<Option<Puller>>,

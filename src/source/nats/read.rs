@@ -164,14 +164,14 @@ impl Puller {
 /// string searcher and parsed every token, some 2,100 instructions a
 /// message (BENCHMARKS.md, the profile).
 #[derive(Debug, PartialEq, Eq)]
-struct Metadata {
-    sequence: u64,
-    delivered: u64,
+pub(super) struct Metadata {
+    pub(super) sequence: u64,
+    pub(super) delivered: u64,
     published: SystemTime,
 }
 
 impl Metadata {
-    fn read(reply: &str) -> Option<Self> {
+    pub(super) fn read(reply: &str) -> Option<Self> {
         let tokens = reply.strip_prefix("$JS.ACK.")?.as_bytes();
         let mut token: [&[u8]; 8] = [b""; 8];
         let (mut count, mut start) = (0, 0);
@@ -347,8 +347,17 @@ impl NatsSource {
         // A poison pill: every delivery of it ended without a settlement
         // (the sidecar crashed or hung on it). JetStream's own counter says
         // so; the dispatcher dead-letters it as undeliverable without
-        // offering it to the app again.
-        if delivered > max_deliveries {
+        // offering it to the app again. Unless the delivery before this one
+        // was a `Nak` of this process: then the count holds attempts of a
+        // policy with a higher maxAttempts, and the answer to this one
+        // decides (`attempts-exhausted`).
+        let retried_here = self
+            .retried
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&sequence)
+            == Some(&(metadata.delivered.saturating_sub(1)));
+        if delivered > max_deliveries && !retried_here {
             delivery.problem = Some(format!(
                 "handed out {delivered} times without being settled (the limit is {max_deliveries}, maxAttempts + 2)"
             ));

@@ -15,6 +15,7 @@ use super::NatsSource;
 use super::connection::{js_code, unavailable};
 use super::dead_letters::dead_letter_stream;
 use super::fields::{F_SUBJECT, field, to_headers};
+use super::read::Metadata;
 use crate::model::{Delivery, Failure, rfc3339};
 use crate::source::SettleParts;
 use crate::source::SourceError;
@@ -46,6 +47,10 @@ impl NatsSource {
             self.held.fetch_sub(1, Ordering::SeqCst);
             if done {
                 self.first_attempts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&sequence);
+                self.retried
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&sequence);
@@ -215,6 +220,12 @@ impl SettleParts for NatsSource {
         let receipt = &delivery.receipt;
         if next_attempt > delivery.attempt {
             let delay = at.duration_since(SystemTime::now()).unwrap_or_default();
+            if let Some(metadata) = Metadata::read(receipt) {
+                self.retried
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(metadata.sequence, metadata.delivered);
+            }
             let result = self
                 .client
                 .publish(receipt.clone(), AckKind::Nak(Some(delay)).into())

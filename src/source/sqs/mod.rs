@@ -65,8 +65,8 @@ use aws_sdk_sqs::types::QueueAttributeName;
 use tokio::sync::mpsc;
 
 use super::{
-    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Recent,
-    Settlement, Source, SourceError, SourceOptions, WithStore, settle_by_parts,
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, REMEMBERED,
+    Recent, Settlement, Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use crate::model::Delivery;
 use crate::source::shared::Seal;
@@ -77,13 +77,6 @@ pub use connection::{SEAL_TAG, check_url, redrive_warning};
 pub use dead_letters::dead_letter_queue_name;
 
 /// Amazon SQS: `sqs://REGION`.
-/// Messages remembered per map of what SQS cannot carry (first offer, free
-/// receives, due times): past it the oldest is forgotten, and such a
-/// message's first-attempt time falls back to when it was sent, a free
-/// receive counts as an attempt, a FIFO retry's far due time is lost.
-/// About 100 bytes each.
-pub const REMEMBERED: usize = 100_000;
-
 pub const BROKER: Broker = Broker {
     name: "sqs",
     messaging_system: "aws_sqs",
@@ -110,6 +103,8 @@ struct InFlight {
     sqs_id: String,
     group: Option<String>,
     sent_at: SystemTime,
+    /// SQS's `ApproximateReceiveCount` at this receive.
+    received: u32,
 }
 
 /// FIFO: which groups have a message with the app, and the later messages
@@ -155,6 +150,10 @@ pub struct SqsSource {
     /// SQS id. Kept in the process: a FIFO retry cannot be a copy.
     uncounted: Mutex<Recent<String, u32>>,
     due: Mutex<Recent<String, SystemTime>>,
+    /// The receive count at which this process last retried a message in
+    /// place, by SQS id: SQS's count goes on with receives courier settled,
+    /// so only a receive after one not settled here can make a poison pill.
+    retried: Mutex<Recent<String, u32>>,
     deletes: mpsc::UnboundedSender<Delete>,
     deleter: tokio::task::JoinHandle<()>,
     /// The dead letters and sends, on the same client.
@@ -215,6 +214,7 @@ impl SqsSource {
             first_attempts: Mutex::new(Recent::new(REMEMBERED)),
             uncounted: Mutex::new(Recent::new(REMEMBERED)),
             due: Mutex::new(Recent::new(REMEMBERED)),
+            retried: Mutex::new(Recent::new(REMEMBERED)),
             deletes,
             deleter,
         };

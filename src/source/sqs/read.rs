@@ -192,9 +192,13 @@ impl SqsSource {
         }
         let mut delivery = Delivery::from_fields(&sqs_id, fields, extra, receipt);
         // A poison pill: every receive of it ended without a settlement
-        // (the sidecar crashed or hung on it). SQS's own counter says so.
+        // (the sidecar crashed or hung on it). SQS's own counter says so,
+        // unless the receive before this one was a retry settled here: then
+        // the count holds attempts of a policy with a higher maxAttempts,
+        // and the answer to this one decides (`attempts-exhausted`).
         let handed_out = received.saturating_sub(uncounted);
-        if handed_out > max_deliveries {
+        let retried_here = lock(&self.retried).get(&sqs_id) == Some(&(received - 1));
+        if handed_out > max_deliveries && !retried_here {
             delivery.problem = Some(format!(
                 "received {handed_out} times without being settled (the limit is {max_deliveries}, maxAttempts + 2)"
             ));
@@ -205,6 +209,7 @@ impl SqsSource {
                 sqs_id,
                 group,
                 sent_at,
+                received,
             },
         )
     }

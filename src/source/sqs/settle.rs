@@ -196,6 +196,7 @@ impl SqsSource {
         lock(&self.first_attempts).remove(sqs_id);
         lock(&self.uncounted).remove(sqs_id);
         lock(&self.due).remove(sqs_id);
+        lock(&self.retried).remove(sqs_id);
     }
 
     /// The first receive of a copy not yet due: invisible for the time
@@ -424,6 +425,7 @@ impl SettleParts for SqsSource {
                 }
             }
             lock(&self.first_attempts).get_or_insert_with(held.sqs_id.clone(), || first_attempt_at);
+            lock(&self.retried).insert(held.sqs_id.clone(), held.received);
             let result = self
                 .change_visibility(&self.queue_url, receipt, secs.min(room))
                 .await;

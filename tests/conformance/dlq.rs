@@ -15,7 +15,7 @@ use bytes::Bytes;
 const BIN: &str = env!("CARGO_BIN_EXE_courier");
 const SETTLE: Duration = Duration::from_secs(30);
 
-fn courier(fixture: &Fixture, args: &[&str]) -> Output {
+pub(crate) fn courier(fixture: &Fixture, args: &[&str]) -> Output {
     let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     all.extend([
         "--source".into(),
@@ -34,7 +34,7 @@ fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn stderr(out: &Output) -> String {
+pub(crate) fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
@@ -71,7 +71,7 @@ async fn send_all(fixture: &Fixture, bodies: &[Bytes]) -> Vec<String> {
     ids
 }
 
-fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+pub(crate) fn json_lines(out: &Output) -> Vec<serde_json::Value> {
     stdout(out)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::common::*;
-use crate::{delivery, process};
+use crate::{delivery, dlq, process};
 use courier::source::{self, SourceOptions};
 
 const SETTLE: Duration = Duration::from_secs(20);
@@ -269,4 +269,53 @@ async fn sqs_a_dead_letter_over_the_queues_maximum_is_cut_to_fit() {
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_cut_to_fit(&fixture, &app, &body).await;
+}
+
+/// Finding 9: `courier dlq list` on SQS ended once the letters it had
+/// received first showed again (a 10 s hold), and said nothing of the rest:
+/// 230 of 389 letters in a torture run. On moto, whose receives slow down
+/// with the queue's length, 600 letters take longer than one hold to list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_a_listing_of_many_letters_lists_every_one() {
+    const LETTERS: usize = 600;
+    let fixture = Fixture::sqs();
+    let client = sqs_client().await;
+    let url = client
+        .create_queue()
+        .queue_name(format!("{}-dlq", fixture.queue))
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let filler = "x".repeat(1_000);
+    for start in (0..LETTERS).step_by(10) {
+        let entries = (start..start + 10).map(|i| {
+            aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                .id(i.to_string())
+                .message_body(format!("letter {i:04} {filler}"))
+                .build()
+                .unwrap()
+        });
+        client
+            .send_message_batch()
+            .queue_url(&url)
+            .set_entries(Some(entries.collect()))
+            .send()
+            .await
+            .unwrap();
+    }
+    let out = tokio::task::spawn_blocking(move || {
+        let out = dlq::courier(&fixture, &["dlq", "list", "--output", "json"]);
+        (fixture, out)
+    })
+    .await
+    .unwrap();
+    let (_fixture, out) = out;
+    assert!(out.status.success(), "{}", dlq::stderr(&out));
+    let ids: HashSet<String> = dlq::json_lines(&out)
+        .iter()
+        .map(|letter| letter["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids.len(), LETTERS, "{}", dlq::stderr(&out));
 }

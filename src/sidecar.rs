@@ -604,7 +604,7 @@ async fn follow_connection(
 /// timeout.
 pub fn options_for(options: &SourceOptions, policy: &Policy) -> SourceOptions {
     let settings = dispatch::live::settings_for(options, policy);
-    if settings.visibility_timeout > options.visibility_timeout {
+    if settings.visibility_timeout > options.live.visibility_timeout {
         tracing::info!(
             policy = %policy.label(),
             visibility_timeout = %crate::duration::format(settings.visibility_timeout),
@@ -612,9 +612,7 @@ pub fn options_for(options: &SourceOptions, policy: &Policy) -> SourceOptions {
         );
     }
     SourceOptions {
-        visibility_timeout: settings.visibility_timeout,
-        dead_letter_queue: settings.dead_letter_queue,
-        max_deliveries: settings.max_deliveries,
+        live: settings,
         ..options.clone()
     }
 }
@@ -665,17 +663,17 @@ mod tests {
     #[test]
     fn the_source_opens_with_the_dead_letter_queue_and_a_long_enough_visibility() {
         let mut options = SourceOptions::new("orders");
-        options.visibility_timeout = Duration::from_secs(60);
+        options.live.visibility_timeout = Duration::from_secs(60);
         let mut policy = Policy {
             dead_letter_queue: Some("orders.parked".into()),
             ..Policy::default()
         };
         let opened = options_for(&options, &policy);
-        assert_eq!(opened.dead_letter_queue, "orders.parked");
-        assert_eq!(opened.visibility_timeout, Duration::from_secs(60));
+        assert_eq!(opened.live.dead_letter_queue, "orders.parked");
+        assert_eq!(opened.live.visibility_timeout, Duration::from_secs(60));
         policy.timeout = Duration::from_secs(90);
         let opened = options_for(&options, &policy);
-        assert_eq!(opened.visibility_timeout, Duration::from_secs(120));
-        assert_eq!(opened.max_deliveries, policy.max_deliveries());
+        assert_eq!(opened.live.visibility_timeout, Duration::from_secs(120));
+        assert_eq!(opened.live.max_deliveries, policy.max_deliveries());
     }
 }

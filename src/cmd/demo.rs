@@ -156,7 +156,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         Jitter::Equal,
     );
     let mut options = SourceOptions::new(QUEUE);
-    options.visibility_timeout = Duration::from_secs(30);
+    options.live.visibility_timeout = Duration::from_secs(30);
     let config = RunConfig {
         source: url,
         options,

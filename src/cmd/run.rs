@@ -18,7 +18,9 @@ use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
 use crate::sidecar::{EndpointSettings, PolicySettings, RunConfig, Sidecar};
 
-use crate::source::{MAX_UNSETTLED, Ordering, QueueType, SourceOptions, default_consumer_name};
+use crate::source::{
+    LiveSettings, MAX_UNSETTLED, Ordering, QueueType, SourceOptions, default_consumer_name,
+};
 use crate::telemetry::Readiness;
 use crate::telemetry::traces::Traces;
 
@@ -188,16 +190,18 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         )));
     }
     let options = SourceOptions {
-        dead_letter_queue: policy.dead_letter_queue_for(&queue),
+        live: LiveSettings {
+            visibility_timeout,
+            dead_letter_queue: policy.dead_letter_queue_for(&queue),
+            max_deliveries: policy.max_deliveries(),
+        },
         queue,
         group: args.group.clone(),
         consumer: args.consumer.clone().unwrap_or_else(default_consumer_name),
-        visibility_timeout,
         create: args.create,
         queue_type: args.queue_type,
         ordering: args.ordering,
         concurrency: args.concurrency,
-        max_deliveries: policy.max_deliveries(),
         max_body: args.max_body,
         max_unsettled: MAX_UNSETTLED,
         tls,

@@ -27,7 +27,7 @@ pub fn visibility_for(configured: Duration, policy: &Policy) -> Duration {
 /// opened with.
 pub fn settings_for(options: &SourceOptions, policy: &Policy) -> LiveSettings {
     LiveSettings {
-        visibility_timeout: visibility_for(options.visibility_timeout, policy),
+        visibility_timeout: visibility_for(options.live.visibility_timeout, policy),
         dead_letter_queue: policy.dead_letter_queue_for(&options.queue),
         max_deliveries: policy.max_deliveries(),
     }
@@ -40,7 +40,7 @@ mod tests {
     #[test]
     fn settings_follow_the_policy() {
         let mut options = SourceOptions::new("orders");
-        options.visibility_timeout = Duration::from_secs(60);
+        options.live.visibility_timeout = Duration::from_secs(60);
         let mut policy = Policy::test().max_attempts(5);
         policy.timeout = Duration::from_secs(10);
         let settings = settings_for(&options, &policy);
@@ -54,7 +54,7 @@ mod tests {
         assert_eq!(settings.dead_letter_queue, "orders.parked");
         // A short visibility the user chose stays while it outlasts the
         // timeout, and is raised once the timeout catches up.
-        options.visibility_timeout = Duration::from_secs(2);
+        options.live.visibility_timeout = Duration::from_secs(2);
         policy.timeout = Duration::from_secs(1);
         assert_eq!(
             settings_for(&options, &policy).visibility_timeout,

@@ -154,7 +154,7 @@ impl Dispatcher {
             queue: options.queue.clone(),
             concurrency: options.concurrency,
             max_body: options.max_body,
-            visibility_timeout: options.visibility_timeout,
+            visibility_timeout: options.live.visibility_timeout,
             app_health_path: app.health_path.clone(),
             app_failure_run: app.failure_run,
             drain_timeout: delivery.drain_timeout,

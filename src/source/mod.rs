@@ -232,10 +232,10 @@ pub struct SourceOptions {
     pub group: String,
     /// This replica's name inside the group.
     pub consumer: String,
-    /// A delivery not settled within this time is handed out again.
-    pub visibility_timeout: Duration,
-    /// `<queue>.dlq` unless the policy names another; used for depth.
-    pub dead_letter_queue: String,
+    /// What the policy decides at open: the visibility timeout, the
+    /// dead-letter queue and the delivery limit. Later changes reach the
+    /// source through [`Observed::apply`], never through these options.
+    pub live: LiveSettings,
     /// Create the work queue (AMQP queue, NATS stream) when it is missing
     /// (`--create`); without it a missing queue is an error that says so.
     pub create: bool,
@@ -247,11 +247,6 @@ pub struct SourceOptions {
     /// Deliveries this replica has in flight at most (`--concurrency`);
     /// brokers that push (AMQP) prefetch this many.
     pub concurrency: usize,
-    /// A message handed out more than this many times without being
-    /// settled is a poison pill: dead-lettered as `undeliverable` by the
-    /// broker's own delivery counter, before it is loaded where the broker
-    /// allows (the policy's `maxAttempts + 2`).
-    pub max_deliveries: u32,
     /// `--max-body`: a source whose reads are bounded in bytes
     /// ([`Capabilities::byte_bounded_reads`]) dead-letters a larger entry as
     /// `undeliverable` without loading it.
@@ -344,24 +339,16 @@ impl std::str::FromStr for QueueType {
 /// these from the current one and hands them over on every change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveSettings {
-    /// [`SourceOptions::visibility_timeout`].
+    /// A delivery not settled within this time is handed out again.
     pub visibility_timeout: Duration,
-    /// [`SourceOptions::dead_letter_queue`]: where depth is read and
-    /// dead letters are browsed.
+    /// `<queue>.dlq` unless the policy names another: where dead letters
+    /// go, where depth is read and dead letters are browsed.
     pub dead_letter_queue: String,
-    /// [`SourceOptions::max_deliveries`].
+    /// A message handed out more than this many times without being
+    /// settled is a poison pill: dead-lettered as `undeliverable` by the
+    /// broker's own delivery counter, before it is loaded where the broker
+    /// allows (the policy's `maxAttempts + 2`).
     pub max_deliveries: u32,
-}
-
-impl SourceOptions {
-    /// The live part of these options.
-    pub fn live(&self) -> LiveSettings {
-        LiveSettings {
-            visibility_timeout: self.visibility_timeout,
-            dead_letter_queue: self.dead_letter_queue.clone(),
-            max_deliveries: self.max_deliveries,
-        }
-    }
 }
 
 impl SourceOptions {
@@ -370,13 +357,15 @@ impl SourceOptions {
             queue: queue.to_string(),
             group: "courier".into(),
             consumer: default_consumer_name(),
-            visibility_timeout: Duration::from_secs(60),
-            dead_letter_queue: crate::model::default_dead_letter_queue(queue),
+            live: LiveSettings {
+                visibility_timeout: Duration::from_secs(60),
+                dead_letter_queue: crate::model::default_dead_letter_queue(queue),
+                max_deliveries: 7,
+            },
             create: false,
             queue_type: QueueType::default(),
             ordering: Ordering::default(),
             concurrency: 16,
-            max_deliveries: 7,
             max_body: 4 << 20,
             max_unsettled: MAX_UNSETTLED,
             tls: Tls::default(),

@@ -88,7 +88,7 @@ async fn peek(queue: &str) -> Option<(FieldTable, bool)> {
 
 fn config(fixture: &Fixture, app: &TestApp) -> courier::sidecar::RunConfig {
     let mut config = run_config(fixture, app, fast_policy());
-    config.options.max_deliveries = fast_policy().max_deliveries();
+    config.options.live.max_deliveries = fast_policy().max_deliveries();
     config
 }
 
@@ -357,7 +357,7 @@ async fn amqp_depth_follows_a_live_dead_letter_queue_change() {
     })
     .await;
     running.stop().await;
-    let mut settings = config(&fixture, &app).options.live();
+    let mut settings = config(&fixture, &app).options.live.clone();
     settings.dead_letter_queue = format!("{}.elsewhere", fixture.queue);
     source.apply(&settings);
     assert_eq!(source.depth().await.unwrap().dead_letters, 0);
@@ -417,7 +417,7 @@ async fn amqp_classic_redelivery_counts_one_hand_out() {
         .unwrap();
     let _ = connection.close(200, "returned".into()).await;
     let mut options = SourceOptions::new(&fixture.queue);
-    options.max_deliveries = 1;
+    options.live.max_deliveries = 1;
     let reader = courier::source::open(&fixture.url, options).await.unwrap();
     let mut got = Vec::new();
     wait_for("the returned message", SETTLE, async || {

@@ -50,7 +50,7 @@ fn wall_ms() -> u64 {
 
 fn options() -> SourceOptions {
     let mut options = SourceOptions::new(QUEUE);
-    options.visibility_timeout = VISIBILITY;
+    options.live.visibility_timeout = VISIBILITY;
     options.create = true;
     options
 }
@@ -225,8 +225,8 @@ async fn poison_child() {
     };
     let url = courier::source::embedded::url(std::path::Path::new(&dir));
     let mut options = SourceOptions::new(&queue);
-    options.visibility_timeout = VISIBILITY;
-    options.max_deliveries = MAX_DELIVERIES;
+    options.live.visibility_timeout = VISIBILITY;
+    options.live.max_deliveries = MAX_DELIVERIES;
     let source = source::open(&url, options).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {

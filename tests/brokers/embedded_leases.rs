@@ -41,7 +41,7 @@ async fn letters(source: &Arc<dyn Source>, dlq: &str) -> Vec<DeadLetter> {
 async fn a_delivery_kept_alive_is_not_handed_out_again() {
     const VISIBILITY: Duration = Duration::from_millis(300);
     let fixture = Fixture::embedded();
-    let source = open_with(&fixture, |o| o.visibility_timeout = VISIBILITY).await;
+    let source = open_with(&fixture, |o| o.live.visibility_timeout = VISIBILITY).await;
     fixture.send(&source, "slow work").await;
     let got = source.receive(1).await.unwrap();
     assert_eq!(got.len(), 1);
@@ -88,7 +88,10 @@ async fn a_delivery_kept_alive_is_not_handed_out_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kept_alive_delivery_settles_by_retry_and_dead_letter() {
     let fixture = Fixture::embedded();
-    let source = open_with(&fixture, |o| o.visibility_timeout = Duration::from_secs(30)).await;
+    let source = open_with(&fixture, |o| {
+        o.live.visibility_timeout = Duration::from_secs(30)
+    })
+    .await;
     fixture.send(&source, "retried").await;
     fixture.send(&source, "dead").await;
     let got = source.receive(2).await.unwrap();
@@ -123,8 +126,8 @@ async fn a_kept_alive_delivery_settles_by_retry_and_dead_letter() {
 async fn live_settings_take_effect() {
     let fixture = Fixture::embedded();
     let source = open_with(&fixture, |o| {
-        o.visibility_timeout = Duration::from_millis(200);
-        o.max_deliveries = 100;
+        o.live.visibility_timeout = Duration::from_millis(200);
+        o.live.max_deliveries = 100;
     })
     .await;
     let moved = format!("{}.elsewhere", fixture.queue);
@@ -178,8 +181,8 @@ async fn live_settings_take_effect() {
 async fn a_message_handed_out_too_often_is_dead_lettered() {
     let fixture = Fixture::embedded();
     let source = open_with(&fixture, |o| {
-        o.visibility_timeout = Duration::from_millis(200);
-        o.max_deliveries = 3;
+        o.live.visibility_timeout = Duration::from_millis(200);
+        o.live.max_deliveries = 3;
     })
     .await;
     let id = fixture.send(&source, "never settled").await;

@@ -21,7 +21,7 @@ const SETTLE: Duration = Duration::from_secs(30);
 async fn replica(fixture: &Fixture, name: &str, max_deliveries: u32) -> Arc<dyn Source> {
     let mut options = SourceOptions::new(&fixture.queue);
     options.consumer = name.into();
-    options.max_deliveries = max_deliveries;
+    options.live.max_deliveries = max_deliveries;
     source::open(&fixture.url, options).await.expect("open")
 }
 

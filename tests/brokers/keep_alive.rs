@@ -141,8 +141,8 @@ async fn held_past_its_claim(fixture: Fixture, cut: Box<dyn CutClaim>) {
     };
     let mut options = SourceOptions::new(&fixture.queue);
     options.consumer = unique("consumer");
-    options.dead_letter_queue = fixture.dlq();
-    options.visibility_timeout = policy.timeout + Duration::from_secs(2);
+    options.live.dead_letter_queue = fixture.dlq();
+    options.live.visibility_timeout = policy.timeout + Duration::from_secs(2);
     options.concurrency = 8;
     options.max_body = 1 << 20;
     let inner = source::open(&fixture.url, options.clone())

@@ -226,7 +226,7 @@ async fn nats_live_settings_are_checked_and_move_ack_wait_and_the_dead_letters_d
     let js = jetstream().await;
     let mut options = SourceOptions::new(&fixture.queue);
     options.create = true;
-    options.visibility_timeout = Duration::from_secs(5);
+    options.live.visibility_timeout = Duration::from_secs(5);
     let source = source::open(&fixture.url, options).await.unwrap();
     // The first read creates the durable consumer.
     source.receive(1).await.unwrap();

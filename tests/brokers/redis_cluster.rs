@@ -139,7 +139,7 @@ async fn a_live_dead_letter_queue_outside_the_slot_is_refused_on_a_cluster() {
     let node = ClusterNode::start().await;
     let fixture = Fixture::redis_at(&node.url(), "{orders}");
     let source = fixture.open().await;
-    let mut live = courier::source::SourceOptions::new("{orders}").live();
+    let mut live = courier::source::SourceOptions::new("{orders}").live;
     live.dead_letter_queue = "orders-failed".into();
     let refused = source.check(&live).unwrap_err();
     assert!(refused.contains("hash tag {orders}"), "{refused}");
@@ -175,7 +175,7 @@ async fn a_queue_without_a_hash_tag_is_refused_on_a_cluster_url() {
 async fn a_live_dead_letter_queue_outside_the_slot_is_refused_on_a_cluster_url() {
     let fixture = Fixture::of(BrokerKind::RedisCluster);
     let source = fixture.open().await;
-    let mut live = courier::source::SourceOptions::new(&fixture.queue).live();
+    let mut live = courier::source::SourceOptions::new(&fixture.queue).live;
     live.dead_letter_queue = "orders-failed".into();
     let refused = source.check(&live).unwrap_err();
     assert!(refused.contains("hash tag"), "{refused}");

@@ -61,7 +61,7 @@ async fn get(con: &mut MultiplexedConnection, key: &str) -> Option<String> {
 async fn open_as(fixture: &Fixture, consumer: &str, visibility: Duration) -> Arc<dyn Source> {
     let mut options = SourceOptions::new(&fixture.queue);
     options.consumer = consumer.into();
-    options.visibility_timeout = visibility;
+    options.live.visibility_timeout = visibility;
     source::open(&fixture.url, options).await.unwrap()
 }
 
@@ -611,7 +611,7 @@ async fn a_message_handed_out_too_often_is_dead_lettered_by_the_counter() {
     // settled, and idle long past the visibility timeout.
     hand_out_unsettled(&mut con, &fixture.queue, &pill, 7).await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.options.max_deliveries = 7;
+    config.options.live.max_deliveries = 7;
     let running = Running::start(config).await;
     wait_for("the pill's dead letter", SETTLE, async || {
         xlen(&mut con, &fixture.dlq()).await == 1
@@ -856,7 +856,7 @@ async fn a_poison_pill_too_wide_for_a_script_keeps_its_body() {
     let pill = send_wide(&mut con, &fixture.queue, "wide pill", WIDE).await;
     hand_out_unsettled(&mut con, &fixture.queue, &pill, 7).await;
     let mut config = run_config(&fixture, &app, fast_policy());
-    config.options.max_deliveries = 7;
+    config.options.live.max_deliveries = 7;
     let running = Running::start(config).await;
     wait_for("the pill's dead letter", SETTLE, async || {
         xlen(&mut con, &fixture.dlq()).await == 1

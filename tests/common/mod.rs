@@ -525,8 +525,8 @@ pub fn run_config(fixture: &Fixture, app: &TestApp, policy: Policy) -> RunConfig
 pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunConfig {
     let mut options = SourceOptions::new(&fixture.queue);
     options.consumer = unique("consumer");
-    options.visibility_timeout = policy.timeout + Duration::from_secs(2);
-    options.dead_letter_queue = fixture.dlq();
+    options.live.visibility_timeout = policy.timeout + Duration::from_secs(2);
+    options.live.dead_letter_queue = fixture.dlq();
     options.concurrency = 8;
     options.max_body = 1 << 20;
     RunConfig {

@@ -23,7 +23,7 @@ async fn a_timeout_raised_live_keeps_a_slow_delivery_with_one_consumer(fixture: 
     let initial = policy::file::load(&path).expect("the first policy");
     let mut config = run_config(&fixture, &app, initial);
     config.policy.file = Some(path.clone());
-    config.options.visibility_timeout = Duration::from_secs(2);
+    config.options.live.visibility_timeout = Duration::from_secs(2);
     let running = Running::start(config).await;
     let generation = async |running: &Running| {
         let text = scrape(running.metrics_addr).await;

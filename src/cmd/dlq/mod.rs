@@ -178,7 +178,7 @@ async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, Stri
     let queue = &target.source.queue;
     let dlq = dead_letter_queue(target).await?;
     let mut options = SourceOptions::new(queue);
-    options.dead_letter_queue = dlq.clone();
+    options.live.dead_letter_queue = dlq.clone();
     options.tls = tls;
     options.seal = target.seal.load()?;
     let source = source::open_admin(&url, options)

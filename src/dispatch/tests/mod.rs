@@ -183,7 +183,7 @@ fn dispatcher(source: Arc<MemorySource>, app: SocketAddr, policy: Policy) -> Dis
     let mut options = SourceOptions::new("orders");
     options.concurrency = 4;
     options.max_body = 1 << 20;
-    options.visibility_timeout = Duration::from_secs(60);
+    options.live.visibility_timeout = Duration::from_secs(60);
     Dispatcher::new(
         source,
         LivePolicy::fixed(policy),

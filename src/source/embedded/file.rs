@@ -206,12 +206,16 @@ impl EmbeddedSource {
         let file = shared_file(dir)?;
         file.start_writer()?;
         let tables = Arc::new(Tables::of(&options.queue));
-        create_tables(&file.db, &tables, &dlq_table(&options.dead_letter_queue))?;
+        create_tables(
+            &file.db,
+            &tables,
+            &dlq_table(&options.live.dead_letter_queue),
+        )?;
         Ok(Self {
             store: EmbeddedStore::of(dir, file.clone(), tables.clone()),
             file,
             tables,
-            live: Mutex::new(options.live()),
+            live: Mutex::new(options.live.clone()),
         })
     }
 

@@ -3,7 +3,7 @@ use crate::source::SettleBy;
 
 fn open(dir: &Path) -> EmbeddedSource {
     let mut options = SourceOptions::new("q");
-    options.visibility_timeout = Duration::from_secs(30);
+    options.live.visibility_timeout = Duration::from_secs(30);
     EmbeddedSource::open(dir, options).unwrap()
 }
 
@@ -108,7 +108,7 @@ async fn concurrent_sends_share_commits_and_get_their_own_ids() {
 async fn a_lease_that_runs_out_is_handed_out_again_as_the_next_attempt() {
     let dir = tempfile::tempdir().unwrap();
     let mut options = SourceOptions::new("q");
-    options.visibility_timeout = Duration::from_millis(300);
+    options.live.visibility_timeout = Duration::from_millis(300);
     let source = EmbeddedSource::open(dir.path(), options).unwrap();
     source.send(Bytes::from("x"), &[]).await.unwrap();
     let first = source.receive(1).await.unwrap().remove(0);

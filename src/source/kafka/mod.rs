@@ -278,7 +278,7 @@ impl KafkaSource {
         let _ = consumer.context().shared.set(rebalance::Shared {
             reading: reading.clone(),
             retry_topic: retry_topic.clone(),
-            bound: options.visibility_timeout,
+            bound: options.live.visibility_timeout,
             closing: closing.clone(),
             consumer: Arc::downgrade(&consumer),
         });
@@ -292,7 +292,7 @@ impl KafkaSource {
             consumer,
             producer,
             inspector,
-            live: Mutex::new(options.live()),
+            live: Mutex::new(options.live.clone()),
             options,
             retry_topic,
             reading,

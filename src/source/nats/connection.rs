@@ -309,8 +309,8 @@ impl NatsSource {
             puller: tokio::sync::Mutex::new(None),
             dead_letter_streams: Mutex::new(Vec::new()),
             progress: Mutex::new(None),
-            ack_wait_ms: Arc::new(AtomicU64::new(millis(options.visibility_timeout))),
-            live: Mutex::new(options.live()),
+            ack_wait_ms: Arc::new(AtomicU64::new(millis(options.live.visibility_timeout))),
+            live: Mutex::new(options.live.clone()),
             options,
         })
     }

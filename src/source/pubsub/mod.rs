@@ -132,7 +132,7 @@ impl PubSubSource {
             .filter(|_| dead_letter_topic.is_some());
         let mut names = names;
         names.work_topic = work.topic.clone();
-        let live = options.live();
+        let live = options.live.clone();
         let dead_letters =
             names.dead_letter_topic(&live.dead_letter_queue, dead_letter_topic.as_deref());
         let seal =
@@ -158,7 +158,7 @@ impl PubSubSource {
                 "the subscription has no dead-letter policy, so Pub/Sub does not count its deliveries: attempts come from courier's own record only, and a sidecar that crashes mid-delivery does not use up an attempt of the message it had (give the subscription a dead-letter policy; courier --create makes one)"
             );
         }
-        source.warn_about_cap(source.options.max_deliveries);
+        source.warn_about_cap(source.options.live.max_deliveries);
         Ok(source)
     }
 

@@ -180,7 +180,8 @@ impl RedisSource {
         let mut con = commands.clone();
         let cluster = endpoint.is_cluster() || cluster::is_cluster(&mut con).await?;
         if cluster
-            && let Some(problem) = cluster::slot_problem(&options.queue, &options.dead_letter_queue)
+            && let Some(problem) =
+                cluster::slot_problem(&options.queue, &options.live.dead_letter_queue)
         {
             return Err(SourceError::invalid(format!(
                 "{}: {problem}",
@@ -222,7 +223,7 @@ impl RedisSource {
                 NewEntries::new(endpoint, options.tls.clone()),
             )),
             mover_stop: Arc::new(AtomicBool::new(false)),
-            live: Arc::new(std::sync::Mutex::new(options.live())),
+            live: Arc::new(std::sync::Mutex::new(options.live.clone())),
             cluster,
             options,
         };

@@ -201,7 +201,7 @@ impl SqsSource {
         );
         let source = Self {
             store,
-            live: Mutex::new(options.live()),
+            live: Mutex::new(options.live.clone()),
             client,
             options,
             queue_url,
@@ -218,7 +218,7 @@ impl SqsSource {
             deletes,
             deleter,
         };
-        source.warn_about_redrive(source.options.max_deliveries);
+        source.warn_about_redrive(source.options.live.max_deliveries);
         Ok(source)
     }
 

@@ -34,12 +34,13 @@ const COUNT_BYTES: usize = 1 << 20;
 const FIRST_COUNT_BATCH: usize = 16;
 
 /// A count's snapshot still there after this long was left by a counter
-/// that died: a count takes a few round trips, tens of milliseconds, and a
-/// replica waiting longer would hold up its depth (and a restarted one its
-/// start-up checks) for a dead one. A count of a large backlog can take
-/// longer and then be overtaken; the two counts may then each come out
-/// short, once.
-const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(1);
+/// that died (a SIGKILL mid-count; a count dropped otherwise deletes it): a
+/// count takes a few round trips, tens of milliseconds, or a second or more
+/// when it must make its shadow again on a loaded emulator or service. A
+/// waiter that took over a live count sooner made both fail (the shadow
+/// deleted under its seek: "Subscription does not exist"), so the bound is
+/// generous; a replica behind a dead counter waits this long once.
+const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Deletes a count's snapshot when the count is dropped before it did.
 struct Unlock {
@@ -152,8 +153,13 @@ impl PubSubSource {
         let counted = async {
             if let Err(s) = self.seek(&shadow, &snapshot).await {
                 // The shadow is bound to another topic than the
-                // subscription's (its topic was deleted and made again).
-                if s.code() != tonic::Code::FailedPrecondition {
+                // subscription's (its topic was deleted and made again),
+                // or it is gone (deleted by hand, or by a counter that
+                // took over a lock it thought dead while remaking it).
+                if !matches!(
+                    s.code(),
+                    tonic::Code::FailedPrecondition | tonic::Code::NotFound
+                ) {
                     return Err(status_error(&format!("seeking {shadow} to count it"), &s));
                 }
                 self.client.remake_shadow(subscription, &shadow).await?;

@@ -22,7 +22,7 @@ use super::connection::{Client, Names, status_error};
 use super::fields::publish_time;
 use super::{PubSubSource, Sub, lock};
 use crate::model::{F_LAST_ATTEMPT_AT, parse_time};
-use crate::source::{Depth, SourceError};
+use crate::source::{Depth, ErrorKind, SourceError};
 
 /// Messages pulled from a shadow at once while counting, at most
 /// (Pub/Sub's most).
@@ -34,13 +34,13 @@ const COUNT_BYTES: usize = 1 << 20;
 const FIRST_COUNT_BATCH: usize = 16;
 
 /// A count's snapshot still there after this long was left by a counter
-/// that died (a SIGKILL mid-count; a count dropped otherwise deletes it): a
-/// count takes a few round trips, tens of milliseconds, or a second or more
-/// when it must make its shadow again on a loaded emulator or service. A
-/// waiter that took over a live count sooner made both fail (the shadow
-/// deleted under its seek: "Subscription does not exist"), so the bound is
-/// generous; a replica behind a dead counter waits this long once.
-const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(5);
+/// that died: a count takes a few round trips, tens of milliseconds, and a
+/// replica waiting longer would hold up its depth (and a restarted one its
+/// start-up checks) for a dead one. A count that takes longer (a large
+/// backlog, a shadow made again on a loaded service) is then overtaken: it
+/// finds its snapshot or its shadow gone, and is taken once more
+/// ([`PubSubSource::count`]).
+const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Deletes a count's snapshot when the count is dropped before it did.
 struct Unlock {
@@ -135,8 +135,23 @@ impl PubSubSource {
         }
     }
 
-    /// The unacked messages of `subscription`, through its shadow.
+    /// The unacked messages of `subscription`, through its shadow. A count
+    /// overtaken by a waiter that took its lock for dead finds its snapshot
+    /// or its shadow gone (NOT_FOUND, an `Invalid` error here) and is taken
+    /// once more, behind the lock the other holds now: two counters on one
+    /// subscription (a replica and a restarted one, or the sidecar and
+    /// `courier dlq`) then both get a count instead of an error.
     async fn count(&self, subscription: &str) -> Result<Count, SourceError> {
+        match self.count_once(subscription).await {
+            Err(e) if e.kind() == ErrorKind::Invalid => {
+                tracing::debug!(error = %e, subscription, "a depth count was overtaken; counting again");
+                self.count_once(subscription).await
+            }
+            counted => counted,
+        }
+    }
+
+    async fn count_once(&self, subscription: &str) -> Result<Count, SourceError> {
         let shadow = Names::shadow(subscription);
         let short = subscription.rsplit('/').next().unwrap_or_default();
         let snapshot = format!(

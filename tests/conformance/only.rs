@@ -297,6 +297,33 @@ async fn pubsub_a_message_of_100_attributes_is_retried_and_dead_lettered_whole()
     }
 }
 
+/// What Pub/Sub still cannot take after finding 5: a copy over its 10 MB
+/// of data and attributes. A body 50 bytes under it plus courier's record
+/// is over, so the message is offered once and dead-lettered as a letter
+/// that fits. (The emulator does not check the limit; courier does,
+/// before it publishes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_a_dead_letter_over_10_mb_is_cut_to_fit() {
+    let fixture = Fixture::pubsub();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let body = padded(400, 10_000_000 - 50);
+    fixture
+        .producer()
+        .await
+        .send(
+            body.clone(),
+            &[("x-wide-0".to_string(), "a header".to_string())],
+        )
+        .await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.options.max_body = 16 << 20;
+    let running = Running::start(config).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    assert_cut_to_fit(&fixture, &app, &body).await;
+}
+
 /// Found at 21da363: a message near the SQS queue's MaximumMessageSize
 /// could not take courier's record; it came back every 5-10 s until the
 /// queue's retention or redrive ended it, silently. Here the dead-letter

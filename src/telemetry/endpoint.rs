@@ -280,6 +280,9 @@ pub async fn serve_within(
     }
 }
 
+/// The headers one request to [`serve_http`] may have.
+const APP_MAX_HEADERS: usize = 1024;
+
 /// A plain HTTP/1 and HTTP/2 server: every request on `listener` goes to
 /// `handler` until `stop`, which also cuts the connections still open. The
 /// demo's sample app and the tests' apps use it.
@@ -305,7 +308,10 @@ where
                 let answer = handler(req);
                 async move { Ok::<_, std::convert::Infallible>(answer.await) }
             });
-            let builder = auto::Builder::new(TokioExecutor::new());
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            // hyper takes 100 headers by default; a Pub/Sub message alone
+            // may carry 100 attributes, and courier adds its own headers.
+            builder.http1().max_headers(APP_MAX_HEADERS);
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 _ = connection => {}

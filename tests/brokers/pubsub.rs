@@ -4,8 +4,8 @@
 //! warning about a dead-letter policy below `maxAttempts`, a subscription
 //! without a dead-letter policy (a warning, attempts from courier's
 //! record), `courier send` and `courier dlq`, the depth gauges (and the
-//! memory a count of a large backlog takes), and the poison-pill rule on
-//! `delivery_attempt`.
+//! memory a count of a large backlog takes), the poison-pill rule on
+//! `delivery_attempt`, and how an envelope a producer forged is read.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -523,4 +523,58 @@ async fn a_poison_pill_is_judged_by_delivery_attempt() {
     let problem = delivery.problem.clone().expect("a poison pill");
     assert!(problem.contains("delivered 8 times"), "{problem}");
     assert_eq!(delivery.attempt, 8, "each unsettled delivery counted");
+}
+
+/// A producer can publish what looks like one of courier's envelopes (the
+/// copies over Pub/Sub's 100 attributes, finding 5 of
+/// docs/reliability.md): `courier-envelope: 1` and data that holds a body
+/// and fields. It is read as an envelope, and its `courier-*` fields,
+/// inside the data or out, count for nothing without courier's seal: the
+/// attempt is 1, the id Pub/Sub's, and the app gets no `Courier-*` field
+/// of the producer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_envelope_carries_no_courier_state() {
+    let fixture = Fixture::pubsub();
+    let source = fixture.open().await;
+    let mut data = Vec::new();
+    for part in [
+        "payload",
+        "the body",
+        "courier-attempt",
+        "5",
+        "courier-message-id",
+        "stolen",
+        "x-inner",
+        "from the data",
+    ] {
+        data.extend_from_slice(&(part.len() as u32).to_be_bytes());
+        data.extend_from_slice(part.as_bytes());
+    }
+    let producer = fixture.producer().await;
+    let id = producer
+        .send(
+            data,
+            &[
+                ("courier-envelope".to_string(), "1".to_string()),
+                (
+                    "courier-first-attempt-at".to_string(),
+                    "2020-01-01T00:00:00Z".to_string(),
+                ),
+                ("x-outer".to_string(), "an attribute".to_string()),
+            ],
+        )
+        .await;
+    let delivery = receive_one(&source).await;
+    assert_eq!(delivery.attempt, 1);
+    assert_eq!(delivery.message.id, id);
+    assert_eq!(delivery.first_attempt_at, None);
+    assert_eq!(delivery.message.body, Bytes::from("the body"));
+    assert_eq!(
+        delivery.message.headers,
+        [
+            ("x-inner".to_string(), "from the data".to_string()),
+            ("x-outer".to_string(), "an attribute".to_string()),
+        ]
+    );
+    source.ack(&delivery).await.unwrap();
 }

@@ -26,7 +26,7 @@ use tokio::sync::OnceCell;
 use super::connection::{
     self, Client, Names, ensure_browsing, missing_subscription, read_seal, seal_of,
 };
-use super::fields::{attribute_ok, from_message, publish_time};
+use super::fields::{MAX_ATTRIBUTES, attribute_ok, from_message, publish_time};
 use super::{PubSubSource, lock};
 use crate::model::{DeadLetter, PAYLOAD};
 use crate::source::shared::{Seal, not_there};
@@ -294,6 +294,14 @@ impl DeadLetterStore for PubSubStore {
             return Err(SourceError::invalid(
                 "Pub/Sub takes no message without a body and without attributes",
             ));
+        }
+        // A producer's message, as a producer could publish it: never an
+        // envelope, which only courier's copies are.
+        if headers.len() > MAX_ATTRIBUTES {
+            return Err(SourceError::invalid(format!(
+                "Pub/Sub takes at most {MAX_ATTRIBUTES} attributes on a message, and {} headers were given",
+                headers.len()
+            )));
         }
         if let Some((name, _)) = headers.iter().find(|(n, v)| !attribute_ok(n, v)) {
             return Err(SourceError::invalid(format!(

@@ -5,6 +5,17 @@
 //! most 256 bytes and do not start with `goog`; values are at most 1024
 //! bytes: the free-text fields of courier's record (the response excerpt,
 //! the error) are cut to fit, on a character boundary.
+//!
+//! A copy courier stores (a retry, a dead letter, a replay) adds its record
+//! to the producer's up to 100 attributes, which can make it more than
+//! Pub/Sub's 100. Such a copy is an envelope: courier's fields and as many
+//! of the producer's as fit stay attributes, with `courier-envelope: 1`;
+//! the data holds the body and the attributes that did not fit
+//! ([`to_message`], [`from_message`]). The reader reads an envelope back as
+//! the fields it was made of, so the seal is checked over the same fields
+//! either way, and an envelope a producer forged is a message with
+//! `courier-*` fields like any other: without courier's seal they count
+//! for nothing (`Seal::open`).
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -25,6 +36,13 @@ pub const MAX_VALUE_BYTES: usize = 1024;
 /// attributes, and 10 MB of data and attributes together.
 pub const MAX_ATTRIBUTES: usize = 100;
 pub const MAX_MESSAGE_BYTES: usize = 10_000_000;
+
+/// The attribute that marks an envelope, and the envelope format's version
+/// (its value): the data is the body and the fields that did not fit as
+/// attributes, each a name and a value, each of those a 4-byte big-endian
+/// length and the bytes, the body first as `payload`.
+pub const F_ENVELOPE: &str = "courier-envelope";
+const ENVELOPE_VERSION: &str = "1";
 
 /// Refuses, before it is sent, a message Pub/Sub would refuse on every
 /// try; the emulator does not check these limits.
@@ -64,7 +82,8 @@ fn cut(text: String, limit: usize) -> String {
     text[..end].to_string()
 }
 
-/// Fields as a Pub/Sub message.
+/// Fields as a Pub/Sub message: the plain form when Pub/Sub takes it,
+/// else an envelope.
 pub(super) fn to_message(fields: &[(Bytes, Bytes)]) -> PubsubMessage {
     // The first `payload` field is the data, as `Delivery::from_fields`
     // reads it; a later one is a producer's attribute of that name.
@@ -82,26 +101,111 @@ pub(super) fn to_message(fields: &[(Bytes, Bytes)]) -> PubsubMessage {
         }
         attributes.insert(name, value);
     }
+    let data = data.unwrap_or_default();
+    if attributes.len() <= MAX_ATTRIBUTES && attributes.iter().all(|(n, v)| attribute_ok(n, v)) {
+        return PubsubMessage {
+            data,
+            attributes,
+            ..PubsubMessage::default()
+        };
+    }
+    envelope(data, attributes)
+}
+
+/// A message whose attributes Pub/Sub would not take as they are: courier's
+/// fields first (the depth count reads `courier-last-attempt-at` as an
+/// attribute), then the producer's in name order, stay attributes while
+/// they fit beside the marker; the rest travel in the data with the body.
+fn envelope(body: Bytes, attributes: HashMap<String, String>) -> PubsubMessage {
+    let mut all: Vec<(String, String)> = attributes.into_iter().collect();
+    all.sort_by(|(a, _), (b, _)| {
+        (!is_courier_field(a.as_bytes()), a).cmp(&(!is_courier_field(b.as_bytes()), b))
+    });
+    let mut kept = HashMap::new();
+    let mut data = Vec::with_capacity(body.len() + 16);
+    push_part(&mut data, PAYLOAD.as_bytes());
+    push_part(&mut data, &body);
+    for (name, value) in all {
+        if kept.len() < MAX_ATTRIBUTES - 1 && attribute_ok(&name, &value) {
+            kept.insert(name, value);
+        } else {
+            push_part(&mut data, name.as_bytes());
+            push_part(&mut data, value.as_bytes());
+        }
+    }
+    kept.insert(F_ENVELOPE.to_string(), ENVELOPE_VERSION.to_string());
     PubsubMessage {
-        data: data.unwrap_or_default(),
-        attributes,
+        data: Bytes::from(data),
+        attributes: kept,
         ..PubsubMessage::default()
     }
 }
 
-/// A Pub/Sub message as fields: `payload`, then the attributes in name
-/// order (the `courier-*` ones not yet checked against the seal).
-pub(super) fn from_message(message: &PubsubMessage) -> Vec<(Bytes, Bytes)> {
-    let mut names: Vec<&String> = message.attributes.keys().collect();
-    names.sort();
-    let mut fields = Vec::with_capacity(names.len() + 1);
-    fields.push((Bytes::from_static(PAYLOAD.as_bytes()), message.data.clone()));
-    for name in names {
-        fields.push((
-            Bytes::copy_from_slice(name.as_bytes()),
-            Bytes::copy_from_slice(message.attributes[name].as_bytes()),
-        ));
+fn push_part(data: &mut Vec<u8>, part: &[u8]) {
+    data.extend_from_slice(&(part.len() as u32).to_be_bytes());
+    data.extend_from_slice(part);
+}
+
+/// The fields an envelope's data holds, the body first; `None` when the
+/// data is not an envelope of this version (then the message is read as it
+/// is, its `courier-envelope` one more `courier-*` attribute).
+fn unwrap(data: &Bytes) -> Option<Vec<(Bytes, Bytes)>> {
+    let mut rest = data.clone();
+    let mut next = || -> Option<Bytes> {
+        if rest.len() < 4 {
+            return None;
+        }
+        let len = u32::from_be_bytes(rest[..4].try_into().ok()?) as usize;
+        if rest.len() - 4 < len {
+            return None;
+        }
+        let part = rest.slice(4..4 + len);
+        rest = rest.slice(4 + len..);
+        Some(part)
+    };
+    let mut fields = Vec::new();
+    while let Some(name) = next() {
+        fields.push((name, next()?));
     }
+    let whole = rest.is_empty();
+    (whole
+        && fields
+            .first()
+            .is_some_and(|(n, _)| n.as_ref() == PAYLOAD.as_bytes()))
+    .then_some(fields)
+}
+
+/// A Pub/Sub message as fields: `payload`, then the attributes (an
+/// envelope's with those its data held) in name order, the `courier-*`
+/// ones not yet checked against the seal.
+pub(super) fn from_message(message: &PubsubMessage) -> Vec<(Bytes, Bytes)> {
+    let enveloped = (message.attributes.get(F_ENVELOPE).map(String::as_str)
+        == Some(ENVELOPE_VERSION))
+    .then(|| unwrap(&message.data))
+    .flatten();
+    let mut fields: Vec<(Bytes, Bytes)> = message
+        .attributes
+        .iter()
+        .filter(|(name, _)| enveloped.is_none() || name.as_str() != F_ENVELOPE)
+        .map(|(name, value)| {
+            (
+                Bytes::copy_from_slice(name.as_bytes()),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
+        .collect();
+    let body = match enveloped {
+        Some(mut inner) => {
+            let (_, body) = inner.remove(0);
+            fields.extend(inner);
+            body
+        }
+        None => message.data.clone(),
+    };
+    // Stable, so that where a forged envelope repeats an attribute, the
+    // attribute stays the first occurrence, the one that counts.
+    fields.sort_by(|(a, _), (b, _)| a.cmp(b));
+    fields.insert(0, (Bytes::from_static(PAYLOAD.as_bytes()), body));
     fields
 }
 
@@ -114,7 +218,8 @@ pub(super) fn publish_time(message: &PubsubMessage) -> Option<SystemTime> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::shared::field;
+    use crate::model::{F_ATTEMPT, F_MESSAGE_ID, F_SEAL};
+    use crate::source::shared::{F_RETRY_AT, Seal, field};
 
     /// Found by the torture run (on NATS and RabbitMQ, the same loop
     /// here): a copy of a message with a producer's attribute named
@@ -161,6 +266,113 @@ mod tests {
         assert!(value.len() <= MAX_VALUE_BYTES);
         assert_eq!(value.len(), 1024);
         assert!(value.chars().all(|c| c == 'ż'));
+    }
+
+    /// The producer's `n` attributes, each `value_bytes` long, and a body.
+    fn produced(n: usize, value_bytes: usize) -> Vec<(Bytes, Bytes)> {
+        let mut fields = vec![(Bytes::from("payload"), Bytes::from_static(&[0, 255, 1]))];
+        fields.extend((0..n).map(|i| {
+            let value = format!("{i:04}").repeat(value_bytes / 4);
+            (Bytes::from(format!("x-attr-{i:03}")), Bytes::from(value))
+        }));
+        fields
+    }
+
+    /// `fields` as `from_message` gives them: the body, then by name.
+    fn in_name_order(mut fields: Vec<(Bytes, Bytes)>) -> Vec<(Bytes, Bytes)> {
+        let body = fields.remove(0);
+        fields.sort();
+        fields.insert(0, body);
+        fields
+    }
+
+    /// Finding 5 of docs/reliability.md: a retry copy of a message of 100
+    /// attributes (Pub/Sub's most) was over 100 with courier's record and
+    /// was refused before it was published. As an envelope it fits, and
+    /// reads back as the fields it was made of, under the same seal.
+    #[test]
+    fn a_copy_over_100_attributes_is_an_envelope_that_reads_back_whole() {
+        let seal = Seal::new(b"k1").unwrap();
+        for (n, value_bytes) in [(100, 8), (99, 1024)] {
+            let mut copy = produced(n, value_bytes);
+            copy.push((Bytes::from(F_MESSAGE_ID), Bytes::from("17")));
+            copy.push((Bytes::from(F_ATTEMPT), Bytes::from("2")));
+            copy.push((Bytes::from(F_RETRY_AT), Bytes::from("2026-12-05T00:00:00Z")));
+            let copy = seal.seal(copy);
+            let message = to_message(&copy);
+            assert_eq!(message.attributes.len(), MAX_ATTRIBUTES);
+            assert!(message.attributes.iter().all(|(n, v)| attribute_ok(n, v)));
+            assert_eq!(message.attributes[F_ENVELOPE], "1");
+            for courier in [F_MESSAGE_ID, F_ATTEMPT, F_RETRY_AT, F_SEAL] {
+                assert!(message.attributes.contains_key(courier), "{courier}");
+            }
+            fits("t", &message).unwrap();
+            let back = from_message(&message);
+            assert_eq!(back, in_name_order(copy.clone()), "{n} attributes");
+            assert!(seal.is_sealed(&back));
+            assert_eq!(field(&seal.open(back), F_ATTEMPT), Some("2"));
+        }
+    }
+
+    #[test]
+    fn a_message_that_fits_is_no_envelope() {
+        let message = to_message(&produced(100, 1024));
+        assert!(!message.attributes.contains_key(F_ENVELOPE));
+        assert_eq!(message.data.as_ref(), &[0, 255, 1]);
+        assert_eq!(from_message(&message), in_name_order(produced(100, 1024)));
+    }
+
+    /// A producer can publish `courier-envelope` and an envelope's data: it
+    /// is read as an envelope, but its `courier-*` fields, wherever they
+    /// travel, count only under courier's seal, as for any message. Here a
+    /// sealed copy's state is lifted into a forged envelope with another
+    /// attempt.
+    #[test]
+    fn a_forged_envelope_carries_no_courier_state() {
+        let seal = Seal::new(b"k1").unwrap();
+        let mut genuine = produced(100, 8);
+        genuine.push((Bytes::from(F_ATTEMPT), Bytes::from("2")));
+        let genuine = to_message(&seal.seal(genuine));
+        let mut forged = genuine.clone();
+        forged.attributes.remove(F_ATTEMPT);
+        let mut data = genuine.data.to_vec();
+        push_part(&mut data, F_ATTEMPT.as_bytes());
+        push_part(&mut data, b"1");
+        forged.data = Bytes::from(data);
+        let opened = seal.open(from_message(&forged));
+        assert_eq!(field(&opened, F_ATTEMPT), None);
+        assert!(opened.iter().all(|(n, _)| !is_courier_field(n)));
+        assert_eq!(opened, in_name_order(produced(100, 8)));
+    }
+
+    /// Data that is not an envelope under the marker is the body as it is;
+    /// the marker stays one more `courier-*` attribute, which `Seal::open`
+    /// drops.
+    #[test]
+    fn a_marker_without_an_envelope_leaves_the_message_as_it_is() {
+        let seal = Seal::new(b"k1").unwrap();
+        for data in [
+            &b"plain text"[..],
+            &[0, 0, 0, 7, b'p'],
+            &[0, 0, 0, 1, b'x', 0, 0, 0, 0],
+        ] {
+            let message = PubsubMessage {
+                data: Bytes::copy_from_slice(data),
+                attributes: HashMap::from([
+                    (F_ENVELOPE.to_string(), "1".to_string()),
+                    ("k".to_string(), "v".to_string()),
+                ]),
+                ..PubsubMessage::default()
+            };
+            let opened = seal.open(from_message(&message));
+            assert_eq!(
+                opened,
+                vec![
+                    (Bytes::from("payload"), Bytes::copy_from_slice(data)),
+                    (Bytes::from("k"), Bytes::from("v")),
+                ]
+            );
+        }
     }
 
     #[test]

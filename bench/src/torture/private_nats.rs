@@ -34,7 +34,10 @@ impl PrivateNats {
     /// Starts the server on its port and store (a restart finds the
     /// streams and consumers it had), and waits until JetStream answers.
     pub(super) async fn start(&mut self) -> anyhow::Result<()> {
-        let mut command = Command::new("nats-server");
+        // COURIER_NATS_SERVER picks another server than the PATH's, such as
+        // scripts/nats-server-current (2.15 where Debian has 2.9).
+        let program = std::env::var("COURIER_NATS_SERVER").unwrap_or_else(|_| "nats-server".into());
+        let mut command = Command::new(program);
         command
             .args(["-a", "127.0.0.1", "-p", &self.server.port.to_string()])
             .args([

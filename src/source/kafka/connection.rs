@@ -214,7 +214,7 @@ fn base_config(bootstrap: &str, client_id: &str) -> ClientConfig {
 /// the replica's partitions to another: Kafka's long-time default. Not the
 /// visibility timeout: a Kafka group rebalances as a whole, and the group
 /// coordinator also waits about this long for members to rejoin.
-const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The consumer of the group: nothing committed without courier (no
 /// auto-commit, no offset store), earliest offsets for a new group.

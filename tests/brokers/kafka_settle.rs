@@ -587,11 +587,12 @@ async fn a_revoke_on_one_thread_waits_for_the_delivery_in_flight() {
 /// 10 s before, is expired with its request: no answer comes, and the
 /// connection stays blocked (`rdkafka_mock_cgrp.c`). librdkafka waits for
 /// that answer for `max.poll.interval.ms` (an hour here). The stop is timed
-/// from the replica's "Joining group" line: from 7.5 s (the session timer
-/// is then due before the join's timer) to 11 s (past the member's
-/// session). courier must say so (not ready: `courier_broker_up 0`, and a
-/// warning) and join again with a new consumer, so that every message
-/// produced is delivered.
+/// from the replica's "Joining group" line: from 6.5 s (the session timer,
+/// every second, is then due before the join's end at 9 s, with 1.5 s for
+/// the line to reach the test) to 11 s (past the member's session).
+/// courier must say so (not ready: `courier_broker_up 0`, and a warning)
+/// and join again with a new consumer, so that every message produced is
+/// delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finding_6_a_join_lost_during_a_stop_of_the_mock_is_made_again() {
     let mock = KafkaMock::start(3);
@@ -633,7 +634,7 @@ async fn finding_6_a_join_lost_during_a_stop_of_the_mock_is_made_again() {
     .await;
     let joined = Instant::now();
     // The fault is the timing: the stop must cover the end of this join.
-    tokio::time::sleep_until((joined + Duration::from_millis(7_500)).into()).await;
+    tokio::time::sleep_until((joined + Duration::from_millis(6_500)).into()).await;
     signal(mock.pid(), "-STOP");
     tokio::time::sleep_until((joined + Duration::from_secs(11)).into()).await;
     signal(mock.pid(), "-CONT");

@@ -571,8 +571,9 @@ async fn open_source(
     }
 }
 
-/// Readiness and `courier_broker_up` follow the broker connection until
-/// shutdown.
+/// Readiness and `courier_broker_up` follow the broker connection (and
+/// whatever else keeps the source from consuming: `Observed::connected`)
+/// until shutdown.
 async fn follow_connection(
     source: &dyn Source,
     health: &Health,
@@ -584,9 +585,13 @@ async fn follow_connection(
         let connected = source.connected();
         if connected != was {
             if connected {
-                tracing::info!("the broker connection is back: ready");
+                tracing::info!("the source consumes again: ready");
             } else {
-                tracing::warn!("the broker connection is lost: not ready until it is back");
+                // The source said why just before (a lost connection, or a
+                // Kafka replica left without partitions).
+                tracing::warn!(
+                    "the source cannot consume (its broker connection is lost, or as logged before): not ready until it can"
+                );
             }
             was = connected;
         }

@@ -12,6 +12,10 @@
 //! `--exit-on-eof` it ends when stdin closes, so a test that started it
 //! cannot leave it behind.
 //!
+//! With `KAFKA_MOCK_DEBUG` set (librdkafka's debug contexts: `mock`,
+//! `mock,cgrp`, ...) the cluster logs what it does to stderr, its group
+//! coordinator's joins, syncs and session expiries among it.
+//!
 //! `kafka-mock [--brokers N] [--exit-on-eof]`
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
@@ -19,7 +23,10 @@
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
 
+use rdkafka::client::ClientContext;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::mocking::{MockCluster, MockCoordinator};
+use rdkafka::producer::{NoCustomPartitioner, Producer, ProducerContext, ThreadedProducer};
 
 fn main() -> ExitCode {
     let mut brokers = 1;
@@ -35,6 +42,27 @@ fn main() -> ExitCode {
             other => return usage(&format!("unknown argument {other:?}")),
         }
     }
+    if let Ok(debug) = std::env::var("KAFKA_MOCK_DEBUG") {
+        // The cluster of a client that logs: the same mock, made through
+        // the client property that creates one, whose log is the client's.
+        let client: ThreadedProducer<Stderr, NoCustomPartitioner> = match ClientConfig::new()
+            .set("test.mock.num.brokers", brokers.to_string())
+            .set("debug", debug)
+            .set_log_level(RDKafkaLogLevel::Debug)
+            .create_with_context(Stderr)
+        {
+            Ok(client) => client,
+            Err(e) => {
+                eprintln!("kafka-mock: cannot start the mock cluster: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let Some(cluster) = client.client().mock_cluster() else {
+            eprintln!("kafka-mock: the client made no mock cluster");
+            return ExitCode::FAILURE;
+        };
+        return serve(&cluster, exit_on_eof);
+    }
     let cluster = match MockCluster::new(brokers) {
         Ok(cluster) => cluster,
         Err(e) => {
@@ -42,6 +70,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    serve(&cluster, exit_on_eof)
+}
+
+/// Prints the bootstrap servers, then answers commands on stdin.
+fn serve<C: ClientContext>(cluster: &MockCluster<'_, C>, exit_on_eof: bool) -> ExitCode {
     let mut stdout = std::io::stdout();
     let _ = writeln!(stdout, "{}", cluster.bootstrap_servers());
     let _ = stdout.flush();
@@ -95,6 +128,24 @@ fn main() -> ExitCode {
     loop {
         std::thread::park();
     }
+}
+
+/// A client context that prints librdkafka's log to stderr.
+struct Stderr;
+
+impl ClientContext for Stderr {
+    fn log(&self, _level: RDKafkaLogLevel, facility: &str, message: &str) {
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        eprintln!("{:.3} {facility} {message}", at.as_secs_f64());
+    }
+}
+
+impl ProducerContext for Stderr {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: Self::DeliveryOpaque) {}
 }
 
 fn usage(why: &str) -> ExitCode {

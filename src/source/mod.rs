@@ -596,7 +596,9 @@ pub(crate) async fn settle_by_parts<S: SettleParts + ?Sized>(
 pub trait Observed: Send + Sync + 'static {
     async fn depth(&self) -> Result<Depth, SourceError>;
     /// False while the broker connection is lost and the source is
-    /// reconnecting; `/readyz` follows it.
+    /// reconnecting, or while it cannot consume for another reason it logs
+    /// (Kafka: no partition while the group consumes nothing); `/readyz`
+    /// and `courier_broker_up` follow it.
     fn connected(&self) -> bool {
         true
     }

@@ -577,3 +577,110 @@ async fn a_revoke_on_one_thread_waits_for_the_delivery_in_flight() {
     );
     assert_eq!(inspector.depth().await.unwrap().dead_letters, 0);
 }
+
+/// Finding 6 (docs/reliability.md): after a courier SIGKILL, a stop of the
+/// mock cluster at the end of the new replica's join left that replica
+/// without partitions for an hour. The mock parks a JoinGroup until the
+/// join ends, 9 s after it began (its session timeout less 1 s), while a
+/// timer expires members whose session ran out; after a stop both timers
+/// are due, the session timer runs first, and the waiting member, joined
+/// 10 s before, is expired with its request: no answer comes, and the
+/// connection stays blocked (`rdkafka_mock_cgrp.c`). librdkafka waits for
+/// that answer for `max.poll.interval.ms` (an hour here). The stop is timed
+/// from the replica's "Joining group" line: from 6.5 s (the session timer,
+/// every second, is then due before the join's end at 9 s, with 1.5 s for
+/// the line to reach the test) to 11 s (past the member's session).
+/// courier must say so (not ready: `courier_broker_up 0`, and a warning)
+/// and join again with a new consumer, so that every message produced is
+/// delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_6_a_join_lost_during_a_stop_of_the_mock_is_made_again() {
+    let mock = KafkaMock::start(3);
+    let fixture = Fixture::broker(&mock.url());
+    let app = TestApp::start().await;
+    let inspector = fixture.open().await;
+    let producer = fixture.producer().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 1s");
+    let mut args = run_args(&fixture, &app, &policy, "replica");
+    args.extend(["--visibility-timeout".into(), "2s".into()]);
+    let first: Vec<String> = (0..10).map(|i| format!("before the kill {i}")).collect();
+    for body in &first {
+        producer.send(body.clone(), &[]).await;
+    }
+    let mut holder = CourierProcess::run(&args);
+    wait_for("the first replica's deliveries", SETTLE, async || {
+        first
+            .iter()
+            .all(|b| !app.received_body(b.as_bytes()).is_empty())
+    })
+    .await;
+    holder.kill9();
+    let after: Vec<String> = (0..30).map(|i| format!("after the kill {i}")).collect();
+    for body in &after {
+        producer.send(body.clone(), &[]).await;
+    }
+    let mut replica = CourierProcess::run_with_env(
+        &args,
+        &[
+            ("COURIER_KAFKA_DEBUG", "cgrp"),
+            ("RUST_LOG", "info,courier::source::kafka=debug"),
+        ],
+    );
+    let metrics = replica.metrics_addr().await;
+    wait_for("the new replica to join", SETTLE, async || {
+        replica.log().contains("Joining group")
+    })
+    .await;
+    let joined = Instant::now();
+    // The fault is the timing: the stop must cover the end of this join.
+    tokio::time::sleep_until((joined + Duration::from_millis(6_500)).into()).await;
+    signal(mock.pid(), "-STOP");
+    tokio::time::sleep_until((joined + Duration::from_secs(11)).into()).await;
+    signal(mock.pid(), "-CONT");
+    // Not ready (`courier_broker_up 0`) while it holds nothing, then ready
+    // again once the new consumer has partitions.
+    let mut said_so = false;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let delivered = loop {
+        said_so |= scrape(metrics).await.contains("courier_broker_up 0");
+        let delivered = after
+            .iter()
+            .filter(|b| !app.received_body(b.as_bytes()).is_empty())
+            .count();
+        if delivered == after.len() || Instant::now() > deadline {
+            break delivered;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        delivered,
+        after.len(),
+        "messages produced after the kill that were delivered within 90 s; log:\n{}",
+        replica.log()
+    );
+    assert!(said_so, "never not ready; log:\n{}", replica.log());
+    assert!(
+        replica
+            .log()
+            .contains("this replica has held no Kafka partition"),
+        "{}",
+        replica.log()
+    );
+    wait_for("ready again", Duration::from_secs(10), async || {
+        scrape(metrics).await.contains("courier_broker_up 1")
+    })
+    .await;
+    replica.terminate();
+    replica.exit_within(Duration::from_secs(20)).await;
+    assert_eq!(inspector.depth().await.unwrap().dead_letters, 0);
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to a process.
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {signal} {pid} failed");
+}

@@ -53,6 +53,11 @@ impl KafkaMock {
         format!("kafka://{}", self.bootstrap)
     }
 
+    /// The process id, to stop (SIGSTOP) and continue the whole cluster.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends a command (`down 2`, `up 2`) and checks it was done.
     pub fn command(&self, command: &str) {
         let mut guard = self.commands.lock().unwrap();

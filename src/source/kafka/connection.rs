@@ -196,6 +196,17 @@ fn base_config(bootstrap: &str, client_id: &str) -> ClientConfig {
         .set("bootstrap.servers", bootstrap)
         .set("client.id", client_id)
         .set("log_level", "4");
+    // librdkafka's own debug contexts (`cgrp`, `consumer`, `all`, ...) for
+    // finding out what the group does. They come through courier's log at
+    // debug level (RUST_LOG=courier::source::kafka=debug); rdkafka would
+    // otherwise hold librdkafka's level at what the `log` filter lets
+    // through for the target `librdkafka`, which is not debug.
+    if let Ok(debug) = std::env::var("COURIER_KAFKA_DEBUG") {
+        config
+            .set("debug", debug)
+            .set("log_level", "7")
+            .set_log_level(RDKafkaLogLevel::Debug);
+    }
     config
 }
 
@@ -203,7 +214,7 @@ fn base_config(bootstrap: &str, client_id: &str) -> ClientConfig {
 /// the replica's partitions to another: Kafka's long-time default. Not the
 /// visibility timeout: a Kafka group rebalances as a whole, and the group
 /// coordinator also waits about this long for members to rejoin.
-const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The consumer of the group: nothing committed without courier (no
 /// auto-commit, no offset store), earliest offsets for a new group.

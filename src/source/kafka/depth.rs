@@ -23,6 +23,9 @@ struct Lag {
     handed: u64,
     /// The first waiting record of each partition that has one.
     first_waiting: Vec<(i32, i64)>,
+    /// The sum of the partitions' commit points: it moves while the group
+    /// settles anything.
+    committed: i64,
 }
 
 fn lag(inspector: &Inspector, topic: &str) -> Result<Lag, SourceError> {
@@ -48,6 +51,7 @@ fn lag(inspector: &Inspector, topic: &str) -> Result<Lag, SourceError> {
             },
             None => (low, String::new()),
         };
+        lag.committed += from;
         if high <= from {
             continue;
         }
@@ -89,6 +93,22 @@ fn oldest_age(inspector: &Inspector, topic: &str, records: &[(i32, i64)]) -> Opt
 }
 
 impl KafkaSource {
+    /// The records of the work and retry topics not settled by the group
+    /// (waiting or handed out), and the sum of the group's commit points.
+    pub(super) async fn progress(&self) -> Result<(u64, i64), SourceError> {
+        let inspector = self.inspector.clone();
+        let (topic, retry) = (self.options.queue.clone(), self.retry_topic.clone());
+        blocking(move || {
+            let work = lag(&inspector, &topic)?;
+            let retries = lag(&inspector, &retry)?;
+            Ok((
+                work.waiting + work.handed + retries.waiting + retries.handed,
+                work.committed + retries.committed,
+            ))
+        })
+        .await
+    }
+
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let inspector = self.inspector.clone();
         let (topic, retry) = (self.options.queue.clone(), self.retry_topic.clone());

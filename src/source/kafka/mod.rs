@@ -37,6 +37,10 @@
 //!   `courier dlq` and `courier send` open the dead-letter store alone
 //!   (`KafkaStore`): a producer and the inspector, no group, nothing
 //!   created.
+//! - A replica that holds no partition for longer than the session
+//!   timeout plus the visibility timeout, while records wait and the
+//!   group commits nothing, says so (a warning, `/readyz` not ready) and
+//!   joins the group again with a new consumer (`stall`).
 //! - Depth: per partition, the high watermark minus the committed offset,
 //!   less what the commit's metadata says is handed out or settled; the
 //!   oldest waiting message's age from the timestamp of the first waiting
@@ -46,7 +50,8 @@
 //! topic), `offsets` (the per-partition ledger and its metadata), `read`
 //! (receiving, holding retries until due), `settle` (ack, retry, dead
 //! letter, commits, produce), `dead_letters` (the dead-letter store:
-//! browse, replay, purge, send), `depth`, `fields`.
+//! browse, replay, purge, send), `depth`, `fields`, `rebalance` (giving
+//! partitions up), `stall` (a replica left without partitions).
 
 mod connection;
 mod dead_letters;
@@ -56,6 +61,7 @@ mod offsets;
 mod read;
 mod rebalance;
 mod settle;
+mod stall;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
@@ -150,7 +156,12 @@ struct Reading {
 }
 
 pub struct KafkaSource {
-    consumer: Arc<GroupConsumer>,
+    /// The group's consumer; replaced by a new one when this one holds no
+    /// partition while the group stalls (`stall.rs`).
+    consumer: Mutex<Arc<GroupConsumer>>,
+    bootstrap: String,
+    /// What `stall.rs` watches of the assignment.
+    watch: Mutex<stall::Watch>,
     producer: Producer,
     inspector: Arc<Inspector>,
     options: SourceOptions,
@@ -224,6 +235,12 @@ impl Observed for KafkaSource {
     fn apply(&self, settings: &LiveSettings) {
         *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
     }
+
+    /// False while this replica holds no partition and the group it waits
+    /// for consumes nothing (`stall.rs`).
+    fn connected(&self) -> bool {
+        !self.stalled()
+    }
 }
 
 impl WithStore for KafkaSource {
@@ -248,12 +265,30 @@ impl KafkaSource {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn consumer(&self) -> Arc<GroupConsumer> {
+        self.consumer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// A consumer of the group whose rebalances share this source's
+    /// reading state.
+    fn join(&self) -> Result<Arc<GroupConsumer>, SourceError> {
+        group_consumer(
+            &self.bootstrap,
+            &self.options,
+            &self.reading,
+            &self.closing,
+            &self.retry_topic,
+        )
+    }
+
     pub(super) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
         connection::check_topic(&options.queue)?;
         let producer = connection::producer(&bootstrap, &options)?;
         let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
-        let consumer = Arc::new(connection::consumer(&bootstrap, &options)?);
         let retry_topic = fields::retry_topic(&options.queue);
         {
             let (producer, inspector) = (producer.clone(), inspector.clone());
@@ -275,13 +310,7 @@ impl KafkaSource {
         };
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
-        let _ = consumer.context().shared.set(rebalance::Shared {
-            reading: reading.clone(),
-            retry_topic: retry_topic.clone(),
-            bound: options.live.visibility_timeout,
-            closing: closing.clone(),
-            consumer: Arc::downgrade(&consumer),
-        });
+        let consumer = group_consumer(&bootstrap, &options, &reading, &closing, &retry_topic)?;
         Ok(Self {
             store: KafkaStore::new(
                 &options.queue,
@@ -289,7 +318,9 @@ impl KafkaSource {
                 inspector.clone(),
                 seal.clone(),
             ),
-            consumer,
+            consumer: Mutex::new(consumer),
+            bootstrap,
+            watch: Mutex::default(),
             producer,
             inspector,
             live: Mutex::new(options.live.clone()),
@@ -301,4 +332,23 @@ impl KafkaSource {
             seal,
         })
     }
+}
+
+/// A consumer of the group whose rebalance callbacks share `reading`.
+fn group_consumer(
+    bootstrap: &str,
+    options: &SourceOptions,
+    reading: &Arc<Mutex<Reading>>,
+    closing: &Arc<AtomicBool>,
+    retry_topic: &str,
+) -> Result<Arc<GroupConsumer>, SourceError> {
+    let consumer = Arc::new(connection::consumer(bootstrap, options)?);
+    let _ = consumer.context().shared.set(rebalance::Shared {
+        reading: reading.clone(),
+        retry_topic: retry_topic.to_string(),
+        bound: options.live.visibility_timeout,
+        closing: closing.clone(),
+        consumer: Arc::downgrade(&consumer),
+    });
+    Ok(consumer)
 }

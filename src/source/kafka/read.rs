@@ -22,7 +22,9 @@ impl KafkaSource {
     /// Up to `max` deliveries: retry copies that came due, then what the
     /// group's partitions have, waiting up to [`RECEIVE_WAIT`] for a first.
     pub(super) async fn read_batch(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        self.watch_assignment().await;
         self.subscribe()?;
+        let consumer = self.consumer();
         self.bound_reads();
         let mut out = Vec::new();
         self.release_due(&mut out, max);
@@ -36,9 +38,9 @@ impl KafkaSource {
                 Duration::ZERO
             };
             let got = if wait.is_zero() {
-                self.consumer.recv().now_or_never()
+                consumer.recv().now_or_never()
             } else {
-                tokio::time::timeout(wait, self.consumer.recv()).await.ok()
+                tokio::time::timeout(wait, consumer.recv()).await.ok()
             };
             let message = match got {
                 None => {
@@ -91,15 +93,15 @@ impl KafkaSource {
             return;
         }
         let mut work = TopicPartitionList::new();
-        if let Ok(assigned) = self.consumer.assignment() {
+        if let Ok(assigned) = self.consumer().assignment() {
             for element in assigned.elements_for_topic(&self.options.queue) {
                 work.add_partition(&self.options.queue, element.partition());
             }
         }
         let done = if pause {
-            self.consumer.pause(&work)
+            self.consumer().pause(&work)
         } else {
-            self.consumer.resume(&work)
+            self.consumer().resume(&work)
         };
         match done {
             Ok(()) if pause != reading.paused_at_bound => {
@@ -118,7 +120,7 @@ impl KafkaSource {
     fn subscribe(&self) -> Result<(), SourceError> {
         let mut reading = self.reading();
         if !reading.subscribed {
-            self.consumer
+            self.consumer()
                 .subscribe(&[&self.options.queue, &self.retry_topic])
                 .map_err(unavailable)?;
             reading.subscribed = true;
@@ -199,7 +201,7 @@ impl KafkaSource {
             }
         }
         if resume.count() > 0
-            && let Err(e) = self.consumer.resume(&resume)
+            && let Err(e) = self.consumer().resume(&resume)
         {
             tracing::warn!(error = %e, "cannot resume a Kafka retry partition");
         }
@@ -264,7 +266,7 @@ impl KafkaSource {
                     if !waiting {
                         let mut pause = TopicPartitionList::new();
                         pause.add_partition(&self.retry_topic, key.1);
-                        self.consumer.pause(&pause).map_err(unavailable)?;
+                        self.consumer().pause(&pause).map_err(unavailable)?;
                     }
                     return Ok(());
                 }
@@ -288,7 +290,7 @@ impl KafkaSource {
     /// The ledger of a partition this source reads for the first time since
     /// it was assigned, from the group's commit.
     async fn resume_ledger(&self, key: &Partition, first_read: i64) -> Result<Ledger, SourceError> {
-        let consumer = self.consumer.clone();
+        let consumer = self.consumer();
         let (topic, partition) = key.clone();
         let committed = blocking(move || {
             let mut wanted = TopicPartitionList::new();

@@ -161,7 +161,7 @@ impl KafkaSource {
             (reading.version, wanted)
         };
         if wanted.count() > 0 {
-            let consumer = self.consumer.clone();
+            let consumer = self.consumer();
             let result = blocking(move || {
                 consumer
                     .commit(&wanted, CommitMode::Sync)

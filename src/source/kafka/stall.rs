@@ -17,7 +17,10 @@
 //! (`/readyz`, `courier_broker_up`), and joins the group again with a new
 //! consumer (new connections, a new member). A replica that is one too
 //! many for the partitions holds nothing too, but the group commits
-//! meanwhile, so it stays quiet and ready.
+//! meanwhile, so it stays quiet and ready; while nothing is committed (the
+//! app is down) it may take it for a stall, so each join that brings no
+//! partition doubles the wait before the next (up to 10 minutes), and it
+//! is ready again as soon as the group commits.
 
 use std::time::Duration;
 
@@ -34,8 +37,24 @@ pub(super) struct Watch {
     unassigned_since: Option<Instant>,
     /// The group's commit points when last looked at, and when.
     sample: Option<(Instant, i64)>,
-    /// Said stalled (not ready) until partitions come.
+    /// Said stalled (not ready) until partitions come, or the group
+    /// commits again.
     stalled: bool,
+    /// Joins again since partitions were last held: each waits twice as
+    /// long as the one before.
+    rejoins: u32,
+}
+
+/// The longest a replica holding nothing waits before it joins again,
+/// however many joins brought it nothing.
+const MAX_STALL_WAIT: Duration = Duration::from_secs(600);
+
+/// `first`, doubled `rejoins` times, at most [`MAX_STALL_WAIT`] (or `first`
+/// when that is longer).
+fn stall_wait(first: Duration, rejoins: u32) -> Duration {
+    first
+        .saturating_mul(1 << rejoins.min(10))
+        .min(MAX_STALL_WAIT.max(first))
 }
 
 impl KafkaSource {
@@ -47,9 +66,13 @@ impl KafkaSource {
         self.watch().stalled
     }
 
-    /// How long a replica may hold nothing before it looks at the group.
-    fn stall_after(&self) -> Duration {
-        SESSION_TIMEOUT + self.live().visibility_timeout
+    /// How long a replica may hold nothing before it joins again: the
+    /// session timeout plus the visibility timeout, doubled for each join
+    /// that brought nothing (a replica one too many for the partitions,
+    /// while the app is down and nothing is committed, would otherwise make
+    /// the group rebalance every 20 s), at most [`MAX_STALL_WAIT`].
+    fn stall_after(&self, rejoins: u32) -> Duration {
+        stall_wait(SESSION_TIMEOUT + self.live().visibility_timeout, rejoins)
     }
 
     /// Checked before each read: cheap while partitions are held; while
@@ -84,13 +107,22 @@ impl KafkaSource {
         let Ok((unsettled, committed)) = self.progress().await else {
             return;
         };
-        let before = self.watch().sample.replace((now, committed));
+        let mut watch = self.watch();
+        let before = watch.sample.replace((now, committed));
         let still = before.is_some_and(|(_, c)| c == committed);
+        if watch.stalled && before.is_some() && (!still || unsettled == 0) {
+            // Others consume: this replica is one too many for the
+            // partitions, not stuck.
+            watch.stalled = false;
+            tracing::info!(queue = %self.options.queue, "the group commits again while this replica holds no Kafka partition (more replicas than partitions): ready");
+        }
         let idle = now - since;
-        if unsettled == 0 || !still || idle < self.stall_after() {
+        if unsettled == 0 || !still || idle < self.stall_after(watch.rejoins) {
             return;
         }
-        self.watch().stalled = true;
+        watch.stalled = true;
+        watch.rejoins += 1;
+        drop(watch);
         tracing::warn!(
             queue = %self.options.queue,
             unassigned_secs = idle.as_secs(),
@@ -133,5 +165,20 @@ impl KafkaSource {
         if let Err(e) = closing {
             tracing::warn!(error = %e, "cannot start a thread to close the old Kafka consumer; it was closed here");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_join_that_brought_nothing_doubles_the_wait_up_to_ten_minutes() {
+        let first = Duration::from_secs(20);
+        let waits: Vec<u64> = (0..8).map(|n| stall_wait(first, n).as_secs()).collect();
+        assert_eq!(waits, [20, 40, 80, 160, 320, 600, 600, 600]);
+        assert_eq!(stall_wait(first, u32::MAX), MAX_STALL_WAIT);
+        let long = Duration::from_secs(900);
+        assert_eq!(stall_wait(long, 3), long, "never below the first wait");
     }
 }

@@ -762,13 +762,7 @@ async fn amqp_quorum_queue_with_its_own_arguments_works_the_same() {
     let key = format!("{}:{dead}", fixture.queue);
     assert_eq!(replayed[1].header("idempotency-key"), Some(key.as_str()));
     assert_eq!(replayed[1].attempt(), 1);
-    assert!(
-        source
-            .dead_letters(&fixture.dlq(), 100)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_dead_letters(&source, &fixture).await;
     assert_ne!(retried, dead);
 }
 

@@ -614,6 +614,16 @@ pub async fn wait_settled(source: &Arc<dyn Source>, limit: Duration) -> Depth {
     last
 }
 
+/// The fixture's dead-letter queue holds nothing (its first 100 letters
+/// are shown when it does).
+pub async fn assert_no_dead_letters(source: &Arc<dyn Source>, fixture: &Fixture) {
+    let letters = source
+        .dead_letters(&fixture.dlq(), 100)
+        .await
+        .expect("list the dead letters");
+    assert!(letters.is_empty(), "dead letters: {letters:?}");
+}
+
 /// Reads `/metrics` from a running sidecar.
 pub async fn scrape(addr: SocketAddr) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr)

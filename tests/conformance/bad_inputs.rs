@@ -138,13 +138,7 @@ pub async fn an_unreadable_retry_after_is_ignored_and_counted(fixture: Fixture) 
         1.0,
         "{text}"
     );
-    assert!(
-        source
-            .dead_letters(&fixture.dlq(), 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_dead_letters(&source, &fixture).await;
 }
 
 /// The app answers 400 with a 1 MiB body: the dead letter keeps exactly

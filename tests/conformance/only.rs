@@ -277,13 +277,7 @@ async fn pubsub_a_message_of_100_attributes_is_retried_and_dead_lettered_whole()
     let out = dlq::courier(&fixture, &["dlq", "replay", "--all"]);
     assert!(out.status.success(), "{}", dlq::stderr(&out));
     drain().await;
-    assert!(
-        source
-            .dead_letters(&fixture.dlq(), 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_dead_letters(&source, &fixture).await;
 
     for (body, headers) in &messages {
         let seen = app.received_body(body);

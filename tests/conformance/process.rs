@@ -444,13 +444,7 @@ pub async fn sigterm_drains_in_flight(fixture: Fixture) {
     }
     let source = fixture.open().await;
     assert_settled(&source.depth().await.unwrap());
-    assert!(
-        source
-            .dead_letters(&fixture.dlq(), 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_dead_letters(&source, &fixture).await;
 }
 
 /// A `--drain-timeout` shorter than the in-flight work: the process exits 0
@@ -560,13 +554,7 @@ pub async fn drain_timeout_cuts_off_and_redelivers(fixture: Fixture) {
     }
     let source = fixture.open().await;
     assert_settled(&source.depth().await.unwrap());
-    assert!(
-        source
-            .dead_letters(&fixture.dlq(), 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert_no_dead_letters(&source, &fixture).await;
 }
 
 // === Attempts across stops and crashes ===

@@ -163,11 +163,20 @@ impl PrivateRabbit {
             .spawn()
             .expect("start a private rabbitmq-server");
         self.child = Some(child);
-        let port = self.port;
+        // The AMQP port opens while the node is still booting, and a
+        // connection then is closed by the broker (a CI run's first open
+        // failed that way): ready is when an AMQP connection opens.
+        let url = self.url();
         wait_for(
-            "the private RabbitMQ node to answer",
+            "the private RabbitMQ node to take AMQP connections",
             Duration::from_secs(120),
-            async || answers(port),
+            async || match lapin::Connection::connect(&url, Default::default()).await {
+                Ok(connection) => {
+                    let _ = connection.close(200, "up".into()).await;
+                    true
+                }
+                Err(_) => false,
+            },
         )
         .await;
     }

@@ -16,11 +16,7 @@ const LIMIT: Duration = Duration::from_secs(30);
 const ARRIVAL: &str = "arrived while courier was idle";
 
 async fn admin(redis: &PrivateRedis) -> MultiplexedConnection {
-    redis::Client::open(redis.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
+    redis_connection(&redis.url()).await.unwrap()
 }
 
 /// The text Redis answers `command arg` with.

@@ -102,8 +102,7 @@ async fn a_queue_without_a_hash_tag_is_refused_on_a_cluster() {
         assert!(stderr.contains(words), "{words:?} not in: {stderr}");
     }
     // Nothing was created on the refused run.
-    let client = redis::Client::open(node.url()).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut con = redis_connection(&node.url()).await.unwrap();
     let exists: u64 = redis::cmd("EXISTS")
         .arg("orders")
         .query_async(&mut con)

@@ -131,9 +131,7 @@ impl Drop for SentinelSet {
 
 /// A plain connection to the server on `port`.
 async fn plain(port: u16) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .unwrap()
-        .get_multiplexed_async_connection()
+    redis_connection(&format!("redis://127.0.0.1:{port}"))
         .await
         .expect("connect to the server")
 }

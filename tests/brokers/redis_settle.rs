@@ -21,15 +21,7 @@ const WIDE: usize = 5_000;
 const CAP: usize = courier::forward::MAX_HEADERS;
 
 async fn redis() -> MultiplexedConnection {
-    let mut con = redis::Client::open(REDIS_URL)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    // Writing 40 MiB on a busy 2-core machine takes longer than the
-    // client's default 500 ms.
-    con.set_response_timeout(Duration::from_secs(30));
-    con
+    redis_connection(REDIS_URL).await.unwrap()
 }
 
 /// How many entries of `queue` the group `courier` holds pending.

@@ -373,10 +373,7 @@ impl RedisConnection {
                 let client = ::redis::cluster::ClusterClient::new(nodes)?;
                 Ok(Self::Cluster(client.get_async_connection().await?))
             }
-            None => {
-                let client = ::redis::Client::open(url)?;
-                Ok(Self::Node(client.get_multiplexed_async_connection().await?))
-            }
+            None => Ok(Self::Node(super::redis_connection(url).await?)),
         }
     }
 }

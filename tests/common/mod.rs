@@ -295,6 +295,21 @@ impl TestApp {
 
 mod brokers;
 
+/// A connection to a Redis server for a test to write and inspect with.
+/// redis 1.x gives up on an answer after 500 ms, the handshake's included;
+/// on a busy 2-core machine a test's first connection missed that (a CI
+/// run's `redis_settle` test), and 40 MiB writes take longer too.
+pub async fn redis_connection(
+    url: &str,
+) -> ::redis::RedisResult<::redis::aio::MultiplexedConnection> {
+    let config = ::redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(30)))
+        .set_response_timeout(Some(Duration::from_secs(30)));
+    ::redis::Client::open(url)?
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+}
+
 // Not every test crate uses every name.
 #[allow(unused_imports)]
 pub use brokers::{

@@ -19,8 +19,7 @@ async fn redis_entry_without_payload_is_undeliverable() {
     let fixture = Fixture::redis();
     let app = TestApp::start().await;
     let source = fixture.open().await;
-    let client = ::redis::Client::open(REDIS_URL).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut con = redis_connection(REDIS_URL).await.unwrap();
     let id: String = ::redis::cmd("XADD")
         .arg(&fixture.queue)
         .arg("*")

@@ -6,10 +6,12 @@
 //!
 //! - [`model`]: the words every layer shares: [`model::Message`],
 //!   [`model::Delivery`], [`model::Outcome`], [`model::Class`],
-//!   [`model::DeadLetterReason`], the stored field names. A leaf.
-//! - [`source`]: one trait ([`source::Source`]), the broker table
-//!   ([`source::BROKERS`]) and one folder per broker (`source/<broker>/`,
-//!   each a cargo feature). Receive, ack, retry-at, dead-letter, depth.
+//!   [`model::DeadLetterReason`], the stored field names. A leaf; it and
+//!   [`duration`] are the crate `courier-core`'s, re-exported.
+//! - [`source`]: the traits ([`source::Source`]), from `courier-core`, the
+//!   broker table ([`source::BROKERS`]) and one crate per broker
+//!   (`crates/<broker>`, re-exported as `source::<broker>`, each a cargo
+//!   feature). Receive, ack, retry-at, dead-letter, depth.
 //! - [`forward`]: the pooled HTTP client to the app. Builds the request (a
 //!   CloudEvent in the HTTP binding's mode, [`forward::cloudevents`]) and
 //!   turns the answer into an [`model::Outcome`]; nothing else looks at raw
@@ -31,10 +33,10 @@
 
 pub mod cmd;
 pub mod dispatch;
-pub mod duration;
+pub use courier_core::duration;
 pub mod forward;
 pub mod inject;
-pub mod model;
+pub use courier_core::model;
 pub mod policy;
 pub mod sidecar;
 pub mod source;

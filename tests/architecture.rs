@@ -1,13 +1,15 @@
 //! The walls between courier's modules, read from the source: every
-//! `crate::<module>` a file names must be an edge the architecture allows
+//! `crate::<module>` and `courier_core::<module>` a file of `src/` or
+//! `crates/` names must be an edge the architecture allows
 //! (docs/architecture.md draws the picture). A forbidden edge fails with
 //! the file, the edge and the text that made it.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-/// Who may name whom. A module is a top-level module of `src/`, except that
-/// each broker folder `source/<broker>` is a module of its own, so that
+/// Who may name whom. A module is a top-level module of `src/` or of
+/// `crates/core/src/`, and each broker crate `crates/<broker>` is the
+/// module `source/<broker>`, so that
 /// "inject never reaches a broker" and "brokers do not reach each other"
 /// can be said. `cmd`, `lib` and `main` assemble everything and may name
 /// anything.
@@ -62,25 +64,32 @@ fn permits(from: &str, to: &str) -> bool {
     }
 }
 
-/// The module a file belongs to: `src/source/redis/read.rs` → `source/redis`.
-fn module_of(src: &Path, file: &Path) -> String {
-    let rel = file.strip_prefix(src).unwrap();
+/// Where a file sits: `src/dispatch/mod.rs` → `dispatch`,
+/// `crates/core/crates/core/src/model/mod.rs` → `model`, `crates/redis/src/read.rs` →
+/// `source/redis` (each broker is a crate of its own).
+fn module_of(root: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(root).unwrap();
     let parts: Vec<String> = rel
         .iter()
         .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_string())
         .collect();
     match parts.as_slice() {
-        [source, broker, ..] if source == "source" && parts.len() > 2 => {
-            format!("source/{broker}")
+        [crates, krate, _src, rest @ ..] if crates == "crates" && krate == "core" => {
+            rest.first().cloned().unwrap_or_default()
         }
-        [first, ..] => first.clone(),
-        [] => unreachable!(),
+        [crates, broker, ..] if crates == "crates" => format!("source/{broker}"),
+        [_src, first, ..] => first.clone(),
+        _ => unreachable!("{rel:?}"),
     }
 }
 
-/// The module a `crate::` path names: `source::redis::X` → `source/redis`,
-/// `source::Source` → `source`.
+/// The module a path names: `crate::source::redis::X` → `source/redis`,
+/// `courier_core::source::Source` → `source`.
 fn target_of(path: &str, brokers: &BTreeSet<String>) -> String {
+    let path = path
+        .strip_prefix("crate::")
+        .or_else(|| path.strip_prefix("courier_core::"))
+        .unwrap_or(path);
     let mut segments = path.split("::").map(str::trim);
     let first = segments.next().unwrap_or_default().to_string();
     if first == "source"
@@ -92,9 +101,20 @@ fn target_of(path: &str, brokers: &BTreeSet<String>) -> String {
     first
 }
 
-/// Every `crate::...` path named in `text`, outside comments, with
-/// `use crate::{a, b::c}` groups expanded to their top-level names.
-fn crate_paths(text: &str) -> Vec<String> {
+/// Every path into courier that `text` names outside comments: `crate::...`
+/// (except in a broker crate, where `crate` is the broker itself) and
+/// `courier_core::...`, with `use crate::{a, b::c}` groups expanded to
+/// their top-level names.
+fn crate_paths(from: &str, text: &str) -> Vec<String> {
+    let mut paths = Vec::new();
+    if !from.starts_with("source/") {
+        paths.extend(paths_after("crate::", text));
+    }
+    paths.extend(paths_after("courier_core::", text));
+    paths
+}
+
+fn paths_after(prefix: &str, text: &str) -> Vec<String> {
     let code: String = text
         .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
@@ -102,9 +122,9 @@ fn crate_paths(text: &str) -> Vec<String> {
         .join("\n");
     let mut paths = Vec::new();
     let mut rest = code.as_str();
-    while let Some(at) = rest.find("crate::") {
+    while let Some(at) = rest.find(prefix) {
         let before = rest[..at].chars().last();
-        rest = &rest[at + "crate::".len()..];
+        rest = &rest[at + prefix.len()..];
         // `courier::...` or `my_crate::...` are not this crate's paths.
         if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
             continue;
@@ -132,7 +152,7 @@ fn crate_paths(text: &str) -> Vec<String> {
                     '}' => depth -= 1,
                     ',' if depth == 0 => {
                         if !item.trim().is_empty() {
-                            paths.push(item.trim().to_string());
+                            paths.push(format!("{prefix}{}", item.trim()));
                         }
                         item.clear();
                         continue;
@@ -146,7 +166,7 @@ fn crate_paths(text: &str) -> Vec<String> {
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
                 .collect();
-            paths.push(path);
+            paths.push(format!("{prefix}{path}"));
         }
     }
     paths
@@ -163,47 +183,56 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-fn broker_folders(src: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(src.join("source"))
+/// The broker crates: every crate of `crates/` but `core`.
+fn broker_crates(root: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(root.join("crates"))
         .unwrap()
         .filter_map(|e| {
             let e = e.unwrap();
-            e.path()
-                .is_dir()
-                .then(|| e.file_name().to_string_lossy().into_owned())
+            let name = e.file_name().to_string_lossy().into_owned();
+            (e.path().is_dir() && name != "core").then_some(name)
         })
         .collect()
 }
 
+/// The source files of courier: the main crate's and every crate's of
+/// `crates/`.
+fn courier_files(root: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    for krate in std::fs::read_dir(root.join("crates")).unwrap() {
+        rust_files(&krate.unwrap().path().join("src"), &mut files);
+    }
+    files
+}
+
 /// Every forbidden edge in `text`, a file of module `from`.
 fn violations(from: &str, text: &str, brokers: &BTreeSet<String>) -> Vec<String> {
-    crate_paths(text)
+    crate_paths(from, text)
         .into_iter()
         .filter_map(|path| {
             let to = target_of(&path, brokers);
-            (!permits(from, &to)).then(|| format!("{from} → {to} (crate::{path})"))
+            (!permits(from, &to)).then(|| format!("{from} → {to} ({path})"))
         })
         .collect()
 }
 
 #[test]
 fn the_walls_hold() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let brokers = broker_folders(&src);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let brokers = broker_crates(root);
     assert!(
         brokers.contains("redis") && brokers.contains("embedded"),
         "{brokers:?}"
     );
-    let mut files = Vec::new();
-    rust_files(&src, &mut files);
     let mut found = Vec::new();
-    for file in &files {
-        let from = module_of(&src, file);
+    for file in &courier_files(root) {
+        let from = module_of(root, file);
         let text = std::fs::read_to_string(file).unwrap();
         for v in violations(&from, &text, &brokers) {
             found.push(format!(
                 "{}: {v}",
-                file.strip_prefix(&src).unwrap().display()
+                file.strip_prefix(root).unwrap().display()
             ));
         }
     }
@@ -232,10 +261,17 @@ fn a_forbidden_edge_is_found_and_named() {
         violations("telemetry", telemetry, &brokers),
         ["telemetry → model (crate::model::Class)"]
     );
-    let redis = "use crate::source::amqp::X;\nuse super::shared::RECEIVE_WAIT;\n";
+    // In a broker crate `crate::` is the broker itself; courier_core is
+    // the shared part.
+    let redis = "use crate::read::Reader;\nuse courier_core::source::shared::RECEIVE_WAIT;\n";
+    assert!(violations("source/redis", redis, &brokers).is_empty());
+    let core_model = "use courier_core::source::Source;\nfn f(_: crate::source::Depth) {}\n";
     assert_eq!(
-        violations("source/redis", redis, &brokers),
-        ["source/redis → source/amqp (crate::source::amqp::X)"]
+        violations("model", core_model, &brokers),
+        [
+            "model → source (crate::source::Depth)",
+            "model → source (courier_core::source::Source)"
+        ]
     );
     let cmd_user = "use crate::cmd::args::UsageError;\n";
     assert_eq!(
@@ -310,27 +346,24 @@ fn skeleton_problems(broker: &str, files: &[(String, String)]) -> Vec<String> {
             problems.push(format!("{broker}: `{}` {count} times", part.trim()));
         }
     }
-    if with("pub const BROKER: Broker") != ["mod.rs"] {
-        problems.push(format!("{broker}: no `pub const BROKER: Broker` in mod.rs"));
+    if with("pub const BROKER: Broker") != ["lib.rs"] {
+        problems.push(format!("{broker}: no `pub const BROKER: Broker` in lib.rs"));
     }
     problems
 }
 
 #[test]
-fn every_broker_folder_has_the_same_skeleton() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+fn every_broker_crate_has_the_same_skeleton() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut problems = Vec::new();
-    for broker in broker_folders(&src) {
+    for broker in broker_crates(root) {
+        let src = root.join("crates").join(&broker).join("src");
         let mut paths = Vec::new();
-        rust_files(&src.join("source").join(&broker), &mut paths);
+        rust_files(&src, &mut paths);
         let files: Vec<(String, String)> = paths
             .iter()
             .map(|p| {
-                let name = p
-                    .strip_prefix(src.join("source").join(&broker))
-                    .unwrap()
-                    .display()
-                    .to_string();
+                let name = p.strip_prefix(&src).unwrap().display().to_string();
                 (name, std::fs::read_to_string(p).unwrap())
             })
             .collect();
@@ -339,11 +372,50 @@ fn every_broker_folder_has_the_same_skeleton() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// The courier crates each broker crate depends on, read from its
+/// manifest: only `courier-core`, so brokers cannot reach each other or
+/// the rest of courier (cargo refuses the path), and core depends on no
+/// courier crate at all.
+fn courier_dependencies(manifest: &str) -> Vec<String> {
+    manifest
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(name, _)| name.trim()))
+        .filter(|name| name.starts_with("courier"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn a_broker_crate_depends_on_core_alone() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read = |krate: &str| {
+        std::fs::read_to_string(root.join("crates").join(krate).join("Cargo.toml")).unwrap()
+    };
+    let core = read("core");
+    assert_eq!(courier_dependencies(&core), Vec::<String>::new(), "core");
+    for broker in broker_crates(root) {
+        let manifest = read(&broker);
+        assert!(
+            manifest.contains(&format!("name = \"courier-{broker}\"")),
+            "crates/{broker} is not the package courier-{broker}"
+        );
+        assert_eq!(
+            courier_dependencies(&manifest),
+            ["courier-core"],
+            "{broker}"
+        );
+    }
+    assert_eq!(
+        courier_dependencies("courier-core = { path = \"../core\" }\ncourier-amqp = \"1\"\n"),
+        ["courier-core", "courier-amqp"]
+    );
+}
+
 #[test]
 fn a_delegating_consumer_breaks_the_skeleton() {
     let files = vec![
         (
-            "mod.rs".to_string(),
+            "lib.rs".to_string(),
             "pub const BROKER: Broker = x;\nimpl Consumer for S {}\nimpl Observed for S {}\nimpl DeadLetterStore for S {}\n".to_string(),
         ),
         (
@@ -358,7 +430,7 @@ fn a_delegating_consumer_breaks_the_skeleton() {
     assert_eq!(
         skeleton_problems("x", &files),
         [
-            "x: `impl DeadLetterStore` is in [\"mod.rs\", \"dead_letters.rs\"], not only in dead_letters.rs"
+            "x: `impl DeadLetterStore` is in [\"lib.rs\", \"dead_letters.rs\"], not only in dead_letters.rs"
         ]
     );
     let mut own_match = files.clone();
@@ -369,9 +441,9 @@ fn a_delegating_consumer_breaks_the_skeleton() {
     assert_eq!(
         skeleton_problems("x", &own_match),
         [
-            "x: `impl DeadLetterStore` is in [\"mod.rs\", \"dead_letters.rs\"], not only in dead_letters.rs",
+            "x: `impl DeadLetterStore` is in [\"lib.rs\", \"dead_letters.rs\"], not only in dead_letters.rs",
             "x: `impl SettleParts` is in [], not only in settle.rs",
-            "x: a match over `Settlement` in [\"mod.rs\"]; settle with `settle_by_parts`",
+            "x: a match over `Settlement` in [\"lib.rs\"]; settle with `settle_by_parts`",
         ]
     );
 }

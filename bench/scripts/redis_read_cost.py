@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What a read costs the Redis server: a plain XREADGROUP against the same read inside
-the smallest Lua script and inside courier's own read script (src/source/redis/poison.rs),
+the smallest Lua script and inside courier's own read script (crates/redis/src/poison.rs),
 from INFO commandstats (server microseconds, not the client's). Needs redis-py
 (pip install redis) and the Redis on 127.0.0.1:6379. Usage: redis_read_cost.py [COUNT]."""
 import re, redis, sys
 import pathlib
-src = (pathlib.Path(__file__).resolve().parents[2] / 'src/source/redis/poison.rs').read_text()
+src = (pathlib.Path(__file__).resolve().parents[2] / 'crates/redis/src/poison.rs').read_text()
 def const(name):
     return re.search(r'const %s: &str = r"(.*?)";' % name, src, re.S).group(1)
 full = const('SHARED') + "\n" + const('READ')

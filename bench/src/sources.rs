@@ -6,7 +6,7 @@
 //! dominate the run write the broker directly in the format courier reads:
 //! pipelined `XADD payload <body>` for Redis, and one redb transaction into
 //! the embedded queue's `ready/<queue>` table (see
-//! `src/source/embedded.rs`); the smoke test catches a drift in either.
+//! `crates/embedded/src/lib.rs`); the smoke test catches a drift in either.
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use bytes::Bytes;
-use courier::source::{self, Source, SourceOptions, SourceUrl, encode_fields};
+use courier::source::{self, Source, SourceOptions, encode_fields};
 use futures::StreamExt;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,7 +132,7 @@ impl Target {
 
     /// courier's own source for this target, used as a producer.
     pub async fn producer(&self) -> anyhow::Result<Arc<dyn Source>> {
-        let url = SourceUrl::parse(&self.url).map_err(anyhow::Error::msg)?;
+        let url = courier::source::parse_url(&self.url).map_err(anyhow::Error::msg)?;
         Ok(source::open(&url, self.options()).await?)
     }
 
@@ -220,7 +220,7 @@ async fn cleanup_redis(queue: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The embedded queue's layout (`src/source/embedded.rs`): table
+/// The embedded queue's layout (`crates/embedded/src/lib.rs`): table
 /// `ready/<queue>` keyed by `(due ms, seq)` holding the encoded fields, and
 /// the sequence counter `seq` in table `meta`.
 fn prefill_embedded(

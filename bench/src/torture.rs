@@ -34,7 +34,7 @@ use bytes::Bytes;
 use crate::child::{Courier, Process};
 use crate::torture_app::{self, ID_HEADER, Plan, Rng, Seen, id_of, ids_in};
 use courier::model::{PAYLOAD, default_dead_letter_queue};
-use courier::source::{SourceOptions, SourceUrl};
+use courier::source::SourceOptions;
 use private_kafka::PrivateKafka;
 use private_moto::PrivateMoto;
 use private_nats::PrivateNats;
@@ -330,7 +330,7 @@ struct Holdings {
 /// run's policy keeps), read through courier's own dead-letter store: what
 /// `courier dlq list` shows, the same code on every broker.
 async fn admin_letters(url: &str, queue: &str) -> anyhow::Result<Vec<Letter>> {
-    let source_url = SourceUrl::parse(url).map_err(anyhow::Error::msg)?;
+    let source_url = courier::source::parse_url(url).map_err(anyhow::Error::msg)?;
     let store = courier::source::open_admin(&source_url, SourceOptions::new(queue)).await?;
     let letters = store
         .dead_letters(&default_dead_letter_queue(queue), usize::MAX)

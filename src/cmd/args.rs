@@ -174,7 +174,7 @@ pub fn check_queue(queue: &str) -> Result<(), UsageError> {
 }
 
 pub fn parse_source(text: &str) -> Result<SourceUrl, UsageError> {
-    SourceUrl::parse(text).map_err(|e| UsageError(format!("--source: {e}")))
+    crate::source::parse_url(text).map_err(|e| UsageError(format!("--source: {e}")))
 }
 
 /// The app URL: `http://` only, because the app is on localhost and TLS

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 use bytes::Bytes;
-use courier::source::{Source, SourceUrl};
+use courier::source::Source;
 
 const SETTLE: Duration = Duration::from_secs(30);
 
@@ -704,7 +704,7 @@ async fn nats_right_credentials_in_the_url_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_queues_and_bad_stream_names_are_clear_errors() {
     use courier::source::{ErrorKind, SourceOptions, open};
-    let amqp = SourceUrl::parse(AMQP_URL).unwrap();
+    let amqp = courier::source::parse_url(AMQP_URL).unwrap();
     let err = open(&amqp, SourceOptions::new(&unique("missing")))
         .await
         .err()
@@ -712,7 +712,7 @@ async fn missing_queues_and_bad_stream_names_are_clear_errors() {
     assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
     assert!(err.to_string().contains("--create"), "{err}");
 
-    let nats = SourceUrl::parse(NATS_URL).unwrap();
+    let nats = courier::source::parse_url(NATS_URL).unwrap();
     let err = open(&nats, SourceOptions::new(&unique("missing")))
         .await
         .err()
@@ -816,7 +816,7 @@ async fn nats_long_delivery_is_kept_in_progress() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqps_never_falls_back_to_plain_text() {
     use courier::source::{ErrorKind, SourceOptions, open};
-    let url = SourceUrl::parse("amqps://guest:guest@localhost:5672/%2f").unwrap();
+    let url = courier::source::parse_url("amqps://guest:guest@localhost:5672/%2f").unwrap();
     let mut options = SourceOptions::new(&unique("tls"));
     options.create = true;
     let err = open(&url, options)

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use crate::common::*;
 use bytes::Bytes;
 use courier::policy::{Jitter, Policy};
-use courier::source::{DeadLetter, Source, SourceUrl};
+use courier::source::{DeadLetter, Source};
 use courier::telemetry::serve_http;
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Full};
@@ -315,7 +315,7 @@ async fn broker_restarted_twice_mid_flow_loses_nothing() {
     const MESSAGES: usize = 3000;
     let mut redis = PrivateRedis::start().await;
     let mut fixture = Fixture::redis();
-    fixture.url = SourceUrl::parse(&redis.url()).unwrap();
+    fixture.url = courier::source::parse_url(&redis.url()).unwrap();
     let app = ChaosApp::start(Mode {
         delay: Duration::from_millis(5),
         ..Mode::ok()

@@ -624,7 +624,7 @@ async fn finding_6_a_join_lost_during_a_stop_of_the_mock_is_made_again() {
         &args,
         &[
             ("COURIER_KAFKA_DEBUG", "cgrp"),
-            ("RUST_LOG", "info,courier::source::kafka=debug"),
+            ("RUST_LOG", "info,courier_kafka=debug"),
         ],
     );
     let metrics = replica.metrics_addr().await;

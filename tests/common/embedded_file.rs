@@ -8,7 +8,7 @@ use redb::ReadableTable;
 use super::Fixture;
 
 /// Stores `data` as the next message of the fixture's queue straight into
-/// the redb file, in the layout of `src/source/embedded/` (table
+/// the redb file, in the layout of `crates/embedded/src/` (table
 /// `ready/<queue>` keyed by `(due ms, seq)`, the sequence in table `meta`),
 /// the way a bug or a broken tool would. The file must not be open in this
 /// process. Returns its sequence number.

@@ -84,7 +84,7 @@ async fn redis(fixture: &Fixture) -> BTreeSet<String> {
 }
 
 /// The delay tiers courier declares for a RabbitMQ work queue
-/// (`src/source/amqp/tiers.rs`), as their queue names end.
+/// (`crates/amqp/src/tiers.rs`), as their queue names end.
 const AMQP_TIERS: [&str; 24] = [
     "10ms", "20ms", "50ms", "100ms", "200ms", "500ms", "1s", "2s", "4s", "8s", "15s", "30s", "1m",
     "2m", "4m", "8m", "15m", "30m", "1h", "2h", "4h", "8h", "12h", "24h",

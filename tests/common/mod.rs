@@ -345,7 +345,7 @@ impl Fixture {
     /// Redis at `url` (a private server), with the queue named `queue`;
     /// nothing is deleted afterwards (the private server goes with it).
     pub fn redis_at(url: &str, queue: &str) -> Self {
-        let url = SourceUrl::parse(url).unwrap();
+        let url = courier::source::parse_url(url).unwrap();
         Self {
             broker: BrokerKind::of_url(&url),
             url,
@@ -367,7 +367,7 @@ impl Fixture {
 
     /// A fresh queue on the broker at `url`, deleted when the test is done.
     pub fn broker(url: &str) -> Self {
-        let kind = BrokerKind::of_url(&SourceUrl::parse(url).unwrap());
+        let kind = BrokerKind::of_url(&courier::source::parse_url(url).unwrap());
         Self::with_cleanup(kind.name(), url, unique("test"))
     }
 
@@ -398,7 +398,7 @@ impl Fixture {
     /// `queue` on the broker at `url` (named `name` by courier), deleted
     /// when the last clone goes.
     fn with_cleanup(name: &str, url: &str, queue: String) -> Self {
-        let url = SourceUrl::parse(url).unwrap();
+        let url = courier::source::parse_url(url).unwrap();
         let broker = BrokerKind::of_url(&url);
         assert_eq!(broker.name(), name, "{} is not a {name} URL", url.as_str());
         Self {

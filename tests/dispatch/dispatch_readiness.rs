@@ -10,7 +10,6 @@
 use std::time::Duration;
 
 use crate::common::*;
-use courier::source::SourceUrl;
 use courier::telemetry::Readiness;
 
 const SETTLE: Duration = Duration::from_secs(30);
@@ -20,7 +19,7 @@ const SETTLE: Duration = Duration::from_secs(30);
 async fn delivering(readiness: Readiness) -> (PrivateRedis, Fixture, TestApp, Running) {
     let redis = PrivateRedis::start().await;
     let mut fixture = Fixture::redis();
-    fixture.url = SourceUrl::parse(&redis.url()).unwrap();
+    fixture.url = courier::source::parse_url(&redis.url()).unwrap();
     let app = TestApp::start().await;
     let mut config = run_config(&fixture, &app, fast_policy());
     config.endpoint.readiness = readiness;
@@ -125,7 +124,7 @@ async fn an_unreachable_broker_at_start_is_named_and_the_app_not_blamed() {
     let url = redis.url();
     redis.terminate().await;
     let mut fixture = Fixture::redis();
-    fixture.url = SourceUrl::parse(&url).unwrap();
+    fixture.url = courier::source::parse_url(&url).unwrap();
     let app = TestApp::start().await;
     let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
     wait_for("the first failed open", SETTLE, async || {

@@ -147,7 +147,7 @@ async fn drain_returns_after_the_deliveries_in_flight_are_acked_and_pulls_nothin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_before_the_start_answers_at_once() {
     let mut fixture = Fixture::redis();
-    fixture.url = courier::source::SourceUrl::parse("redis://127.0.0.1:1/0").unwrap();
+    fixture.url = courier::source::parse_url("redis://127.0.0.1:1/0").unwrap();
     let app = TestApp::start().await;
     let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
     let (status, body) = tokio::time::timeout(SETTLE, get(running.metrics_addr, "/drain"))

@@ -95,7 +95,7 @@ impl PrivateKafka {
     /// key, as `courier run --create` does, by opening courier's own source
     /// once: the producer needs the topic before courier's first start.
     pub(super) async fn create_topics(&self, queue: &str) -> anyhow::Result<()> {
-        let url = courier::source::SourceUrl::parse(&self.url()).map_err(anyhow::Error::msg)?;
+        let url = courier::source::parse_url(&self.url()).map_err(anyhow::Error::msg)?;
         let mut options = courier::source::SourceOptions::new(queue);
         options.group = GROUP.into();
         options.create = true;
@@ -180,7 +180,7 @@ fn dropped(bootstrap: &str, queue: &str) -> anyhow::Result<Vec<String>> {
 /// One partition's records the group has not settled: from its committed
 /// offset (the oldest kept when it committed none) to the high watermark,
 /// less the offsets the commit's metadata lists as settled out of order
-/// (courier's format, src/source/kafka/offsets.rs: `1;h=12:1;d=14-20,22`).
+/// (courier's format, crates/kafka/src/offsets.rs: `1;h=12:1;d=14-20,22`).
 struct Open {
     topic: String,
     partition: i32,

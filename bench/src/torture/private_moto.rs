@@ -100,7 +100,7 @@ impl PrivateMoto {
     /// Creates the work queue as `courier run --create` does (and the seal
     /// key's tag), by opening courier's own source once.
     pub(super) async fn create_queue(&self, queue: &str) -> anyhow::Result<()> {
-        let url = courier::source::SourceUrl::parse(&self.url()).map_err(anyhow::Error::msg)?;
+        let url = courier::source::parse_url(&self.url()).map_err(anyhow::Error::msg)?;
         let mut options = courier::source::SourceOptions::new(queue);
         options.create = true;
         let source = courier::source::open(&url, options).await?;

@@ -76,7 +76,7 @@ impl PrivateNats {
     /// --create` does, by opening courier's own source once: the producer
     /// needs the stream before courier's first start.
     pub(super) async fn create_stream(&self, queue: &str) -> anyhow::Result<()> {
-        let url = courier::source::SourceUrl::parse(&self.url()).map_err(anyhow::Error::msg)?;
+        let url = courier::source::parse_url(&self.url()).map_err(anyhow::Error::msg)?;
         let mut options = courier::source::SourceOptions::new(queue);
         options.create = true;
         let source = courier::source::open(&url, options).await?;

@@ -55,7 +55,7 @@ const MAX_ATTRIBUTES: usize = 100;
 /// The extra headers of the corpus's `headers-N` on Pub/Sub: with the
 /// id's, 100 attributes, the most a producer can send. courier's retry
 /// copies and dead letters of such a message carry its record beside them
-/// in an envelope (`src/source/pubsub/fields.rs`); before that they could
+/// in an envelope (`crates/pubsub/src/fields.rs`); before that they could
 /// not be stored, and the harness sent 80 (finding 5 of
 /// docs/reliability.md).
 const EXTRA_ATTRIBUTES: usize = 99;
@@ -116,7 +116,7 @@ impl PrivatePubSub {
     /// source once: the producer needs the topic, and Pub/Sub keeps a
     /// message only for the subscriptions there when it is published.
     pub(super) async fn create(&self, queue: &str) -> anyhow::Result<()> {
-        let url = courier::source::SourceUrl::parse(&self.url()).map_err(anyhow::Error::msg)?;
+        let url = courier::source::parse_url(&self.url()).map_err(anyhow::Error::msg)?;
         let mut options = courier::source::SourceOptions::new(queue);
         options.create = true;
         let source = courier::source::open(&url, options).await?;

@@ -31,7 +31,7 @@ pub(super) fn url() -> String {
 /// quorum queue) by opening courier's own source once: the producer needs
 /// it before courier's first start.
 pub(super) async fn create_queue(queue: &str) -> anyhow::Result<()> {
-    let source_url = courier::source::SourceUrl::parse(&url()).map_err(anyhow::Error::msg)?;
+    let source_url = courier::source::parse_url(&url()).map_err(anyhow::Error::msg)?;
     let mut options = courier::source::SourceOptions::new(queue);
     options.create = true;
     let source = courier::source::open(&source_url, options).await?;

@@ -1,0 +1,241 @@
+use super::*;
+use courier_core::source::SettleBy;
+
+fn open(dir: &Path) -> EmbeddedSource {
+    let mut options = SourceOptions::new("q");
+    options.live.visibility_timeout = Duration::from_secs(30);
+    EmbeddedSource::open(dir, options).unwrap()
+}
+
+/// Stores `data` as the next message, the way a broken writer would.
+fn store_raw(source: &EmbeddedSource, data: &[u8]) -> u64 {
+    let tx = source.file.db.begin_write().unwrap();
+    let seq = next_seq(&tx).unwrap();
+    tx.open_table(QueueTable::new(&source.tables.ready))
+        .unwrap()
+        .insert((now_ms(), seq), data)
+        .unwrap();
+    tx.commit().unwrap();
+    seq
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_record_is_handed_out_as_undeliverable() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    let raw = b"\xc1 not a record";
+    let seq = store_raw(&source, raw);
+    source.send(Bytes::from("good"), &[]).await.unwrap();
+    let got = source.receive(10).await.unwrap();
+    assert_eq!(got.len(), 2, "{got:?}");
+    let (bad, good) = (&got[0], &got[1]);
+    assert_eq!(bad.message.id, seq.to_string());
+    assert_eq!(bad.message.body.as_ref(), raw, "the raw bytes are the body");
+    assert!(
+        bad.problem.as_deref().unwrap().contains("cannot be read"),
+        "{:?}",
+        bad.problem
+    );
+    assert_eq!(good.message.body, Bytes::from("good"));
+    assert!(good.problem.is_none());
+    // Both are leased and settle like any delivery.
+    assert_eq!(source.depth().await.unwrap().pending, 2);
+    source.ack(bad).await.unwrap();
+    source.ack(good).await.unwrap();
+    assert_eq!(source.depth().await.unwrap().pending, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_reaches_a_waiting_receive_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(open(dir.path()));
+    let waiting = tokio::spawn({
+        let source = source.clone();
+        async move {
+            let got = source.receive(4).await.unwrap();
+            (got, Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sent = Instant::now();
+    source.send(Bytes::from("x"), &[]).await.unwrap();
+    let (got, at) = waiting.await.unwrap();
+    assert_eq!(got.len(), 1);
+    let took = at.saturating_duration_since(sent);
+    assert!(took < Duration::from_millis(150), "took {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_reaches_a_waiting_receive_when_due_and_not_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    source.send(Bytes::from("x"), &[]).await.unwrap();
+    let first = source.receive(1).await.unwrap().remove(0);
+    let delay = Duration::from_millis(300);
+    let scheduled = Instant::now();
+    source
+        .retry(&first, 2, SystemTime::now(), SystemTime::now() + delay)
+        .await
+        .unwrap();
+    let again = source.receive(1).await.unwrap();
+    let took = scheduled.elapsed();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].attempt, 2);
+    // Due times are whole milliseconds.
+    assert!(took + Duration::from_millis(2) >= delay, "early: {took:?}");
+    assert!(took < delay + Duration::from_millis(150), "late: {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sends_share_commits_and_get_their_own_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(open(dir.path()));
+    let sends: Vec<_> = (0..200)
+        .map(|i| {
+            let source = source.clone();
+            tokio::spawn(async move { source.send(Bytes::from(format!("{i}")), &[]).await })
+        })
+        .collect();
+    let mut ids = std::collections::HashSet::new();
+    for send in sends {
+        ids.insert(send.await.unwrap().unwrap());
+    }
+    assert_eq!(ids.len(), 200);
+    assert_eq!(source.depth().await.unwrap().ready, Some(200));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_runs_out_is_handed_out_again_as_the_next_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = SourceOptions::new("q");
+    options.live.visibility_timeout = Duration::from_millis(300);
+    let source = EmbeddedSource::open(dir.path(), options).unwrap();
+    source.send(Bytes::from("x"), &[]).await.unwrap();
+    let first = source.receive(1).await.unwrap().remove(0);
+    assert_eq!(first.attempt, 1);
+    let again = source.receive(1).await.unwrap();
+    assert_eq!(again.len(), 1, "handed out again within the wait");
+    assert_eq!(again[0].attempt, 2);
+    // The first delivery's lease is gone: settling it changes nothing.
+    source.ack(&first).await.unwrap();
+    assert_eq!(source.depth().await.unwrap().pending, 1);
+    source.ack(&again[0]).await.unwrap();
+    let depth = source.depth().await.unwrap();
+    assert_eq!((depth.ready, depth.pending), (Some(0), 0), "{depth:?}");
+}
+
+/// Hand-outs and acks live in memory for a moment; closing the last
+/// source on the file writes them, so a clean restart redelivers nothing
+/// that was acked and keeps what is still leased as leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_and_leases_outlive_a_clean_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    for i in 0..3 {
+        source.send(Bytes::from(format!("{i}")), &[]).await.unwrap();
+    }
+    let got = source.receive(3).await.unwrap();
+    source.ack(&got[0]).await.unwrap();
+    source.ack(&got[1]).await.unwrap();
+    drop(source);
+    let source = open(dir.path());
+    let depth = source.depth().await.unwrap();
+    assert_eq!((depth.ready, depth.pending), (Some(0), 1), "{depth:?}");
+}
+
+fn admin(dir: &Path) -> EmbeddedStore {
+    EmbeddedStore::open(dir, SourceOptions::new("q")).unwrap()
+}
+
+/// The tables of the file in `dir`, and whether it was marked open, read
+/// without writing to it.
+fn file_tables(dir: &Path) -> (Vec<String>, bool) {
+    let db = redb::ReadOnlyDatabase::open(dir.join("courier.redb")).unwrap();
+    let tx = db.begin_read().unwrap();
+    let mut tables: Vec<String> = tx
+        .list_tables()
+        .unwrap()
+        .map(|t| t.name().to_string())
+        .collect();
+    tables.sort();
+    let marked = tx.open_table(META).unwrap().get(OPEN).unwrap().is_some();
+    (tables, marked)
+}
+
+/// Issue 27: an admin handle on a directory without a queue makes nothing
+/// by reading, nor by a replay or purge that finds no letter; a send makes
+/// the file and the work table, and starts no writer (the file is never
+/// marked open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_handle_makes_nothing_but_its_message() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("queue");
+    let store = admin(&dir);
+    assert!(store.dead_letters("q.dlq", 10).await.unwrap().is_empty());
+    let letter = DeadLetter::from_fields("1".into(), Vec::new());
+    let err = store.replay("q.dlq", &letter).await.unwrap_err();
+    assert!(err.to_string().contains("is not in q.dlq"), "{err}");
+    assert!(store.purge("q.dlq", &letter).await.is_err());
+    assert!(!dir.exists(), "a read made the directory");
+    store.send(Bytes::from("x"), &[]).await.unwrap();
+    // With the file there, a lookup of a missing letter still makes no
+    // dead-letter table.
+    assert!(store.purge("q.dlq", &letter).await.is_err());
+    drop(store);
+    assert_eq!(
+        file_tables(&dir),
+        (vec!["meta".to_string(), "ready/q".to_string()], false)
+    );
+}
+
+/// In one process an admin handle and a consumer share the file: what the
+/// handle wrote alone, and what it writes through the consumer's writer
+/// once that runs, are both handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_handle_shares_the_file_with_a_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = admin(dir.path());
+    store.send(Bytes::from("before"), &[]).await.unwrap();
+    let source = open(dir.path());
+    store.send(Bytes::from("after"), &[]).await.unwrap();
+    let got = source.receive(10).await.unwrap();
+    let bodies: Vec<_> = got.iter().map(|d| d.message.body.clone()).collect();
+    assert_eq!(bodies, [Bytes::from("before"), Bytes::from("after")]);
+}
+
+/// Regression: a replay or purge of a letter that is not there fails as
+/// gone, and the writer aborted the whole batch on it, failing the sends
+/// that shared its transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_of_a_missing_letter_fails_only_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(open(dir.path()));
+    let missing = DeadLetter::from_fields("999999".into(), Vec::new());
+    let mut calls = Vec::new();
+    for i in 0..200 {
+        let (source, missing) = (source.clone(), missing.clone());
+        calls.push(tokio::spawn(async move {
+            match i % 10 {
+                0 => source
+                    .purge("q.dlq", &missing)
+                    .await
+                    .map(drop)
+                    .map_err(|e| (true, e)),
+                _ => source
+                    .send(Bytes::from(format!("{i}")), &[])
+                    .await
+                    .map(drop)
+                    .map_err(|e| (false, e)),
+            }
+        }));
+    }
+    let mut sent = 0;
+    for call in calls {
+        match call.await.unwrap() {
+            Ok(()) => sent += 1,
+            Err((true, e)) => assert_eq!(e.kind(), courier_core::source::ErrorKind::Gone, "{e}"),
+            Err((false, e)) => panic!("a send failed beside a purge: {e}"),
+        }
+    }
+    assert_eq!(sent, 180);
+}

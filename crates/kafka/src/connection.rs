@@ -1,0 +1,481 @@
+//! The clients (a consumer of the group, a producer, an inspector that
+//! never joins the group), their settings, the topics courier needs, the
+//! seal key, and reading a topic from end to end.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::client::ClientContext;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::consumer::{
+    BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
+};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{Offset, TopicPartitionList};
+
+use courier_core::source::redact::redact;
+use courier_core::source::shared::Seal;
+use courier_core::source::{SourceError, SourceOptions};
+
+/// How long one metadata, offset or watermark request may take.
+pub(super) const REQUEST: Duration = Duration::from_secs(10);
+
+/// The topic that holds courier's seal key of each work topic, keyed by
+/// the topic's name. Its records must outlive the copies they seal: where
+/// you create topics yourself, make it compacted rather than time-limited.
+const SEAL_TOPIC: &str = "courier-seal-keys";
+
+/// Checks a `kafka://host:port[,host:port]` URL at start.
+pub fn check_url(text: &str) -> Result<(), String> {
+    bootstrap_servers(text).map(drop)
+}
+
+/// The bootstrap servers of a `kafka://` URL, as librdkafka takes them.
+pub(super) fn bootstrap_servers(text: &str) -> Result<String, String> {
+    let refused = |why: &str| {
+        format!(
+            "{}: {why}; write it like kafka://host:9092 or kafka://h1:9092,h2:9092 (any reachable broker is enough)",
+            redact(text)
+        )
+    };
+    let Some(hosts) = text.strip_prefix("kafka://") else {
+        return Err(refused("not a kafka:// URL"));
+    };
+    let hosts = hosts.strip_suffix('/').unwrap_or(hosts);
+    if hosts.contains('@') {
+        return Err(refused(
+            "courier does not support SASL or TLS to Kafka yet, so a URL cannot carry credentials",
+        ));
+    }
+    if hosts.contains(['/', '?', '#']) {
+        return Err(refused("a Kafka URL has no path or query"));
+    }
+    let mut servers = Vec::new();
+    for server in hosts.split(',').map(str::trim) {
+        let Some((host, port)) = server.rsplit_once(':') else {
+            return Err(refused("every broker needs a port"));
+        };
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+            return Err(refused("every broker is host:port with a port number"));
+        }
+        servers.push(server.to_string());
+    }
+    Ok(servers.join(","))
+}
+
+/// Refuses a `--queue` that names no topic.
+pub(super) fn check_topic(topic: &str) -> Result<(), SourceError> {
+    if topic.is_empty() {
+        return Err(SourceError::invalid(
+            "--queue names the Kafka topic; it cannot be empty",
+        ));
+    }
+    Ok(())
+}
+
+/// The work topic is not there, and courier was not asked to create it.
+pub(super) fn missing_topic(topic: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "the Kafka topic {topic:?} does not exist; create it (kafka-topics --create --topic {topic}), or start courier run with --create"
+    ))
+}
+
+pub(super) fn unavailable(e: impl std::fmt::Display) -> SourceError {
+    SourceError::unavailable(format!("Kafka: {e}"))
+}
+
+/// librdkafka's log, into courier's: its errors (a broker it cannot reach)
+/// as warnings, the rest at debug level.
+fn log(level: RDKafkaLogLevel, facility: &str, message: &str) {
+    match level {
+        RDKafkaLogLevel::Emerg
+        | RDKafkaLogLevel::Alert
+        | RDKafkaLogLevel::Critical
+        | RDKafkaLogLevel::Error => {
+            tracing::warn!(facility, "librdkafka: {message}")
+        }
+        _ => tracing::debug!(facility, "librdkafka: {message}"),
+    }
+}
+
+/// The context of every client: librdkafka's log into courier's.
+#[derive(Clone, Default)]
+pub(super) struct Quiet;
+
+impl ClientContext for Quiet {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        log(level, facility, message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(%error, "librdkafka: {reason}");
+    }
+}
+
+impl ConsumerContext for Quiet {}
+
+/// The group consumer's context: on a rebalance that takes partitions
+/// away it lets their deliveries in flight finish, commits, and forgets
+/// them (`rebalance`).
+#[derive(Default)]
+pub(super) struct Group {
+    pub(super) shared: std::sync::OnceLock<super::rebalance::Shared>,
+}
+
+impl ClientContext for Group {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        log(level, facility, message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(%error, "librdkafka: {reason}");
+    }
+}
+
+impl ConsumerContext for Group {
+    /// librdkafka's rebalance callback, in place of rdkafka's, which gives
+    /// revoked partitions up as soon as `pre_rebalance` returns: a revoke
+    /// gives them up once their deliveries in flight settled
+    /// (`rebalance.rs`).
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        partitions: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let done = match (err, self.shared.get()) {
+            (RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS, _) if cooperative => {
+                consumer.incremental_assign(partitions)
+            }
+            (RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS, _) => {
+                consumer.assign(partitions)
+            }
+            (RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS, Some(shared)) => {
+                shared.revoke(consumer, partitions);
+                Ok(())
+            }
+            (err, _) => {
+                if err != RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS {
+                    tracing::warn!(error = ?err, "a Kafka rebalance failed; the partitions are given up and assigned again");
+                }
+                if cooperative {
+                    consumer.incremental_unassign(partitions)
+                } else {
+                    consumer.unassign()
+                }
+            }
+        };
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "a Kafka rebalance could not be applied");
+        }
+    }
+}
+
+pub(super) type GroupConsumer = StreamConsumer<Group>;
+pub(super) type Inspector = BaseConsumer<Quiet>;
+pub(super) type Producer = FutureProducer<Quiet>;
+
+/// The consumer group courier's `--group` names on a topic: a Kafka group
+/// is cluster-wide, courier's names the readers of one queue (as a Redis
+/// group or a JetStream consumer does), so the topic is part of the name
+/// (docs/design.md).
+pub(super) fn group_id(group: &str, topic: &str) -> String {
+    format!("{group}.{topic}")
+}
+
+fn base_config(bootstrap: &str, client_id: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", bootstrap)
+        .set("client.id", client_id)
+        .set("log_level", "4");
+    // librdkafka's own debug contexts (`cgrp`, `consumer`, `all`, ...) for
+    // finding out what the group does. They come through courier's log at
+    // debug level (RUST_LOG=courier_kafka=debug); rdkafka would
+    // otherwise hold librdkafka's level at what the `log` filter lets
+    // through for the target `librdkafka`, which is not debug.
+    if let Ok(debug) = std::env::var("COURIER_KAFKA_DEBUG") {
+        config
+            .set("debug", debug)
+            .set("log_level", "7")
+            .set_log_level(RDKafkaLogLevel::Debug);
+    }
+    config
+}
+
+/// How long the group waits for a replica's heartbeat before it gives
+/// the replica's partitions to another: Kafka's long-time default. Not the
+/// visibility timeout: a Kafka group rebalances as a whole, and the group
+/// coordinator also waits about this long for members to rejoin.
+pub(super) const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The consumer of the group: nothing committed without courier (no
+/// auto-commit, no offset store), earliest offsets for a new group.
+pub(super) fn consumer(
+    bootstrap: &str,
+    options: &SourceOptions,
+) -> Result<GroupConsumer, SourceError> {
+    base_config(bootstrap, &options.consumer)
+        .set("group.id", group_id(&options.group, &options.queue))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set(
+            "session.timeout.ms",
+            SESSION_TIMEOUT.as_millis().to_string(),
+        )
+        .set("heartbeat.interval.ms", "3000")
+        // The dispatcher reads only when a slot is free; a slow app must
+        // not make librdkafka leave the group.
+        .set("max.poll.interval.ms", "3600000")
+        .set("fetch.wait.max.ms", "100")
+        .set("allow.auto.create.topics", "false")
+        .create_with_context(Group::default())
+        .map_err(unavailable)
+}
+
+/// A consumer that reads offsets, watermarks and whole topics but never
+/// joins the group, so depth and dead-letter browsing cause no rebalance.
+pub(super) fn inspector(
+    bootstrap: &str,
+    options: &SourceOptions,
+) -> Result<Inspector, SourceError> {
+    base_config(bootstrap, &format!("{}-inspector", options.consumer))
+        .set("group.id", group_id(&options.group, &options.queue))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("allow.auto.create.topics", "false")
+        .set("fetch.wait.max.ms", "100")
+        .create_with_context(Quiet)
+        .map_err(unavailable)
+}
+
+/// The largest record librdkafka itself lets through (its maximum for
+/// `message.max.bytes`), so that the limit is the cluster's: a topic that
+/// takes records over librdkafka's default of 1,000,000 bytes takes their
+/// retry copies and dead letters too, and what a topic refuses comes back
+/// as the broker's `MESSAGE_TOO_LARGE`.
+const PRODUCER_MAX_BYTES: &str = "1000000000";
+
+/// The producer of retries, dead letters, replays and `send`: idempotent
+/// (a retried produce is not stored twice), every write confirmed by all
+/// in-sync replicas, and given up after 10 s so that a settlement that
+/// cannot be written fails rather than hangs. It may create courier's own
+/// topics on first use, where the brokers allow that.
+pub(super) fn producer(bootstrap: &str, options: &SourceOptions) -> Result<Producer, SourceError> {
+    base_config(bootstrap, &format!("{}-producer", options.consumer))
+        .set("message.max.bytes", PRODUCER_MAX_BYTES)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("message.timeout.ms", "10000")
+        .set("linger.ms", "1")
+        .set("allow.auto.create.topics", "true")
+        .create_with_context(Quiet)
+        .map_err(unavailable)
+}
+
+/// Runs a blocking librdkafka call off the async threads.
+pub(super) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, SourceError> + Send + 'static,
+) -> Result<T, SourceError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| SourceError::broker(format!("a Kafka request did not finish: {e}")))?
+}
+
+/// The partitions of `topic`, or `None` when the cluster has no such topic.
+pub(super) fn partitions(
+    inspector: &Inspector,
+    topic: &str,
+) -> Result<Option<Vec<i32>>, SourceError> {
+    let metadata = inspector
+        .fetch_metadata(Some(topic), REQUEST)
+        .map_err(unavailable)?;
+    let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Ok(None);
+    };
+    match found.error() {
+        None => Ok(Some(found.partitions().iter().map(|p| p.id()).collect())),
+        Some(e) if RDKafkaErrorCode::from(e) == RDKafkaErrorCode::UnknownTopicOrPartition => {
+            Ok(None)
+        }
+        Some(e) => Err(unavailable(format!(
+            "topic {topic:?}: {}",
+            RDKafkaErrorCode::from(e)
+        ))),
+    }
+}
+
+/// Makes sure `topic` exists, creating it through the producer's metadata
+/// request where the cluster creates topics on first use (the mock cluster
+/// does; a Kafka broker does with `auto.create.topics.enable`).
+pub(super) fn ensure_topic(
+    producer: &Producer,
+    inspector: &Inspector,
+    topic: &str,
+) -> Result<Vec<i32>, SourceError> {
+    if let Some(found) = partitions(inspector, topic)? {
+        return Ok(found);
+    }
+    let _ = producer.client().fetch_metadata(Some(topic), REQUEST);
+    for _ in 0..50 {
+        if let Some(found) = partitions(inspector, topic)?.filter(|p| !p.is_empty()) {
+            return Ok(found);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(SourceError::invalid(format!(
+        "topic {topic:?} does not exist and the cluster did not create it; create it (kafka-topics --create --topic {topic}) or allow auto.create.topics.enable"
+    )))
+}
+
+/// One reader of whole topics at a time: an inspector's assignment is
+/// the read.
+pub(super) static READING: Mutex<()> = Mutex::new(());
+
+/// Every record of `topic`, partition by partition, from the oldest kept
+/// to the end as it was when the read began.
+pub(super) fn read_topic(
+    inspector: &Inspector,
+    topic: &str,
+) -> Result<Vec<OwnedMessage>, SourceError> {
+    let Some(partitions) = partitions(inspector, topic)? else {
+        return Ok(Vec::new());
+    };
+    let mut wanted = TopicPartitionList::new();
+    let mut ends = Vec::new();
+    for p in partitions {
+        let (low, high) = inspector
+            .fetch_watermarks(topic, p, REQUEST)
+            .map_err(unavailable)?;
+        if high > low {
+            wanted
+                .add_partition_offset(topic, p, Offset::Offset(low))
+                .map_err(unavailable)?;
+            ends.push((p, high));
+        }
+    }
+    if ends.is_empty() {
+        return Ok(Vec::new());
+    }
+    let _reading = READING.lock().unwrap_or_else(|e| e.into_inner());
+    inspector.assign(&wanted).map_err(unavailable)?;
+    let mut out = Vec::new();
+    let deadline = std::time::Instant::now() + REQUEST;
+    while !ends.is_empty() {
+        if std::time::Instant::now() > deadline {
+            let _ = inspector.unassign();
+            return Err(unavailable(format!(
+                "reading {topic:?} took over {REQUEST:?}"
+            )));
+        }
+        let Some(got) = inspector.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        match got {
+            Ok(message) => {
+                let (p, offset) = (message.partition(), message.offset());
+                if let Some(at) = ends.iter().position(|(q, _)| *q == p) {
+                    out.push(message.detach());
+                    if offset + 1 >= ends[at].1 {
+                        ends.swap_remove(at);
+                    }
+                }
+            }
+            Err(KafkaError::PartitionEOF(p)) => ends.retain(|(q, _)| *q != p),
+            Err(e) => {
+                let _ = inspector.unassign();
+                return Err(unavailable(e));
+            }
+        }
+    }
+    let _ = inspector.unassign();
+    Ok(out)
+}
+
+/// The seal key of `topic`: the first one recorded in [`SEAL_TOPIC`] under
+/// its name, recorded now when there is none. Every replica records then
+/// reads, and a key's records all go to one partition, so concurrent
+/// starts agree on the first.
+pub(super) async fn seal_of(
+    producer: &Producer,
+    inspector: &Arc<Inspector>,
+    topic: &str,
+) -> Result<Seal, SourceError> {
+    let read = |inspector: Arc<Inspector>, topic: String| async move {
+        blocking(move || {
+            let records = read_topic(&inspector, SEAL_TOPIC)?;
+            Ok(records
+                .into_iter()
+                .filter(|r| r.key() == Some(topic.as_bytes()))
+                .min_by_key(|r| r.offset())
+                .and_then(|r| r.payload().map(<[u8]>::to_vec)))
+        })
+        .await
+    };
+    if let Some(secret) = read(inspector.clone(), topic.to_string()).await? {
+        return Seal::new(&secret).map_err(SourceError::broker);
+    }
+    let secret = Seal::new_secret();
+    producer
+        .send(
+            FutureRecord::to(SEAL_TOPIC).key(topic).payload(&secret),
+            REQUEST,
+        )
+        .await
+        .map_err(|(e, _)| {
+            SourceError::broker(format!(
+                "cannot record the seal key in the topic {SEAL_TOPIC:?} ({e}); let courier write to it, or create it"
+            ))
+        })?;
+    let secret = read(inspector.clone(), topic.to_string())
+        .await?
+        .ok_or_else(|| {
+            SourceError::broker(format!(
+                "the seal key recorded in {SEAL_TOPIC:?} cannot be read back"
+            ))
+        })?;
+    Seal::new(&secret).map_err(SourceError::broker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_rows() {
+        assert_eq!(
+            bootstrap_servers("kafka://127.0.0.1:9092"),
+            Ok("127.0.0.1:9092".into())
+        );
+        assert_eq!(bootstrap_servers("kafka://a:1, b:2/"), Ok("a:1,b:2".into()));
+        for bad in [
+            "kafka://",
+            "kafka://host",
+            "kafka://host:0",
+            "kafka://host:x",
+            "kafka://a:1,",
+            "kafka://a:1/topic",
+            "kafka://user:pw@a:1",
+            "kafka://a:1?x=1",
+            "redis://a:1",
+        ] {
+            let err = bootstrap_servers(bad).unwrap_err();
+            assert!(err.contains("kafka://host:9092"), "{bad}: {err}");
+        }
+        let err = bootstrap_servers("kafka://user:hunter2@a:1").unwrap_err();
+        assert!(!err.contains("hunter2") && err.contains("SASL"), "{err}");
+    }
+
+    #[test]
+    fn a_group_is_named_per_topic() {
+        assert_eq!(group_id("courier", "orders"), "courier.orders");
+    }
+}

@@ -1,0 +1,356 @@
+//! Kafka (`kafka://host:port[,host:port]`, rdkafka on librdkafka).
+//!
+//! - `--queue` names the topic, which must exist (with `--create`, courier
+//!   has the cluster create it on first use). `--group` names the readers:
+//!   the Kafka consumer group is `<group>.<topic>` (a Kafka group is
+//!   cluster-wide; sharing one over several topics would rebalance every
+//!   sidecar when any one starts). The group reads the topic and
+//!   `<topic>.retry`. Nothing is committed by librdkafka itself.
+//! - Deliveries of one partition run concurrently and settle in any order.
+//!   The group commits, per partition, the lowest offset not yet settled,
+//!   with metadata that records each unsettled offset's hand-outs (Kafka
+//!   has no delivery counter) and the offsets settled above it
+//!   (`offsets`). Hand-outs are committed before the deliveries are
+//!   returned, so a message that crashes courier is counted, and one
+//!   handed out more than `max_deliveries` times is marked undeliverable;
+//!   a restart skips what was settled out of order. A crash therefore
+//!   redelivers only what was unsettled.
+//! - A retry is a copy produced to `<topic>.retry` with `courier-retry-at`
+//!   and `courier-attempt` (sealed), awaited, and only then is the
+//!   original's settlement committed. A retry copy that is not yet due is
+//!   held in memory and its partition paused until it is, so it holds no
+//!   delivery slot; a restart reads it again from the retry topic. Copies
+//!   behind it in the same partition wait for it (a partition is a queue).
+//!   A retry that uses no attempt (app unreachable, a read-ahead given
+//!   back) stays in the work topic uncommitted, its hand-out uncounted,
+//!   and is handed out again in-process when due.
+//! - A dead letter is produced to `<topic>.dlq` (or the policy's queue)
+//!   with the `courier-*` headers, awaited, then the settlement committed.
+//!   A write that fails leaves the message unsettled; it is handed out
+//!   again after [`AFTER_FAILED_SETTLE`].
+//! - With `--ordering key`, a record whose key has a message handed out or
+//!   retrying waits, in offset order, until that one is acked or
+//!   dead-lettered; a retry copy carries the key and keeps it held.
+//! - Dead letters are browsed by reading the dead-letter topic; Kafka
+//!   cannot delete one record, so replay and purge record the letter's id
+//!   in `<dlq>.removed`, and browsing leaves out what is recorded there.
+//!   `courier dlq` and `courier send` open the dead-letter store alone
+//!   (`KafkaStore`): a producer and the inspector, no group, nothing
+//!   created.
+//! - A replica that holds no partition for longer than the session
+//!   timeout plus the visibility timeout, while records wait and the
+//!   group commits nothing, says so (a warning, `/readyz` not ready) and
+//!   joins the group again with a new consumer (`stall`).
+//! - Depth: per partition, the high watermark minus the committed offset,
+//!   less what the commit's metadata says is handed out or settled; the
+//!   oldest waiting message's age from the timestamp of the first waiting
+//!   record.
+//!
+//! Files: `connection` (URL, clients, topics, the seal key, reading a
+//! topic), `offsets` (the per-partition ledger and its metadata), `read`
+//! (receiving, holding retries until due), `settle` (ack, retry, dead
+//! letter, commits, produce), `dead_letters` (the dead-letter store:
+//! browse, replay, purge, send), `depth`, `fields`, `rebalance` (giving
+//! partitions up), `stall` (a replica left without partitions).
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+mod connection;
+mod dead_letters;
+mod depth;
+mod fields;
+mod offsets;
+mod read;
+mod rebalance;
+mod settle;
+mod stall;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use rdkafka::message::OwnedMessage;
+
+use connection::{GroupConsumer, Inspector, Producer};
+use courier_core::model::Delivery;
+use courier_core::source::shared::Seal;
+use courier_core::source::{
+    Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, Settlement,
+    Source, SourceError, SourceOptions, WithStore, settle_by_parts,
+};
+use dead_letters::KafkaStore;
+use offsets::Ledger;
+use rdkafka::consumer::Consumer as _;
+
+pub use connection::check_url;
+
+/// How long a message whose retry copy or dead letter could not be written
+/// waits before it is handed out again: not at once, since the write that
+/// failed is likely to fail again, and not never, since Kafka would not
+/// hand it out again before a restart.
+const AFTER_FAILED_SETTLE: Duration = Duration::from_secs(5);
+
+/// Kafka: `kafka://host:port[,host:port]`.
+pub const BROKER: Broker = Broker {
+    name: "kafka",
+    messaging_system: "kafka",
+    schemes: &["kafka"],
+    tls_schemes: &[],
+    url_form: "kafka://host:port[,host:port]",
+    check_url,
+    open: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(KafkaSource::connect(url.as_str(), options).await?) as Arc<dyn Source>)
+        })
+    },
+    admin: |url, options| {
+        Box::pin(async move {
+            Ok(Arc::new(KafkaStore::open(url.as_str(), options).await?)
+                as Arc<dyn DeadLetterStore>)
+        })
+    },
+};
+
+/// A topic and partition.
+type Partition = (String, i32);
+
+/// A delivery handed out and not settled.
+#[derive(Debug, Clone)]
+struct Out {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+}
+
+/// What the reader keeps between reads.
+#[derive(Default)]
+struct Reading {
+    /// The ledger of each partition read since it was assigned.
+    ledgers: HashMap<Partition, Ledger>,
+    /// Retry copies read before they are due, per retry partition, in
+    /// offset order; the partition is paused while any wait.
+    held: HashMap<i32, VecDeque<(SystemTime, OwnedMessage)>>,
+    /// Deliveries whose settlement could not be written, due again.
+    again: VecDeque<(SystemTime, Delivery, Out)>,
+    /// With `--ordering key`: the keys with a message handed out or
+    /// retrying, each with the later records of that key read meanwhile,
+    /// in offset order.
+    keys: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
+    /// Records whose key came free, to hand out next.
+    unblocked: VecDeque<OwnedMessage>,
+    /// Receipts handed out and not settled.
+    out: HashMap<String, Out>,
+    /// Commits sent and not answered: a rebalance waits for them, or one
+    /// answered after its own would move the group's offsets back.
+    committing: usize,
+    subscribed: bool,
+    /// The work topic's partitions are paused: its ledgers reached
+    /// `max_unsettled` offsets ([`KafkaSource::bound_reads`]).
+    paused_at_bound: bool,
+    /// Bumped on every ledger change; what a commit has carried.
+    version: u64,
+    /// Partitions being taken away while their deliveries in flight
+    /// finish (`rebalance.rs`): nothing more of them is handed out.
+    revoking: HashSet<Partition>,
+}
+
+pub struct KafkaSource {
+    /// The group's consumer; replaced by a new one when this one holds no
+    /// partition while the group stalls (`stall.rs`).
+    consumer: Mutex<Arc<GroupConsumer>>,
+    bootstrap: String,
+    /// What `stall.rs` watches of the assignment.
+    watch: Mutex<stall::Watch>,
+    producer: Producer,
+    inspector: Arc<Inspector>,
+    options: SourceOptions,
+    retry_topic: String,
+    reading: Arc<Mutex<Reading>>,
+    /// Tells a rebalance during the stop not to wait for deliveries.
+    closing: Arc<AtomicBool>,
+    /// One commit at a time, in order; holds the version it committed.
+    committed: tokio::sync::Mutex<u64>,
+    live: Mutex<LiveSettings>,
+    seal: Arc<Seal>,
+    /// The dead letters and sends, on the same producer and inspector.
+    store: KafkaStore,
+}
+
+#[async_trait]
+impl Consumer for KafkaSource {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            per_message_delay: true,
+            out_of_order_acks: true,
+            dead_letter_browsing: true,
+            dedup: false,
+            byte_bounded_reads: false,
+            dead_letter_age: false,
+            key_ordering: true,
+        }
+    }
+
+    async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        self.read_batch(max).await
+    }
+
+    async fn settle(
+        &self,
+        delivery: &Delivery,
+        settlement: Settlement<'_>,
+    ) -> Result<(), SourceError> {
+        settle_by_parts(self, delivery, settlement).await
+    }
+
+    /// Commits what is settled (never past what is not) and waits for the
+    /// producer's queue; leaving the group happens when the source is
+    /// dropped, after the drain is reported.
+    async fn close(&self) {
+        self.closing.store(true, AtomicOrdering::SeqCst);
+        if let Err(e) = self.commit().await {
+            tracing::warn!(error = %e, "the last offset commit failed; what it covered is delivered again");
+        }
+        let producer = self.producer.clone();
+        let _ = connection::blocking(move || {
+            use rdkafka::producer::Producer as _;
+            producer
+                .flush(connection::REQUEST)
+                .map_err(connection::unavailable)
+        })
+        .await;
+    }
+}
+
+#[async_trait]
+impl Observed for KafkaSource {
+    async fn depth(&self) -> Result<Depth, SourceError> {
+        self.read_depth().await
+    }
+
+    fn check(&self, settings: &LiveSettings) -> Result<(), String> {
+        dead_letters::check_dead_letter_topic(&settings.dead_letter_queue, &self.options.queue)
+    }
+
+    fn apply(&self, settings: &LiveSettings) {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) = settings.clone();
+    }
+
+    /// False while this replica holds no partition and the group it waits
+    /// for consumes nothing (`stall.rs`).
+    fn connected(&self) -> bool {
+        !self.stalled()
+    }
+}
+
+impl WithStore for KafkaSource {
+    fn store(&self) -> &dyn DeadLetterStore {
+        &self.store
+    }
+}
+
+impl Drop for KafkaSource {
+    /// Leaving the group revokes every partition: nothing waits then.
+    fn drop(&mut self) {
+        self.closing.store(true, AtomicOrdering::SeqCst);
+    }
+}
+
+impl KafkaSource {
+    fn live(&self) -> LiveSettings {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
+        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn consumer(&self) -> Arc<GroupConsumer> {
+        self.consumer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// A consumer of the group whose rebalances share this source's
+    /// reading state.
+    fn join(&self) -> Result<Arc<GroupConsumer>, SourceError> {
+        group_consumer(
+            &self.bootstrap,
+            &self.options,
+            &self.reading,
+            &self.closing,
+            &self.retry_topic,
+        )
+    }
+
+    pub(crate) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
+        connection::check_topic(&options.queue)?;
+        let producer = connection::producer(&bootstrap, &options)?;
+        let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
+        let retry_topic = fields::retry_topic(&options.queue);
+        {
+            let (producer, inspector) = (producer.clone(), inspector.clone());
+            let (topic, retry, create) =
+                (options.queue.clone(), retry_topic.clone(), options.create);
+            connection::blocking(move || {
+                if create {
+                    connection::ensure_topic(&producer, &inspector, &topic)?;
+                } else if connection::partitions(&inspector, &topic)?.is_none() {
+                    return Err(connection::missing_topic(&topic));
+                }
+                connection::ensure_topic(&producer, &inspector, &retry).map(drop)
+            })
+            .await?;
+        }
+        let seal = match &options.seal {
+            Some(seal) => seal.clone(),
+            None => Arc::new(connection::seal_of(&producer, &inspector, &options.queue).await?),
+        };
+        let reading: Arc<Mutex<Reading>> = Arc::default();
+        let closing = Arc::new(AtomicBool::new(false));
+        let consumer = group_consumer(&bootstrap, &options, &reading, &closing, &retry_topic)?;
+        Ok(Self {
+            store: KafkaStore::new(
+                &options.queue,
+                producer.clone(),
+                inspector.clone(),
+                seal.clone(),
+            ),
+            consumer: Mutex::new(consumer),
+            bootstrap,
+            watch: Mutex::default(),
+            producer,
+            inspector,
+            live: Mutex::new(options.live.clone()),
+            options,
+            retry_topic,
+            reading,
+            closing,
+            committed: tokio::sync::Mutex::new(0),
+            seal,
+        })
+    }
+}
+
+/// A consumer of the group whose rebalance callbacks share `reading`.
+fn group_consumer(
+    bootstrap: &str,
+    options: &SourceOptions,
+    reading: &Arc<Mutex<Reading>>,
+    closing: &Arc<AtomicBool>,
+    retry_topic: &str,
+) -> Result<Arc<GroupConsumer>, SourceError> {
+    let consumer = Arc::new(connection::consumer(bootstrap, options)?);
+    let _ = consumer.context().shared.set(rebalance::Shared {
+        reading: reading.clone(),
+        retry_topic: retry_topic.to_string(),
+        bound: options.live.visibility_timeout,
+        closing: closing.clone(),
+        consumer: Arc::downgrade(&consumer),
+    });
+    Ok(consumer)
+}

@@ -1,0 +1,233 @@
+//! Reads: unary pulls from the retry and the work subscription, a lease at
+//! receipt, and admitting a message (its attempt, a poison pill, a copy
+//! not yet due).
+//!
+//! The attempt of a copy is deterministic because a copy is held at most
+//! once: `courier-attempt` + max(0, `delivery_attempt` − 1 − held), where
+//! held is 1 when the copy's due time is later than its publish time
+//! (courier's reader receives it at once and holds it), else 0.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::ReceivedMessage;
+
+use super::connection::{MAX_HOLD_SECS, MIN_LEASE_SECS};
+use super::fields::{from_message, publish_time};
+use super::{PubSubSource, Sub, lock};
+use courier_core::model::{Delivery, F_ATTEMPT, F_FIRST_ATTEMPT_AT, parse_time, rfc3339};
+use courier_core::source::SourceError;
+use courier_core::source::shared::{F_RETRY_AT, RECEIVE_WAIT, field, replace};
+
+/// How often an empty queue is asked again within one receive.
+const POLL: Duration = Duration::from_millis(50);
+
+/// What one pulled message becomes.
+enum Admitted {
+    Deliver(Delivery),
+    /// A copy not yet due, received for the first time: leased until due.
+    Hold {
+        ack_id: String,
+        secs: u64,
+    },
+    /// A copy not yet due that was held once already (or cannot be held as
+    /// long as it must wait): published afresh with the same due time and
+    /// the attempts it has used, the old one acked.
+    Renew {
+        ack_id: String,
+        fields: Vec<(Bytes, Bytes)>,
+    },
+}
+
+/// Whole seconds, rounded up: never early.
+pub(super) fn ceil_secs(d: Duration) -> u64 {
+    d.as_millis().div_ceil(1000) as u64
+}
+
+/// The attempts a copy's deliveries used beyond its record: each delivery
+/// Pub/Sub counted (`delivery_attempt`) but the first, less its one hold.
+/// 0 when Pub/Sub does not count (no dead-letter policy).
+pub(super) fn uncounted_deliveries(delivery_attempt: i32, held: bool) -> u32 {
+    let extra = i64::from(delivery_attempt) - 1 - i64::from(held);
+    extra.max(0) as u32
+}
+
+/// Whether a copy not yet due is held (for its remaining time, at most
+/// Pub/Sub's longest lease) rather than renewed: only when it has not been
+/// held yet, which is its first delivery when it was due later than its
+/// publish. Without Pub/Sub's count every delivery holds.
+pub(super) fn holds(delivery_attempt: i32, held: bool) -> bool {
+    delivery_attempt <= 0 || (delivery_attempt == 1 && held)
+}
+
+impl PubSubSource {
+    /// The lease of a message with the app, in whole seconds (10 to 600).
+    pub(super) fn lease_secs(&self) -> u64 {
+        ceil_secs(self.live().visibility_timeout).clamp(MIN_LEASE_SECS, MAX_HOLD_SECS)
+    }
+
+    pub(super) async fn read(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        let max = max.max(1);
+        let deadline = tokio::time::Instant::now() + RECEIVE_WAIT;
+        loop {
+            let mut out = Vec::new();
+            // Copies first: they were due before anything new. Each pull is
+            // sized to what is still free, so nothing is pulled that would
+            // have to be given back (a give-back of a copy is a delivery
+            // Pub/Sub counts).
+            let copies = self.client.pull(&self.names.retry, max).await?;
+            self.admit_all(Sub::Retry, copies, &mut out).await;
+            if out.len() < max {
+                let work = self.client.pull(&self.names.work, max - out.len()).await?;
+                self.admit_all(Sub::Work, work, &mut out).await;
+            }
+            if !out.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok(out);
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Leases what was pulled for the visibility timeout, then admits it.
+    async fn admit_all(&self, from: Sub, pulled: Vec<ReceivedMessage>, out: &mut Vec<Delivery>) {
+        if pulled.is_empty() {
+            return;
+        }
+        let subscription = match from {
+            Sub::Work => self.names.work.clone(),
+            Sub::Retry => self.names.retry.clone(),
+        };
+        let max_deliveries = self.live().max_deliveries;
+        let mut lease = Vec::new();
+        for received in pulled {
+            match self.admit(from, received, max_deliveries) {
+                Admitted::Deliver(delivery) => {
+                    lease.push(delivery.receipt.clone());
+                    lock(&self.in_flight).insert(delivery.receipt.clone(), from);
+                    out.push(delivery);
+                }
+                Admitted::Hold { ack_id, secs } => {
+                    if let Err(e) = self
+                        .client
+                        .modify_deadline(&subscription, vec![ack_id], secs)
+                        .await
+                    {
+                        tracing::warn!(error = %e, "a retry copy not yet due could not be held; it is received again after its lease");
+                    }
+                }
+                Admitted::Renew { ack_id, fields } => self.renew(&ack_id, fields).await,
+            }
+        }
+        // A pull leases for the subscription's ack deadline, which may be far
+        // from the visibility timeout courier's policy needs.
+        if let Err(e) = self
+            .client
+            .modify_deadline(&subscription, lease, self.lease_secs())
+            .await
+        {
+            tracing::debug!(error = %e, "the lease at receipt failed; the subscription's ack deadline holds");
+        }
+    }
+
+    /// Turns a pulled message into a delivery (or, delivered too often, one
+    /// to dead-letter without offering it), a hold, or a renewal.
+    fn admit(&self, from: Sub, received: ReceivedMessage, max_deliveries: u32) -> Admitted {
+        let message = received.message.unwrap_or_default();
+        let published = publish_time(&message).unwrap_or_else(SystemTime::now);
+        let delivery_attempt = received.delivery_attempt;
+        let fields = self.seal.open(from_message(&message));
+        let due = match from {
+            Sub::Retry => field(&fields, F_RETRY_AT).and_then(|t| parse_time(t.as_bytes())),
+            Sub::Work => None,
+        };
+        // Courier's reader receives a copy due later than its publish at
+        // once and holds it: one delivery that is not an attempt.
+        let held = due.is_some_and(|at| at > published);
+        let extra = uncounted_deliveries(delivery_attempt, held);
+        let now = SystemTime::now();
+        if let Some(at) = due.filter(|at| *at > now) {
+            let remaining = ceil_secs(at.duration_since(now).unwrap_or_default());
+            if holds(delivery_attempt, held) {
+                return Admitted::Hold {
+                    ack_id: received.ack_id,
+                    secs: remaining.min(MAX_HOLD_SECS),
+                };
+            }
+            let attempt = field(&fields, F_ATTEMPT)
+                .and_then(|a| a.parse::<u32>().ok())
+                .unwrap_or(1)
+                .saturating_add(extra);
+            return Admitted::Renew {
+                ack_id: received.ack_id,
+                fields: replace(fields, F_ATTEMPT, attempt.to_string()),
+            };
+        }
+        let mut fields = fields;
+        if field(&fields, F_FIRST_ATTEMPT_AT).is_none() && extra > 0 {
+            // Offered before, by a replica that did not settle it: the
+            // publish is the closest bound known.
+            fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(published))));
+        }
+        let mut delivery =
+            Delivery::from_fields(&message.message_id, fields, extra, received.ack_id);
+        // A poison pill: every delivery of it (but a copy's hold) ended
+        // without a settlement. Pub/Sub's own counter says so.
+        let handed_out = (delivery_attempt.max(0) as u32).saturating_sub(u32::from(held));
+        if handed_out > max_deliveries {
+            delivery.problem = Some(format!(
+                "delivered {handed_out} times without being settled (the limit is {max_deliveries}, maxAttempts + 2)"
+            ));
+        }
+        Admitted::Deliver(delivery)
+    }
+
+    /// Publishes a copy afresh (same due time) and acks the old one: it
+    /// came back still not due after its one hold.
+    async fn renew(&self, ack_id: &str, fields: Vec<(Bytes, Bytes)>) {
+        let fields = self.seal.seal(fields);
+        match self.client.publish(&self.names.retry_topic, &fields).await {
+            Ok(_) => {
+                if let Err(e) = self.retry_acks.submit(ack_id.to_string()).await {
+                    tracing::warn!(error = %e, "a retry copy was renewed but the old one not acked: it is received once more");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a retry copy not yet due could not be renewed; it is received again after its lease");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempts_of_a_copy() {
+        // Due later than published: the first delivery is the hold.
+        assert_eq!(uncounted_deliveries(1, true), 0);
+        assert_eq!(uncounted_deliveries(2, true), 0);
+        assert_eq!(uncounted_deliveries(3, true), 1);
+        // Due at once (a give-back at a stop): every delivery after the
+        // first was a crash.
+        assert_eq!(uncounted_deliveries(1, false), 0);
+        assert_eq!(uncounted_deliveries(2, false), 1);
+        // No dead-letter policy: Pub/Sub counts nothing.
+        assert_eq!(uncounted_deliveries(0, true), 0);
+        assert_eq!(uncounted_deliveries(0, false), 0);
+    }
+
+    #[test]
+    fn a_copy_is_held_at_most_once() {
+        assert!(holds(1, true));
+        // Still not due after its hold: renewed.
+        assert!(!holds(2, true));
+        assert!(!holds(3, true));
+        // Published after its due time (a clock ahead of Pub/Sub's) but not
+        // yet due here: renewed, so the count stays exact.
+        assert!(!holds(1, false));
+        // Pub/Sub counts nothing: held whenever it comes.
+        assert!(holds(0, false));
+        assert!(holds(0, true));
+    }
+}

@@ -1,0 +1,149 @@
+//! The dead-letter store: list, replay and purge the dead-letter stream,
+//! and send to the work stream. Opened alone (`courier dlq`, `courier
+//! send`), it creates nothing: no group, no stream, and the seal key only
+//! when a replay needs it.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use redis::Value;
+use tokio::sync::OnceCell;
+
+use super::broker_error;
+use super::connection::{Connection, Endpoint};
+use super::entries::parse_entries;
+use super::settle::xadd;
+use courier_core::model::{DeadLetter, PAYLOAD};
+use courier_core::source::shared::{Seal, not_there};
+use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+
+/// Runs right after the `XADD` that writes a replayed letter back to the
+/// work stream, in the same MULTI, and removes the letter. The `XADD` is a
+/// plain command so a letter of any width replays (a script cannot pass
+/// more than about 8,000 values to one command). If the letter is no longer
+/// there (a second replay of it raced this one), the copy just written,
+/// the newest entry of the stream, is taken back, so two replays cannot
+/// both deliver it. If the `XADD` failed, the letter stays. KEYS[1] the
+/// stream, KEYS[2] the dead-letter stream; ARGV[1] the letter's id.
+const REMOVE_LETTER: &str = r"
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'stream' then
+  return redis.error_reply('WRONGTYPE ' .. KEYS[1] .. ' holds a ' .. t .. ', not the work stream: nothing was replayed')
+end
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 1 then return 1 end
+local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if newest[1] then redis.call('XDEL', KEYS[1], newest[1][1]) end
+return 0
+";
+
+/// The work stream's dead letters, on the command connection.
+pub(super) struct RedisStore {
+    pub(super) queue: String,
+    pub(super) commands: Connection,
+    /// The queue's seal: the consumer's, or read (and made if missing)
+    /// when an admin handle first replays.
+    pub(super) seal: OnceCell<Arc<Seal>>,
+}
+
+impl RedisStore {
+    /// An admin handle: one connection, nothing written.
+    pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
+        let endpoint = Endpoint::parse(url).map_err(SourceError::invalid)?;
+        let commands =
+            super::connect_to(&endpoint, url, &options, std::time::Duration::from_secs(10)).await?;
+        Ok(Self {
+            seal: OnceCell::new_with(options.seal.clone()),
+            queue: options.queue,
+            commands,
+        })
+    }
+
+    async fn seal(&self) -> Result<&Seal, SourceError> {
+        let seal = self
+            .seal
+            .get_or_try_init(|| async {
+                let mut con = self.commands.clone();
+                super::seal_of(&mut con, &self.queue).await.map(Arc::new)
+            })
+            .await?;
+        Ok(seal)
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for RedisStore {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        let mut con = self.commands.clone();
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(dead_letter_queue)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(limit.min(i64::MAX as usize))
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        Ok(parse_entries(reply)
+            .into_iter()
+            .map(|(id, fields)| DeadLetter::from_fields(id, fields))
+            .collect())
+    }
+
+    async fn replay(
+        &self,
+        dead_letter_queue: &str,
+        letter: &DeadLetter,
+    ) -> Result<(), SourceError> {
+        let sealed = self.seal().await?.seal(letter.fields_for_replay());
+        let mut con = self.commands.clone();
+        let (moved,): (i64,) = redis::pipe()
+            .atomic()
+            .add_command(xadd(&self.queue, &sealed))
+            .ignore()
+            .cmd("EVAL")
+            .arg(REMOVE_LETTER)
+            .arg(2)
+            .arg(&self.queue)
+            .arg(dead_letter_queue)
+            .arg(&letter.id)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        if moved == 0 {
+            return Err(not_there(dead_letter_queue, &letter.id));
+        }
+        Ok(())
+    }
+
+    async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
+        let mut con = self.commands.clone();
+        let deleted: i64 = redis::cmd("XDEL")
+            .arg(dead_letter_queue)
+            .arg(&letter.id)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        if deleted == 0 {
+            return Err(not_there(dead_letter_queue, &letter.id));
+        }
+        Ok(())
+    }
+
+    async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&self.queue)
+            .arg("*")
+            .arg(PAYLOAD)
+            .arg(body.as_ref());
+        for (name, value) in headers {
+            xadd.arg(name).arg(value);
+        }
+        let mut con = self.commands.clone();
+        xadd.query_async(&mut con).await.map_err(broker_error)
+    }
+}

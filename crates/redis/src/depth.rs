@@ -1,0 +1,257 @@
+//! Depth: ready and pending from the consumer group, the retry backlog,
+//! the dead-letter stream's length and oldest age, and the age of the first
+//! entry the group has not delivered yet.
+
+use std::time::{Duration, SystemTime};
+
+use redis::Value;
+
+use super::entries::{as_bytes, as_u64, id_time};
+use super::{RedisSource, broker_error};
+use courier_core::model::{F_LAST_ATTEMPT_AT, dead_letter_age, parse_time};
+use courier_core::source::{Depth, SourceError};
+
+/// The id and field ARGV[1] (`courier-last-attempt-at`) of the oldest dead
+/// letter in KEYS[1], read inside Redis: the letter itself (its body may be as large
+/// as a message can be) never travels for a gauge.
+const OLDEST: &str = r"
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if not first then return {} end
+local fields = first[2]
+for i = 1, #fields, 2 do
+  if fields[i] == ARGV[1] then return {first[1], fields[i + 1]} end
+end
+return {first[1]}
+";
+
+/// The id of the first entry of KEYS[1] after ARGV[1] (the group's
+/// last-delivered-id): the oldest one no consumer was handed yet. Only the
+/// id leaves Redis, not the entry.
+const FIRST_UNDELIVERED: &str = r"
+local first = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', 1)[1]
+if first then return first[1] end
+return false
+";
+
+impl RedisSource {
+    pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
+        let mut con = self.commands.clone();
+        let dlq = &self.live().dead_letter_queue;
+        let (dlq_len, backlog, oldest, groups): (u64, u64, Value, Value) = redis::pipe()
+            .cmd("XLEN")
+            .arg(dlq)
+            .cmd("ZCARD")
+            .arg(&self.retry_key)
+            .cmd("EVAL")
+            .arg(OLDEST)
+            .arg(1)
+            .arg(dlq)
+            .arg(F_LAST_ATTEMPT_AT)
+            .cmd("XINFO")
+            .arg("GROUPS")
+            .arg(&self.options.queue)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        // The age is the time since it was dead-lettered (its
+        // courier-last-attempt-at), as on every broker; the stream id's
+        // time stands in for a letter that does not say.
+        let oldest_age = match oldest {
+            Value::Array(parts) => {
+                let text = |v: Option<&Value>| {
+                    v.and_then(as_bytes)
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                };
+                let written = text(parts.first()).and_then(|id| id_time(&id));
+                text(parts.get(1))
+                    .and_then(|at| parse_time(at.as_bytes()))
+                    .or(written)
+                    .map(|at| dead_letter_age(at, SystemTime::now()))
+            }
+            _ => None,
+        };
+        let group = group_counts(groups, &self.options.group);
+        Ok(Depth {
+            // A nil lag is Redis saying it cannot count, not that nothing
+            // waits: both counts stay unknown until it can again.
+            ready: group.lag,
+            pending: group.pending,
+            retry_backlog: backlog,
+            dead_letters: dlq_len,
+            oldest_dead_letter_age: oldest_age,
+            queue_depth: group.lag.map(|lag| lag + group.pending),
+            oldest_waiting_age: self.oldest_undelivered(&group).await?,
+        })
+    }
+
+    /// The age of the first entry after the group's last-delivered-id (its
+    /// id's time, when it was added); zero when the group has delivered
+    /// everything.
+    async fn oldest_undelivered(
+        &self,
+        group: &GroupCounts,
+    ) -> Result<Option<Duration>, SourceError> {
+        let Some(last) = group
+            .last_delivered
+            .as_deref()
+            .filter(|_| group.lag != Some(0))
+        else {
+            return Ok(Some(Duration::ZERO));
+        };
+        let mut con = self.commands.clone();
+        let first: Option<String> = redis::cmd("EVAL")
+            .arg(FIRST_UNDELIVERED)
+            .arg(1)
+            .arg(&self.options.queue)
+            .arg(last)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        let now = SystemTime::now();
+        Ok(Some(
+            first
+                .and_then(|id| id_time(&id))
+                .map_or(Duration::ZERO, |at| {
+                    now.duration_since(at).unwrap_or_default()
+                }),
+        ))
+    }
+}
+
+/// `lag`, `pending` and `last-delivered-id` of the consumer group `name` in
+/// an `XINFO GROUPS` reply (flat pairs in RESP2, a map in RESP3).
+fn group_counts(groups: Value, name: &str) -> GroupCounts {
+    let mut counts = GroupCounts::default();
+    let Value::Array(groups) = groups else {
+        return counts;
+    };
+    for group in groups {
+        let pairs: Vec<(String, Value)> = match group {
+            Value::Array(flat) => flat
+                .chunks(2)
+                .filter_map(|p| {
+                    Some((
+                        String::from_utf8_lossy(&as_bytes(p.first()?)?).into_owned(),
+                        p.get(1)?.clone(),
+                    ))
+                })
+                .collect(),
+            Value::Map(map) => map
+                .into_iter()
+                .filter_map(|(k, v)| {
+                    Some((String::from_utf8_lossy(&as_bytes(&k)?).into_owned(), v))
+                })
+                .collect(),
+            _ => continue,
+        };
+        let get = |field: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == field)
+                .and_then(|(_, v)| as_u64(v))
+        };
+        if pairs
+            .iter()
+            .any(|(k, v)| k == "name" && as_bytes(v).as_deref() == Some(name.as_bytes()))
+        {
+            counts.pending = get("pending").unwrap_or(0);
+            counts.lag = get("lag");
+            counts.last_delivered = pairs
+                .iter()
+                .find(|(k, _)| k == "last-delivered-id")
+                .and_then(|(_, v)| as_bytes(v))
+                .map(|b| String::from_utf8_lossy(&b).into_owned());
+        }
+    }
+    counts
+}
+
+/// What `XINFO GROUPS` says of this consumer group.
+#[derive(Debug, Default)]
+struct GroupCounts {
+    /// Entries not delivered to any consumer of the group yet; `None` when
+    /// Redis answers nil because it cannot count them (entries ahead of
+    /// the group were deleted, or the group's read counter is unknown, as
+    /// after `XGROUP SETID` or on a promoted replica), or leaves it out
+    /// (before Redis 7).
+    lag: Option<u64>,
+    /// Delivered and not acked (the group's pending entries list).
+    pending: u64,
+    last_delivered: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    /// One group of an `XINFO GROUPS` reply as RESP2 sends it: flat pairs.
+    fn flat(name: &str, pending: i64, lag: Value) -> Value {
+        Value::Array(vec![
+            text("name"),
+            text(name),
+            text("consumers"),
+            Value::Int(1),
+            text("pending"),
+            Value::Int(pending),
+            text("last-delivered-id"),
+            text("1-0"),
+            text("entries-read"),
+            Value::Nil,
+            text("lag"),
+            lag,
+        ])
+    }
+
+    #[test]
+    fn a_counted_lag_is_read_for_this_group_only() {
+        let reply = Value::Array(vec![
+            flat("other", 9, Value::Int(90)),
+            flat("courier", 2, Value::Int(5)),
+        ]);
+        let counts = group_counts(reply, "courier");
+        assert_eq!((counts.lag, counts.pending), (Some(5), 2));
+        assert_eq!(counts.last_delivered.as_deref(), Some("1-0"));
+    }
+
+    #[test]
+    fn a_nil_lag_is_unknown_not_zero() {
+        let counts = group_counts(
+            Value::Array(vec![flat("courier", 2, Value::Nil)]),
+            "courier",
+        );
+        assert_eq!((counts.lag, counts.pending), (None, 2));
+    }
+
+    #[test]
+    fn a_resp3_map_reads_the_same() {
+        let group = |lag: Value| {
+            Value::Map(vec![
+                (text("name"), text("courier")),
+                (text("pending"), Value::Int(3)),
+                (text("last-delivered-id"), text("7-0")),
+                (text("lag"), lag),
+            ])
+        };
+        let counts = group_counts(Value::Array(vec![group(Value::Int(4))]), "courier");
+        assert_eq!((counts.lag, counts.pending), (Some(4), 3));
+        let counts = group_counts(Value::Array(vec![group(Value::Nil)]), "courier");
+        assert_eq!((counts.lag, counts.pending), (None, 3));
+    }
+
+    #[test]
+    fn no_lag_field_before_redis_7_is_unknown() {
+        let reply = Value::Array(vec![Value::Array(vec![
+            text("name"),
+            text("courier"),
+            text("pending"),
+            Value::Int(1),
+            text("last-delivered-id"),
+            text("1-0"),
+        ])]);
+        assert_eq!(group_counts(reply, "courier").lag, None);
+    }
+}

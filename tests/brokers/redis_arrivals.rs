@@ -115,6 +115,45 @@ async fn an_idle_courier_waits_for_an_arrival_instead_of_asking_redis_again_and_
     idle.running.stop().await;
 }
 
+/// The retry mover of an idle queue looks at the retry set every few
+/// seconds, not every 50 ms; a retry the sidecar stores wakes it, so the
+/// retry still goes out when it is due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_retry_mover_asks_redis_every_few_seconds_and_a_stored_retry_wakes_it() {
+    const WINDOW: Duration = Duration::from_secs(6);
+    let mut idle = Idle::start("mover", 1 << 20).await;
+    idle.deliver("first").await;
+
+    // Two movers run: the sidecar's and the test's own source's. Each
+    // claims with one script call that runs ZRANGEBYSCORE once.
+    let before = calls(&mut idle.con, "zrangebyscore").await;
+    tokio::time::sleep(WINDOW).await;
+    let rounds = calls(&mut idle.con, "zrangebyscore").await - before;
+    // Every 50 ms, two movers made some 240 rounds in 6 s; every 5 s at
+    // most, they make 2 or 3 rounds each.
+    assert!(
+        rounds <= 6,
+        "{rounds} rounds of the retry movers in {WINDOW:?} of an idle queue"
+    );
+
+    // The policy's first backoff is 50 ms: the retry is due at once, and
+    // the mover is not left to find it at its next look.
+    let body = "script:503,200\nretried while idle";
+    idle.fixture.send(&idle.source, body.to_string()).await;
+    let mut seen = Vec::new();
+    wait_for("the retry", LIMIT, async || {
+        seen = idle.app.received_body(body.as_bytes());
+        seen.len() == 2
+    })
+    .await;
+    let gap = seen[1].at - seen[0].at;
+    assert!(
+        gap < Duration::from_secs(2),
+        "the retry, due 50 ms after the first attempt, came {gap:?} after it"
+    );
+    idle.running.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversize_entry_arriving_at_an_idle_queue_is_dead_lettered_without_being_delivered() {
     const MAX_BODY: usize = 1_024;

@@ -42,7 +42,7 @@ mod settle;
 mod tls;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -102,7 +102,7 @@ pub struct RedisSource {
     reader: Mutex<Reader>,
     acks: Batcher<String>,
     retry_key: String,
-    mover_stop: Arc<AtomicBool>,
+    mover: Arc<mover::MoverControl>,
     /// Proves which copies courier stored (`<queue>.courier-key`).
     seal: Arc<Seal>,
     store: RedisStore,
@@ -228,7 +228,7 @@ impl RedisSource {
                 reader,
                 NewEntries::new(endpoint, options.tls.clone()),
             )),
-            mover_stop: Arc::new(AtomicBool::new(false)),
+            mover: Arc::default(),
             live: Arc::new(std::sync::Mutex::new(options.live.clone())),
             cluster,
             options,
@@ -333,7 +333,7 @@ impl Consumer for RedisSource {
     }
 
     async fn close(&self) {
-        self.mover_stop.store(true, Ordering::Relaxed);
+        self.mover.stop();
     }
 }
 
@@ -368,6 +368,6 @@ impl WithStore for RedisSource {
 
 impl Drop for RedisSource {
     fn drop(&mut self) {
-        self.mover_stop.store(true, Ordering::Relaxed);
+        self.mover.stop();
     }
 }

@@ -150,8 +150,9 @@ impl SettleParts for RedisSource {
             .arg(member)
             .invoke_async::<Value>(&mut con)
             .await
-            .map(drop)
-            .map_err(broker_error)
+            .map_err(broker_error)?;
+        self.mover.retry_stored();
+        Ok(())
     }
 
     async fn settle_dead_letter(

@@ -10,8 +10,6 @@ use bytes::Bytes;
 use courier::source::DeadLetter;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const SETTLE: Duration = Duration::from_secs(30);
-
 async fn only_dead_letter(
     source: &std::sync::Arc<dyn courier::source::Source>,
     fixture: &Fixture,

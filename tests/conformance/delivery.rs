@@ -9,8 +9,6 @@ use bytes::Bytes;
 use courier::source::{DeadLetter, Source};
 use std::sync::Arc;
 
-const SETTLE: Duration = Duration::from_secs(20);
-
 pub async fn dead_letter_of(
     source: &Arc<dyn Source>,
     fixture: &Fixture,

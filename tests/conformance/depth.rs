@@ -9,7 +9,6 @@ use std::time::Duration;
 use crate::common::*;
 use bytes::Bytes;
 
-const SETTLE: Duration = Duration::from_secs(60);
 const DEPTH: &str = "courier_queue_depth";
 const AGE: &str = "courier_queue_oldest_age_seconds";
 

@@ -13,7 +13,6 @@ use base64::Engine;
 use bytes::Bytes;
 
 const BIN: &str = env!("CARGO_BIN_EXE_courier");
-const SETTLE: Duration = Duration::from_secs(30);
 
 pub(crate) fn courier(fixture: &Fixture, args: &[&str]) -> Output {
     let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();

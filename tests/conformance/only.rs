@@ -10,8 +10,6 @@ use crate::common::*;
 use crate::{delivery, dlq, process};
 use courier::source::{self, SourceOptions};
 
-const SETTLE: Duration = Duration::from_secs(20);
-
 /// Redis-only: an entry a producer wrote without a `payload` field is
 /// dead-lettered as undeliverable, not dropped and not retried forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

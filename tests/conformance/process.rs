@@ -19,9 +19,6 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::common::*;
 use courier::source::Depth;
 
-/// Long enough for anything here to settle on a slow machine.
-const SETTLE: Duration = Duration::from_secs(30);
-
 /// How a message's body asks the test app to answer, and what must become of
 /// it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

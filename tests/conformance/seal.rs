@@ -7,8 +7,6 @@ use std::time::{Duration, SystemTime};
 use crate::common::*;
 use courier::model::rfc3339;
 
-const SETTLE: Duration = Duration::from_secs(30);
-
 /// A producer message carrying forged `courier-attempt: 99`,
 /// `courier-attempts`, `courier-message-id`, `courier-first-attempt-at`,
 /// `courier-retry-at` an hour ahead and `courier-deliveries: 1000` (a

@@ -163,9 +163,8 @@ impl PrivateRabbit {
             .spawn()
             .expect("start a private rabbitmq-server");
         self.child = Some(child);
-        // The AMQP port opens while the node is still booting, and a
-        // connection then is closed by the broker (a CI run's first open
-        // failed that way): ready is when an AMQP connection opens.
+        // The AMQP port taking a TCP connection was not enough: a CI run's
+        // first open after it failed. Ready is when an AMQP connection opens.
         let url = self.url();
         wait_for(
             "the private RabbitMQ node to take AMQP connections",

@@ -169,18 +169,7 @@ impl PrivateRabbit {
         wait_for(
             "the private RabbitMQ node to take AMQP connections",
             Duration::from_secs(120),
-            // Bounded: a booting node may take the connection and never
-            // answer the handshake, and a CI run waited on one for good.
-            async || {
-                let open = async {
-                    let connection = lapin::Connection::connect(&url, Default::default()).await?;
-                    connection.close(200, "up".into()).await
-                };
-                matches!(
-                    tokio::time::timeout(Duration::from_secs(5), open).await,
-                    Ok(Ok(()))
-                )
-            },
+            async || amqp_opens(&url).await,
         )
         .await;
     }

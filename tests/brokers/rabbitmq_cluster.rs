@@ -180,13 +180,7 @@ impl RabbitCluster {
             let url = self.url(&self.nodes[i].name.clone());
             let deadline = Instant::now() + BOOT;
             loop {
-                // Bounded: a booting node may take the connection and
-                // never answer the handshake.
-                let open = async {
-                    let c = lapin::Connection::connect(&url, Default::default()).await?;
-                    c.close(200, "up".into()).await
-                };
-                if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(5), open).await {
+                if amqp_opens(&url).await {
                     break;
                 }
                 let exited = self.nodes[i]

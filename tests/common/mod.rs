@@ -602,20 +602,42 @@ impl Running {
     }
 }
 
-/// Polls `check` until it is true or `limit` passes; the failure message
-/// says what was awaited.
-pub async fn wait_for(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
+/// Polls `check` until it is true (true) or `limit` passes (false).
+async fn poll_until(limit: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         if check().await {
-            return;
+            return true;
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
+        if Instant::now() >= deadline {
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// Polls `check` until it is true or `limit` passes; the failure message
+/// says what was awaited.
+pub async fn wait_for(what: &str, limit: Duration, check: impl AsyncFnMut() -> bool) {
+    assert!(
+        poll_until(limit, check).await,
+        "timed out after {limit:?} waiting for {what}"
+    );
+}
+
+/// Whether an AMQP connection to `url` opens (and closes) within 5 s. A
+/// booting RabbitMQ node may take the TCP connection and never answer the
+/// handshake, and lapin's connect then waits for good (a CI run hung on
+/// it; courier's own connect is bounded for the same reason).
+pub async fn amqp_opens(url: &str) -> bool {
+    let open = async {
+        let connection = lapin::Connection::connect(url, Default::default()).await?;
+        connection.close(200, "up".into()).await
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), open).await,
+        Ok(Ok(()))
+    )
 }
 
 /// How long the conformance scenarios wait for a queue to settle, or for
@@ -632,18 +654,17 @@ pub const SETTLE: Duration = Duration::from_secs(60);
 /// Waits until nothing is ready, pending or scheduled; the failure says
 /// what the last depth read was.
 pub async fn wait_settled(source: &Arc<dyn Source>, limit: Duration) -> Depth {
-    let deadline = Instant::now() + limit;
-    loop {
-        let last = source.depth().await.expect("depth");
-        if last.ready == Some(0) && last.pending == 0 && last.retry_backlog == 0 {
-            return last;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for the queue to settle; the last depth read: {last:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let mut last = Depth::default();
+    let settled = poll_until(limit, async || {
+        last = source.depth().await.expect("depth");
+        last.ready == Some(0) && last.pending == 0 && last.retry_backlog == 0
+    })
+    .await;
+    assert!(
+        settled,
+        "timed out after {limit:?} waiting for the queue to settle; the last depth read: {last:?}"
+    );
+    last
 }
 
 /// The fixture's dead-letter queue holds nothing (its first 100 letters

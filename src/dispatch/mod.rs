@@ -410,10 +410,21 @@ impl Shared {
             slot = self.limiter.acquire() => slot,
         };
         let want = self.limiter.limit().clamp(1, MAX_BATCH);
-        // Not raced against shutdown: a read the broker already answered
-        // must reach a delivery task (or go back), and a read blocks about
-        // a second.
-        match self.receive(want, reader).await {
+        // Not dropped at shutdown: a read the broker already answered must
+        // reach a delivery task (or go back). The source is asked to end
+        // its wait instead, where it can without losing a message.
+        let received = {
+            let receive = self.receive(want, reader);
+            tokio::pin!(receive);
+            tokio::select! {
+                received = &mut receive => received,
+                _ = shutdown.cancelled() => {
+                    self.d.source.interrupt().await;
+                    receive.await
+                }
+            }
+        };
+        match received {
             Some(deliveries) => {
                 reader.ahead.extend(deliveries);
                 reader.read_at = Instant::now();

@@ -120,6 +120,10 @@ impl Consumer for ShortClaim {
         self.inner.keep_alive(in_flight).await
     }
 
+    async fn interrupt(&self) {
+        self.inner.interrupt().await
+    }
+
     fn longest_claim(&self) -> Option<Duration> {
         Some(CLAIM)
     }

@@ -49,7 +49,7 @@ use courier::dispatch::{AppSettings, DeliverySettings};
 use courier::policy::{Jitter, Policy};
 use courier::sidecar::Sidecar;
 use courier::sidecar::{EndpointSettings, PolicySettings, RunConfig};
-use courier::source::{self, Depth, Source, SourceOptions, SourceUrl};
+use courier::source::{self, Depth, Source, SourceError, SourceOptions, SourceUrl};
 use courier::telemetry::serve_http;
 use http::Response;
 use http_body_util::{BodyExt, Full};
@@ -652,19 +652,23 @@ pub async fn amqp_opens(url: &str) -> bool {
 pub const SETTLE: Duration = Duration::from_secs(60);
 
 /// Waits until nothing is ready, pending or scheduled; the failure says
-/// what the last depth read was.
+/// what the last depth read was. A read that fails is read again: the first
+/// command on a connection whose broker restarted since fails, as courier's
+/// own depth poll sees and counts.
 pub async fn wait_settled(source: &Arc<dyn Source>, limit: Duration) -> Depth {
-    let mut last = Depth::default();
+    let mut last = Err(SourceError::unavailable("no depth read yet"));
     let settled = poll_until(limit, async || {
-        last = source.depth().await.expect("depth");
-        last.ready == Some(0) && last.pending == 0 && last.retry_backlog == 0
+        last = source.depth().await;
+        last.as_ref().is_ok_and(|depth| {
+            depth.ready == Some(0) && depth.pending == 0 && depth.retry_backlog == 0
+        })
     })
     .await;
     assert!(
         settled,
         "timed out after {limit:?} waiting for the queue to settle; the last depth read: {last:?}"
     );
-    last
+    last.expect("a settled depth")
 }
 
 /// The fixture's dead-letter queue holds nothing (its first 100 letters
@@ -679,14 +683,17 @@ pub async fn assert_no_dead_letters(source: &Arc<dyn Source>, fixture: &Fixture)
 
 /// Reads `/metrics` from a running sidecar.
 pub async fn scrape(addr: SocketAddr) -> String {
+    http_get(addr, "/metrics").await
+}
+
+/// `GET path` at `addr`: the whole answer, head and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
-        .expect("connect to /metrics");
+        .unwrap_or_else(|e| panic!("connect to {addr} for {path}: {e}"));
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
     let mut out = String::new();
     stream.read_to_string(&mut out).await.unwrap();
     out

@@ -35,6 +35,10 @@ impl PrivateRedis {
         redis
     }
 
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }

@@ -2,62 +2,70 @@
 //! the dead-letter stream's length and oldest age, and the age of the first
 //! entry the group has not delivered yet.
 
+use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
 
-use redis::Value;
+use redis::{Script, Value};
 
 use super::entries::{as_bytes, as_u64, id_time};
 use super::{RedisSource, broker_error};
 use courier_core::model::{F_LAST_ATTEMPT_AT, dead_letter_age, parse_time};
 use courier_core::source::{Depth, SourceError};
 
-/// The id and field ARGV[1] (`courier-last-attempt-at`) of the oldest dead
-/// letter in KEYS[1], read inside Redis: the letter itself (its body may be as large
-/// as a message can be) never travels for a gauge.
-const OLDEST: &str = r"
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
-if not first then return {} end
-local fields = first[2]
-for i = 1, #fields, 2 do
-  if fields[i] == ARGV[1] then return {first[1], fields[i + 1]} end
+/// Every figure of a depth reading in one command, so that an idle
+/// sidecar's gauges cost Redis one request a `--depth-interval`. KEYS[1]
+/// the stream, KEYS[2] the retry set, KEYS[3] the dead-letter stream (one
+/// hash slot on a Redis Cluster: `cluster.rs`); ARGV[1] the group, ARGV[2]
+/// `courier-last-attempt-at`. Returns the dead-letter stream's length, the
+/// retry set's size, the oldest dead letter's id and ARGV[2] field (the
+/// letter itself, whose body may be as large as a message can be, never
+/// travels for a gauge), `XINFO GROUPS` as Redis answers it, and the id of
+/// the first entry after the group's last-delivered-id (the oldest one no
+/// consumer was handed yet) unless the group's lag is 0.
+const DEPTH: &str = r"
+local oldest = {}
+local first = redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1)[1]
+if first then
+  oldest[1] = first[1]
+  local fields = first[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == ARGV[2] then oldest[2] = fields[i + 1] break end
+  end
 end
-return {first[1]}
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+local waiting = false
+for _, group in ipairs(groups) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  if info['name'] == ARGV[1] and info['lag'] ~= 0 then
+    local next = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', 1)[1]
+    if next then waiting = next[1] end
+  end
+end
+return {redis.call('XLEN', KEYS[3]), redis.call('ZCARD', KEYS[2]), oldest, groups, waiting}
 ";
 
-/// The id of the first entry of KEYS[1] after ARGV[1] (the group's
-/// last-delivered-id): the oldest one no consumer was handed yet. Only the
-/// id leaves Redis, not the entry.
-const FIRST_UNDELIVERED: &str = r"
-local first = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', 1)[1]
-if first then return first[1] end
-return false
-";
+static DEPTH_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(DEPTH));
 
 impl RedisSource {
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let mut con = self.commands.clone();
-        let dlq = &self.live().dead_letter_queue;
-        let (dlq_len, backlog, oldest, groups): (u64, u64, Value, Value) = redis::pipe()
-            .cmd("XLEN")
-            .arg(dlq)
-            .cmd("ZCARD")
-            .arg(&self.retry_key)
-            .cmd("EVAL")
-            .arg(OLDEST)
-            .arg(1)
-            .arg(dlq)
-            .arg(F_LAST_ATTEMPT_AT)
-            .cmd("XINFO")
-            .arg("GROUPS")
-            .arg(&self.options.queue)
-            .query_async(&mut con)
-            .await
-            .map_err(broker_error)?;
+        let (dlq_len, backlog, oldest, groups, waiting): (u64, u64, Value, Value, Option<String>) =
+            DEPTH_SCRIPT
+                .key(&self.options.queue)
+                .key(&self.retry_key)
+                .key(&self.live().dead_letter_queue)
+                .arg(&self.options.group)
+                .arg(F_LAST_ATTEMPT_AT)
+                .invoke_async(&mut con)
+                .await
+                .map_err(broker_error)?;
+        let now = SystemTime::now();
         // The age is the time since it was dead-lettered (its
         // courier-last-attempt-at), as on every broker; the stream id's
         // time stands in for a letter that does not say.
         let oldest_age = match oldest {
-            Value::Array(parts) => {
+            Value::Array(parts) if !parts.is_empty() => {
                 let text = |v: Option<&Value>| {
                     v.and_then(as_bytes)
                         .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -66,11 +74,21 @@ impl RedisSource {
                 text(parts.get(1))
                     .and_then(|at| parse_time(at.as_bytes()))
                     .or(written)
-                    .map(|at| dead_letter_age(at, SystemTime::now()))
+                    .map(|at| dead_letter_age(at, now))
             }
             _ => None,
         };
         let group = group_counts(groups, &self.options.group);
+        // The group has delivered everything (or there is none yet): no
+        // entry waits.
+        let oldest_waiting = match (&group.last_delivered, group.lag) {
+            (None, _) | (_, Some(0)) => Duration::ZERO,
+            _ => waiting
+                .and_then(|id| id_time(&id))
+                .map_or(Duration::ZERO, |at| {
+                    now.duration_since(at).unwrap_or_default()
+                }),
+        };
         Ok(Depth {
             // A nil lag is Redis saying it cannot count, not that nothing
             // waits: both counts stay unknown until it can again.
@@ -80,41 +98,8 @@ impl RedisSource {
             dead_letters: dlq_len,
             oldest_dead_letter_age: oldest_age,
             queue_depth: group.lag.map(|lag| lag + group.pending),
-            oldest_waiting_age: self.oldest_undelivered(&group).await?,
+            oldest_waiting_age: Some(oldest_waiting),
         })
-    }
-
-    /// The age of the first entry after the group's last-delivered-id (its
-    /// id's time, when it was added); zero when the group has delivered
-    /// everything.
-    async fn oldest_undelivered(
-        &self,
-        group: &GroupCounts,
-    ) -> Result<Option<Duration>, SourceError> {
-        let Some(last) = group
-            .last_delivered
-            .as_deref()
-            .filter(|_| group.lag != Some(0))
-        else {
-            return Ok(Some(Duration::ZERO));
-        };
-        let mut con = self.commands.clone();
-        let first: Option<String> = redis::cmd("EVAL")
-            .arg(FIRST_UNDELIVERED)
-            .arg(1)
-            .arg(&self.options.queue)
-            .arg(last)
-            .query_async(&mut con)
-            .await
-            .map_err(broker_error)?;
-        let now = SystemTime::now();
-        Ok(Some(
-            first
-                .and_then(|id| id_time(&id))
-                .map_or(Duration::ZERO, |at| {
-                    now.duration_since(at).unwrap_or_default()
-                }),
-        ))
     }
 }
 

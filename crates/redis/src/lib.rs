@@ -100,6 +100,8 @@ pub struct RedisSource {
     cluster: bool,
     commands: Connection,
     reader: Mutex<Reader>,
+    /// The blocking read under way, which a stop ends early.
+    waiting: std::sync::Mutex<read::Waiting>,
     acks: Batcher<String>,
     retry_key: String,
     mover: Arc<mover::MoverControl>,
@@ -228,6 +230,7 @@ impl RedisSource {
                 reader,
                 NewEntries::new(endpoint, options.tls.clone()),
             )),
+            waiting: std::sync::Mutex::default(),
             mover: Arc::default(),
             live: Arc::new(std::sync::Mutex::new(options.live.clone())),
             cluster,
@@ -294,6 +297,10 @@ impl Consumer for RedisSource {
 
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         self.read(max).await
+    }
+
+    async fn interrupt(&self) {
+        self.interrupt_read().await
     }
 
     async fn settle(

@@ -44,7 +44,7 @@ const MOVE_INTERVAL: Duration = Duration::from_millis(50);
 /// moved by that replica's mover when it falls due; this mover looks again
 /// this often in case that replica has stopped since, and then moves it
 /// at most this late.
-const IDLE_CHECK: Duration = Duration::from_secs(5);
+const IDLE_CHECK: Duration = Duration::from_secs(10);
 const MOVE_BATCH: usize = 500;
 /// A claimed retry that was not moved (the process stopped, a key has the
 /// wrong type) is due again after this.

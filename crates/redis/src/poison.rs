@@ -138,14 +138,15 @@ end
 /// those over ARGV[9] bytes. KEYS[1] the stream, KEYS[2] the dead-letter
 /// stream; ARGV[1] the group, ARGV[7] now (RFC 3339), ARGV[8] the widest
 /// entry to keep whole, ARGV[10] the seal's accepted keys.
-/// Returns how many it dead-lettered.
+/// Returns how many it dead-lettered, and how many of those it looked at
+/// are left to hand out again: none, and a reclaim has nothing to claim.
 const PENDING: &str = r"
 local range = {KEYS[1], ARGV[1], 'IDLE', ARGV[2], ARGV[3], '+', ARGV[4]}
 if ARGV[5] ~= '' then range[#range + 1] = ARGV[5] end
 local pending = redis.call('XPENDING', unpack(range))
-if #pending == 0 or not writable(KEYS[2]) then return 0 end
+if #pending == 0 or not writable(KEYS[2]) then return {0, #pending} end
 local max, budget, widest = tonumber(ARGV[6]), tonumber(ARGV[9]), tonumber(ARGV[8])
-local moved = 0
+local moved, left = 0, 0
 for _, p in ipairs(pending) do
   local id, times = p[1], tonumber(p[4])
   local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
@@ -161,10 +162,12 @@ for _, p in ipairs(pending) do
     if err then
       dead_letter(ARGV[1], id, entry[2], err, times - 1, ARGV[7], widest, ARGV[10])
       moved = moved + 1
+    else
+      left = left + 1
     end
   end
 end
-return moved
+return {moved, left}
 ";
 
 /// Dead-letters the new entries ARGV[6..] that the reader found over
@@ -214,12 +217,12 @@ pub(super) struct Pending<'a> {
 
 impl RedisSource {
     /// Dead-letters the poison pills and oversized entries among `pending`;
-    /// returns how many.
+    /// returns how many, and how many of those looked at are left pending.
     pub(super) async fn dead_letter_pending(
         &self,
         con: &mut Connection,
         pending: Pending<'_>,
-    ) -> Result<u64, SourceError> {
+    ) -> Result<(u64, u64), SourceError> {
         let live = self.live();
         let keys = self.seal.script_keys();
         PENDING_SCRIPT
@@ -238,7 +241,7 @@ impl RedisSource {
             .invoke_async(con)
             .await
             .map_err(broker_error)
-            .inspect(|n| self.count_dead_lettered(*n))
+            .inspect(|(n, _)| self.count_dead_lettered(*n))
     }
 
     fn count_dead_lettered(&self, n: u64) {

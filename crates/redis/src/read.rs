@@ -9,16 +9,28 @@ use redis::Value;
 use super::entries::{as_u64, parse_entries, parse_read_reply};
 use super::mover::Throttle;
 use super::poison::Pending;
+use super::read_connection::Node;
 use super::read_connection::{ReadConnection, ReadError, TlsConfig};
 use super::reply::{Batch, Oversized, Reply};
 use super::{RedisSource, broker_error};
 use courier_core::model::Delivery;
 use courier_core::source::SourceError;
-use courier_core::source::shared::RECEIVE_WAIT;
 
 /// How long a reply to a blocking read may take beyond its wait before the
 /// connection is given up.
 const REPLY_SLACK: Duration = Duration::from_secs(10);
+/// How often entries another replica left pending too long are looked for
+/// (at most: once a visibility timeout when that is shorter). A read of new
+/// entries blocks until the next look is due, so an idle queue costs Redis
+/// a read and a look each this often; a stop does not wait it out
+/// ([`RedisSource::interrupt_read`]).
+const RECLAIM_EVERY: Duration = Duration::from_secs(5);
+/// The shortest wait a blocking read is given: `BLOCK 0` would wait
+/// forever.
+const SHORTEST_BLOCK: Duration = Duration::from_millis(10);
+/// `CLIENT UNBLOCK` tries while the read it ends is still on its way to
+/// the server.
+const UNBLOCK_TRIES: usize = 20;
 /// MOVED and ASK redirections followed in one read, at most.
 const REDIRECTS: usize = 5;
 
@@ -64,7 +76,26 @@ impl NewEntries {
     }
 }
 
+/// The blocking read of new entries under way, for
+/// [`RedisSource::interrupt_read`].
+#[derive(Default)]
+pub(super) struct Waiting {
+    /// A stop came during this receive: its read does not block.
+    stop: bool,
+    /// The connection blocked in `XREADGROUP` now: its server, TLS
+    /// settings and client id.
+    on: Option<(Node, TlsConfig, i64)>,
+}
+
 impl Reader {
+    /// How long a read of new entries may block: until the next look for
+    /// entries left pending is due.
+    fn block_for(&self, visibility_timeout: Duration) -> Duration {
+        let next = self.last_reclaim + RECLAIM_EVERY.min(visibility_timeout);
+        next.saturating_duration_since(Instant::now())
+            .max(SHORTEST_BLOCK)
+    }
+
     pub(super) fn new(connection: Connection, new_entries: NewEntries) -> Self {
         Self {
             connection,
@@ -76,6 +107,12 @@ impl Reader {
             oversized_trouble: Throttle::new(),
         }
     }
+}
+
+/// What one read of new entries asks for.
+struct Read {
+    max: usize,
+    block: Duration,
 }
 
 /// A redirection in a Redis Cluster error reply.
@@ -105,12 +142,19 @@ fn redirect(text: &str) -> Option<Redirect> {
 
 impl RedisSource {
     pub(super) async fn read(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
+        let read = self.read_until_stopped(max).await;
+        self.waiting().stop = false;
+        read
+    }
+
+    async fn read_until_stopped(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let mut reader = self.reader.lock().await;
         let redelivered = self.redeliveries(&mut reader, max).await?;
         if !redelivered.is_empty() {
             return Ok(redelivered);
         }
-        let batch = self.read_new(&mut reader.new_entries, max).await?;
+        let block = reader.block_for(self.live().visibility_timeout);
+        let batch = self.read_new(&mut reader.new_entries, max, block).await?;
         if !batch.oversized.is_empty() {
             self.settle_oversized(&mut reader, &batch.oversized).await;
         }
@@ -121,31 +165,25 @@ impl RedisSource {
             .collect())
     }
 
-    /// Up to `max` new entries, waiting up to `RECEIVE_WAIT` for a first
-    /// one (`XREADGROUP ... BLOCK`): the entries within `--max-body`, and
-    /// the ids of those over it, whose bytes were discarded as they came.
-    /// A connection failure is tried once more on a new connection (to the
+    /// Up to `max` new entries, waiting up to `block` for a first one
+    /// (`XREADGROUP ... BLOCK`): the entries within `--max-body`, and the
+    /// ids of those over it, whose bytes were discarded as they came. A
+    /// connection failure is tried once more on a new connection (to the
     /// server that holds the stream then), and MOVED and ASK are followed.
-    async fn read_new(&self, new: &mut NewEntries, max: usize) -> Result<Batch, SourceError> {
-        let packed = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg(&self.options.group)
-            .arg(&self.options.consumer)
-            .arg("COUNT")
-            .arg(max)
-            .arg("BLOCK")
-            .arg(RECEIVE_WAIT.as_millis() as u64)
-            .arg("STREAMS")
-            .arg(&self.options.queue)
-            .arg(">")
-            .get_packed_command();
+    async fn read_new(
+        &self,
+        new: &mut NewEntries,
+        max: usize,
+        block: Duration,
+    ) -> Result<Batch, SourceError> {
+        let read = Read { max, block };
         let mut redirects = 0;
         let mut failures = 0;
         let mut ask: Option<(String, u16)> = None;
         loop {
             let read = match ask.take() {
-                Some((host, port)) => self.read_asking(new, &host, port, &packed).await,
-                None => self.read_once(new, &packed).await,
+                Some((host, port)) => self.read_asking(new, &host, port, &read).await,
+                None => self.read_once(new, &read).await,
             };
             let text = match read {
                 Ok(Reply::Batch(batch)) => return Ok(batch),
@@ -188,7 +226,7 @@ impl RedisSource {
 
     /// One `XREADGROUP` on the connection for new entries, connecting first
     /// when there is none.
-    async fn read_once(&self, new: &mut NewEntries, packed: &[u8]) -> Result<Reply, ReadError> {
+    async fn read_once(&self, new: &mut NewEntries, read: &Read) -> Result<Reply, ReadError> {
         let mut connection = match new.connection.take() {
             Some(connection) => connection,
             None => {
@@ -203,9 +241,77 @@ impl RedisSource {
                 ReadConnection::open(&node, &new.tls).await?
             }
         };
-        let reply = self.read_on(&mut connection, packed, false).await?;
+        let on = connection
+            .client_id
+            .map(|id| (connection.node.clone(), new.tls.clone(), id));
+        let block = self.begin_wait(on, read.block);
+        let reply = self
+            .read_on(&mut connection, &self.xreadgroup(read.max, block), false)
+            .await;
+        self.waiting().on = None;
+        let reply = reply?;
         new.connection = Some(connection);
         Ok(reply)
+    }
+
+    /// `XREADGROUP` of up to `max` new entries, blocking up to `block`.
+    fn xreadgroup(&self, max: usize, block: Option<Duration>) -> (Vec<u8>, Duration) {
+        let mut command = redis::cmd("XREADGROUP");
+        command
+            .arg("GROUP")
+            .arg(&self.options.group)
+            .arg(&self.options.consumer)
+            .arg("COUNT")
+            .arg(max);
+        if let Some(block) = block {
+            command.arg("BLOCK").arg(block.as_millis() as u64);
+        }
+        command.arg("STREAMS").arg(&self.options.queue).arg(">");
+        (command.get_packed_command(), block.unwrap_or_default())
+    }
+
+    fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The wait the next read may block for: none once a stop came, else
+    /// `block`, with the connection noted (`on`) for
+    /// [`RedisSource::interrupt_read`].
+    fn begin_wait(&self, on: Option<(Node, TlsConfig, i64)>, block: Duration) -> Option<Duration> {
+        let mut waiting = self.waiting();
+        if waiting.stop {
+            return None;
+        }
+        waiting.on = on;
+        Some(block)
+    }
+
+    /// Ends the read of new entries blocked now (`CLIENT UNBLOCK`, from a
+    /// connection of its own), and keeps the rest of this receive from
+    /// blocking. Entries Redis handed out before are returned by that read
+    /// as usual. Where the server refuses, the read ends when its wait
+    /// does, within [`RECLAIM_EVERY`].
+    pub(super) async fn interrupt_read(&self) {
+        for _ in 0..UNBLOCK_TRIES {
+            let on = {
+                let mut waiting = self.waiting();
+                waiting.stop = true;
+                waiting.on.clone()
+            };
+            let Some((node, tls, id)) = on else {
+                return;
+            };
+            match ReadConnection::unblock(&node, &tls, id).await {
+                Ok(true) => return,
+                // The read has not reached the server yet, or has just
+                // been answered: look again.
+                Ok(false) => tokio::time::sleep(SHORTEST_BLOCK).await,
+                Err(error) => {
+                    tracing::debug!(%error, queue = %self.options.queue, "could not end the blocking read early; it ends when its wait does");
+                    return;
+                }
+            }
+        }
     }
 
     /// `ASKING` and `XREADGROUP` on a connection of their own to the node a
@@ -215,7 +321,7 @@ impl RedisSource {
         new: &mut NewEntries,
         host: &str,
         port: u16,
-        packed: &[u8],
+        read: &Read,
     ) -> Result<Reply, ReadError> {
         let mut commands = self.commands.clone();
         let node = new
@@ -224,16 +330,18 @@ impl RedisSource {
             .await?
             .at(host, port);
         let mut connection = ReadConnection::open(&node, &new.tls).await?;
-        self.read_on(&mut connection, packed, true).await
+        let block = self.begin_wait(None, read.block);
+        self.read_on(&mut connection, &self.xreadgroup(read.max, block), true)
+            .await
     }
 
     async fn read_on(
         &self,
         connection: &mut ReadConnection,
-        packed: &[u8],
+        (packed, block): &(Vec<u8>, Duration),
         asking: bool,
     ) -> Result<Reply, ReadError> {
-        let limit = RECEIVE_WAIT + REPLY_SLACK;
+        let limit = *block + REPLY_SLACK;
         match tokio::time::timeout(
             limit,
             connection.read_group(packed, asking, self.options.max_body),
@@ -341,13 +449,17 @@ impl RedisSource {
                 reader.history_from = id.clone();
             }
             entries
-        } else if reader.last_reclaim.elapsed()
-            >= live.visibility_timeout.min(Duration::from_secs(5))
-        {
+        } else if reader.last_reclaim.elapsed() >= RECLAIM_EVERY.min(live.visibility_timeout) {
             reader.last_reclaim = Instant::now();
             let idle_ms = live.visibility_timeout.as_millis() as u64;
-            self.check_poison(reader, idle_ms, "-".into(), None, max)
+            let left = self
+                .check_poison(reader, idle_ms, "-".into(), None, max)
                 .await;
+            // The check looked at the same entries a claim would take:
+            // none left, and an idle queue costs Redis one command here.
+            if left == Some(0) {
+                return Ok(Vec::new());
+            }
             let reply: Value = redis::cmd("XAUTOCLAIM")
                 .arg(&self.options.queue)
                 .arg(&self.options.group)
@@ -409,7 +521,7 @@ impl RedisSource {
         start: String,
         consumer: Option<&str>,
         count: usize,
-    ) {
+    ) -> Option<u64> {
         let pending = Pending {
             idle_ms,
             start,
@@ -418,16 +530,20 @@ impl RedisSource {
         };
         let mut con = self.commands.clone();
         match self.dead_letter_pending(&mut con, pending).await {
-            Ok(0) => {}
-            Ok(n) => tracing::warn!(
-                queue = %self.options.queue,
-                dead_letters = n,
-                "dead-lettered pending messages handed out too many times without being settled, or over --max-body (undeliverable)"
-            ),
+            Ok((0, left)) => Some(left),
+            Ok((n, left)) => {
+                tracing::warn!(
+                    queue = %self.options.queue,
+                    dead_letters = n,
+                    "dead-lettered pending messages handed out too many times without being settled, or over --max-body (undeliverable)"
+                );
+                Some(left)
+            }
             Err(error) => {
                 if let Some(times) = reader.trouble.due() {
                     tracing::warn!(%error, queue = %self.options.queue, times, "checking pending entries for poison pills failed; will try again");
                 }
+                None
             }
         }
     }

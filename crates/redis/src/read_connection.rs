@@ -138,6 +138,11 @@ pub(super) enum ReadError {
 pub(super) struct ReadConnection {
     io: Box<dyn Io>,
     buf: BytesMut,
+    /// The server's id for this connection (`CLIENT ID`), by which another
+    /// connection ends its blocking read (`CLIENT UNBLOCK`); `None` where
+    /// the server does not let courier ask (an ACL, a renamed command).
+    pub(super) client_id: Option<i64>,
+    pub(super) node: Node,
 }
 
 impl ReadConnection {
@@ -159,18 +164,24 @@ impl ReadConnection {
             let mut connection = Self {
                 io,
                 buf: BytesMut::with_capacity(READ_CHUNK),
+                client_id: None,
+                node: node.clone(),
             };
             let handshake = node.handshake();
             let mut packed = Vec::new();
             for (_, command) in &handshake {
                 command.write_packed_command(&mut packed);
             }
+            redis::cmd("CLIENT")
+                .arg("ID")
+                .write_packed_command(&mut packed);
             connection.io.write_all(&packed).await?;
             for (command, _) in &handshake {
                 if let Err(text) = connection.small_reply().await? {
                     return Err(ReadError::Refused { command, text });
                 }
             }
+            connection.client_id = connection.integer_reply().await?;
             Ok(connection)
         };
         match tokio::time::timeout(CONNECT_TIMEOUT, opened).await {
@@ -226,6 +237,48 @@ impl ReadConnection {
             )));
         }
         Ok(())
+    }
+
+    /// Ends the blocking read of connection `client_id` on `node` as if
+    /// its wait had run out (`CLIENT UNBLOCK ... TIMEOUT`), from a
+    /// connection of its own; whether one was waiting.
+    pub(super) async fn unblock(
+        node: &Node,
+        tls: &TlsConfig,
+        client_id: i64,
+    ) -> Result<bool, ReadError> {
+        let mut connection = Self::open(node, tls).await?;
+        let unblock = redis::cmd("CLIENT")
+            .arg("UNBLOCK")
+            .arg(client_id)
+            .arg("TIMEOUT")
+            .get_packed_command();
+        let answer = async {
+            connection.io.write_all(&unblock).await?;
+            connection.integer_reply().await
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, answer).await {
+            Ok(answer) => Ok(answer? == Some(1)),
+            Err(_) => Err(ReadError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer to CLIENT UNBLOCK within {CONNECT_TIMEOUT:?}"),
+            ))),
+        }
+    }
+
+    /// One reply that should be an integer: `None` for an error reply or
+    /// any other kind of value.
+    async fn integer_reply(&mut self) -> Result<Option<i64>, ReadError> {
+        loop {
+            if let Some((used, _)) = value_end(&self.buf, 0)? {
+                let value = self.buf.split_to(used);
+                return Ok(value
+                    .strip_prefix(b":")
+                    .and_then(|rest| std::str::from_utf8(rest).ok())
+                    .and_then(|text| text.trim_end().parse().ok()));
+            }
+            self.fill(0).await?;
+        }
     }
 
     /// One reply of the handshake (or `ASKING`): `Err(text)` for an error

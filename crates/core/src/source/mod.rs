@@ -460,9 +460,17 @@ pub trait Consumer: Send + Sync + 'static {
     /// What this broker can do; the dispatcher and the conformance suite
     /// follow it instead of asking which broker this is.
     fn capabilities(&self) -> Capabilities;
-    /// Up to `max` deliveries; waits about a second when there are none and
-    /// may then return an empty list.
+    /// Up to `max` deliveries; when there are none it waits on the broker
+    /// (a second, or up to a few on a source that can end the wait early
+    /// through [`Consumer::interrupt`]) and may then return an empty list.
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError>;
+    /// Ends the wait of a `receive` under way, so that a stop or a `/drain`
+    /// does not wait out the broker's blocking read; that `receive` then
+    /// returns what the broker had handed out, maybe nothing. Only a source
+    /// whose wait can end without losing or counting a delivery does
+    /// anything here: a long poll cut off on the client side would leave
+    /// what the broker picked for it claimed, and counted as an attempt.
+    async fn interrupt(&self) {}
     /// Settles `delivery` as the policy decided.
     async fn settle(
         &self,

@@ -43,18 +43,21 @@ fn terminate(child: &Child) {
 
 // === Private brokers ===
 
-/// A `nats-server` with JetStream on a port and data directory of its own.
-struct PrivateNats {
+/// A `nats-server` with JetStream on a port and data directory of its own,
+/// and its monitoring endpoint on another (`/varz`, `/connz`).
+pub(crate) struct PrivateNats {
     port: u16,
+    pub(crate) monitor_port: u16,
     dir: PathBuf,
     auth: Option<(String, String)>,
     child: Option<Child>,
 }
 
 impl PrivateNats {
-    async fn start(dir: &Path, auth: Option<(&str, &str)>) -> Self {
+    pub(crate) async fn start(dir: &Path, auth: Option<(&str, &str)>) -> Self {
         let mut nats = Self {
             port: free_port(),
+            monitor_port: free_port(),
             dir: dir.to_path_buf(),
             auth: auth.map(|(u, p)| (u.to_string(), p.to_string())),
             child: None,
@@ -71,6 +74,8 @@ impl PrivateNats {
                 "127.0.0.1",
                 "-p",
                 &self.port.to_string(),
+                "-m",
+                &self.monitor_port.to_string(),
                 "-js",
                 "-sd",
             ])
@@ -97,7 +102,7 @@ impl PrivateNats {
         }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }
 }
@@ -593,6 +598,7 @@ async fn nats_unreachable_at_start_is_retried_until_it_is_there() {
     }
     let mut nats = PrivateNats {
         port,
+        monitor_port: free_port(),
         dir: dir.path().to_path_buf(),
         auth: None,
         child: None,

@@ -17,6 +17,7 @@ mod embedded;
 mod embedded_dead_letters;
 mod embedded_durability;
 mod embedded_leases;
+mod idle;
 mod kafka_settle;
 mod keep_alive;
 mod nats_cluster;

@@ -21,10 +21,19 @@ pub struct Moto {
 
 impl Moto {
     pub fn start() -> Self {
+        Self::start_with("")
+    }
+
+    /// A moto of its own that logs a line per request it answers to `log`.
+    pub fn logging_to(log: &std::path::Path) -> Self {
+        Self::start_with(&format!("2>'{}'", log.display()))
+    }
+
+    fn start_with(redirect: &str) -> Self {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/moto-server");
         // The first run installs moto in .venv-moto.
         let (child, port) = super::server_process::start_server(
-            &format!("'{}' -p {{port}}", script.display()),
+            &format!("'{}' -p {{port}} {redirect}", script.display()),
             &[],
             "moto (scripts/moto-server)",
             Duration::from_secs(300),

@@ -16,7 +16,7 @@ use super::connection::unavailable;
 use super::fields::{F_SUBJECT, field, from_headers};
 use courier_core::model::{Delivery, F_FIRST_ATTEMPT_AT, parse_time, rfc3339};
 use courier_core::source::SourceError;
-use courier_core::source::shared::{F_RETRY_AT, RECEIVE_WAIT, replace};
+use courier_core::source::shared::{F_RETRY_AT, HELD_WAIT, replace};
 
 /// One subscription, for the life of the source, that receives the answers
 /// to all its pull requests; each request has a reply subject of its own
@@ -239,7 +239,7 @@ impl NatsSource {
             if limits.max_batch > 0 {
                 max = max.min(limits.max_batch as usize);
             }
-            let mut wait = RECEIVE_WAIT;
+            let mut wait = HELD_WAIT;
             if !limits.max_expires.is_zero() {
                 wait = wait.min(limits.max_expires);
             }

@@ -11,7 +11,7 @@ use super::connection::sdk_error;
 use super::{InFlight, SqsSource, lock};
 use courier_core::model::{Delivery, F_ATTEMPT, F_FIRST_ATTEMPT_AT, parse_time, rfc3339};
 use courier_core::source::SourceError;
-use courier_core::source::shared::{F_RETRY_AT, RECEIVE_WAIT, field};
+use courier_core::source::shared::{F_RETRY_AT, HELD_WAIT, RECEIVE_WAIT, field};
 
 /// SQS returns at most this many messages a call.
 const PER_CALL: usize = 10;
@@ -89,7 +89,7 @@ impl SqsSource {
         // earlier one acked): no long poll while some wait here.
         let waiting = self.fifo && self.refresh_waiting().await;
         let wait = if out.is_empty() && !waiting {
-            RECEIVE_WAIT.as_secs().max(1) as i32
+            HELD_WAIT.as_secs() as i32
         } else {
             0
         };

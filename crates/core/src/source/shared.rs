@@ -9,8 +9,18 @@ use bytes::Bytes;
 use super::SourceError;
 pub use super::seal::{Seal, is_courier_field};
 
-/// How long one `receive` waits for a first message when none is ready.
+/// How long one `receive` waits for a first message when none is ready,
+/// where the wait is courier's own (messages a broker pushed, a client
+/// library's fetch queue): it sends the broker nothing.
 pub const RECEIVE_WAIT: Duration = Duration::from_secs(1);
+
+/// How long one `receive` asks the broker to hold its request for a first
+/// message when none is ready, where courier cannot withdraw the request
+/// once sent (a NATS pull request, an SQS long poll): a stop or a `/drain`
+/// waits it out, because what the broker hands out meanwhile has counted
+/// as a delivery. Long enough that an idle courier asks such a broker once
+/// every few seconds; short enough not to hold up a drain.
+pub const HELD_WAIT: Duration = Duration::from_secs(3);
 
 /// The field with the time a stored copy is due, for brokers that cannot
 /// delay one message exactly and hold it until then.

@@ -1,0 +1,234 @@
+//! What an idle courier costs its broker (issue 28): the binary, run as a
+//! user runs it (every flag at its default but the source, queue, app and
+//! listen address), on an empty queue, sends the broker at most one
+//! request a second, counted by the broker itself. Each test has a broker
+//! of its own, so that every request it counts is courier's.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::common::*;
+
+/// How long the requests of an idle courier are counted.
+const WINDOW: Duration = Duration::from_secs(15);
+
+/// `courier run` for `fixture` with nothing but the flags a user must give
+/// (and `--create`, so that the queue is there), with `env` set.
+fn idle_courier(fixture: &Fixture, app: &TestApp, env: &[(&str, &str)]) -> CourierProcess {
+    CourierProcess::run_with_env(
+        &[
+            "--source",
+            &fixture.source_arg(),
+            "--queue",
+            &fixture.queue,
+            "--app",
+            &app.url(),
+            "--listen",
+            "127.0.0.1:0",
+            "--create",
+        ]
+        .map(str::to_string),
+        env,
+    )
+}
+
+/// At most one request a second over [`WINDOW`]: `count` of them, as
+/// the broker counted; `shown`, what it recorded of them, when there are
+/// too many. The figure is printed for the run's log.
+fn assert_at_most_one_a_second(broker: &str, count: u64, shown: &str) {
+    eprintln!("an idle courier sent {broker} {count} requests in {WINDOW:?}");
+    assert!(
+        count <= WINDOW.as_secs(),
+        "an idle courier sent {broker} {count} requests in {WINDOW:?}:\n{shown}"
+    );
+}
+
+/// The commands clients send `port`'s Redis over `window`, as `MONITOR`
+/// shows them; those a script runs (`[0 lua]`) are the script's one
+/// request, not more.
+async fn redis_requests(port: u16, window: Duration) -> Vec<String> {
+    let socket = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the private Redis");
+    let (read, mut write) = socket.into_split();
+    write.write_all(b"MONITOR\r\n").await.unwrap();
+    let mut lines = BufReader::new(read).lines();
+    assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("+OK"));
+    let mut requests = Vec::new();
+    let _ = tokio::time::timeout(window, async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if !line.contains(" lua] ") {
+                requests.push(line);
+            }
+        }
+    })
+    .await;
+    requests
+}
+
+/// Redis: a read that blocks until the next look for abandoned entries is
+/// due, that look and the retry mover's heartbeat each one script call,
+/// and the depth gauges one script call a `--depth-interval`. Then a
+/// SIGTERM: the blocking read is ended, not waited out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_an_idle_courier_sends_at_most_one_request_a_second() {
+    let redis = PrivateRedis::start().await;
+    let fixture = Fixture::redis_at(&redis.url(), "idle");
+    let app = TestApp::start().await;
+    let mut courier = idle_courier(&fixture, &app, &[]);
+    courier.wait_running().await;
+    let mut con = redis_connection(&redis.url()).await.unwrap();
+    wait_for(
+        "courier's blocking read",
+        Duration::from_secs(30),
+        async || {
+            let clients: String = redis::cmd("CLIENT")
+                .arg("LIST")
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            waiting_readers(&clients).len() == 1
+        },
+    )
+    .await;
+
+    let requests = redis_requests(redis.port(), WINDOW).await;
+    assert_at_most_one_a_second("Redis", requests.len() as u64, &requests.join("\n"));
+    // Not an idle figure of zero because nothing ran: the reads are there.
+    assert!(
+        requests.iter().any(|r| r.contains("\"XREADGROUP\"")),
+        "no read of new entries in {WINDOW:?}:\n{}",
+        requests.join("\n")
+    );
+
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}; log:\n{}", courier.log());
+}
+
+/// What clients published to `monitor_port`'s NATS so far (pull requests,
+/// JetStream API calls, acks), by its monitoring endpoint's `/varz`.
+async fn nats_published(monitor_port: u16) -> u64 {
+    let answer = http_get(([127, 0, 0, 1], monitor_port).into(), "/varz").await;
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    let varz: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("/varz is not JSON ({e}): {answer}"));
+    varz["in_msgs"].as_u64().expect("in_msgs in /varz")
+}
+
+/// NATS: a pull request the server holds for a few seconds, and the depth
+/// gauges' JetStream API calls a `--depth-interval`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_an_idle_courier_sends_at_most_one_request_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let nats = crate::brokers::PrivateNats::start(dir.path(), None).await;
+    let fixture = Fixture::broker(&nats.url());
+    fixture.open_as_created().await;
+    let app = TestApp::start().await;
+    let mut courier = idle_courier(&fixture, &app, &[]);
+    courier.wait_running().await;
+    wait_for(
+        "courier's first pull",
+        Duration::from_secs(30),
+        async || nats_published(nats.monitor_port).await > 0,
+    )
+    .await;
+
+    let before = nats_published(nats.monitor_port).await;
+    tokio::time::sleep(WINDOW).await;
+    let published = nats_published(nats.monitor_port).await - before;
+    assert_at_most_one_a_second("NATS", published, "(published messages, from /varz)");
+    assert!(published > 0, "no pull request in {WINDOW:?}");
+
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}; log:\n{}", courier.log());
+}
+
+/// SQS: a long poll the server holds for a few seconds, and the depth
+/// gauges' attribute reads a `--depth-interval`; counted in the log of a
+/// moto of the test's own, a line per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_an_idle_courier_sends_at_most_one_request_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("moto.log");
+    let moto = Moto::logging_to(&log);
+    let requests = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| line.contains("\"POST "))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let fixture = Fixture::broker(&format!("sqs://{SQS_REGION}"));
+    let app = TestApp::start().await;
+    let endpoint = moto.endpoint();
+    let env = [
+        ("AWS_ENDPOINT_URL", endpoint.as_str()),
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_REGION", SQS_REGION),
+    ];
+    let mut courier = idle_courier(&fixture, &app, &env);
+    courier.wait_running().await;
+    wait_for(
+        "courier's first receive",
+        Duration::from_secs(30),
+        async || requests().len() > 3,
+    )
+    .await;
+
+    let before = requests().len();
+    tokio::time::sleep(WINDOW).await;
+    let sent = requests()[before..].to_vec();
+    assert_at_most_one_a_second("SQS", sent.len() as u64, &sent.join("\n"));
+    assert!(!sent.is_empty(), "no receive in {WINDOW:?}");
+
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}; log:\n{}", courier.log());
+}
+
+/// What RabbitMQ read from the connections of courier on `queue` so far
+/// (`recv_cnt`: socket reads, a frame or a batch of frames each), by
+/// `rabbitmqctl`; courier names its connection after its queue.
+fn amqp_reads(queue: &str) -> u64 {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "client_properties", "recv_cnt"])
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(out.status.success(), "rabbitmqctl: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|line| line.contains(&format!("({queue})")))
+        .filter_map(|line| line.rsplit('\t').next()?.trim().parse::<u64>().ok())
+        .sum()
+}
+
+/// RabbitMQ: the broker pushes; an idle courier sends heartbeats and the
+/// depth gauges' passive declares a `--depth-interval`. The shared broker
+/// is counted on courier's own connection, which bears its queue's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_an_idle_courier_sends_at_most_one_request_a_second() {
+    let fixture = Fixture::amqp();
+    let app = TestApp::start().await;
+    let mut courier = idle_courier(&fixture, &app, &[]);
+    courier.wait_running().await;
+    wait_for(
+        "courier's connection",
+        Duration::from_secs(30),
+        async || amqp_reads(&fixture.queue) > 0,
+    )
+    .await;
+
+    let before = amqp_reads(&fixture.queue);
+    tokio::time::sleep(WINDOW).await;
+    let reads = amqp_reads(&fixture.queue) - before;
+    assert_at_most_one_a_second("RabbitMQ", reads, "(socket reads, from rabbitmqctl)");
+
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}; log:\n{}", courier.log());
+}

@@ -599,10 +599,14 @@ async fn follow_connection(
         metrics.broker_up.set(i64::from(connected));
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
+            _ = tokio::time::sleep(CONNECTION_CHECK) => {}
         }
     }
 }
+
+/// How often readiness looks at the source's connection: a probe's period
+/// is a second at the shortest, and an idle sidecar wakes for it.
+const CONNECTION_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The options a source is opened with under `policy`: its dead-letter
 /// queue, delivery limit, and a visibility timeout longer than the policy's

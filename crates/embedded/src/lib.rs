@@ -89,8 +89,9 @@ const CAREFUL_FOR: Duration = Duration::from_secs(10);
 /// A waiting receive is tried again at least this often. Every change goes
 /// through the writer, which tries waiting receives after each transaction
 /// and at the next due time, so this only covers what the writer cannot
-/// see: the wall clock (due times are wall-clock ms) jumping.
-const FALLBACK_POLL: Duration = Duration::from_millis(200);
+/// see: the wall clock (due times are wall-clock ms) jumping. Each is a
+/// wake-up of an idle sidecar, so not more than one a second.
+const FALLBACK_POLL: Duration = Duration::from_secs(1);
 /// What receives and acks did in memory is written, with an fsync, at most
 /// this long after the first of it.
 ///

@@ -232,3 +232,49 @@ async fn amqp_an_idle_courier_sends_at_most_one_request_a_second() {
     let status = courier.exit_within(Duration::from_secs(30)).await;
     assert!(status.success(), "{status}; log:\n{}", courier.log());
 }
+
+/// The depth gauges of a queue where nothing changes are read further and
+/// further apart, up to four `--depth-interval`s; a change is still seen.
+/// Redis's depth reading is one script call, told apart in `MONITOR` by its
+/// argument `courier-last-attempt-at`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_queues_depth_is_read_four_times_less_often_and_a_change_is_still_seen() {
+    const INTERVAL: Duration = Duration::from_millis(250);
+    const COUNTED: Duration = Duration::from_secs(4);
+    let redis = PrivateRedis::start().await;
+    let fixture = Fixture::redis_at(&redis.url(), "paced");
+    let app = TestApp::start().await;
+    let mut config = run_config(&fixture, &app, fast_policy());
+    config.endpoint.depth_interval = INTERVAL;
+    let running = Running::start(config).await;
+    // Three unchanged readings stretch the wait to its longest.
+    tokio::time::sleep(INTERVAL * 8).await;
+
+    let readings = redis_requests(redis.port(), COUNTED)
+        .await
+        .into_iter()
+        .filter(|r| r.contains("courier-last-attempt-at"))
+        .count();
+    // Every 250 ms: 16 in 4 s; every second: 4 or 5.
+    assert!(
+        (2..=6).contains(&readings),
+        "{readings} depth readings in {COUNTED:?} of an idle queue, polled every {INTERVAL:?}"
+    );
+
+    // A dead letter written behind courier's back: no message received,
+    // and the gauge shows it within the longest wait.
+    let mut con = redis_connection(&redis.url()).await.unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg(fixture.dlq())
+        .arg("*")
+        .arg("payload")
+        .arg("written by hand")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    wait_for("the dead-letter gauge", Duration::from_secs(30), async || {
+        metric(&scrape(running.metrics_addr).await, "courier_dlq_depth", &fixture.queue) == 1.0
+    })
+    .await;
+    running.stop().await;
+}

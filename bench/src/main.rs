@@ -26,6 +26,7 @@ mod bare;
 mod celery;
 mod child;
 mod counts;
+mod idle;
 mod load;
 mod report;
 mod runs;
@@ -138,6 +139,26 @@ struct Options {
     /// Skip the retry-backlog run.
     #[arg(long)]
     no_backlog: bool,
+    /// Seconds of each source's empty queue in the rest runs.
+    #[arg(long, default_value_t = 60)]
+    rest_secs: u64,
+    /// Messages sent to an idle queue in each wake run (the median is kept).
+    #[arg(long, default_value_t = 5)]
+    pickups: usize,
+    /// Seconds a queue stays empty before each pickup of the wake runs:
+    /// longer than the longest wait any consumer asks its broker to hold.
+    #[arg(long, default_value_t = 6)]
+    idle_gap_secs: u64,
+    /// Sources of the rest and wake runs.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "redis,amqp,nats,embedded"
+    )]
+    idle_sources: Vec<String>,
+    /// Skip the rest and wake runs.
+    #[arg(long)]
+    no_idle: bool,
     /// The courier binary [default: built with `cargo build --profile dist`, beside this one].
     #[arg(long)]
     courier: Option<PathBuf>,
@@ -168,11 +189,16 @@ impl Options {
             self.latency_secs = 1;
             self.limit_secs = 1;
             self.no_celery = true;
+            self.rest_secs = self.rest_secs.min(2);
+            self.pickups = 1;
+            self.idle_gap_secs = 1;
+            self.idle_sources = vec!["redis".into()];
         }
         if self.counts_only {
             self.no_replicas = true;
             self.no_celery = true;
             self.no_backlog = true;
+            self.no_idle = true;
         }
     }
 }
@@ -389,6 +415,12 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
              commit them (or stash them), or pass --allow-dirty to mark every row \"uncommitted\""
         );
     }
+    let idle_kinds = if options.no_idle {
+        Vec::new()
+    } else {
+        parse_kinds(&options.idle_sources)?
+    };
+    let idle_gap = Duration::from_secs(options.idle_gap_secs);
     let count_kinds = if options.no_counts {
         Vec::new()
     } else {
@@ -481,6 +513,42 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                 Err(e) => eprintln!("  not available: {e}"),
             }
             row.side_mut(who).latency = latency;
+        }
+        if idle_kinds.contains(&kind) {
+            for who in [Consumer::Bare, Consumer::Courier] {
+                eprintln!(
+                    "{} {}: {} s at rest, then waking...",
+                    kind.name(),
+                    who.name(),
+                    options.rest_secs
+                );
+                let rest = idle::rest(&ctx, kind, who, options.rest_secs)
+                    .await
+                    .map_err(err);
+                match &rest {
+                    Ok(r) => eprintln!(
+                        "  {:.3} % of a core, {} requests/s, RSS {} KiB",
+                        r.cpu_percent(),
+                        r.requests_per_second()
+                            .map_or("no broker".into(), |v| format!("{v:.2}")),
+                        r.rss_kib
+                    ),
+                    Err(e) => eprintln!("  not available: {e}"),
+                }
+                let wake = idle::wake(&ctx, kind, who, options.pickups, idle_gap)
+                    .await
+                    .map_err(err);
+                match &wake {
+                    Ok(w) => eprintln!(
+                        "  start to first delivery {:?}, pickup {:?}",
+                        w.first_delivery, w.pickup
+                    ),
+                    Err(e) => eprintln!("  not available: {e}"),
+                }
+                let side = row.side_mut(who);
+                side.rest = Some(rest);
+                side.wake = Some(wake);
+            }
         }
         if count_kinds.contains(&kind) {
             for who in [Consumer::Bare, Consumer::Courier] {
@@ -588,6 +656,9 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
             count_messages: options.count_messages,
             replica_messages: options.replica_messages,
             smoke: options.smoke,
+            rest_secs: options.rest_secs,
+            pickups: options.pickups,
+            idle_gap_secs: options.idle_gap_secs,
         },
         limit,
         direct,

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::idle::{Rest, Wake};
 use crate::load::Capacity;
 use crate::runs::{Backlog, CeleryRun, Consumer, Drain, Latency, Replicas};
 use crate::sources::Kind;
@@ -57,6 +58,12 @@ pub struct Settings {
     pub count_messages: u64,
     pub replica_messages: u64,
     pub smoke: bool,
+    /// Seconds of each rest run.
+    pub rest_secs: u64,
+    /// Pickups of each wake run.
+    pub pickups: usize,
+    /// Seconds a queue was idle before each pickup.
+    pub idle_gap_secs: u64,
 }
 
 /// What one consumer (courier, or the bare loop) measured on one source.
@@ -67,6 +74,10 @@ pub struct Side {
     pub instructions: Option<Result<f64, String>>,
     /// System calls per message; `None` when not counted.
     pub syscalls: Option<Result<f64, String>>,
+    /// An empty queue; `None` when not run (`--no-idle`).
+    pub rest: Option<Result<Rest, String>>,
+    /// Start to first delivery and pickup; `None` when not run.
+    pub wake: Option<Result<Wake, String>>,
 }
 
 fn median(mut values: Vec<f64>) -> Option<f64> {
@@ -89,6 +100,8 @@ impl Side {
             latency: Err("not run".into()),
             instructions: None,
             syscalls: None,
+            rest: None,
+            wake: None,
         }
     }
 
@@ -796,6 +809,7 @@ impl Results {
         if !notes.is_empty() {
             let _ = writeln!(md, "\n{}", notes.join("\n"));
         }
+        self.idle_markdown(&mut md);
         let _ = writeln!(md, "\n### The app's limit, and Celery\n");
         let _ = writeln!(
             md,
@@ -924,6 +938,65 @@ impl Results {
         }
         let _ = writeln!(md, "\n{END}");
         md
+    }
+}
+
+impl Results {
+    /// The `rest` and `wake` table (issue 28), when they ran.
+    fn idle_markdown(&self, md: &mut String) {
+        let ran = |side: &Side| side.rest.is_some() || side.wake.is_some();
+        if !self.rows.iter().any(|r| ran(&r.courier) || ran(&r.bare)) {
+            return;
+        }
+        let _ = writeln!(
+            md,
+            "\n### At rest, and waking (issue 28)\n\n\
+             Rest: {} s of an empty queue. CPU as % of one core; requests as the data segments the consumer \
+             sent on its sockets to the broker's port, from the kernel's counters (`ss -ti`), a second; RSS at \
+             the end. Wake: from starting the process to the delivery of the one message that waited, and the \
+             pickup latency, from sending a message to a queue idle for {} s to its arrival at the app (the \
+             median of {}).\n\n\
+             | | consumer | CPU % | requests / s | RSS | start to first delivery, ms | pickup, ms |\n\
+             |---|---|---:|---:|---:|---:|---:|",
+            self.settings.rest_secs, self.settings.idle_gap_secs, self.settings.pickups
+        );
+        for row in &self.rows {
+            for (who, side) in [
+                (Consumer::Bare, &row.bare),
+                (Consumer::Courier, &row.courier),
+            ] {
+                if !ran(side) {
+                    continue;
+                }
+                let (cpu, requests, rss) = match &side.rest {
+                    Some(Ok(r)) => (
+                        format!("{:.3}", r.cpu_percent()),
+                        r.requests_per_second()
+                            .map_or("no broker".into(), |v| format!("{v:.2}")),
+                        format!("{} MB", mb(r.rss_kib)),
+                    ),
+                    Some(Err(e)) => (one_line(e), String::new(), String::new()),
+                    None => ("not run".into(), String::new(), String::new()),
+                };
+                let (first, pickup) = match &side.wake {
+                    Some(Ok(w)) => (
+                        ms(w.first_delivery),
+                        match &w.pickup {
+                            Ok(p) => ms(*p),
+                            Err(e) => one_line(e),
+                        },
+                    ),
+                    Some(Err(e)) => (one_line(e), String::new()),
+                    None => ("not run".into(), String::new()),
+                };
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {cpu} | {requests} | {rss} | {first} | {pickup} |",
+                    row.kind.title(),
+                    who.name()
+                );
+            }
+        }
     }
 }
 

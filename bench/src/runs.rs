@@ -68,7 +68,7 @@ async fn start_courier(ctx: &Ctx, args: Vec<String>, log: PathBuf) -> anyhow::Re
     tokio::task::spawn_blocking(move || Courier::start(&binary, &args, &log)).await?
 }
 
-async fn stop(process: Process) {
+pub(crate) async fn stop(process: Process) {
     let _ = tokio::task::spawn_blocking(move || drop(process)).await;
 }
 
@@ -136,13 +136,13 @@ pub fn consumer_command(
 }
 
 /// A consumer running as a child process.
-enum Running {
+pub(crate) enum Running {
     Courier(Courier),
     Bare(Process),
 }
 
 impl Running {
-    async fn start(
+    pub(crate) async fn start(
         ctx: &Ctx,
         who: Consumer,
         target: &Target,
@@ -161,22 +161,30 @@ impl Running {
         }
     }
 
-    fn process(&self) -> &Process {
+    pub(crate) fn process(&self) -> &Process {
         match self {
             Self::Courier(c) => &c.process,
             Self::Bare(p) => p,
         }
     }
 
-    fn into_process(self) -> Process {
+    pub(crate) fn into_process(self) -> Process {
         match self {
             Self::Courier(c) => c.process,
             Self::Bare(p) => p,
         }
     }
 
-    fn usage(&self) -> Usage {
+    pub(crate) fn usage(&self) -> Usage {
         crate::child::usage(self.process().pid)
+    }
+
+    /// Whether the process has exited, and how.
+    pub(crate) fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        match self {
+            Self::Courier(c) => c.process.exited(),
+            Self::Bare(p) => p.exited(),
+        }
     }
 
     /// One of courier's metrics; the bare loop has none.
@@ -506,13 +514,13 @@ async fn latency_target(
 }
 
 /// `courier run` inside this process (the embedded queue's latency run).
-struct InProcess {
+pub(crate) struct InProcess {
     shutdown: tokio_util::sync::CancellationToken,
     handle: tokio::task::JoinHandle<anyhow::Result<courier::dispatch::DrainReport>>,
 }
 
 impl InProcess {
-    async fn start(ctx: &Ctx, target: &Target) -> anyhow::Result<Self> {
+    pub(crate) async fn start(ctx: &Ctx, target: &Target) -> anyhow::Result<Self> {
         use clap::Parser;
         let mut argv = vec!["courier".to_string(), "run".to_string()];
         argv.extend(courier_args(ctx, target, &["--listen", "127.0.0.1:0"]));
@@ -528,7 +536,7 @@ impl InProcess {
         Ok(Self { shutdown, handle })
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.shutdown.cancel();
         let _ = self.handle.await;
     }

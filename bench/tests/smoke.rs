@@ -96,6 +96,21 @@ fn smoke_run_measures_every_part_and_writes_the_report() {
             .unwrap_or_else(|_| panic!("no server CPU for the {who} in {server:?}"));
         assert!(cpu >= 0.0, "{server:?}");
     }
+    // At rest and waking, on Redis in a smoke run: CPU, requests a second,
+    // start to first delivery and pickup are figures for both consumers.
+    for who in ["bare", "courier"] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| Redis Streams | {who} |")))
+            .unwrap_or_else(|| panic!("no rest and wake row for the Redis {who} in:\n{text}"));
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        for (at, what) in [(3, "CPU"), (4, "requests"), (6, "start"), (7, "pickup")] {
+            let value: f64 = cells[at]
+                .parse()
+                .unwrap_or_else(|_| panic!("no {what} figure in {line:?}"));
+            assert!(value >= 0.0, "{line:?}");
+        }
+    }
     for part in [
         "courier-bench:begin",
         "Smoke run",
@@ -105,6 +120,7 @@ fn smoke_run_measures_every_part_and_writes_the_report() {
         "| **courier**, Redis Streams",
         "### Two replicas, one group",
         "### Retry backlog",
+        "### At rest, and waking (issue 28)",
         "### Targets (issue 15)",
         "courier-bench:end",
     ] {

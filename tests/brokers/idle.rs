@@ -272,9 +272,17 @@ async fn an_idle_queues_depth_is_read_four_times_less_often_and_a_change_is_stil
         .query_async(&mut con)
         .await
         .unwrap();
-    wait_for("the dead-letter gauge", Duration::from_secs(30), async || {
-        metric(&scrape(running.metrics_addr).await, "courier_dlq_depth", &fixture.queue) == 1.0
-    })
+    wait_for(
+        "the dead-letter gauge",
+        Duration::from_secs(30),
+        async || {
+            metric(
+                &scrape(running.metrics_addr).await,
+                "courier_dlq_depth",
+                &fixture.queue,
+            ) == 1.0
+        },
+    )
     .await;
     running.stop().await;
 }

@@ -49,6 +49,10 @@ struct MemorySource {
     /// A retry copy or a whole dead letter of a body longer than this is
     /// refused as too large, as a broker's limit on one message would.
     refuse_over: Option<usize>,
+    /// An empty receive waits this long unless interrupted, as Redis's
+    /// blocking read does; else 20 ms.
+    long_wait: Option<Duration>,
+    interrupted: tokio::sync::Notify,
 }
 
 fn delivery(id: &str, body: &str) -> Delivery {
@@ -97,9 +101,21 @@ impl Consumer for MemorySource {
             s.ready.drain(..n).collect()
         };
         if out.is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            match self.long_wait {
+                Some(wait) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = self.interrupted.notified() => {}
+                    }
+                }
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
         }
         Ok(out)
+    }
+
+    async fn interrupt(&self) {
+        self.interrupted.notify_one();
     }
 
     async fn settle(

@@ -57,6 +57,34 @@ async fn a_read_returns_one_round_of_the_limit() {
     assert_eq!(reader.ahead.len(), 4, "the limit is --concurrency 4");
 }
 
+/// A stop while the source waits on an empty queue asks the source to end
+/// the wait, and the read returns then, not when the wait would have.
+#[tokio::test(start_paused = true)]
+async fn a_stop_interrupts_a_waiting_read() {
+    const WAIT: Duration = Duration::from_secs(30);
+    let source = Arc::new(MemorySource {
+        long_wait: Some(WAIT),
+        ..MemorySource::default()
+    });
+    let shared = Shared::new(dispatcher(source, closed_port().await, fast_policy(3)));
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.cancel();
+    });
+    let clock = Instant::now();
+    let mut reader = Reader::default();
+    let flow = shared.read(&mut reader, &shutdown).await;
+    assert!(matches!(flow, Flow::Launch(_)));
+    assert!(reader.ahead.is_empty());
+    assert_eq!(
+        clock.elapsed(),
+        Duration::from_secs(1),
+        "the read ended at the stop, not after its {WAIT:?} wait"
+    );
+}
+
 // === Judging and settling ===
 
 /// The verdict table, through the dispatcher: the gate's state goes into

@@ -460,9 +460,10 @@ pub trait Consumer: Send + Sync + 'static {
     /// What this broker can do; the dispatcher and the conformance suite
     /// follow it instead of asking which broker this is.
     fn capabilities(&self) -> Capabilities;
-    /// Up to `max` deliveries; when there are none it waits on the broker
-    /// (a second, or up to a few on a source that can end the wait early
-    /// through [`Consumer::interrupt`]) and may then return an empty list.
+    /// Up to `max` deliveries; when there are none it waits on the broker a
+    /// few seconds at most (`shared::RECEIVE_WAIT`, `shared::HELD_WAIT`, or
+    /// Redis's block until its next reclaim) and may then return an empty
+    /// list.
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError>;
     /// Ends the wait of a `receive` under way, so that a stop or a `/drain`
     /// does not wait out the broker's blocking read; that `receive` then

@@ -14,23 +14,29 @@ use crate::common::*;
 const WINDOW: Duration = Duration::from_secs(15);
 
 /// `courier run` for `fixture` with nothing but the flags a user must give
-/// (and `--create`, so that the queue is there), with `env` set.
-fn idle_courier(fixture: &Fixture, app: &TestApp, env: &[(&str, &str)]) -> CourierProcess {
-    CourierProcess::run_with_env(
-        &[
-            "--source",
-            &fixture.source_arg(),
-            "--queue",
-            &fixture.queue,
-            "--app",
-            &app.url(),
-            "--listen",
-            "127.0.0.1:0",
-            "--create",
-        ]
-        .map(str::to_string),
-        env,
-    )
+/// (and `--create`, so that the queue is there) and `extra`, with `env`
+/// set.
+fn idle_courier(
+    fixture: &Fixture,
+    app: &TestApp,
+    env: &[(&str, &str)],
+    extra: &[&str],
+) -> CourierProcess {
+    let mut args = [
+        "--source",
+        &fixture.source_arg(),
+        "--queue",
+        &fixture.queue,
+        "--app",
+        &app.url(),
+        "--listen",
+        "127.0.0.1:0",
+        "--create",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    CourierProcess::run_with_env(&args, env)
 }
 
 /// At most one request a second over [`WINDOW`]: `count` of them, as
@@ -76,7 +82,7 @@ async fn redis_an_idle_courier_sends_at_most_one_request_a_second() {
     let redis = PrivateRedis::start().await;
     let fixture = Fixture::redis_at(&redis.url(), "idle");
     let app = TestApp::start().await;
-    let mut courier = idle_courier(&fixture, &app, &[]);
+    let mut courier = idle_courier(&fixture, &app, &[], &[]);
     courier.wait_running().await;
     let mut con = redis_connection(&redis.url()).await.unwrap();
     wait_for(
@@ -126,7 +132,7 @@ async fn nats_an_idle_courier_sends_at_most_one_request_a_second() {
     let fixture = Fixture::broker(&nats.url());
     fixture.open_as_created().await;
     let app = TestApp::start().await;
-    let mut courier = idle_courier(&fixture, &app, &[]);
+    let mut courier = idle_courier(&fixture, &app, &[], &[]);
     courier.wait_running().await;
     wait_for(
         "courier's first pull",
@@ -171,7 +177,7 @@ async fn sqs_an_idle_courier_sends_at_most_one_request_a_second() {
         ("AWS_SECRET_ACCESS_KEY", "testing"),
         ("AWS_REGION", SQS_REGION),
     ];
-    let mut courier = idle_courier(&fixture, &app, &env);
+    let mut courier = idle_courier(&fixture, &app, &env, &[]);
     courier.wait_running().await;
     wait_for(
         "courier's first receive",
@@ -214,7 +220,7 @@ fn amqp_reads(queue: &str) -> u64 {
 async fn amqp_an_idle_courier_sends_at_most_one_request_a_second() {
     let fixture = Fixture::amqp();
     let app = TestApp::start().await;
-    let mut courier = idle_courier(&fixture, &app, &[]);
+    let mut courier = idle_courier(&fixture, &app, &[], &[]);
     courier.wait_running().await;
     wait_for(
         "courier's connection",
@@ -285,4 +291,85 @@ async fn an_idle_queues_depth_is_read_four_times_less_often_and_a_change_is_stil
     )
     .await;
     running.stop().await;
+}
+
+/// Data segments process `pid` has sent on its sockets to 127.0.0.1:`port`
+/// so far, by the kernel's counters (`ss -ti`): a request each, or a batch
+/// of them, where the broker counts none courier can read.
+fn segments_sent(pid: u32, port: u16) -> u64 {
+    let out = std::process::Command::new("ss")
+        .args(["-tinpH", &format!("( dport = :{port} )")])
+        .output()
+        .expect("run ss");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let owner = format!("pid={pid},");
+    let mut ours = false;
+    let mut sent = 0;
+    for line in text.lines() {
+        if !line.starts_with(char::is_whitespace) {
+            ours = line.contains(&owner);
+        } else if std::mem::take(&mut ours) {
+            sent += line
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("data_segs_out:"))
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    sent
+}
+
+/// Pub/Sub: with nothing in flight and nothing coming, a pull the server
+/// holds on the work subscription (the emulator answers it empty after
+/// 2 s) and the retry subscription looked at every 10 s. Counted on
+/// courier's own connections to the shared emulator as data segments: a
+/// gRPC call is two, its headers and its message. The depth count (some
+/// 15 calls a reading, a reading a minute on an idle queue: the pacing
+/// test above, and the bench's rest run, which counts it) is moved out of
+/// the window with `--depth-interval 1h`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_an_idle_reader_makes_at_most_one_call_a_second() {
+    let emulator = shared_pubsub();
+    let fixture = Fixture::pubsub();
+    let app = TestApp::start().await;
+    let mut courier = idle_courier(&fixture, &app, &[], &["--depth-interval", "1h"]);
+    courier.wait_running().await;
+    // Past the start's calls: the first depth count has made the shadow
+    // subscriptions and set the gauges.
+    let metrics = courier.metrics_addr().await;
+    wait_for(
+        "the first depth count",
+        Duration::from_secs(60),
+        async || {
+            series(
+                &scrape(metrics).await,
+                "courier_retry_backlog",
+                &fixture.queue,
+            )
+            .is_some()
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let before = segments_sent(courier.id(), emulator.port);
+    tokio::time::sleep(WINDOW).await;
+    let calls = (segments_sent(courier.id(), emulator.port) - before) / 2;
+    assert_at_most_one_a_second(
+        "Pub/Sub",
+        calls,
+        "(gRPC calls, from the data segments ss counts)",
+    );
+    assert!(calls > 0, "no pull in {WINDOW:?}");
+
+    // An arrival at the resting reader is delivered.
+    let source = fixture.open().await;
+    fixture.send(&source, "after a rest".to_string()).await;
+    wait_for("the arrival", Duration::from_secs(30), async || {
+        !app.received_body(b"after a rest").is_empty()
+    })
+    .await;
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}; log:\n{}", courier.log());
 }

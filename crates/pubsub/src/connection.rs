@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
@@ -154,28 +155,61 @@ impl Client {
     }
 
     /// One unary pull of up to `max` (at most 1000) from `subscription`,
-    /// answered at once: without `return_immediately` the emulator waits for
-    /// messages, and a pull cut short would leave what it took leased to
-    /// nobody.
+    /// answered at once.
     pub async fn pull(
         &self,
         subscription: &str,
         max: usize,
     ) -> Result<Vec<ReceivedMessage>, SourceError> {
+        self.pull_with(subscription, max, None).await
+    }
+
+    /// One unary pull the server holds until a message comes or `hold`
+    /// passes. The server is told the deadline (`grpc-timeout`, which the
+    /// channel also keeps) and answers before it, empty if need be (the
+    /// emulator a second before). Only a server later than its deadline
+    /// has the pull cut short, which leaves what it took for it leased to
+    /// nobody until its ack deadline: a delivery Pub/Sub counts.
+    pub async fn pull_held(
+        &self,
+        subscription: &str,
+        max: usize,
+        hold: Duration,
+    ) -> Result<Vec<ReceivedMessage>, SourceError> {
+        self.pull_with(subscription, max, Some(hold)).await
+    }
+
+    async fn pull_with(
+        &self,
+        subscription: &str,
+        max: usize,
+        hold: Option<Duration>,
+    ) -> Result<Vec<ReceivedMessage>, SourceError> {
         #[allow(deprecated)]
         let request = PullRequest {
             subscription: subscription.to_string(),
-            return_immediately: true,
+            return_immediately: hold.is_none(),
             max_messages: max.clamp(1, 1000) as i32,
         };
-        let request = self.request(request).await?;
-        let out = self
-            .subscriber
-            .clone()
-            .pull(request)
-            .await
-            .map_err(|s| status_error(&format!("pulling from {subscription}"), &s))?;
-        Ok(out.into_inner().received_messages)
+        let mut request = self.request(request).await?;
+        if let Some(hold) = hold {
+            request.set_timeout(hold);
+        }
+        match self.subscriber.clone().pull(request).await {
+            Ok(out) => Ok(out.into_inner().received_messages),
+            // A held pull whose deadline came first found nothing.
+            Err(status) if hold.is_some() && status.code() == Code::DeadlineExceeded => {
+                tracing::debug!(
+                    subscription,
+                    "a held pull reached its deadline before the server answered"
+                );
+                Ok(Vec::new())
+            }
+            Err(status) => Err(status_error(
+                &format!("pulling from {subscription}"),
+                &status,
+            )),
+        }
     }
 
     pub async fn acknowledge(

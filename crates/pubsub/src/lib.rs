@@ -115,6 +115,8 @@ pub struct PubSubSource {
     known_dead_letter_topics: Mutex<HashSet<String>>,
     /// One depth count at a time: the shadow subscriptions are shared.
     counting: tokio::sync::Mutex<()>,
+    /// Whether the reader rests, and when it looks at retries next.
+    pace: Mutex<read::Pace>,
     /// The dead letters and sends, on the same channel.
     store: PubSubStore,
 }
@@ -153,6 +155,7 @@ impl PubSubSource {
             in_flight: Mutex::default(),
             known_dead_letter_topics: Mutex::new(HashSet::from([dead_letters])),
             counting: tokio::sync::Mutex::new(()),
+            pace: Mutex::default(),
         };
         if source.max_delivery_attempts.is_none() {
             tracing::warn!(

@@ -17,10 +17,70 @@ use super::fields::{from_message, publish_time};
 use super::{PubSubSource, Sub, lock};
 use courier_core::model::{Delivery, F_ATTEMPT, F_FIRST_ATTEMPT_AT, parse_time, rfc3339};
 use courier_core::source::SourceError;
-use courier_core::source::shared::{F_RETRY_AT, RECEIVE_WAIT, field, replace};
+use courier_core::source::shared::{F_RETRY_AT, HELD_WAIT, RECEIVE_WAIT, field, replace};
+use tokio::time::Instant;
 
-/// How often an empty queue is asked again within one receive.
+/// How often an empty queue is asked again within one receive, while
+/// deliveries are in flight (one may store a retry copy at any moment).
 const POLL: Duration = Duration::from_millis(50);
+/// While nothing is in flight and nothing came, the retry subscription is
+/// looked at this often, besides when a copy this process stored or held
+/// falls due: for copies of other replicas that stopped.
+const RETRY_LOOK: Duration = Duration::from_secs(10);
+/// How long after a known copy's due time the retry subscription is still
+/// asked every [`POLL`] while it has not come back: Pub/Sub hands a held
+/// message out again when its lease ends, a moment after.
+const RETRY_GRACE: Duration = Duration::from_secs(5);
+/// Due times of copies the reader keeps, at most; one over it is found by
+/// the look every [`RETRY_LOOK`].
+const MOST_DUE: usize = 4096;
+/// The shortest wait a held pull is asked for.
+const SHORTEST_HOLD: Duration = Duration::from_secs(1);
+
+/// How the reader paces itself between receives.
+pub(super) struct Pace {
+    /// The last receive found nothing and nothing was in flight: the next
+    /// asks only the held pull on the work subscription.
+    resting: bool,
+    /// The last look at the retry subscription.
+    looked: Instant,
+    /// When copies this process stored or held fall due.
+    due: std::collections::BTreeSet<Instant>,
+}
+
+impl Default for Pace {
+    fn default() -> Self {
+        Self {
+            resting: false,
+            looked: Instant::now(),
+            due: std::collections::BTreeSet::new(),
+        }
+    }
+}
+
+impl Pace {
+    /// When the retry subscription is looked at next while resting.
+    fn next_look(&self) -> Instant {
+        let heartbeat = self.looked + RETRY_LOOK;
+        self.due
+            .first()
+            .map_or(heartbeat, |due| heartbeat.min(*due))
+    }
+
+    /// A look at the retry subscription brought `copies` back: what was
+    /// due is accounted for (a copy not yet due is held again, and its time
+    /// noted again). With none back, a due time is kept for
+    /// [`RETRY_GRACE`].
+    fn looked_at(&mut self, now: Instant, copies: usize) {
+        self.looked = now;
+        let done_by = if copies > 0 {
+            now
+        } else {
+            now.checked_sub(RETRY_GRACE).unwrap_or(now)
+        };
+        self.due.retain(|due| *due > done_by);
+    }
+}
 
 /// What one pulled message becomes.
 enum Admitted {
@@ -66,25 +126,65 @@ impl PubSubSource {
         ceil_secs(self.live().visibility_timeout).clamp(MIN_LEASE_SECS, MAX_HOLD_SECS)
     }
 
+    /// Up to `max` deliveries. While deliveries are in flight, both
+    /// subscriptions are asked every [`POLL`]. Once nothing is in flight
+    /// and nothing came, the reader rests: a pull on the work subscription
+    /// that the server holds until a message comes (up to `HELD_WAIT`), and
+    /// the retry subscription only when a copy this process knows of falls
+    /// due (and every [`POLL`] for [`RETRY_GRACE`] after, until it comes),
+    /// or every [`RETRY_LOOK`]. An idle queue then costs a pull every
+    /// two seconds or so, not forty a second.
     pub(super) async fn read(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         let max = max.max(1);
-        let deadline = tokio::time::Instant::now() + RECEIVE_WAIT;
+        let deadline = Instant::now() + RECEIVE_WAIT;
         loop {
+            let now = Instant::now();
+            let idle = lock(&self.in_flight).is_empty();
+            let (resting, next_look) = {
+                let pace = lock(&self.pace);
+                (idle && pace.resting, pace.next_look())
+            };
             let mut out = Vec::new();
             // Copies first: they were due before anything new. Each pull is
             // sized to what is still free, so nothing is pulled that would
             // have to be given back (a give-back of a copy is a delivery
             // Pub/Sub counts).
-            let copies = self.client.pull(&self.names.retry, max).await?;
-            self.admit_all(Sub::Retry, copies, &mut out).await;
-            if out.len() < max {
+            if !resting || next_look <= now {
+                let copies = self.client.pull(&self.names.retry, max).await?;
+                lock(&self.pace).looked_at(now, copies.len());
+                self.admit_all(Sub::Retry, copies, &mut out).await;
+            }
+            if out.len() < max && !resting {
                 let work = self.client.pull(&self.names.work, max - out.len()).await?;
                 self.admit_all(Sub::Work, work, &mut out).await;
             }
-            if !out.is_empty() || tokio::time::Instant::now() >= deadline {
+            if !out.is_empty() {
+                lock(&self.pace).resting = false;
+                return Ok(out);
+            }
+            if idle {
+                let until = lock(&self.pace).next_look();
+                let hold = HELD_WAIT.min(until.saturating_duration_since(Instant::now()));
+                if hold >= SHORTEST_HOLD {
+                    let work = self.client.pull_held(&self.names.work, max, hold).await?;
+                    self.admit_all(Sub::Work, work, &mut out).await;
+                    lock(&self.pace).resting = out.is_empty();
+                    return Ok(out);
+                }
+            }
+            if Instant::now() >= deadline {
                 return Ok(out);
             }
             tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// A copy is in the retry subscription now or falls due at `at`: the
+    /// reader looks there by then.
+    pub(super) fn retry_due(&self, at: Instant) {
+        let mut pace = lock(&self.pace);
+        if pace.due.len() < MOST_DUE {
+            pace.due.insert(at);
         }
     }
 
@@ -107,6 +207,7 @@ impl PubSubSource {
                     out.push(delivery);
                 }
                 Admitted::Hold { ack_id, secs } => {
+                    self.retry_due(Instant::now() + Duration::from_secs(secs));
                     if let Err(e) = self
                         .client
                         .modify_deadline(&subscription, vec![ack_id], secs)
@@ -187,6 +288,7 @@ impl PubSubSource {
         let fields = self.seal.seal(fields);
         match self.client.publish(&self.names.retry_topic, &fields).await {
             Ok(_) => {
+                self.retry_due(Instant::now());
                 if let Err(e) = self.retry_acks.submit(ack_id.to_string()).await {
                     tracing::warn!(error = %e, "a retry copy was renewed but the old one not acked: it is received once more");
                 }
@@ -201,6 +303,36 @@ impl PubSubSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resting reader looks at retries when a known copy falls due, keeps
+    /// looking until one comes back (for the grace at most), and otherwise
+    /// every `RETRY_LOOK`.
+    #[test]
+    fn the_retry_look_follows_the_known_due_times() {
+        let start = Instant::now();
+        let mut pace = Pace {
+            resting: true,
+            looked: start,
+            due: Default::default(),
+        };
+        assert_eq!(pace.next_look(), start + RETRY_LOOK);
+        let due = start + Duration::from_secs(2);
+        pace.due.insert(due);
+        pace.due.insert(start + Duration::from_secs(30));
+        assert_eq!(pace.next_look(), due);
+        // Looked at when due, nothing back yet: still due, so asked again.
+        pace.looked_at(due, 0);
+        assert_eq!(pace.next_look(), due);
+        // Past the grace, given up: the heartbeat from the last look.
+        let late = due + RETRY_GRACE + Duration::from_millis(1);
+        pace.looked_at(late, 0);
+        assert_eq!(pace.next_look(), late + RETRY_LOOK);
+        // A copy back accounts for everything due by then.
+        pace.due.insert(late);
+        pace.looked_at(late, 1);
+        assert_eq!(pace.due.len(), 1);
+        assert_eq!(pace.next_look(), late + RETRY_LOOK);
+    }
 
     #[test]
     fn attempts_of_a_copy() {

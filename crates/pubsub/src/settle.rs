@@ -129,6 +129,7 @@ impl SettleParts for PubSubSource {
             }
             return Err(e);
         }
+        self.retry_due(tokio::time::Instant::now());
         let result = self.ack_receipt(&delivery.receipt).await;
         if let Err(e) = &result {
             tracing::warn!(error = %e, id = %delivery.message.id, "the retry copy is stored but the original was not acked: the message comes back once more");

@@ -216,6 +216,7 @@ impl AmqpSource {
             session: Mutex::new(Some(session)),
             connecting: tokio::sync::Mutex::new(()),
             consuming: AtomicBool::new(false),
+            interrupted: tokio::sync::Notify::new(),
             properties: Mutex::new(HashMap::new()),
             dead_letter_queue: Mutex::new(options.live.dead_letter_queue.clone()),
             max_deliveries: AtomicU32::new(options.live.max_deliveries),
@@ -430,7 +431,13 @@ impl AmqpSource {
                 session.broken.store(true, Ordering::SeqCst);
                 return Err(SourceError::unavailable("the consumer is not running"));
             };
-            match tokio::time::timeout(RECEIVE_WAIT, rx.recv()).await {
+            // The wait is on the channel the consumer's deliveries come
+            // through, in the process: a stop may end it, taking nothing.
+            let got = tokio::select! {
+                got = tokio::time::timeout(RECEIVE_WAIT, rx.recv()) => got,
+                () = self.interrupted.notified() => return Ok(Vec::new()),
+            };
+            match got {
                 Err(_) => return Ok(Vec::new()),
                 Ok(None) => {
                     session.broken.store(true, Ordering::SeqCst);

@@ -200,6 +200,9 @@ pub struct AmqpSource {
     /// Set by the first `receive`: this source consumes, and keeps doing so
     /// on every new connection.
     consuming: AtomicBool,
+    /// Ends a receive's wait (a stop, a `/drain`); one that comes before
+    /// the wait ends the next wait at once.
+    interrupted: tokio::sync::Notify,
     /// Original properties of deliveries in flight, for re-publishing them.
     properties: Mutex<HashMap<String, BasicProperties>>,
     /// Where depth reads dead letters; follows live policy changes.
@@ -263,6 +266,10 @@ impl Consumer for AmqpSource {
 
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         self.receive_batch(max).await
+    }
+
+    async fn interrupt(&self) {
+        self.interrupted.notify_one();
     }
 
     async fn settle(

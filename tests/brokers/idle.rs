@@ -4,14 +4,18 @@
 //! request a second, counted by the broker itself. Each test has a broker
 //! of its own, so that every request it counts is courier's.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::common::*;
+use courier::source::{Source, shared};
 
 /// How long the requests of an idle courier are counted.
 const WINDOW: Duration = Duration::from_secs(15);
+/// The same for Kafka (see its test).
+const KAFKA_WINDOW: Duration = Duration::from_secs(30);
 
 /// `courier run` for `fixture` with nothing but the flags a user must give
 /// (and `--create`, so that the queue is there) and `extra`, with `env`
@@ -43,10 +47,15 @@ fn idle_courier(
 /// the broker counted; `shown`, what it recorded of them, when there are
 /// too many. The figure is printed for the run's log.
 fn assert_at_most_one_a_second(broker: &str, count: u64, shown: &str) {
-    eprintln!("an idle courier sent {broker} {count} requests in {WINDOW:?}");
+    assert_at_most_one_a_second_over(WINDOW, broker, count, shown);
+}
+
+/// [`assert_at_most_one_a_second`] over `window`.
+fn assert_at_most_one_a_second_over(window: Duration, broker: &str, count: u64, shown: &str) {
+    eprintln!("an idle courier sent {broker} {count} requests in {window:?}");
     assert!(
-        count <= WINDOW.as_secs(),
-        "an idle courier sent {broker} {count} requests in {WINDOW:?}:\n{shown}"
+        count <= window.as_secs(),
+        "an idle courier sent {broker} {count} requests in {window:?}:\n{shown}"
     );
 }
 
@@ -364,7 +373,100 @@ async fn pubsub_an_idle_reader_makes_at_most_one_call_a_second() {
 
     // An arrival at the resting reader is delivered.
     let source = fixture.open().await;
-    fixture.send(&source, "after a rest".to_string()).await;
+    delivered_after_a_rest(&fixture, &source, &app, courier).await;
+}
+
+/// Kafka, on a mock cluster of three brokers of the test's own: a fetch
+/// each broker holds 3 s (`HELD_WAIT`) and the group's heartbeat every
+/// 3 s, over a window twice the others' (so that where a 3 s tick falls
+/// weighs less); and then one depth read, which asks each broker at most
+/// three requests (its partitions' earliest and latest offsets, one
+/// `ListOffsets` each; the group's commits from the coordinator; the
+/// partitions are known for a minute), and which an idle replica makes
+/// once a minute (the pacing test above): 0.05 a second. A cluster is many
+/// brokers, and each is counted as "the broker": its requests on the
+/// connections to it, as data segments (the mock's own request tracking
+/// is C API only; a Kafka request this small is one segment).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_an_idle_courier_sends_each_broker_at_most_one_request_a_second() {
+    let mock = KafkaMock::start(3);
+    let fixture = Fixture::broker(&mock.url());
+    fixture.open_as_created().await;
+    let app = TestApp::start().await;
+    let mut courier = idle_courier(&fixture, &app, &[], &["--depth-interval", "1h"]);
+    courier.wait_running().await;
+    // Past the start's requests (the group's join takes the mock a few
+    // seconds): a first message delivered shows the partitions assigned
+    // and fetched; then the queue is idle.
+    let source = fixture.open().await;
+    fixture.send(&source, "before a rest".to_string()).await;
+    wait_for("the first message", Duration::from_secs(60), async || {
+        !app.received_body(b"before a rest").is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let ports: Vec<u16> = mock
+        .bootstrap
+        .split(',')
+        .map(|server| server.rsplit_once(':').unwrap().1.parse().unwrap())
+        .collect();
+    let before: Vec<u64> = ports
+        .iter()
+        .map(|port| segments_sent(courier.id(), *port))
+        .collect();
+    tokio::time::sleep(KAFKA_WINDOW).await;
+    let sent: Vec<u64> = ports
+        .iter()
+        .zip(&before)
+        .map(|(port, before)| segments_sent(courier.id(), *port) - before)
+        .collect();
+    eprintln!(
+        "an idle courier sent the cluster {} requests in {KAFKA_WINDOW:?}: {sent:?} by broker",
+        sent.iter().sum::<u64>()
+    );
+    for (port, sent) in ports.iter().zip(&sent) {
+        assert_at_most_one_a_second_over(
+            KAFKA_WINDOW,
+            &format!("the Kafka broker on port {port}"),
+            *sent,
+            "(requests, from the data segments ss counts)",
+        );
+    }
+    assert!(sent.iter().sum::<u64>() > 0, "no fetch in {KAFKA_WINDOW:?}");
+
+    // One depth read, by a source in this process.
+    source.depth().await.expect("a first depth read");
+    let before: Vec<u64> = ports
+        .iter()
+        .map(|port| segments_sent(std::process::id(), *port))
+        .collect();
+    source.depth().await.expect("a depth read");
+    let read: Vec<u64> = ports
+        .iter()
+        .zip(&before)
+        .map(|(port, before)| segments_sent(std::process::id(), *port) - before)
+        .collect();
+    eprintln!("a depth read sent the cluster {read:?} requests by broker");
+    assert!(
+        read.iter().all(|n| *n <= 3),
+        "a depth read sent the brokers {read:?} requests"
+    );
+    assert!(read.iter().sum::<u64>() > 0, "no depth read seen");
+
+    // An arrival at the idle reader is delivered.
+    delivered_after_a_rest(&fixture, &source, &app, courier).await;
+}
+
+/// A message sent to the idle `courier`'s queue reaches the app; then
+/// `courier` stops cleanly on SIGTERM.
+async fn delivered_after_a_rest(
+    fixture: &Fixture,
+    source: &Arc<dyn Source>,
+    app: &TestApp,
+    mut courier: CourierProcess,
+) {
+    fixture.send(source, "after a rest".to_string()).await;
     wait_for("the arrival", Duration::from_secs(30), async || {
         !app.received_body(b"after a rest").is_empty()
     })
@@ -372,4 +474,63 @@ async fn pubsub_an_idle_reader_makes_at_most_one_call_a_second() {
     courier.terminate();
     let status = courier.exit_within(Duration::from_secs(30)).await;
     assert!(status.success(), "{status}; log:\n{}", courier.log());
+}
+
+/// A stop does not wait out a receive's wait where courier holds it
+/// itself, in the process (RabbitMQ's consumer channel, librdkafka's
+/// queue; `RECEIVE_WAIT`, 1 s): `interrupt` ends it, the receive returns
+/// at once, empty, and the next one still gets what arrives. The source is
+/// reading first (a message received and acked), so the wait is the idle
+/// one a stop meets.
+async fn an_interrupt_ends_a_waiting_receive(fixture: Fixture) {
+    use courier::source::Settlement;
+    let source = fixture.open_as_created().await;
+    let receive_one = async |body: &str| {
+        let got = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let read = source.receive(16).await.expect("receive");
+                if let Some(delivery) = read.into_iter().next() {
+                    return delivery;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{body:?} not received in 60 s"));
+        assert_eq!(got.message.body.as_ref(), body.as_bytes());
+        source.settle(&got, Settlement::Ack).await.expect("ack");
+    };
+    fixture.send(&source, "before".to_string()).await;
+    receive_one("before").await;
+
+    let reading = tokio::spawn({
+        let source = source.clone();
+        async move {
+            let read = source.receive(16).await;
+            (read, std::time::Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let interrupted = std::time::Instant::now();
+    source.interrupt().await;
+    let (read, returned) = reading.await.unwrap();
+    assert!(read.expect("receive").is_empty());
+    let took = returned.saturating_duration_since(interrupted);
+    assert!(
+        took < shared::RECEIVE_WAIT / 2,
+        "the receive returned {took:?} after the interrupt, as if its wait of {:?} had run out",
+        shared::RECEIVE_WAIT
+    );
+
+    fixture.send(&source, "after".to_string()).await;
+    receive_one("after").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_an_interrupt_ends_a_waiting_receive() {
+    an_interrupt_ends_a_waiting_receive(Fixture::amqp()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_an_interrupt_ends_a_waiting_receive() {
+    an_interrupt_ends_a_waiting_receive(Fixture::kafka()).await;
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::common::*;
 use bytes::Bytes;
 use courier::model::Delivery;
-use courier::source::{self, Source, SourceOptions};
+use courier::source::{self, Source, SourceOptions, shared};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -143,13 +143,16 @@ async fn offsets_are_committed_in_order_when_deliveries_settle_out_of_order() {
     );
 }
 
-/// A retry due in 2 s waits in the retry topic: it is counted as the retry
-/// backlog, not in flight; a message sent meanwhile is delivered at once
+/// A retry due in 6 s waits in the retry topic: it is counted as the retry
+/// backlog, not in flight; a message sent meanwhile is delivered before it
 /// (the retry holds no slot and only its retry partition is paused); the
 /// retry comes back when due, not before, as attempt 2 with its id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_waits_on_a_paused_partition_and_comes_back_when_due() {
-    const DELAY: Duration = Duration::from_secs(2);
+    // Twice a fetch's wait: the mock cluster answers an empty fetch only
+    // when its wait (`HELD_WAIT`) is over, so a record produced to an idle
+    // partition comes up to that late (a broker answers at once).
+    const DELAY: Duration = Duration::from_secs(2 * shared::HELD_WAIT.as_secs());
     let fixture = Fixture::kafka();
     let inspector = fixture.open().await;
     let id = fixture.send(&inspector, "retried").await;

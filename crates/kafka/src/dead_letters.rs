@@ -16,12 +16,12 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use rdkafka::consumer::Consumer;
 use rdkafka::message::{Message, OwnedMessage};
 use tokio::sync::OnceCell;
 
 use super::connection::{
-    self, Inspector, Producer, REQUEST, blocking, partitions, read_topic, seal_of, unavailable,
+    self, Inspector, Marks, Producer, REQUEST, blocking, partitions, read_topic, seal_of,
+    unavailable,
 };
 use super::fields::{from_record, parse_record_id, record_id, removed_topic, retry_topic};
 use super::settle::produce;
@@ -130,29 +130,6 @@ impl KafkaStore {
         .await
     }
 
-    /// The number of letters in a dead-letter topic not yet removed: what
-    /// its partitions keep, less the ids recorded removed (only that topic
-    /// is read, not the letters).
-    pub(super) async fn count_letters(&self, dead_letter_topic: &str) -> Result<u64, SourceError> {
-        let inspector = self.inspector.clone();
-        let topic = dead_letter_topic.to_string();
-        blocking(move || {
-            let Some(partitions) = partitions(&inspector, &topic)? else {
-                return Ok(0);
-            };
-            let mut kept = 0u64;
-            for p in partitions {
-                let (low, high) = inspector
-                    .fetch_watermarks(&topic, p, REQUEST)
-                    .map_err(unavailable)?;
-                kept += high.saturating_sub(low).max(0) as u64;
-            }
-            let removed = removed_ids(&read_topic(&inspector, &removed_topic(&topic))?);
-            Ok(kept.saturating_sub(removed.len() as u64))
-        })
-        .await
-    }
-
     /// Whether the letter `id` is in the topic and not removed.
     async fn is_there(&self, dead_letter_topic: &str, id: &str) -> Result<(), SourceError> {
         if parse_record_id(id).is_none() {
@@ -255,6 +232,32 @@ impl DeadLetterStore for KafkaStore {
 }
 
 /// The ids a removed-letters topic records.
+/// The number of letters in `dead_letter_topic` not yet removed, from
+/// watermarks already asked (`marks`, which hold it and its `.removed`
+/// topic): what its partitions keep, less the ids recorded removed. The
+/// `.removed` topic is read only when it holds anything (only that topic
+/// is read, never the letters).
+pub(super) fn count_letters(
+    inspector: &Inspector,
+    dead_letter_topic: &str,
+    marks: &Marks,
+) -> Result<u64, SourceError> {
+    let kept_in = |topic: &str| -> u64 {
+        marks
+            .iter()
+            .filter(|((t, _), _)| t == topic)
+            .map(|(_, (low, high))| high.saturating_sub(*low).max(0) as u64)
+            .sum()
+    };
+    let kept = kept_in(dead_letter_topic);
+    let removed = removed_topic(dead_letter_topic);
+    if kept == 0 || kept_in(&removed) == 0 {
+        return Ok(kept);
+    }
+    let removed = removed_ids(&read_topic(inspector, &removed)?);
+    Ok(kept.saturating_sub(removed.len() as u64))
+}
+
 fn removed_ids(records: &[OwnedMessage]) -> HashSet<String> {
     records
         .iter()

@@ -177,6 +177,45 @@ pub struct KafkaSource {
     seal: Arc<Seal>,
     /// The dead letters and sends, on the same producer and inspector.
     store: KafkaStore,
+    /// Dead-letter topics known to exist with their `.removed` topics.
+    ensured: Mutex<HashSet<String>>,
+    /// The partitions of the topics depth reads count.
+    known: Arc<depth::KnownPartitions>,
+    /// Ends a read's wait for records (a stop, a `/drain`); one that comes
+    /// before the wait ends the next wait at once.
+    interrupted: tokio::sync::Notify,
+}
+
+/// Makes sure `dead_letter_topic` and its `.removed` topic exist, once per
+/// name: the inspector asks about a topic the depth counts, and librdkafka
+/// keeps asking the cluster about a topic it found missing, once a second
+/// for as long as the client lives (an idle replica whose dead-letter topic
+/// was not made yet sent a metadata request a second; issue 28).
+async fn ensure_dead_letter_topics(
+    producer: &Producer,
+    inspector: &Arc<Inspector>,
+    ensured: &Mutex<HashSet<String>>,
+    dead_letter_topic: &str,
+) -> Result<(), SourceError> {
+    if ensured
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(dead_letter_topic)
+    {
+        return Ok(());
+    }
+    let (producer, inspector) = (producer.clone(), inspector.clone());
+    let topic = dead_letter_topic.to_string();
+    connection::blocking(move || {
+        connection::ensure_topic(&producer, &inspector, &topic)?;
+        connection::ensure_topic(&producer, &inspector, &fields::removed_topic(&topic)).map(drop)
+    })
+    .await?;
+    ensured
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(dead_letter_topic.to_string());
+    Ok(())
 }
 
 #[async_trait]
@@ -195,6 +234,10 @@ impl Consumer for KafkaSource {
 
     async fn receive(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         self.read_batch(max).await
+    }
+
+    async fn interrupt(&self) {
+        self.interrupted.notify_one();
     }
 
     async fn settle(
@@ -306,6 +349,14 @@ impl KafkaSource {
             })
             .await?;
         }
+        let ensured = Mutex::default();
+        ensure_dead_letter_topics(
+            &producer,
+            &inspector,
+            &ensured,
+            &options.live.dead_letter_queue,
+        )
+        .await?;
         let seal = match &options.seal {
             Some(seal) => seal.clone(),
             None => Arc::new(connection::seal_of(&producer, &inspector, &options.queue).await?),
@@ -328,6 +379,9 @@ impl KafkaSource {
             live: Mutex::new(options.live.clone()),
             options,
             retry_topic,
+            ensured,
+            known: Arc::default(),
+            interrupted: tokio::sync::Notify::new(),
             reading,
             closing,
             committed: tokio::sync::Mutex::new(0),

@@ -40,7 +40,12 @@ impl KafkaSource {
             let got = if wait.is_zero() {
                 consumer.recv().now_or_never()
             } else {
-                tokio::time::timeout(wait, consumer.recv()).await.ok()
+                // The wait is in the process (librdkafka's queue), so a
+                // stop may end it: nothing is taken from the queue then.
+                tokio::select! {
+                    got = tokio::time::timeout(wait, consumer.recv()) => got.ok(),
+                    () = self.interrupted.notified() => break,
+                }
             };
             let message = match got {
                 None => {

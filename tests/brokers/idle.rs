@@ -478,7 +478,7 @@ async fn delivered_after_a_rest(
 
 /// A stop does not wait out a receive's wait where courier holds it
 /// itself, in the process (RabbitMQ's consumer channel, librdkafka's
-/// queue; `RECEIVE_WAIT`, 1 s): `interrupt` ends it, the receive returns
+/// queue, the embedded queue's writer; `RECEIVE_WAIT`, 1 s): `interrupt` ends it, the receive returns
 /// at once, empty, and the next one still gets what arrives. The source is
 /// reading first (a message received and acked), so the wait is the idle
 /// one a stop meets.
@@ -533,4 +533,9 @@ async fn amqp_an_interrupt_ends_a_waiting_receive() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_an_interrupt_ends_a_waiting_receive() {
     an_interrupt_ends_a_waiting_receive(Fixture::kafka()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_an_interrupt_ends_a_waiting_receive() {
+    an_interrupt_ends_a_waiting_receive(Fixture::embedded()).await;
 }

@@ -15,6 +15,10 @@ pub(super) enum Call {
         dlq: String,
         reply: Reply<Depth>,
     },
+    /// The queue's waiting receives are answered now (a stop, a `/drain`).
+    Interrupt {
+        tables: Arc<Tables>,
+    },
 }
 
 /// An ack of the lease a receipt names.

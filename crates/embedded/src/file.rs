@@ -127,6 +127,14 @@ impl File {
         &self,
         call: impl FnOnce(Reply<T>) -> Call,
     ) -> Result<T, SourceError> {
+        self.submit(call)?.await.map_err(|_| writer_gone())?
+    }
+
+    /// Hands `call` to the writer; its answer comes on the receiver.
+    pub(super) fn submit<T>(
+        &self,
+        call: impl FnOnce(Reply<T>) -> Call,
+    ) -> Result<oneshot::Receiver<Result<T, SourceError>>, SourceError> {
         let (reply, answer) = oneshot::channel();
         self.writer
             .get()
@@ -134,7 +142,7 @@ impl File {
             .calls
             .send(call(reply))
             .map_err(|_| writer_gone())?;
-        answer.await.map_err(|_| writer_gone())?
+        Ok(answer)
     }
 
     /// Runs `f` with a read transaction on the blocking pool; reads see what
@@ -216,6 +224,7 @@ impl EmbeddedSource {
             file,
             tables,
             live: Mutex::new(options.live.clone()),
+            interrupt: Mutex::new(false),
         })
     }
 

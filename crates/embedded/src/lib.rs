@@ -180,6 +180,10 @@ pub struct EmbeddedSource {
     live: Mutex<LiveSettings>,
     /// The dead letters and sends, on the same file and writer.
     store: EmbeddedStore,
+    /// An interrupt came that no receive has met yet. Held while a receive
+    /// is handed to the writer and while an interrupt is: the writer then
+    /// sees the receive before the interrupt, or the receive sees the flag.
+    interrupt: Mutex<bool>,
 }
 
 /// The names of one queue's tables.
@@ -261,19 +265,36 @@ impl Consumer for EmbeddedSource {
         let now = Instant::now();
         let tables = self.tables.clone();
         let live = self.live();
-        self.call(|reply| {
-            Call::Lease(Lease {
-                tables,
-                max,
-                visibility: live.visibility_timeout.as_millis() as u64,
-                dead_letter_queue: live.dead_letter_queue,
-                max_deliveries: live.max_deliveries,
-                deadline: now + RECEIVE_WAIT,
-                next_try: now,
-                reply,
-            })
-        })
-        .await
+        let answer = {
+            let mut interrupted = self.interrupt.lock().unwrap_or_else(|e| e.into_inner());
+            let wait = if std::mem::take(&mut *interrupted) {
+                Duration::ZERO
+            } else {
+                RECEIVE_WAIT
+            };
+            self.file.submit(|reply| {
+                Call::Lease(Lease {
+                    tables,
+                    max,
+                    visibility: live.visibility_timeout.as_millis() as u64,
+                    dead_letter_queue: live.dead_letter_queue,
+                    max_deliveries: live.max_deliveries,
+                    deadline: now + wait,
+                    next_try: now,
+                    reply,
+                })
+            })?
+        };
+        answer.await.map_err(|_| writer_gone())?
+    }
+
+    /// A receive waiting in the writer (found nothing yet) is answered now
+    /// with what is due, maybe nothing; one not there yet waits for nothing.
+    async fn interrupt(&self) {
+        let mut interrupted = self.interrupt.lock().unwrap_or_else(|e| e.into_inner());
+        *interrupted = true;
+        let tables = self.tables.clone();
+        let _ = self.file.submit::<()>(|_| Call::Interrupt { tables });
     }
 
     async fn settle(

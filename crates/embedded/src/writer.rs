@@ -102,6 +102,7 @@ impl Writer {
         let mut changes = Vec::new();
         let mut acks = Vec::new();
         let mut depths = Vec::new();
+        let mut interrupted = Vec::new();
         for call in calls {
             match call {
                 Call::Lease(lease) if lease.max == 0 => {
@@ -111,6 +112,14 @@ impl Writer {
                 Call::Ack(ack) => acks.push(ack),
                 Call::Change(change) => changes.push(change),
                 Call::Depth { tables, dlq, reply } => depths.push((tables, dlq, reply)),
+                Call::Interrupt { tables } => interrupted.push(tables.ready.clone()),
+            }
+        }
+        // Tried now, and answered even when nothing is due.
+        for lease in &mut leases {
+            if interrupted.contains(&lease.tables.ready) {
+                lease.deadline = lease.deadline.min(now);
+                lease.next_try = now;
             }
         }
         if !acks.is_empty() {

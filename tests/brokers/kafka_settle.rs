@@ -376,15 +376,22 @@ async fn a_replica_joining_mid_drain_loses_nothing() {
 }
 
 /// A broker of a three-broker cluster fails mid-drain: it leads every
-/// partition of courier's topics and coordinates its group, and the mock
-/// moves leadership and the group to another broker (as Kafka elects a
-/// new leader). The drain goes on; nothing is lost or dead-lettered.
+/// partition of courier's topics (work, retry, and the dead-letter and
+/// removed topics courier makes at start) and coordinates its group, and
+/// the mock moves leadership and the group to another broker (as Kafka
+/// elects a new leader). The drain goes on; nothing is lost or
+/// dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_failing_mid_drain_loses_nothing() {
     let mock = KafkaMock::start(3);
     let fixture = Fixture::broker(&mock.url());
     let group = format!("courier.{}", fixture.queue);
-    let topics = [fixture.queue.clone(), format!("{}.retry", fixture.queue)];
+    let topics = [
+        fixture.queue.clone(),
+        format!("{}.retry", fixture.queue),
+        fixture.dlq(),
+        format!("{}.removed", fixture.dlq()),
+    ];
     let inspector = fixture.open().await;
     for topic in &topics {
         for partition in 0..4 {

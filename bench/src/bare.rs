@@ -17,6 +17,14 @@
 //! - Embedded: a redb file, read in key order from an in-memory cursor;
 //!   acked rows are removed by one fsynced transaction at most every 20 ms,
 //!   the durability courier's embedded queue gives acks.
+//! - Kafka: an rdkafka `StreamConsumer` in a group of its own, without
+//!   auto-commit; the batch the stream has ready (up to concurrency), POST
+//!   (each until the app takes it: a commit covers every offset below it),
+//!   then one commit of the batch's offsets. librdkafka's defaults
+//!   otherwise, `fetch.wait.max.ms` 500 ms among them.
+//! - SQS: `ReceiveMessage` long polls of up to 10 (as many at once as
+//!   concurrency needs: 2 for 16), POST, `DeleteMessageBatch`.
+//! - Pub/Sub: unary `Pull` of up to concurrency, POST, `Acknowledge`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -37,9 +45,13 @@ use crate::sources::{AMQP_URL, Kind, NATS_URL, REDIS_URL};
 /// What `courier-bench bare` is given.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BareArgs {
-    /// redis, amqp, nats or embedded.
+    /// redis, amqp, nats, embedded, kafka, sqs or pubsub.
     #[arg(long)]
     pub source: String,
+    /// The source URL courier is given (Kafka's bootstrap servers,
+    /// Pub/Sub's project).
+    #[arg(long)]
+    pub url: Option<String>,
     #[arg(long)]
     pub queue: String,
     /// The embedded queue's directory.
@@ -119,6 +131,9 @@ pub fn run(args: BareArgs) -> anyhow::Result<()> {
                 Kind::Amqp => amqp_loop(&args, &poster).await,
                 Kind::Nats => nats_loop(&args, &poster).await,
                 Kind::Embedded => embedded_loop(&args, &poster).await,
+                Kind::Kafka => kafka_loop(&args, &poster).await,
+                Kind::Sqs => sqs_loop(&args, &poster).await,
+                Kind::PubSub => pubsub_loop(&args, &poster).await,
             }
         };
         tokio::select! {
@@ -404,4 +419,193 @@ fn flush(
     }
     tx.commit()?;
     Ok(())
+}
+
+// === Kafka ===
+
+async fn kafka_loop(args: &BareArgs, poster: &Poster) -> anyhow::Result<()> {
+    use std::collections::HashMap;
+
+    use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+    use rdkafka::message::{Headers, Message};
+    use rdkafka::{Offset, TopicPartitionList};
+    let bootstrap = args
+        .url
+        .as_deref()
+        .and_then(|u| u.strip_prefix("kafka://"))
+        .context("--url kafka://host:port,... is required for kafka")?;
+    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        // A Kafka group is cluster-wide: one over every run's topic would
+        // make each run's member wait for the last run's to leave.
+        .set("group.id", format!("{GROUP}.{}", args.queue))
+        .set("enable.auto.commit", "false")
+        // The topic is filled before the loop starts, and a new group
+        // begins at the latest offset by default, past all of it.
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    consumer.subscribe(&[&args.queue])?;
+    let mut batches = consumer.stream().ready_chunks(args.concurrency.max(1));
+    while let Some(batch) = batches.next().await {
+        let messages: Vec<_> = batch.into_iter().filter_map(Result::ok).collect();
+        let posts = messages.iter().map(|m| async move {
+            let body = Bytes::copy_from_slice(m.payload().unwrap_or_default());
+            let sent = m.headers().and_then(|headers| {
+                headers
+                    .iter()
+                    .find(|h| h.key == SENT_HEADER)
+                    .and_then(|h| h.value)
+            });
+            // The commit below covers every offset under it: what the app
+            // refused is tried again, not left behind.
+            while !poster.post(body.clone(), sent).await {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        futures::future::join_all(posts).await;
+        let mut next: HashMap<(&str, i32), i64> = HashMap::new();
+        for m in &messages {
+            let at = next.entry((m.topic(), m.partition())).or_default();
+            *at = (*at).max(m.offset() + 1);
+        }
+        if next.is_empty() {
+            continue;
+        }
+        let mut offsets = TopicPartitionList::new();
+        for ((topic, partition), offset) in next {
+            offsets.add_partition_offset(topic, partition, Offset::Offset(offset))?;
+        }
+        // Not awaited: a commit lost to a crash redelivers the batch, which
+        // at-least-once allows.
+        consumer.commit(&offsets, CommitMode::Async)?;
+    }
+    bail!("the consumer's stream ended")
+}
+
+// === SQS ===
+
+/// The most messages one `ReceiveMessage` returns.
+const SQS_BATCH: usize = 10;
+
+async fn sqs_loop(args: &BareArgs, poster: &Poster) -> anyhow::Result<()> {
+    let client = crate::servers::sqs_client().await;
+    let url = crate::servers::sqs_queue_url(&client, &args.queue).await?;
+    // Receives of 10 side by side, so that up to concurrency messages are
+    // with the app at once.
+    let receivers = (0..args.concurrency.max(1))
+        .step_by(SQS_BATCH)
+        .map(|first| (args.concurrency.max(1) - first).min(SQS_BATCH))
+        .map(|size| sqs_receiver(&client, &url, size, poster));
+    futures::future::try_join_all(receivers).await?;
+    Ok(())
+}
+
+async fn sqs_receiver(
+    client: &aws_sdk_sqs::Client,
+    url: &str,
+    size: usize,
+    poster: &Poster,
+) -> anyhow::Result<()> {
+    use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
+    loop {
+        // 20 s, the longest long poll SQS allows, is what AWS's guides and
+        // most hand-written consumers use: the fewest (billed) empty
+        // receives, and a message is returned as soon as it arrives anyway.
+        let got = client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(size as i32)
+            .wait_time_seconds(20)
+            .message_attribute_names("All")
+            .send()
+            .await?;
+        let messages = got.messages.unwrap_or_default();
+        if messages.is_empty() {
+            continue;
+        }
+        let posts = messages.iter().map(|m| async move {
+            let body = Bytes::copy_from_slice(m.body().unwrap_or_default().as_bytes());
+            let sent = m
+                .message_attributes()
+                .and_then(|a| a.get(SENT_HEADER))
+                .and_then(|v| v.string_value());
+            poster.post(body, sent.map(str::as_bytes)).await
+        });
+        let answers = futures::future::join_all(posts).await;
+        let entries = messages
+            .iter()
+            .zip(answers)
+            .enumerate()
+            .filter(|(_, (_, ok))| *ok)
+            .filter_map(|(i, (m, _))| {
+                DeleteMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(m.receipt_handle()?)
+                    .build()
+                    .ok()
+            })
+            .collect::<Vec<_>>();
+        if !entries.is_empty() {
+            client
+                .delete_message_batch()
+                .queue_url(url)
+                .set_entries(Some(entries))
+                .send()
+                .await?;
+        }
+    }
+}
+
+// === Pub/Sub ===
+
+async fn pubsub_loop(args: &BareArgs, poster: &Poster) -> anyhow::Result<()> {
+    use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+        AcknowledgeRequest, PullRequest, subscriber_client::SubscriberClient,
+    };
+    let project = args
+        .url
+        .as_deref()
+        .and_then(|u| u.strip_prefix("pubsub://"))
+        .context("--url pubsub://PROJECT is required for pubsub")?;
+    let subscription = format!("projects/{project}/subscriptions/{}", args.queue);
+    let mut subscriber = SubscriberClient::new(crate::servers::pubsub_channel().await?);
+    loop {
+        // Held by the server until a message comes (or it gives up and
+        // answers empty): `return_immediately` is deprecated for that.
+        #[allow(deprecated)]
+        let request = PullRequest {
+            subscription: subscription.clone(),
+            return_immediately: false,
+            max_messages: i32::try_from(args.concurrency).unwrap_or(i32::MAX),
+        };
+        let received = subscriber
+            .pull(request)
+            .await?
+            .into_inner()
+            .received_messages;
+        if received.is_empty() {
+            continue;
+        }
+        let posts = received.iter().map(|r| async move {
+            let message = r.message.as_ref();
+            let body = message.map(|m| m.data.clone()).unwrap_or_default();
+            let sent = message.and_then(|m| m.attributes.get(SENT_HEADER));
+            poster.post(body, sent.map(String::as_bytes)).await
+        });
+        let answers = futures::future::join_all(posts).await;
+        let ack_ids: Vec<String> = received
+            .into_iter()
+            .zip(answers)
+            .filter(|(_, ok)| *ok)
+            .map(|(r, _)| r.ack_id)
+            .collect();
+        if !ack_ids.is_empty() {
+            subscriber
+                .acknowledge(AcknowledgeRequest {
+                    subscription: subscription.clone(),
+                    ack_ids,
+                })
+                .await?;
+        }
+    }
 }

@@ -5,7 +5,12 @@
 //!   the data segments it sent the broker: each a request, or a pipeline of
 //!   them. They are read from the kernel's counters of the consumer's own
 //!   sockets to the broker's port (`ss -ti`), so every broker is counted the
-//!   same way and the shared broker's other clients are left out.
+//!   same way and the shared broker's other clients are left out. A Kafka
+//!   cluster is three brokers, each counted on its own port as "the
+//!   broker" (and summed). SQS is counted in moto's log, a line per request
+//!   it answered: the AWS SDK's connections to moto do not all live from
+//!   one reading to the next, and the harness's own client is closed while
+//!   the consumer rests, so every line is the consumer's.
 //! - [`wake`]: from starting the process to the app receiving the one
 //!   message that waited before the start; and the pickup latency, from
 //!   sending a message to a queue idle for `--idle-gap-secs` (longer than
@@ -29,6 +34,10 @@ use crate::sources::{Kind, Target};
 /// How long the consumer settles after its start before the rest is
 /// counted: connecting, creating its group and the first reads.
 const SETTLE: Duration = Duration::from_secs(3);
+/// The same on the Kafka mock, whose group coordinator waits 3 s before
+/// a new group's first assignment; joining and the first fetches take
+/// some seconds more.
+const KAFKA_SETTLE: Duration = Duration::from_secs(10);
 /// The longest wait for one delivery.
 const DELIVERY_LIMIT: Duration = Duration::from_secs(30);
 
@@ -37,9 +46,13 @@ pub struct Rest {
     pub secs: f64,
     pub cpu_secs: f64,
     pub rss_kib: u64,
-    /// Data segments sent to the broker; `None` for the embedded queue,
-    /// which has no broker to send to.
+    /// Requests sent to the broker: data segments, or on SQS the lines of
+    /// moto's log; `None` for the embedded queue, which has no broker to
+    /// send to.
     pub segments: Option<u64>,
+    /// The same for each broker of a cluster (Kafka); empty for a broker
+    /// of one server.
+    pub by_broker: Vec<u64>,
 }
 
 impl Rest {
@@ -50,6 +63,11 @@ impl Rest {
 
     pub fn requests_per_second(&self) -> Option<f64> {
         Some(self.segments? as f64 / self.secs)
+    }
+
+    /// The busiest broker's requests a second, on a cluster.
+    pub fn busiest_broker_per_second(&self) -> Option<f64> {
+        Some(*self.by_broker.iter().max()? as f64 / self.secs)
     }
 }
 
@@ -107,6 +125,32 @@ fn sent_between(before: &HashMap<u16, u64>, after: &HashMap<u16, u64>) -> u64 {
         .sum()
 }
 
+/// What the consumer `pid` has sent `target`'s brokers so far, one map per
+/// broker: its sockets' segments by local port, or (SQS) moto's log lines
+/// under the key 0. `None` for the embedded queue.
+fn sent_so_far(target: &Target, pid: u32) -> anyhow::Result<Option<Vec<HashMap<u16, u64>>>> {
+    if target.kind == Kind::Sqs {
+        let (_, log) = crate::servers::moto().map_err(anyhow::Error::msg)?;
+        let requests = std::fs::read_to_string(&log)
+            .with_context(|| format!("cannot read moto's log {}", log.display()))?
+            .lines()
+            // `127.0.0.1 - - [date] "POST / HTTP/1.1" 200 -`, the method
+            // in colour when the answer is an error.
+            .filter(|line| line.contains(" HTTP/1."))
+            .count() as u64;
+        return Ok(Some(vec![HashMap::from([(0, requests)])]));
+    }
+    let ports = target.ports();
+    if ports.is_empty() {
+        return Ok(None);
+    }
+    ports
+        .into_iter()
+        .map(|port| segments_by_socket(pid, port))
+        .collect::<anyhow::Result<_>>()
+        .map(Some)
+}
+
 /// `who` on an empty queue of `kind` for `secs`.
 pub async fn rest(ctx: &Ctx, kind: Kind, who: Consumer, secs: u64) -> anyhow::Result<Rest> {
     let target = Target::new(kind, &format!("{}-rest", who.name()), &ctx.work_dir);
@@ -130,14 +174,14 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
         .work_dir
         .join(format!("{}-{}-rest.log", who.name(), target.kind.name()));
     let mut running = Running::start(ctx, who, target, log).await?;
-    tokio::time::sleep(SETTLE).await;
+    tokio::time::sleep(if target.kind == Kind::Kafka {
+        KAFKA_SETTLE
+    } else {
+        SETTLE
+    })
+    .await;
     let pid = running.process().pid;
-    let read = || -> anyhow::Result<Option<HashMap<u16, u64>>> {
-        target
-            .port()
-            .map(|port| segments_by_socket(pid, port))
-            .transpose()
-    };
+    let read = || sent_so_far(target, pid);
     let (usage_before, sockets_before) = (running.usage(), read()?);
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(secs)).await;
@@ -148,13 +192,26 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
     if let Some(status) = exited {
         bail!("the consumer exited ({status}) while at rest");
     }
+    let by_broker: Vec<u64> = sockets_before
+        .zip(sockets_after)
+        .map(|(before, after)| {
+            before
+                .iter()
+                .zip(&after)
+                .map(|(before, after)| sent_between(before, after))
+                .collect()
+        })
+        .unwrap_or_default();
     Ok(Rest {
         secs: elapsed.as_secs_f64(),
         cpu_secs: usage_after.cpu_secs - usage_before.cpu_secs,
         rss_kib: usage_after.rss_kib,
-        segments: sockets_before
-            .zip(sockets_after)
-            .map(|(before, after)| sent_between(&before, &after)),
+        segments: (!by_broker.is_empty()).then(|| by_broker.iter().sum()),
+        by_broker: if by_broker.len() > 1 {
+            by_broker
+        } else {
+            Vec::new()
+        },
     })
 }
 

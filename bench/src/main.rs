@@ -9,6 +9,8 @@
 //! - [`load`]: the closed-loop load generator (the limit) and paced direct
 //!   requests (the latency baseline).
 //! - [`sources`]: the brokers, their pre-fill and clean-up.
+//! - [`servers`]: the brokers the harness runs itself (Kafka's mock
+//!   cluster, moto for SQS, the Pub/Sub emulator).
 //! - [`child`]: courier and Celery as child processes, and what `/proc` says
 //!   they cost.
 //! - [`runs`]: drain, latency, two replicas, the Celery peer, the retry
@@ -30,6 +32,7 @@ mod idle;
 mod load;
 mod report;
 mod runs;
+mod servers;
 mod sources;
 mod torture;
 mod torture_app;
@@ -104,7 +107,8 @@ struct Options {
     /// source; the middle 80 % of them, while they flow, is counted.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(10..))]
     count_messages: u64,
-    /// Sources whose instructions and system calls are counted.
+    /// Sources whose instructions and system calls are counted (any of
+    /// --sources).
     #[arg(
         long,
         value_delimiter = ',',
@@ -126,7 +130,13 @@ struct Options {
     /// courier's --concurrency, the bare loops' and the limit's connections.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// Sources to run, comma-separated.
+    /// Sources to run, comma-separated: redis, amqp, nats, embedded on the
+    /// servers `scripts/services` starts; kafka, sqs, pubsub on servers the
+    /// harness starts for the run (the Kafka mock cluster, moto, the
+    /// Pub/Sub emulator), not in the default list: on those stand-ins
+    /// (moto drains some tens of messages a second on two cores)
+    /// --messages 100000 and --rate 1000 are too much; give them smaller
+    /// sizes.
     #[arg(
         long,
         value_delimiter = ',',
@@ -149,7 +159,7 @@ struct Options {
     /// longer than the longest wait any consumer asks its broker to hold.
     #[arg(long, default_value_t = 6)]
     idle_gap_secs: u64,
-    /// Sources of the rest and wake runs.
+    /// Sources of the rest and wake runs (any of --sources).
     #[arg(
         long,
         value_delimiter = ',',
@@ -162,6 +172,10 @@ struct Options {
     /// The courier binary [default: built with `cargo build --profile dist`, beside this one].
     #[arg(long)]
     courier: Option<PathBuf>,
+    /// Kafka: the `kafka-mock` binary [default: `kafka-mock`, else
+    /// `courier-bench-kafka-mock`, beside this program].
+    #[arg(long)]
+    kafka_mock: Option<PathBuf>,
     /// Where to write the report [default: BENCHMARKS.md at the repository root; none with --smoke].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -178,6 +192,18 @@ struct Options {
 }
 
 impl Options {
+    /// Every source some part of the run uses, after `apply_smoke`.
+    fn kinds_used(&self) -> anyhow::Result<Vec<Kind>> {
+        let mut names = self.sources.clone();
+        if !self.no_idle {
+            names.extend(self.idle_sources.iter().cloned());
+        }
+        if !self.no_counts {
+            names.extend(self.count_sources.iter().cloned());
+        }
+        parse_kinds(&names)
+    }
+
     fn apply_smoke(&mut self) {
         if self.smoke {
             self.messages = self.messages.min(2_000);
@@ -405,8 +431,7 @@ async fn timed_baselines(
     (limit, direct)
 }
 
-async fn all(mut options: Options) -> anyhow::Result<Results> {
-    options.apply_smoke();
+async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<Results> {
     let kinds = parse_kinds(&options.sources)?;
     let (head, dirty) = commit()?;
     if dirty && !options.allow_dirty {
@@ -420,13 +445,12 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
     } else {
         parse_kinds(&options.idle_sources)?
     };
-    let idle_gap = Duration::from_secs(options.idle_gap_secs);
     let count_kinds = if options.no_counts {
         Vec::new()
     } else {
         parse_kinds(&options.count_sources)?
     };
-    let courier = courier_binary(&options)?;
+    let courier = courier_binary(options)?;
     if !courier.exists() {
         bail!("no courier binary at {}", courier.display());
     }
@@ -451,12 +475,34 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
         perf: options.perf,
     });
     eprintln!("the app listens on {}", ctx.app.url());
+    let servers = servers::start(
+        &options.kinds_used()?,
+        reserved,
+        &ctx.work_dir,
+        options.kafka_mock.as_deref(),
+    )
+    .await;
+    let results = measure(&ctx, options, kinds, idle_kinds, count_kinds, machine).await;
+    servers.stop().await;
+    results
+}
+
+/// Every measurement of the run, on the servers [`all`] started.
+async fn measure(
+    ctx: &Ctx,
+    options: &Options,
+    kinds: Vec<Kind>,
+    idle_kinds: Vec<Kind>,
+    count_kinds: Vec<Kind>,
+    mut machine: Machine,
+) -> anyhow::Result<Results> {
+    let idle_gap = Duration::from_secs(options.idle_gap_secs);
 
     let (limit, direct) = if options.counts_only {
         let skipped = || "not measured (--counts-only)".to_string();
         (Err(skipped()), Err(skipped()))
     } else {
-        timed_baselines(&ctx, &options).await
+        timed_baselines(ctx, options).await
     };
 
     let mut rows = Vec::new();
@@ -476,7 +522,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                     options.messages,
                     options.runs.max(1)
                 );
-                let drain = runs::drain(&ctx, kind, who, options.messages)
+                let drain = runs::drain(ctx, kind, who, options.messages)
                     .await
                     .map_err(err);
                 match &drain {
@@ -505,7 +551,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                 who.name(),
                 options.rate
             );
-            let latency = runs::latency(&ctx, kind, who, options.rate, options.latency_secs)
+            let latency = runs::latency(ctx, kind, who, options.rate, options.latency_secs)
                 .await
                 .map_err(err);
             match &latency {
@@ -522,20 +568,22 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                     who.name(),
                     options.rest_secs
                 );
-                let rest = idle::rest(&ctx, kind, who, options.rest_secs)
+                let rest = idle::rest(ctx, kind, who, options.rest_secs)
                     .await
                     .map_err(err);
                 match &rest {
                     Ok(r) => eprintln!(
-                        "  {:.3} % of a core, {} requests/s, RSS {} KiB",
+                        "  {:.3} % of a core, {} requests/s{}, RSS {} KiB",
                         r.cpu_percent(),
                         r.requests_per_second()
                             .map_or("no broker".into(), |v| format!("{v:.2}")),
+                        r.busiest_broker_per_second()
+                            .map_or(String::new(), |v| format!(" (busiest broker {v:.2})")),
                         r.rss_kib
                     ),
                     Err(e) => eprintln!("  not available: {e}"),
                 }
-                let wake = idle::wake(&ctx, kind, who, options.pickups, idle_gap)
+                let wake = idle::wake(ctx, kind, who, options.pickups, idle_gap)
                     .await
                     .map_err(err);
                 match &wake {
@@ -561,7 +609,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
                         tool.name(),
                         options.count_messages
                     );
-                    let count = counts::per_message(&ctx, kind, who, tool, options.count_messages)
+                    let count = counts::per_message(ctx, kind, who, tool, options.count_messages)
                         .await
                         .map_err(err);
                     match &count {
@@ -586,7 +634,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
             "two courier replicas, one Redis group: {} messages...",
             options.replica_messages
         );
-        let run = runs::replicas(&ctx, options.replica_messages)
+        let run = runs::replicas(ctx, options.replica_messages)
             .await
             .map_err(err);
         match &run {
@@ -609,7 +657,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
             "celery: {} messages through a prefork worker...",
             options.celery_messages
         );
-        let run = runs::celery(&ctx, options.celery_messages)
+        let run = runs::celery(ctx, options.celery_messages)
             .await
             .map_err(err);
         match &run {
@@ -628,7 +676,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
         eprintln!("retry backlog of {} entries...", options.backlog);
         let traffic = (options.messages / 10).clamp(1_000, 10_000);
         Some(
-            runs::backlog(&ctx, options.backlog, traffic)
+            runs::backlog(ctx, options.backlog, traffic)
                 .await
                 .map_err(err),
         )
@@ -671,7 +719,7 @@ async fn all(mut options: Options) -> anyhow::Result<Results> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let options = match cli.command {
+    let mut options = match cli.command {
         Cmd::All(options) => options,
         // Before any runtime of the harness: the bare loop has one thread.
         Cmd::Torture(args) => {
@@ -703,6 +751,16 @@ fn main() -> ExitCode {
             };
         }
     };
+    options.apply_smoke();
+    // Before the runtime's threads: moto and the Pub/Sub emulator are found
+    // through the environment.
+    let reserved = match options.kinds_used() {
+        Ok(kinds) => servers::reserve(&kinds),
+        Err(e) => {
+            eprintln!("courier-bench: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -717,7 +775,7 @@ fn main() -> ExitCode {
         .out
         .clone()
         .or_else(|| (!options.smoke).then(|| repo_root().join("BENCHMARKS.md")));
-    match runtime.block_on(all(options)) {
+    match runtime.block_on(all(&options, reserved)) {
         Ok(results) => {
             print!("{}", results.table());
             if let Some(out) = out {

@@ -971,8 +971,12 @@ impl Results {
                 let (cpu, requests, rss) = match &side.rest {
                     Some(Ok(r)) => (
                         format!("{:.3}", r.cpu_percent()),
-                        r.requests_per_second()
-                            .map_or("no broker".into(), |v| format!("{v:.2}")),
+                        r.requests_per_second().map_or("no broker".into(), |v| {
+                            match r.busiest_broker_per_second() {
+                                Some(most) => format!("{v:.2} (busiest broker {most:.2})"),
+                                None => format!("{v:.2}"),
+                            }
+                        }),
                         format!("{} MB", mb(r.rss_kib)),
                     ),
                     Some(Err(e)) => (one_line(e), String::new(), String::new()),
@@ -997,6 +1001,44 @@ impl Results {
                 );
             }
         }
+        let notes: Vec<&str> = self
+            .rows
+            .iter()
+            .filter(|r| ran(&r.courier) || ran(&r.bare))
+            .filter_map(|r| idle_note(r.kind))
+            .collect();
+        if !notes.is_empty() {
+            let _ = writeln!(md, "\n{}", notes.join("\n"));
+        }
+    }
+}
+
+/// What the rest and wake figures of `kind` mean on the stand-in the
+/// harness runs for it.
+fn idle_note(kind: Kind) -> Option<&'static str> {
+    match kind {
+        Kind::Kafka => Some(
+            "- Kafka, on librdkafka's mock cluster (three brokers in one process): requests are counted on the \
+             connections to each broker and summed; the busiest broker's figure is beside the sum. The mock answers \
+             an empty fetch only when the consumer's whole `fetch.wait.max.ms` has passed, where a Kafka broker \
+             answers as soon as a record comes: courier asks for 3 s, the bare loop keeps librdkafka's 500 ms, so \
+             the pickup on the mock is mostly that wait (up to 3 s for courier, 0.5 s for the bare loop) and would \
+             not be on a real cluster. Start to first delivery includes the group's join (the mock's coordinator \
+             waits 3 s before a new group's first assignment).",
+        ),
+        Kind::Sqs => Some(
+            "- Amazon SQS, on moto: requests are the lines of moto's log (a request each) while the consumer rests, \
+             every one of them the consumer's. courier long-polls 3 s; the bare loop 20 s (the longest, what AWS's \
+             guides advise), in two receives of 10 for concurrency 16. A long poll is answered when a message \
+             arrives, so the idle gap need not outlast it.",
+        ),
+        Kind::PubSub => Some(
+            "- Google Pub/Sub, on the emulator: a unary gRPC call is two data segments (its headers, then its \
+             message), so calls a second are about half the requests figure. courier's figure includes its depth \
+             count (snapshots and a shadow subscription), about one a minute on an idle queue; the bare loop holds \
+             one `Pull` until the emulator answers it.",
+        ),
+        _ => None,
     }
 }
 

@@ -119,6 +119,8 @@ pub fn consumer_command(
                 "bare".to_string(),
                 "--source".into(),
                 target.kind.name().into(),
+                "--url".into(),
+                target.url.clone(),
                 "--queue".into(),
                 target.queue.clone(),
                 "--app".into(),

@@ -7,6 +7,14 @@
 //! pipelined `XADD payload <body>` for Redis, and one redb transaction into
 //! the embedded queue's `ready/<queue>` table (see
 //! `crates/embedded/src/lib.rs`); the smoke test catches a drift in either.
+//! SQS and Pub/Sub pre-fills are the brokers' own batch writes of plain
+//! messages (`SendMessageBatch` of 10, `Publish` of 1,000), which courier
+//! reads as any producer's: one send per message through moto, a Python
+//! server, would take longer than the drain it feeds.
+//!
+//! Kafka, SQS and Pub/Sub run on servers of the harness's own
+//! ([`crate::servers`]); the others on the shared ones `scripts/services`
+//! starts.
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -18,16 +26,29 @@ use bytes::Bytes;
 use courier::source::{self, Source, SourceOptions, encode_fields};
 use futures::StreamExt;
 
+use crate::servers::{self, PUBSUB_PROJECT};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Redis,
     Amqp,
     Nats,
     Embedded,
+    Kafka,
+    Sqs,
+    PubSub,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 4] = [Kind::Redis, Kind::Amqp, Kind::Nats, Kind::Embedded];
+    pub const ALL: [Kind; 7] = [
+        Kind::Redis,
+        Kind::Amqp,
+        Kind::Nats,
+        Kind::Embedded,
+        Kind::Kafka,
+        Kind::Sqs,
+        Kind::PubSub,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -35,6 +56,9 @@ impl Kind {
             Kind::Amqp => "amqp",
             Kind::Nats => "nats",
             Kind::Embedded => "embedded",
+            Kind::Kafka => "kafka",
+            Kind::Sqs => "sqs",
+            Kind::PubSub => "pubsub",
         }
     }
 
@@ -44,6 +68,9 @@ impl Kind {
             Kind::Amqp => "RabbitMQ",
             Kind::Nats => "NATS JetStream",
             Kind::Embedded => "embedded",
+            Kind::Kafka => "Kafka (mock cluster)",
+            Kind::Sqs => "Amazon SQS (moto)",
+            Kind::PubSub => "Google Pub/Sub (emulator)",
         }
     }
 
@@ -77,6 +104,14 @@ impl Target {
             Kind::Amqp => AMQP_URL.to_string(),
             Kind::Nats => NATS_URL.to_string(),
             Kind::Embedded => format!("embedded:{}", work_dir.join(&queue).display()),
+            // A cluster that did not start has no address: `reachable` says
+            // why before anything uses this one.
+            Kind::Kafka => format!(
+                "kafka://{}",
+                servers::kafka_bootstrap().unwrap_or_else(|_| "127.0.0.1:9".into())
+            ),
+            Kind::Sqs => format!("sqs://{}", aws_region()),
+            Kind::PubSub => format!("pubsub://{PUBSUB_PROJECT}"),
         };
         Self { kind, url, queue }
     }
@@ -85,19 +120,38 @@ impl Target {
         self.url.strip_prefix("embedded:").map(PathBuf::from)
     }
 
-    /// The broker server's loopback port; `None` for the embedded queue,
-    /// which runs inside the consumer.
+    /// The broker server's loopback port (of a cluster, its first
+    /// broker's: one process serves them all); `None` for the embedded
+    /// queue, which runs inside the consumer.
     pub fn port(&self) -> Option<u16> {
+        self.ports().first().copied()
+    }
+
+    /// Every broker's port: the mock cluster's three, else one.
+    pub fn ports(&self) -> Vec<u16> {
         match self.kind {
-            Kind::Redis => Some(6379),
-            Kind::Amqp => Some(5672),
-            Kind::Nats => Some(4222),
-            Kind::Embedded => None,
+            Kind::Redis => vec![6379],
+            Kind::Amqp => vec![5672],
+            Kind::Nats => vec![4222],
+            Kind::Embedded => Vec::new(),
+            Kind::Kafka => servers::kafka_bootstrap()
+                .unwrap_or_default()
+                .split(',')
+                .filter_map(|server| server.rsplit_once(':')?.1.parse().ok())
+                .collect(),
+            Kind::Sqs => servers::moto().map(|(port, _)| port).into_iter().collect(),
+            Kind::PubSub => servers::pubsub_port().into_iter().collect(),
         }
     }
 
     /// Why this broker cannot be used, if it is not listening.
     pub fn reachable(&self) -> Result<(), String> {
+        match self.kind {
+            Kind::Kafka => servers::kafka_bootstrap().map(drop)?,
+            Kind::Sqs => servers::moto().map(drop)?,
+            Kind::PubSub => servers::pubsub_port().map(drop)?,
+            _ => {}
+        }
         let Some(port) = self.port() else {
             return Ok(());
         };
@@ -117,7 +171,7 @@ impl Target {
             "--consumer".into(),
             "bench".into(),
         ];
-        if matches!(self.kind, Kind::Amqp | Kind::Nats) {
+        if !matches!(self.kind, Kind::Redis | Kind::Embedded) {
             args.push("--create".into());
         }
         args
@@ -148,7 +202,12 @@ impl Target {
                 tokio::task::spawn_blocking(move || prefill_embedded(&dir, &queue, n, &body))
                     .await?
             }
-            Kind::Amqp | Kind::Nats => {
+            Kind::Sqs => {
+                self.producer().await?.close().await;
+                prefill_sqs(&self.queue, n, body).await
+            }
+            Kind::PubSub => self.prefill_pubsub(n, body).await,
+            Kind::Amqp | Kind::Nats | Kind::Kafka => {
                 let producer = self.producer().await?;
                 let results: Vec<_> = futures::stream::iter(0..n)
                     .map(|_| producer.send(body.clone(), &[]))
@@ -173,6 +232,9 @@ impl Target {
             Kind::Embedded => self
                 .embedded_dir()
                 .map_or(Ok(()), |d| std::fs::remove_dir_all(d).map_err(Into::into)),
+            // The run's own servers, in memory, end with it; every run has
+            // a queue of its own. (The mock cluster cannot delete topics.)
+            Kind::Kafka | Kind::Sqs | Kind::PubSub => Ok(()),
         };
         if let Err(e) = result {
             eprintln!(
@@ -182,6 +244,80 @@ impl Target {
             );
         }
     }
+}
+
+/// The region courier and the clients use on moto: the one the
+/// environment names.
+fn aws_region() -> String {
+    std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into())
+}
+
+impl Target {
+    /// Makes the topic and subscription as `courier run --create` does (by
+    /// opening courier's own source once, as SQS's pre-fill does for the
+    /// queue), then publishes `n` plain messages, 1,000 a call (Pub/Sub's
+    /// most).
+    async fn prefill_pubsub(&self, n: u64, body: &Bytes) -> anyhow::Result<()> {
+        use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+            PublishRequest, PubsubMessage, publisher_client::PublisherClient,
+        };
+        self.producer().await?.close().await;
+        let mut publisher = PublisherClient::new(servers::pubsub_channel().await?);
+        let topic = format!("projects/{PUBSUB_PROJECT}/topics/{}", self.queue);
+        let message = PubsubMessage {
+            data: body.clone(),
+            ..PubsubMessage::default()
+        };
+        let mut left = n;
+        while left > 0 {
+            let batch = left.min(1000);
+            publisher
+                .publish(PublishRequest {
+                    topic: topic.clone(),
+                    messages: vec![message.clone(); batch as usize],
+                })
+                .await?;
+            left -= batch;
+        }
+        Ok(())
+    }
+}
+
+/// Sends `n` plain messages to the queue, 10 a call, 16 calls at a time.
+async fn prefill_sqs(queue: &str, n: u64, body: &Bytes) -> anyhow::Result<()> {
+    use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
+    let client = servers::sqs_client().await;
+    let url = servers::sqs_queue_url(&client, queue).await?;
+    let text = std::str::from_utf8(body).context("an SQS body is text")?;
+    let batches = (0..n).step_by(10).map(|first| (n - first).min(10));
+    let results: Vec<anyhow::Result<()>> = futures::stream::iter(batches)
+        .map(|size| {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let entries = (0..size)
+                    .map(|i| {
+                        SendMessageBatchRequestEntry::builder()
+                            .id(i.to_string())
+                            .message_body(text)
+                            .build()
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let out = client
+                    .send_message_batch()
+                    .queue_url(url)
+                    .set_entries(Some(entries))
+                    .send()
+                    .await?;
+                if let Some(failed) = out.failed().first() {
+                    anyhow::bail!("SQS refused a message: {failed:?}");
+                }
+                Ok(())
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    results.into_iter().collect()
 }
 
 pub async fn redis() -> anyhow::Result<redis::aio::MultiplexedConnection> {

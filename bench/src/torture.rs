@@ -42,10 +42,10 @@ use private_pubsub::PrivatePubSub;
 use private_redis::PrivateRedis;
 
 mod embedded_queue;
-mod private_kafka;
-mod private_moto;
+pub(crate) mod private_kafka;
+pub(crate) mod private_moto;
 mod private_nats;
-mod private_pubsub;
+pub(crate) mod private_pubsub;
 mod private_redis;
 mod shared_rabbitmq;
 
@@ -683,15 +683,15 @@ struct Run {
 /// A broker process of the harness's own: on a free port, with its files
 /// in `dir`; the nemesis stops and kills `process`. Start `n` logs to
 /// `<name>-<n>.log` in `dir`.
-pub(super) struct PrivateServer {
-    pub(super) port: u16,
+pub(crate) struct PrivateServer {
+    pub(crate) port: u16,
     pub(super) dir: PathBuf,
-    pub(super) process: Option<Process>,
+    pub(crate) process: Option<Process>,
     starts: u32,
 }
 
 impl PrivateServer {
-    fn new(dir: PathBuf) -> anyhow::Result<Self> {
+    pub(crate) fn new(dir: PathBuf) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&dir)?;
         Ok(Self {
             port: free_port(),
@@ -727,7 +727,7 @@ pub(super) async fn wait_answering(
     Ok(())
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -1259,7 +1259,7 @@ async fn run(args: TortureArgs, port: Option<u16>) -> anyhow::Result<bool> {
 }
 
 /// `given`, or the first of `names` beside this program.
-fn beside_this(given: Option<&Path>, names: &[&str]) -> anyhow::Result<PathBuf> {
+pub(crate) fn beside_this(given: Option<&Path>, names: &[&str]) -> anyhow::Result<PathBuf> {
     if let Some(path) = given {
         return Ok(path.to_path_buf());
     }

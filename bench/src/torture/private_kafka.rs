@@ -42,14 +42,14 @@ pub(super) const KAFKA_WARMUP_SECS: u64 = 25;
 
 /// A `kafka-mock` of the harness's own: it prints its bootstrap servers on
 /// the first line of its output.
-pub(super) struct PrivateKafka {
+pub(crate) struct PrivateKafka {
     pub(super) server: PrivateServer,
     bin: PathBuf,
     bootstrap: String,
 }
 
 impl PrivateKafka {
-    pub(super) fn new(server: PrivateServer, bin: PathBuf) -> Self {
+    pub(crate) fn new(server: PrivateServer, bin: PathBuf) -> Self {
         Self {
             server,
             bin,
@@ -61,13 +61,13 @@ impl PrivateKafka {
         format!("kafka://{}", self.bootstrap)
     }
 
-    pub(super) fn bootstrap(&self) -> &str {
+    pub(crate) fn bootstrap(&self) -> &str {
         &self.bootstrap
     }
 
     /// Starts the cluster, three brokers so that every topic is replicated
     /// as in the project's tests, and waits for its bootstrap servers.
-    pub(super) async fn start(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn start(&mut self) -> anyhow::Result<()> {
         let mut command = Command::new(&self.bin);
         command.args(["--brokers", "3"]);
         self.server.spawn("kafka-mock", command)?;

@@ -41,7 +41,7 @@ pub(super) const SQS_MAX_BODY: usize = 240 * 1024;
 
 /// Points this process (and so every courier it starts) at a moto on
 /// `port`, with moto's fake credentials. Called before any thread starts.
-pub(super) fn set_environment(port: u16) {
+pub(crate) fn set_environment(port: u16) {
     // SAFETY: called from `main` before the runtime and its threads exist;
     // nothing reads the environment concurrently.
     unsafe {
@@ -56,12 +56,12 @@ pub(super) fn set_environment(port: u16) {
 
 /// A moto server of the harness's own, on the port [`set_environment`]
 /// named.
-pub(super) struct PrivateMoto {
-    pub(super) server: PrivateServer,
+pub(crate) struct PrivateMoto {
+    pub(crate) server: PrivateServer,
 }
 
 impl PrivateMoto {
-    pub(super) fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("sqs://{REGION}")
     }
 
@@ -71,7 +71,7 @@ impl PrivateMoto {
 
     /// Starts moto (the script installs it into `.venv-moto/` on its first
     /// run, which may take minutes) and waits until its port answers.
-    pub(super) async fn start(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn start(&mut self) -> anyhow::Result<()> {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/moto-server");
         let mut command = Command::new(&script);
         command.args(["-p", &self.server.port.to_string()]);
@@ -133,14 +133,7 @@ impl PrivateMoto {
     }
 
     async fn queue_url(&self, client: &aws_sdk_sqs::Client, queue: &str) -> anyhow::Result<String> {
-        Ok(client
-            .get_queue_url()
-            .queue_name(queue)
-            .send()
-            .await?
-            .queue_url()
-            .context("no queue URL")?
-            .to_string())
+        crate::servers::sqs_queue_url(client, queue).await
     }
 
     /// Whether the work queue holds nothing: no message visible, in flight

@@ -39,7 +39,7 @@ const EMULATOR: &str =
 
 /// Points this process (and so every courier it starts) at an emulator on
 /// `port`. Called before any thread starts.
-pub(super) fn set_environment(port: u16) {
+pub(crate) fn set_environment(port: u16) {
     // SAFETY: called from `main` before the runtime and its threads exist;
     // nothing reads the environment concurrently.
     unsafe {
@@ -72,8 +72,8 @@ pub(super) fn adapt(kind: Hostile) -> Hostile {
     }
 }
 
-pub(super) struct PrivatePubSub {
-    pub(super) server: PrivateServer,
+pub(crate) struct PrivatePubSub {
+    pub(crate) server: PrivateServer,
 }
 
 impl PrivatePubSub {
@@ -83,7 +83,7 @@ impl PrivatePubSub {
 
     /// Starts the emulator (a JVM: seconds, more under a build) and waits
     /// until its port answers.
-    pub(super) async fn start(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn start(&mut self) -> anyhow::Result<()> {
         let mut command = Command::new(EMULATOR);
         command
             .arg("--host=127.0.0.1")

@@ -250,10 +250,12 @@ impl Consumer for KafkaSource {
 
     /// Commits what is settled (never past what is not) and waits for the
     /// producer's queue; leaving the group happens when the source is
-    /// dropped, after the drain is reported.
+    /// dropped, after the drain is reported. The commit is made and
+    /// awaited even when the settlements' own commits carried it: those
+    /// were not awaited.
     async fn close(&self) {
         self.closing.store(true, AtomicOrdering::SeqCst);
-        if let Err(e) = self.commit().await {
+        if let Err(e) = self.commit(true).await {
             tracing::warn!(error = %e, "the last offset commit failed; what it covered is delivered again");
         }
         let producer = self.producer.clone();

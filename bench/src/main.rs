@@ -81,7 +81,9 @@ enum Cmd {
 
 #[derive(Debug, Clone, Args)]
 struct Options {
-    /// Messages pre-filled and drained per source.
+    /// Messages pre-filled and drained per run on redis, amqp, nats and
+    /// embedded (the stand-ins have their own: --kafka-messages,
+    /// --sqs-messages, --pubsub-messages).
     #[arg(long, default_value_t = 100_000)]
     messages: u64,
     /// Messages fed to the Celery worker (about 440 msg/s: 100,000 would take minutes).
@@ -90,7 +92,9 @@ struct Options {
     /// Entries of the retry-backlog run.
     #[arg(long, default_value_t = 1_000_000)]
     backlog: u64,
-    /// Messages per second of the latency runs.
+    /// Messages per second of the latency runs on redis, amqp, nats and
+    /// embedded (and of the direct request; the stand-ins have their own:
+    /// --kafka-rate, --sqs-rate, --pubsub-rate).
     #[arg(long, default_value_t = 1_000)]
     rate: u64,
     /// Seconds of each latency run (after 1 s of warm-up).
@@ -130,19 +134,41 @@ struct Options {
     /// courier's --concurrency, the bare loops' and the limit's connections.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// Sources to run, comma-separated: redis, amqp, nats, embedded on the
-    /// servers `scripts/services` starts; kafka, sqs, pubsub on servers the
-    /// harness starts for the run (the Kafka mock cluster, moto, the
-    /// Pub/Sub emulator), not in the default list: on those stand-ins
-    /// (moto drains some tens of messages a second on two cores)
-    /// --messages 100000 and --rate 1000 are too much; give them smaller
-    /// sizes.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "redis,amqp,nats,embedded"
-    )]
-    sources: Vec<String>,
+    /// Sources of the load runs (drains and latency), comma-separated:
+    /// redis, amqp, nats, embedded on the servers `scripts/services`
+    /// starts; kafka, sqs, pubsub on stand-ins the harness starts for the
+    /// run (librdkafka's mock cluster, moto, the Pub/Sub emulator), which
+    /// are drained and fed at their own sizes (--kafka-messages,
+    /// --kafka-rate, --sqs-..., --pubsub-...) [default: every broker,
+    /// redis,amqp,nats,embedded,kafka,sqs,pubsub; with --smoke the first
+    /// four]
+    #[arg(long, value_delimiter = ',')]
+    sources: Option<Vec<String>>,
+    /// Messages pre-filled and drained per run on Kafka, librdkafka's mock
+    /// cluster (--messages is for the other brokers): the mock keeps at
+    /// most 5 MiB a partition and deletes older records unread, so more
+    /// than about 50,000 never all arrive.
+    #[arg(long, default_value_t = KAFKA_MESSAGES)]
+    kafka_messages: u64,
+    /// Messages per second of Kafka's latency runs (--rate is for the
+    /// other brokers).
+    #[arg(long, default_value_t = KAFKA_RATE)]
+    kafka_rate: u64,
+    /// Messages pre-filled and drained per run on SQS: moto, one Python
+    /// process, drains about 70 a second here.
+    #[arg(long, default_value_t = SQS_MESSAGES)]
+    sqs_messages: u64,
+    /// Messages per second of SQS's latency runs (each one `SendMessage`
+    /// to moto).
+    #[arg(long, default_value_t = SQS_RATE)]
+    sqs_rate: u64,
+    /// Messages pre-filled and drained per run on Pub/Sub: the emulator
+    /// drains about 5,000 a second here.
+    #[arg(long, default_value_t = PUBSUB_MESSAGES)]
+    pubsub_messages: u64,
+    /// Messages per second of Pub/Sub's latency runs.
+    #[arg(long, default_value_t = PUBSUB_RATE)]
+    pubsub_rate: u64,
     /// Skip the Celery peer.
     #[arg(long)]
     no_celery: bool,
@@ -160,8 +186,7 @@ struct Options {
     #[arg(long, default_value_t = 6)]
     idle_gap_secs: u64,
     /// Sources of the rest and wake runs. Every broker by default: an idle
-    /// run sends a handful of messages, which moto and the emulator keep up
-    /// with, unlike the load runs' 100,000.
+    /// run sends a handful of messages.
     #[arg(
         long,
         value_delimiter = ',',
@@ -184,7 +209,9 @@ struct Options {
     /// Attach `perf record` to courier during each drain (target/bench/perf-<source>.data).
     #[arg(long)]
     perf: bool,
-    /// Tiny sizes, no Celery: checks that the harness works.
+    /// Tiny sizes, no Celery, and by default only the four sources on the
+    /// shared servers (no stand-in to start): checks that the harness
+    /// works.
     #[arg(long)]
     smoke: bool,
     /// Only the instruction and system-call counts (no limit, drains,
@@ -193,10 +220,61 @@ struct Options {
     counts_only: bool,
 }
 
+/// The load runs' sources when `--sources` is not given: every broker.
+const SOURCES: [&str; 7] = [
+    "redis", "amqp", "nats", "embedded", "kafka", "sqs", "pubsub",
+];
+/// ... and with `--smoke`: the shared servers' four, so that the smoke run
+/// starts no stand-in (the Pub/Sub emulator alone takes seconds to start).
+const SMOKE_SOURCES: [&str; 4] = ["redis", "amqp", "nats", "embedded"];
+
+// The stand-ins' sizes, from what each drained here (2 shared cores,
+// 2026-12-05, both consumers alike) so that the three together add about
+// 6 minutes to `all` with 3 runs: the mock cluster 5,500 to 57,000 msg/s
+// (and a group join of 3 s a start), moto about 72 msg/s (one Python
+// process using a whole core: 14 ms of its CPU a message), the emulator
+// about 5,000 msg/s. The mock keeps at most 5 MiB a partition and deletes
+// older records unread (librdkafka's `rd_kafka_mock_partition_init`): on
+// its 4 partitions 100,000 messages of 256 bytes lost some 20,000 before
+// the bare loop read them; 30,000 stay well under.
+const KAFKA_MESSAGES: u64 = 30_000;
+const KAFKA_RATE: u64 = 1_000;
+const SQS_MESSAGES: u64 = 1_000;
+const SQS_RATE: u64 = 20;
+const PUBSUB_MESSAGES: u64 = 20_000;
+const PUBSUB_RATE: u64 = 500;
+
 impl Options {
+    /// The load runs' sources (after `apply_smoke`, which fills in the
+    /// default).
+    fn sources(&self) -> Vec<String> {
+        self.sources.clone().unwrap_or_default()
+    }
+
+    /// Messages of each drain on `kind`: a stand-in's own size, else
+    /// --messages.
+    fn messages_for(&self, kind: Kind) -> u64 {
+        match kind {
+            Kind::Kafka => self.kafka_messages,
+            Kind::Sqs => self.sqs_messages,
+            Kind::PubSub => self.pubsub_messages,
+            _ => self.messages,
+        }
+    }
+
+    /// Messages per second of the latency runs on `kind`.
+    fn rate_for(&self, kind: Kind) -> u64 {
+        match kind {
+            Kind::Kafka => self.kafka_rate,
+            Kind::Sqs => self.sqs_rate,
+            Kind::PubSub => self.pubsub_rate,
+            _ => self.rate,
+        }
+    }
+
     /// Every source some part of the run uses, after `apply_smoke`.
     fn kinds_used(&self) -> anyhow::Result<Vec<Kind>> {
-        let mut names = self.sources.clone();
+        let mut names = self.sources();
         if !self.no_idle {
             names.extend(self.idle_sources.iter().cloned());
         }
@@ -207,8 +285,27 @@ impl Options {
     }
 
     fn apply_smoke(&mut self) {
+        if self.sources.is_none() {
+            let names: &[&str] = if self.smoke { &SMOKE_SOURCES } else { &SOURCES };
+            self.sources = Some(names.iter().map(|s| s.to_string()).collect());
+        }
         if self.smoke {
             self.messages = self.messages.min(2_000);
+            // Stand-ins named with --sources: enough to see them work.
+            for messages in [
+                &mut self.kafka_messages,
+                &mut self.sqs_messages,
+                &mut self.pubsub_messages,
+            ] {
+                *messages = (*messages).min(200);
+            }
+            for rate in [
+                &mut self.kafka_rate,
+                &mut self.sqs_rate,
+                &mut self.pubsub_rate,
+            ] {
+                *rate = (*rate).min(50);
+            }
             self.replica_messages = self.replica_messages.min(2_000);
             self.runs = 1;
             self.count_messages = self.count_messages.min(200);
@@ -434,7 +531,7 @@ async fn timed_baselines(
 }
 
 async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<Results> {
-    let kinds = parse_kinds(&options.sources)?;
+    let kinds = parse_kinds(&options.sources())?;
     let (head, dirty) = commit()?;
     if dirty && !options.allow_dirty {
         bail!(
@@ -509,7 +606,8 @@ async fn measure(
 
     let mut rows = Vec::new();
     for kind in kinds {
-        let mut row = Row::new(kind);
+        let (messages, rate) = (options.messages_for(kind), options.rate_for(kind));
+        let mut row = Row::new(kind, messages, rate);
         let timed_runs = if options.counts_only {
             0
         } else {
@@ -521,12 +619,10 @@ async fn measure(
                     "{} {}: draining {} messages (run {run} of {})...",
                     kind.name(),
                     who.name(),
-                    options.messages,
+                    messages,
                     options.runs.max(1)
                 );
-                let drain = runs::drain(ctx, kind, who, options.messages)
-                    .await
-                    .map_err(err);
+                let drain = runs::drain(ctx, kind, who, messages).await.map_err(err);
                 match &drain {
                     Ok(d) => eprintln!(
                         "  {:.0} msg/s, peak RSS {} KiB, {:.3} CPU-s per 10k, the broker server {}",
@@ -551,9 +647,9 @@ async fn measure(
                 "{} {}: latency at {} msg/s...",
                 kind.name(),
                 who.name(),
-                options.rate
+                rate
             );
-            let latency = runs::latency(ctx, kind, who, options.rate, options.latency_secs)
+            let latency = runs::latency(ctx, kind, who, rate, options.latency_secs)
                 .await
                 .map_err(err);
             match &latency {
@@ -795,5 +891,49 @@ fn main() -> ExitCode {
             eprintln!("courier-bench: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(args: &[&str]) -> Options {
+        let mut argv = vec!["courier-bench", "all"];
+        argv.extend(args);
+        let Cmd::All(mut options) = Cli::try_parse_from(argv).expect("valid flags").command else {
+            panic!("not the all command");
+        };
+        options.apply_smoke();
+        options
+    }
+
+    #[test]
+    fn every_broker_is_a_default_source_at_its_own_size() {
+        let o = options(&[]);
+        assert_eq!(o.sources(), SOURCES);
+        assert_eq!(o.count_sources, ["redis", "amqp", "nats", "embedded"]);
+        assert_eq!(o.messages_for(Kind::Redis), 100_000);
+        assert_eq!(o.messages_for(Kind::Kafka), KAFKA_MESSAGES);
+        assert_eq!(o.messages_for(Kind::Sqs), SQS_MESSAGES);
+        assert_eq!(o.rate_for(Kind::Sqs), SQS_RATE);
+        assert_eq!(o.rate_for(Kind::PubSub), PUBSUB_RATE);
+        assert_eq!(o.rate_for(Kind::Nats), 1_000);
+    }
+
+    #[test]
+    fn a_smoke_run_starts_no_stand_in_unless_asked() {
+        let o = options(&["--smoke"]);
+        assert_eq!(o.sources(), SMOKE_SOURCES);
+        assert!(
+            o.kinds_used()
+                .expect("known sources")
+                .iter()
+                .all(|k| { !matches!(k, Kind::Kafka | Kind::Sqs | Kind::PubSub) })
+        );
+        let o = options(&["--smoke", "--sources", "redis,sqs"]);
+        assert_eq!(o.sources(), ["redis", "sqs"]);
+        assert!(o.messages_for(Kind::Sqs) <= 200);
+        assert!(o.rate_for(Kind::Sqs) <= 50);
     }
 }

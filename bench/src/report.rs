@@ -148,17 +148,29 @@ impl Side {
 /// One source: courier and the bare loop of the same broker, same run.
 pub struct Row {
     pub kind: Kind,
+    /// Messages of each drain of this source (a stand-in's own size, or
+    /// the run's).
+    pub messages: u64,
+    /// Messages per second of this source's latency runs.
+    pub rate: u64,
     pub courier: Side,
     pub bare: Side,
 }
 
 impl Row {
-    pub fn new(kind: Kind) -> Self {
+    pub fn new(kind: Kind, messages: u64, rate: u64) -> Self {
         Self {
             kind,
+            messages,
+            rate,
             courier: Side::new(),
             bare: Side::new(),
         }
+    }
+
+    /// Whether this source ran at sizes of its own, not the run's.
+    fn own_sizes(&self, settings: &Settings) -> bool {
+        self.messages != settings.messages || self.rate != settings.rate
     }
 
     pub fn side_mut(&mut self, who: Consumer) -> &mut Side {
@@ -305,6 +317,26 @@ impl Results {
         self.rows.iter().find(|r| r.kind == kind)
     }
 
+    /// The sources that ran at sizes of their own (the stand-ins), as
+    /// "Kafka (mock cluster) 30000 messages a drain and latency at 1000
+    /// msg/s; ...", or `None` when every source ran at the run's sizes.
+    fn own_sizes(&self) -> Option<String> {
+        let sizes: Vec<String> = self
+            .rows
+            .iter()
+            .filter(|r| r.own_sizes(&self.settings))
+            .map(|r| {
+                format!(
+                    "{} {} messages a drain and latency at {} msg/s",
+                    r.kind.title(),
+                    r.messages,
+                    r.rate
+                )
+            })
+            .collect();
+        (!sizes.is_empty()).then(|| sizes.join("; "))
+    }
+
     /// "uncommitted" on every row of a run on a dirty tree.
     fn mark(&self) -> &'static str {
         if self.machine.dirty {
@@ -340,7 +372,7 @@ impl Results {
                 ));
                 let p99 = row.courier.latency.as_ref().ok().map(|l| l.p99);
                 out.push(Verdict::of(
-                    format!("{name}: p99 ≤ 5 ms at {} msg/s", self.settings.rate),
+                    format!("{name}: p99 ≤ 5 ms at {} msg/s", row.rate),
                     p99.map(|p| format!("{} ms", ms(p))),
                     p99.map(|p| p <= Duration::from_millis(5)),
                 ));
@@ -383,7 +415,7 @@ impl Results {
                 out.push(Verdict::of(
                     format!(
                         "{name}: added p99 ≤ 1 ms at {} msg/s over the bare loop",
-                        self.settings.rate
+                        row.rate
                     ),
                     added.map(|a| format!("{a:+.3} ms")),
                     added.map(|a| a <= 1.0),
@@ -506,6 +538,9 @@ impl Results {
                     added
                 );
             }
+        }
+        if let Some(sizes) = self.own_sizes() {
+            let _ = writeln!(t, "at sizes of their own: {sizes}");
         }
         match &self.limit {
             Ok(c) => {
@@ -687,7 +722,7 @@ impl Results {
              concurrency {} for courier (every other flag at its default, so one thread), the bare loops and the limit; \
              latency at {} msg/s for {} s after 1 s of warm-up; instructions and system calls counted over receipts {} to {} of a drain of {} messages \
              (while messages flow: start-up, idle time and shutdown are left out); two replicas drain {} messages; Celery fed {} messages; \
-             retry backlog of {} entries.\n",
+             retry backlog of {} entries.{}\n",
             s.messages,
             s.body_bytes,
             s.runs,
@@ -699,7 +734,10 @@ impl Results {
             s.count_messages,
             s.replica_messages,
             s.celery_messages,
-            s.backlog
+            s.backlog,
+            self.own_sizes().map_or(String::new(), |sizes| format!(
+                " The stand-ins at sizes of their own: {sizes}."
+            ))
         );
         let mark = self.mark();
         let _ = writeln!(md, "### courier against the bare loop of each broker\n");
@@ -756,10 +794,12 @@ impl Results {
             };
             let _ = writeln!(
                 md,
-                "- {}: throughput ratio of each run {}; courier's last drain took {:.2} s first-to-last receipt \
+                "- {}: {} messages a drain, latency at {} msg/s; throughput ratio of each run {}; courier's last drain took {:.2} s first-to-last receipt \
                  ({:.2} s from starting courier; pre-fill took {:.1} s), adaptive concurrency limit at the end {}; \
                  courier's latency from {} samples, max {} ms.",
                 row.kind.title(),
+                row.messages,
+                row.rate,
                 if runs.is_empty() {
                     "-".into()
                 } else {

@@ -198,10 +198,18 @@ impl Running {
     }
 }
 
+/// Drains so far in this run: each gets a queue of its own.
+static DRAINS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Pre-fills `n` messages, starts the consumer, and times it draining them
-/// into the app.
+/// into the app. Each drain has a fresh queue: the stand-ins' queues are
+/// not removed (`Target::cleanup`), and a second drain of the same Pub/Sub
+/// subscription by the bare loop ran at 333 msg/s where the first ran at
+/// 10,000; the mock cluster's partitions would also keep every run's
+/// records against its 5 MiB a partition.
 pub async fn drain(ctx: &Ctx, kind: Kind, who: Consumer, n: u64) -> anyhow::Result<Drain> {
-    let target = Target::new(kind, &format!("{}-drain", who.name()), &ctx.work_dir);
+    let run = DRAINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    let target = Target::new(kind, &format!("{}-drain{run}", who.name()), &ctx.work_dir);
     target.reachable().map_err(anyhow::Error::msg)?;
     let result = drain_target(ctx, &target, who, n).await;
     target.cleanup().await;

@@ -420,13 +420,18 @@ fn machine(courier: &Path) -> Machine {
 }
 
 /// The courier binary: the one given, else built with the `dist` profile
-/// (thin LTO, as the published image is) beside this one's target folder.
+/// (thin LTO, as the published image is) beside this one's target folder,
+/// together with the `kafka-mock` beside it, which the Kafka runs start
+/// when no --kafka-mock is given: `cargo run -p courier-bench` builds only
+/// the harness, and a report made so had no Kafka rows.
 fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
     if let Some(path) = &options.courier {
         return Ok(path.clone());
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("building courier (cargo build --profile dist -p courier --bin courier)...");
+    eprintln!(
+        "building courier (cargo build --profile dist -p courier --bin courier --bin kafka-mock)..."
+    );
     let mut build = Command::new(cargo);
     build
         .args([
@@ -437,6 +442,8 @@ fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
             "courier",
             "--bin",
             "courier",
+            "--bin",
+            "kafka-mock",
         ])
         .current_dir(repo_root());
     for (name, _) in std::env::vars_os() {
@@ -564,6 +571,13 @@ async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<R
             machine.load_before
         );
     }
+    // Built beside courier when courier was.
+    let kafka_mock = options.kafka_mock.clone().or_else(|| {
+        options
+            .courier
+            .is_none()
+            .then(|| courier.with_file_name("kafka-mock"))
+    });
     let app = app::App::start().await?;
     let ctx: Ctx = Arc::new(Bench {
         app,
@@ -578,7 +592,7 @@ async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<R
         &options.kinds_used()?,
         reserved,
         &ctx.work_dir,
-        options.kafka_mock.as_deref(),
+        kafka_mock.as_deref(),
     )
     .await;
     let results = measure(&ctx, options, kinds, idle_kinds, count_kinds, machine).await;

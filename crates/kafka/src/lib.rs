@@ -255,7 +255,7 @@ impl Consumer for KafkaSource {
     /// were not awaited.
     async fn close(&self) {
         self.closing.store(true, AtomicOrdering::SeqCst);
-        if let Err(e) = self.commit(true).await {
+        if let Err(e) = self.commit_again().await {
             tracing::warn!(error = %e, "the last offset commit failed; what it covered is delivered again");
         }
         let producer = self.producer.clone();

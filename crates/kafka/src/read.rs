@@ -69,7 +69,7 @@ impl KafkaSource {
             // The hand-outs are counted in the commit's metadata before the
             // app sees them; if that commit fails they are counted with the
             // next one.
-            if let Err(e) = self.commit(false).await {
+            if let Err(e) = self.commit().await {
                 tracing::warn!(error = %e, "Kafka did not take the count of hand-outs; it is committed with the next settlement");
             }
         }

@@ -8,7 +8,9 @@ pub(super) type Work = Box<dyn FnOnce(&WriteTransaction) -> Result<(), SourceErr
 /// What callers ask the writer for.
 pub(super) enum Call {
     Lease(Lease),
-    Ack(Ack),
+    /// Acks are waiting in [`PendingAcks`]; the first of them was just
+    /// added, so the writer must wake to write them within [`FLUSH_EVERY`].
+    Poke,
     Change(Change),
     Depth {
         tables: Arc<Tables>,
@@ -25,7 +27,60 @@ pub(super) enum Call {
 pub(super) struct Ack {
     pub(super) tables: Arc<Tables>,
     pub(super) key: (u64, u64),
-    pub(super) reply: Reply<()>,
+}
+
+/// Acks made since the writer last looked, answered at once and not sent
+/// to the writer one by one: an ack only changes memory (see
+/// [`FLUSH_EVERY`]), and a call to the writer per ack cost a thread wake-up
+/// each way, a third of courier's CPU at load. The writer takes them before
+/// anything else it does, so every call made after an ack (a receive that
+/// could take back the lease, a flush, a stop) sees it.
+#[derive(Default)]
+pub(super) struct PendingAcks {
+    inner: Mutex<Pending>,
+}
+
+#[derive(Default)]
+struct Pending {
+    acks: Vec<Ack>,
+    /// When the oldest of `acks` was made.
+    since: Option<Instant>,
+    /// The writer is bound to wake within [`FLUSH_EVERY`] anyway (it holds
+    /// something to write), and takes the acks then: no poke is needed.
+    will_wake: bool,
+}
+
+impl PendingAcks {
+    /// Adds `ack`; true when the writer must be told: it is the first since
+    /// the writer last looked, and the writer is not bound to wake soon.
+    pub(super) fn push(&self, ack: Ack) -> bool {
+        let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        pending.acks.push(ack);
+        pending.since.get_or_insert_with(Instant::now);
+        pending.acks.len() == 1 && !pending.will_wake
+    }
+
+    /// When the oldest waiting ack was made.
+    pub(super) fn since(&self) -> Option<Instant> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).since
+    }
+
+    /// The writer, about to wait: whether it wakes within [`FLUSH_EVERY`]
+    /// whatever comes (`will_wake`), and when the oldest waiting ack was
+    /// made. One lock for both, so an ack made after it pokes the writer
+    /// unless the writer wakes anyway, and one made before is in `since`.
+    pub(super) fn before_wait(&self, will_wake: bool) -> Option<Instant> {
+        let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        pending.will_wake = will_wake;
+        pending.since
+    }
+
+    /// The waiting acks and when the oldest was made.
+    pub(super) fn take(&self) -> Option<(Vec<Ack>, Instant)> {
+        let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let since = pending.since.take()?;
+        Some((std::mem::take(&mut pending.acks), since))
+    }
 }
 
 /// A receive: answered with what is due, or kept waiting until something is

@@ -102,8 +102,10 @@ impl File {
             Instant::now() + CAREFUL_FOR
         });
         let (calls, inbox) = mpsc::channel();
+        let acks = Arc::new(PendingAcks::default());
         let writer = Writer {
             db: self.db.clone(),
+            acks: acks.clone(),
             waiting: Vec::new(),
             queues: HashMap::new(),
             dirty_since: None,
@@ -113,7 +115,11 @@ impl File {
             .name("courier-embedded".into())
             .spawn(move || writer.run(inbox))
             .map_err(store_error)?;
-        let _ = self.writer.set(Writing { calls, thread });
+        let _ = self.writer.set(Writing {
+            calls,
+            acks,
+            thread,
+        });
         Ok(())
     }
 
@@ -128,6 +134,16 @@ impl File {
         call: impl FnOnce(Reply<T>) -> Call,
     ) -> Result<T, SourceError> {
         self.submit(call)?.await.map_err(|_| writer_gone())?
+    }
+
+    /// Leaves `ack` for the writer's next step ([`PendingAcks`]), waking it
+    /// only for the first ack since its last.
+    pub(super) fn ack(&self, ack: Ack) -> Result<(), SourceError> {
+        let writing = self.writer.get().ok_or_else(writer_gone)?;
+        if writing.acks.push(ack) {
+            writing.calls.send(Call::Poke).map_err(|_| writer_gone())?;
+        }
+        Ok(())
     }
 
     /// Hands `call` to the writer; its answer comes on the receiver.

@@ -18,9 +18,10 @@
 //!   answered once that transaction is durable (fsynced).
 //! - **Hand-outs and acks in memory.** A receive takes due messages by
 //!   reading `ready` and noting them as held; an ack notes the message as
-//!   done. Neither writes: the rows they make obsolete are removed, and the
-//!   messages still held are moved to `leased`, by the next transaction, at
-//!   most [`FLUSH_EVERY`] later. Memory only ever holds back *removals*, so
+//!   done, and is not even a call to the writer: it waits in a list the
+//!   writer takes before its next step. Neither writes: the rows they make
+//!   obsolete are removed, and the messages still held are moved to
+//!   `leased`, by the next transaction, at most [`FLUSH_EVERY`] later. Memory only ever holds back *removals*, so
 //!   the file at any commit holds every message that is not settled (see
 //!   [`FLUSH_EVERY`] for why a crash then costs redeliveries, never a loss).
 //! - **Wake-ups.** A receive that finds nothing waits inside the writer; it
@@ -209,6 +210,7 @@ struct File {
 /// The writer thread, and the way calls reach it.
 struct Writing {
     calls: mpsc::Sender<Call>,
+    acks: Arc<PendingAcks>,
     thread: JoinHandle<()>,
 }
 
@@ -217,7 +219,7 @@ impl Drop for File {
     /// waits for it, so that the file is closed when the last source on it
     /// is gone and can be opened again at once, by this process or another.
     fn drop(&mut self) {
-        if let Some(Writing { calls, thread }) = self.writer.take() {
+        if let Some(Writing { calls, thread, .. }) = self.writer.take() {
             drop(calls);
             let _ = thread.join();
         }

@@ -3,14 +3,15 @@
 
 use super::*;
 
-/// The async side: each settlement is one call to the writer thread.
+/// The async side: an ack is noted for the writer's next look
+/// ([`PendingAcks`]); a retry or a dead letter is a call to the writer
+/// thread, answered once durable.
 #[async_trait]
 impl SettleParts for EmbeddedSource {
     async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
         let key = parse_receipt(&delivery.receipt)?;
         let tables = self.tables.clone();
-        self.call(|reply| Call::Ack(Ack { tables, key, reply }))
-            .await
+        self.file.ack(Ack { tables, key })
     }
 
     async fn settle_retry(

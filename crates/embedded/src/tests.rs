@@ -239,3 +239,34 @@ async fn a_purge_of_a_missing_letter_fails_only_itself() {
     }
     assert_eq!(sent, 180);
 }
+
+/// Rows of `table` in the file as the writer last committed them.
+fn rows(source: &EmbeddedSource, table: &str) -> usize {
+    let tx = source.file.db.begin_read().unwrap();
+    let table = tx.open_table(QueueTable::new(table)).unwrap();
+    table.len().unwrap() as usize
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_with_no_call_after_it_is_written_within_the_flush_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    source.send(Bytes::from("x"), &[]).await.unwrap();
+    let got = source.receive(1).await.unwrap().remove(0);
+    // The receive's lease is held in memory: written within the interval.
+    tokio::time::sleep(FLUSH_EVERY * 5).await;
+    assert_eq!(rows(&source, &source.tables.leased), 1);
+    source.ack(&got).await.unwrap();
+    // Nothing else is asked of the writer: the ack alone must wake it.
+    tokio::time::sleep(FLUSH_EVERY * 5).await;
+    assert_eq!(
+        rows(&source, &source.tables.ready),
+        0,
+        "the acked row is gone"
+    );
+    assert_eq!(
+        rows(&source, &source.tables.leased),
+        0,
+        "and so is its lease"
+    );
+}

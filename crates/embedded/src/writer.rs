@@ -5,6 +5,7 @@ use super::*;
 
 pub(super) struct Writer {
     pub(super) db: Arc<Database>,
+    pub(super) acks: Arc<PendingAcks>,
     /// Receives that found nothing, oldest first.
     pub(super) waiting: Vec<Lease>,
     /// By `ready` table name.
@@ -58,7 +59,15 @@ impl Writer {
     }
 
     pub(super) fn next_wake(&self) -> Option<Instant> {
-        let flush = self.dirty_since.map(|t| t + FLUSH_EVERY);
+        // Dirty, the writer wakes at `dirty_since + FLUSH_EVERY` at the
+        // latest, before any ack made from now on is due.
+        let acks = self.acks.before_wait(self.dirty_since.is_some());
+        let flush = self
+            .dirty_since
+            .into_iter()
+            .chain(acks)
+            .min()
+            .map(|t| t + FLUSH_EVERY);
         if self.queues.values().any(|o| !o.doomed.is_empty()) {
             return Some(Instant::now());
         }
@@ -98,9 +107,17 @@ impl Writer {
     /// leases; then the receives; then depth reads.
     pub(super) fn batch(&mut self, calls: Vec<Call>) {
         let now = Instant::now();
+        // A poke only says when the acks it announces must be written; the
+        // wake-up for that time is enough, and the next call takes them.
+        let pokes_only = !calls.is_empty() && calls.iter().all(|c| matches!(c, Call::Poke));
+        if pokes_only && self.acks.since().is_some_and(|t| now < t + FLUSH_EVERY) {
+            return;
+        }
+        if let Some((acks, since)) = self.acks.take() {
+            self.ack(acks, since);
+        }
         let mut leases = std::mem::take(&mut self.waiting);
         let mut changes = Vec::new();
-        let mut acks = Vec::new();
         let mut depths = Vec::new();
         let mut interrupted = Vec::new();
         for call in calls {
@@ -109,7 +126,7 @@ impl Writer {
                     let _ = lease.reply.send(Ok(Vec::new()));
                 }
                 Call::Lease(lease) => leases.push(lease),
-                Call::Ack(ack) => acks.push(ack),
+                Call::Poke => {}
                 Call::Change(change) => changes.push(change),
                 Call::Depth { tables, dlq, reply } => depths.push((tables, dlq, reply)),
                 Call::Interrupt { tables } => interrupted.push(tables.ready.clone()),
@@ -121,9 +138,6 @@ impl Writer {
                 lease.deadline = lease.deadline.min(now);
                 lease.next_try = now;
             }
-        }
-        if !acks.is_empty() {
-            self.ack(acks, now);
         }
         let flush = self.dirty_since.is_some_and(|t| now >= t + FLUSH_EVERY)
             || changes.iter().any(|c| matches!(c, Change::Flush { .. }))
@@ -151,7 +165,9 @@ impl Writer {
     /// Acks in memory: a held lease's row in `ready`, or a `leased` row, is
     /// marked for removal. An ack for a lease that is no longer held (it ran
     /// out, and a newer delivery will settle the message) changes nothing.
-    pub(super) fn ack(&mut self, acks: Vec<Ack>, now: Instant) {
+    /// `since`: when the oldest was made, which starts the wait for their
+    /// write.
+    pub(super) fn ack(&mut self, acks: Vec<Ack>, since: Instant) {
         let mut in_leased = Vec::new();
         let mut changed = false;
         for ack in acks {
@@ -161,7 +177,6 @@ impl Writer {
                     overlay.held.remove(&ack.key.1);
                     overlay.acked_ready.push(row);
                     changed = true;
-                    let _ = ack.reply.send(Ok(()));
                 }
                 None => {
                     let at = overlay.leased_key(ack.key);
@@ -190,18 +205,20 @@ impl Writer {
                             overlay.extended.remove(&ack.key.1);
                             changed = true;
                         }
-                        let _ = ack.reply.send(Ok(()));
                     }
                 }
-                Err(e) => {
-                    for (ack, _) in in_leased {
-                        let _ = ack.reply.send(Err(e.clone()));
-                    }
-                }
+                // Its caller heard Ok already: the ack is lost, and the
+                // message is delivered again when its lease runs out, as
+                // after a crash between the app's answer and the ack.
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    acks = in_leased.len(),
+                    "embedded queue: acks of leases in the file could not be checked; their messages will be delivered again"
+                ),
             }
         }
         if changed {
-            self.dirty_since.get_or_insert(now);
+            self.dirty_since = Some(self.dirty_since.map_or(since, |t| t.min(since)));
         }
     }
 

@@ -13,7 +13,6 @@ use rdkafka::consumer::{
 };
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
 
@@ -181,7 +180,7 @@ impl ConsumerContext for Group {
 
 pub(super) type GroupConsumer = StreamConsumer<Group>;
 pub(super) type Inspector = BaseConsumer<Quiet>;
-pub(super) type Producer = FutureProducer<Quiet>;
+pub(super) use super::producer::Producer;
 
 /// The consumer group courier's `--group` names on a topic: a Kafka group
 /// is cluster-wide, courier's names the readers of one queue (as a Redis
@@ -276,15 +275,15 @@ const PRODUCER_MAX_BYTES: &str = "1000000000";
 /// cannot be written fails rather than hangs. It may create courier's own
 /// topics on first use, where the brokers allow that.
 pub(super) fn producer(bootstrap: &str, options: &SourceOptions) -> Result<Producer, SourceError> {
-    base_config(bootstrap, &format!("{}-producer", options.consumer))
+    let mut config = base_config(bootstrap, &format!("{}-producer", options.consumer));
+    config
         .set("message.max.bytes", PRODUCER_MAX_BYTES)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("message.timeout.ms", "10000")
         .set("linger.ms", "1")
-        .set("allow.auto.create.topics", "true")
-        .create_with_context(Quiet)
-        .map_err(unavailable)
+        .set("allow.auto.create.topics", "true");
+    Producer::create(&config).map_err(unavailable)
 }
 
 /// Runs a blocking librdkafka call off the async threads.
@@ -492,12 +491,9 @@ pub(super) async fn seal_of(
     }
     let secret = Seal::new_secret();
     producer
-        .send(
-            FutureRecord::to(SEAL_TOPIC).key(topic).payload(&secret),
-            REQUEST,
-        )
+        .send(SEAL_TOPIC, Some(topic.as_bytes()), secret.as_bytes(), None, REQUEST)
         .await
-        .map_err(|(e, _)| {
+        .map_err(|e| {
             SourceError::broker(format!(
                 "cannot record the seal key in the topic {SEAL_TOPIC:?} ({e}); let courier write to it, or create it"
             ))

@@ -223,11 +223,7 @@ impl DeadLetterStore for KafkaStore {
 
     async fn flush(&self) {
         let producer = self.producer.clone();
-        let _ = blocking(move || {
-            use rdkafka::producer::Producer as _;
-            producer.flush(REQUEST).map_err(unavailable)
-        })
-        .await;
+        let _ = blocking(move || producer.flush(REQUEST).map_err(unavailable)).await;
     }
 }
 

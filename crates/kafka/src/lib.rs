@@ -60,6 +60,7 @@ mod dead_letters;
 mod depth;
 mod fields;
 mod offsets;
+mod producer;
 mod read;
 mod rebalance;
 mod settle;
@@ -260,7 +261,6 @@ impl Consumer for KafkaSource {
         }
         let producer = self.producer.clone();
         let _ = connection::blocking(move || {
-            use rdkafka::producer::Producer as _;
             producer
                 .flush(connection::REQUEST)
                 .map_err(connection::unavailable)

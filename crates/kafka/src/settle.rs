@@ -7,7 +7,6 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::producer::FutureRecord;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::connection::{Producer, blocking, unavailable};
@@ -239,16 +238,10 @@ pub(super) async fn produce(
     fields: &[(Bytes, Bytes)],
 ) -> Result<(i32, i64), SourceError> {
     let (body, headers) = to_record(fields);
-    let mut record = FutureRecord::<[u8], [u8]>::to(topic)
-        .payload(body.as_ref())
-        .headers(headers);
-    if let Some(key) = key {
-        record = record.key(key);
-    }
-    let delivered = producer
-        .send(record, Duration::from_secs(5))
+    let (partition, offset) = producer
+        .send(topic, key, &body, Some(headers), Duration::from_secs(5))
         .await
-        .map_err(|(e, _)| {
+        .map_err(|e| {
             let text = format!("Kafka did not store the record for {topic:?}: {e}");
             match e.rdkafka_error_code() {
                 Some(RDKafkaErrorCode::MessageSizeTooLarge) => SourceError::too_large(format!(
@@ -259,7 +252,7 @@ pub(super) async fn produce(
             }
             .caused_by(e)
         })?;
-    Ok((delivered.partition, delivered.offset))
+    Ok((partition, offset))
 }
 
 #[async_trait]

@@ -156,6 +156,9 @@ struct Reading {
     /// Partitions being taken away while their deliveries in flight
     /// finish (`rebalance.rs`): nothing more of them is handed out.
     revoking: HashSet<Partition>,
+    /// Partitions with a hand-out in the read under way that must be
+    /// committed before it is delivered ([`offsets::Ledger::careful`]).
+    careful: Vec<Partition>,
 }
 
 pub struct KafkaSource {
@@ -256,7 +259,7 @@ impl Consumer for KafkaSource {
     /// were not awaited.
     async fn close(&self) {
         self.closing.store(true, AtomicOrdering::SeqCst);
-        if let Err(e) = self.commit_again().await {
+        if let Err(e) = self.commit_at_stop().await {
             tracing::warn!(error = %e, "the last offset commit failed; what it covered is delivered again");
         }
         let producer = self.producer.clone();

@@ -8,13 +8,31 @@
 //! hand-outs of each open offset (Kafka has no delivery counter; this is
 //! courier's, for the poison-pill rule) and the offsets already settled
 //! (skipped when a restart reads them again). The metadata is text:
-//! `1;h=12:1,13:2;d=14-20,22` (format 1, handed-out counts, settled ranges).
+//! `1;h=12:1,13:2;d=14-20,22` (format 1, handed-out counts, settled ranges),
+//! with `;c` at the end when a replica that stopped cleanly wrote it.
+//!
+//! A hand-out's count is committed without waiting for Kafka's answer,
+//! except where a crash could hide a poison pill ([`Ledger::careful`]).
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 /// What a commit's metadata may hold at most: Kafka's default
 /// `offset.metadata.max.bytes` is 4096.
 const METADATA_BYTES: usize = 4000;
+
+/// The metadata's mark of a commit made by a clean stop: every hand-out is
+/// counted in it, and nothing was handed out after it.
+const CLEAN: &str = "c";
+
+/// After taking over a partition whose last commit is not a clean stop's
+/// (its reader crashed, was killed, or lost the partition to a rebalance),
+/// every hand-out's count is committed, and Kafka's answer awaited, before
+/// the app sees it, for this long. A message that crashed courier the
+/// moment it was handed out is at the head of what is read again, so a
+/// short window catches it: it is counted from the second crash on, and
+/// dead-lettered after `max_deliveries` instead of crash-looping courier.
+pub(super) const CAREFUL_FOR: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Entry {
@@ -39,6 +57,13 @@ pub(super) struct Ledger {
     entries: BTreeMap<i64, Entry>,
     /// The next offset to read: one past the highest read.
     next: i64,
+    /// Until then hand-outs are committed before they are delivered: the
+    /// partition's last commit was not a clean stop's ([`CAREFUL_FOR`]).
+    careful_until: Option<Instant>,
+    /// A commit of this ledger was awaited and taken. Until then the group
+    /// may have nothing committed for the partition, and a hand-out whose
+    /// unawaited commit a crash undid would leave nothing that says so.
+    pub(super) synced: bool,
 }
 
 impl Ledger {
@@ -50,14 +75,28 @@ impl Ledger {
             return Self {
                 entries: BTreeMap::new(),
                 next: first_read,
+                careful_until: None,
+                synced: false,
             };
         };
         let mut entries = decode(metadata);
         entries.retain(|o, _| *o >= offset);
+        let clean = metadata.split(';').skip(1).any(|part| part == CLEAN);
         Self {
             entries,
             next: offset,
+            careful_until: (!clean).then(|| Instant::now() + CAREFUL_FOR),
+            synced: true,
         }
+    }
+
+    /// Whether a hand-out that makes `handed` hand-outs of one offset must
+    /// be committed, and the commit awaited, before the app sees it: the
+    /// offset was handed out before and never settled (a poison pill shows
+    /// so), the partition was taken over from a reader that did not stop
+    /// cleanly, within [`CAREFUL_FOR`], or nothing of it was committed yet.
+    pub(super) fn careful(&self, handed: u32, now: Instant) -> bool {
+        handed > 1 || !self.synced || self.careful_until.is_some_and(|t| now < t)
     }
 
     /// Registers an offset just read.
@@ -129,8 +168,9 @@ impl Ledger {
 
     /// The commit's metadata: hand-out counts first, which a poison pill
     /// needs; settled ranges as far as they fit (losing one only means a
-    /// redelivery after a crash).
-    pub(super) fn metadata(&self) -> String {
+    /// redelivery after a crash). `clean`: the stop's commit, after which
+    /// this process hands out nothing more.
+    pub(super) fn metadata(&self, clean: bool) -> String {
         let point = self.commit_point();
         let handed: Vec<String> = self
             .entries
@@ -179,6 +219,10 @@ impl Ledger {
             }
             first = false;
             out.push_str(&range);
+        }
+        if clean {
+            out.push(';');
+            out.push_str(CLEAN);
         }
         out
     }
@@ -265,7 +309,7 @@ mod tests {
             ledger.read(o);
             ledger.hand_out(o);
         }
-        let metadata = ledger.metadata();
+        let metadata = ledger.metadata(false);
         assert!(metadata.len() <= METADATA_BYTES, "{}", metadata.len());
         assert!(metadata.starts_with("1;h=1000000000:1,"), "{metadata}");
         let hostile: String = (0..400)
@@ -288,13 +332,13 @@ mod tests {
         assert!(!ledger.settle(12));
         assert!(!ledger.settle(11));
         assert_eq!(ledger.commit_point(), 10);
-        assert_eq!(ledger.metadata(), "1;h=10:1,13:1;d=11-12");
+        assert_eq!(ledger.metadata(false), "1;h=10:1,13:1;d=11-12");
         assert!(ledger.settle(10));
         assert_eq!(ledger.commit_point(), 13);
-        assert_eq!(ledger.metadata(), "1;h=13:1;d=");
+        assert_eq!(ledger.metadata(false), "1;h=13:1;d=");
         assert!(ledger.settle(13));
         assert_eq!(ledger.commit_point(), 14);
-        assert_eq!(ledger.metadata(), "1;h=;d=");
+        assert_eq!(ledger.metadata(false), "1;h=;d=");
     }
 
     #[test]
@@ -306,7 +350,7 @@ mod tests {
         }
         before.hand_out(0);
         before.settle(2);
-        let metadata = before.metadata();
+        let metadata = before.metadata(false);
         let point = before.commit_point();
 
         let mut after = Ledger::resume(Some((point, &metadata)), 0);
@@ -324,13 +368,40 @@ mod tests {
         assert_eq!(after.commit_point(), 5);
     }
 
+    /// Hand-outs are committed before delivery only where a crash could
+    /// hide a poison pill: nothing committed yet, a reader before that did
+    /// not stop cleanly, or an offset handed out before.
+    #[test]
+    fn only_a_stops_commit_is_clean_and_otherwise_hand_outs_are_careful() {
+        let now = Instant::now();
+        let fresh = Ledger::resume(None, 0);
+        assert!(fresh.careful(1, now), "nothing of it committed yet");
+        let mut running = Ledger::resume(None, 0);
+        running.read(0);
+        running.hand_out(0);
+        running.synced = true;
+        assert!(!running.careful(1, now));
+        assert!(running.careful(2, now), "handed out before");
+        let metadata = running.metadata(false);
+        assert_eq!(metadata, "1;h=0:1;d=");
+        let crashed = Ledger::resume(Some((0, &metadata)), 0);
+        assert!(crashed.careful(1, now), "its last reader did not stop");
+        let later = Instant::now() + CAREFUL_FOR;
+        assert!(!crashed.careful(1, later), "for a while only");
+        let stopped = running.metadata(true);
+        assert_eq!(stopped, "1;h=0:1;d=;c");
+        let mut after_a_stop = Ledger::resume(Some((0, &stopped)), 0);
+        assert!(!after_a_stop.careful(1, now));
+        assert_eq!(after_a_stop.read(0), Read::Fresh(1), "the count carries");
+    }
+
     #[test]
     fn a_hand_out_given_back_does_not_count() {
         let mut ledger = Ledger::resume(None, 0);
         ledger.read(0);
         ledger.hand_out(0);
         ledger.give_back(0);
-        assert_eq!(ledger.metadata(), "1;h=;d=");
+        assert_eq!(ledger.metadata(false), "1;h=;d=");
         assert_eq!(ledger.hand_out(0), 1);
         assert_eq!(ledger.commit_point(), 0);
     }
@@ -344,7 +415,7 @@ mod tests {
         ledger.settle(6);
         assert_eq!(ledger.commit_point(), 5);
         assert!(ledger.is_open(5));
-        assert_eq!(ledger.metadata(), "1;h=;d=6");
+        assert_eq!(ledger.metadata(false), "1;h=;d=6");
     }
 
     #[test]
@@ -363,7 +434,7 @@ mod tests {
             ledger.read(o);
             ledger.settle(o * 2 - 1);
         }
-        assert!(ledger.metadata().len() <= METADATA_BYTES);
+        assert!(ledger.metadata(false).len() <= METADATA_BYTES);
     }
 
     #[test]

@@ -65,12 +65,29 @@ impl KafkaSource {
             self.admit(message, &mut out).await?;
             self.bound_reads();
         }
+        let careful = std::mem::take(&mut self.reading().careful);
         if !out.is_empty() {
-            // The hand-outs are counted in the commit's metadata before the
-            // app sees them; if that commit fails they are counted with the
-            // next one.
-            if let Err(e) = self.commit().await {
-                tracing::warn!(error = %e, "Kafka did not take the count of hand-outs; it is committed with the next settlement");
+            // The hand-outs are counted in the commit's metadata: before the
+            // app sees them where a crash could hide a poison pill, else
+            // handed over as a settlement's commit is. If that commit fails
+            // they are counted with the next one.
+            let committed = if careful.is_empty() {
+                self.commit_soon().await
+            } else {
+                self.commit().await
+            };
+            match committed {
+                Ok(()) => {
+                    let mut reading = self.reading();
+                    for key in careful {
+                        if let Some(ledger) = reading.ledgers.get_mut(&key) {
+                            ledger.synced = true;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "Kafka did not take the count of hand-outs; it is committed with the next settlement")
+                }
             }
         }
         Ok(out)
@@ -182,6 +199,11 @@ impl KafkaSource {
                     continue;
                 };
                 let handed = ledger.hand_out(record.offset);
+                if ledger.careful(handed, std::time::Instant::now()) {
+                    reading
+                        .careful
+                        .push((record.topic.clone(), record.partition));
+                }
                 reading.version += 1;
                 delivery.attempt += 1;
                 delivery.receipt = receipt(&record.topic, record.partition, record.offset, handed);
@@ -326,6 +348,9 @@ impl KafkaSource {
             let mut reading = self.reading();
             let ledger = reading.ledgers.get_mut(&(topic.to_string(), partition))?;
             let handed = ledger.hand_out(offset);
+            if ledger.careful(handed, std::time::Instant::now()) {
+                reading.careful.push((topic.to_string(), partition));
+            }
             reading.version += 1;
             handed
         };

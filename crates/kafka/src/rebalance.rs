@@ -137,7 +137,7 @@ impl Shared {
                     .set_offset(Offset::Offset(ledger.commit_point()))
                     .is_ok()
                 {
-                    element.set_metadata(ledger.metadata());
+                    element.set_metadata(ledger.metadata(false));
                 }
             }
             if *topic == self.retry_topic {

@@ -45,15 +45,16 @@ impl super::Reading {
 }
 
 impl super::Reading {
-    /// Every ledger's commit point and metadata, as one commit carries them.
-    fn wanted(&self) -> Result<TopicPartitionList, SourceError> {
+    /// Every ledger's commit point and metadata, as one commit carries them;
+    /// `clean`: the stop's ([`Ledger::metadata`](super::offsets::Ledger::metadata)).
+    fn wanted(&self, clean: bool) -> Result<TopicPartitionList, SourceError> {
         let mut wanted = TopicPartitionList::new();
         for ((topic, partition), ledger) in &self.ledgers {
             let mut element = wanted.add_partition(topic, *partition);
             element
                 .set_offset(Offset::Offset(ledger.commit_point()))
                 .map_err(unavailable)?;
-            element.set_metadata(ledger.metadata());
+            element.set_metadata(ledger.metadata(clean));
         }
         Ok(wanted)
     }
@@ -156,27 +157,25 @@ impl KafkaSource {
     }
 
     /// Commits every ledger's point and metadata and waits for Kafka's
-    /// answer, once the commits before it are done; a commit that finds
-    /// its changes committed by another returns at once.
+    /// answer, once the commits before it are done; made even when another
+    /// commit carried everything, for that one may have been handed over
+    /// unawaited ([`Self::commit_soon`]) and not be taken yet. What a
+    /// careful read's hand-outs wait for ([`Ledger::careful`](super::offsets::Ledger::careful)).
     pub(super) async fn commit(&self) -> Result<(), SourceError> {
         self.commit_awaited(false).await
     }
 
-    /// The same, made even when another commit carried everything: that
-    /// one may have been handed over unawaited ([`Self::commit_soon`]) and
-    /// refused. The stop's.
-    pub(super) async fn commit_again(&self) -> Result<(), SourceError> {
+    /// The stop's [`Self::commit`], marked clean, so that the next reader of
+    /// these partitions need not be careful.
+    pub(super) async fn commit_at_stop(&self) -> Result<(), SourceError> {
         self.commit_awaited(true).await
     }
 
-    async fn commit_awaited(&self, again: bool) -> Result<(), SourceError> {
+    async fn commit_awaited(&self, stop: bool) -> Result<(), SourceError> {
         let mut committed = self.committed.lock().await;
         let (version, wanted) = {
             let mut reading = self.reading();
-            if reading.version <= *committed && !again {
-                return Ok(());
-            }
-            let wanted = reading.wanted()?;
+            let wanted = reading.wanted(stop)?;
             if wanted.count() > 0 {
                 reading.committing += 1;
             }
@@ -218,7 +217,7 @@ impl KafkaSource {
         if reading.version <= *committed {
             return Ok(());
         }
-        let wanted = reading.wanted()?;
+        let wanted = reading.wanted(false)?;
         if wanted.count() > 0 {
             consumer
                 .commit(&wanted, CommitMode::Async)

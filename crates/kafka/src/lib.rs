@@ -161,10 +161,23 @@ struct Reading {
     careful: Vec<Partition>,
 }
 
-pub struct KafkaSource {
+/// What commits need, shared with the task that hands over settlements'
+/// commits ([`settle::hand_over_commits`]).
+struct Commits {
     /// The group's consumer; replaced by a new one when this one holds no
     /// partition while the group stalls (`stall.rs`).
     consumer: Mutex<Arc<GroupConsumer>>,
+    reading: Arc<Mutex<Reading>>,
+    /// One commit at a time, in order; holds the version it committed.
+    committed: tokio::sync::Mutex<u64>,
+}
+
+pub struct KafkaSource {
+    commits: Arc<Commits>,
+    /// Tells the task of [`settle::hand_over_commits`] that the ledgers
+    /// changed.
+    changed: Arc<tokio::sync::Notify>,
+    hand_over: tokio::task::JoinHandle<()>,
     bootstrap: String,
     /// What `stall.rs` watches of the assignment.
     watch: Mutex<stall::Watch>,
@@ -175,8 +188,6 @@ pub struct KafkaSource {
     reading: Arc<Mutex<Reading>>,
     /// Tells a rebalance during the stop not to wait for deliveries.
     closing: Arc<AtomicBool>,
-    /// One commit at a time, in order; holds the version it committed.
-    committed: tokio::sync::Mutex<u64>,
     live: Mutex<LiveSettings>,
     seal: Arc<Seal>,
     /// The dead letters and sends, on the same producer and inspector.
@@ -303,6 +314,7 @@ impl Drop for KafkaSource {
     /// Leaving the group revokes every partition: nothing waits then.
     fn drop(&mut self) {
         self.closing.store(true, AtomicOrdering::SeqCst);
+        self.hand_over.abort();
     }
 }
 
@@ -316,7 +328,8 @@ impl KafkaSource {
     }
 
     fn consumer(&self) -> Arc<GroupConsumer> {
-        self.consumer
+        self.commits
+            .consumer
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
@@ -369,14 +382,27 @@ impl KafkaSource {
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
         let consumer = group_consumer(&bootstrap, &options, &reading, &closing, &retry_topic)?;
+        let commits = Arc::new(Commits {
+            consumer: Mutex::new(consumer),
+            reading: reading.clone(),
+            committed: tokio::sync::Mutex::new(0),
+        });
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let hand_over = tokio::spawn(settle::hand_over_commits(
+            Arc::downgrade(&commits),
+            changed.clone(),
+            closing.clone(),
+        ));
         Ok(Self {
+            commits,
+            changed,
+            hand_over,
             store: KafkaStore::new(
                 &options.queue,
                 producer.clone(),
                 inspector.clone(),
                 seal.clone(),
             ),
-            consumer: Mutex::new(consumer),
             bootstrap,
             watch: Mutex::default(),
             producer,
@@ -389,7 +415,6 @@ impl KafkaSource {
             interrupted: tokio::sync::Notify::new(),
             reading,
             closing,
-            committed: tokio::sync::Mutex::new(0),
             seal,
         })
     }

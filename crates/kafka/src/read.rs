@@ -72,7 +72,8 @@ impl KafkaSource {
             // handed over as a settlement's commit is. If that commit fails
             // they are counted with the next one.
             let committed = if careful.is_empty() {
-                self.commit_soon().await
+                self.commit_soon();
+                Ok(())
             } else {
                 self.commit().await
             };

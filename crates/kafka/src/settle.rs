@@ -2,12 +2,15 @@
 //! letter; committing the ledgers; producing.
 
 use async_trait::async_trait;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
+use tokio::sync::Notify;
 
 use super::connection::{Producer, blocking, unavailable};
 use super::fields::{F_RETRY_AT, to_record};
@@ -121,10 +124,9 @@ impl KafkaSource {
             }
         };
         if commit {
-            self.commit_soon().await
-        } else {
-            Ok(())
+            self.commit_soon();
         }
+        Ok(())
     }
 
     /// A retry that uses no attempt (the app was unreachable, or the
@@ -172,7 +174,7 @@ impl KafkaSource {
     }
 
     async fn commit_awaited(&self, stop: bool) -> Result<(), SourceError> {
-        let mut committed = self.committed.lock().await;
+        let mut committed = self.commits.committed.lock().await;
         let (version, wanted) = {
             let mut reading = self.reading();
             let wanted = reading.wanted(stop)?;
@@ -196,24 +198,58 @@ impl KafkaSource {
         Ok(())
     }
 
-    /// A settlement's commit, handed to librdkafka without waiting for
-    /// Kafka's answer, as the bare loop's is: each delivery's slot used to
-    /// wait for a commit of its own, one at a time (courier's CPU per
-    /// message on the mock cluster went from 0.33-0.36 to 0.29-0.31 s per
-    /// 10k without it). It waits only for an awaited commit under way (the
-    /// hand-outs' of a read).
-    /// librdkafka sends commits in order, so no later one goes back behind
-    /// it. One refused, or lost in a crash, redelivers what it settled, as
-    /// at-least-once allows; the stop commits again and waits. The counts
-    /// of hand-outs that find poison pills are never only in these: they
-    /// are in the awaited commit before the deliveries are returned.
-    pub(super) async fn commit_soon(&self) -> Result<(), SourceError> {
-        let consumer = self.consumer();
+    /// A settlement's commit (or an uncareful read's): the ledgers changed,
+    /// and [`hand_over_commits`] commits them within [`COMMIT_EVERY`].
+    pub(super) fn commit_soon(&self) {
+        self.changed.notify_one();
+    }
+}
+
+/// How long the changes of settlements gather before one commit hands them
+/// over: a commit per settlement (almost every ack moves a commit point)
+/// was an `OffsetCommit` with every partition's metadata per message.
+const COMMIT_EVERY: Duration = Duration::from_millis(5);
+
+/// Hands the ledgers' commit to librdkafka without waiting for Kafka's
+/// answer, as the bare loop's is, at most [`COMMIT_EVERY`] after a change,
+/// until the source is gone or stopping (the stop commits, and waits, on
+/// its own). librdkafka sends commits in order, so no later one goes back
+/// behind it. One refused, or lost in a crash, redelivers what it settled,
+/// as at-least-once allows. The counts of hand-outs that find poison
+/// pills are only in these where a crash could not hide one
+/// ([`Ledger::careful`](super::offsets::Ledger::careful)).
+pub(super) async fn hand_over_commits(
+    commits: Weak<super::Commits>,
+    changed: Arc<Notify>,
+    closing: Arc<AtomicBool>,
+) {
+    loop {
+        changed.notified().await;
+        tokio::time::sleep(COMMIT_EVERY).await;
+        let Some(commits) = commits.upgrade() else {
+            return;
+        };
+        if closing.load(AtomicOrdering::SeqCst) {
+            continue;
+        }
+        if let Err(e) = commits.hand_over().await {
+            tracing::warn!(error = %e, "an offset commit failed; the next one carries what it had");
+        }
+    }
+}
+
+impl super::Commits {
+    async fn hand_over(&self) -> Result<(), SourceError> {
+        let consumer = self
+            .consumer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let mut committed = self.committed.lock().await;
         // Taken and handed over under one lock of the ledgers: a rebalance
         // takes its own commit's snapshot under it too, so this one goes
         // either before the rebalance's commit or without its partitions.
-        let reading = self.reading();
+        let reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
         if reading.version <= *committed {
             return Ok(());
         }

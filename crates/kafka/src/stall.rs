@@ -145,7 +145,11 @@ impl KafkaSource {
             }
         };
         let old = std::mem::replace(
-            &mut *self.consumer.lock().unwrap_or_else(|e| e.into_inner()),
+            &mut *self
+                .commits
+                .consumer
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
             fresh,
         );
         {

@@ -138,9 +138,11 @@ async fn offsets_are_committed_in_order_when_deliveries_settle_out_of_order() {
     assert_eq!(again[0].message.id, got[0].message.id);
     nothing_for(&second, Duration::from_secs(2)).await;
     second.ack(&again[0]).await.unwrap();
-    wait_for("the commit past all three", Duration::from_secs(2), async || {
-        committed(&fixture, 0).await == Some(offsets[2] + 1)
-    })
+    wait_for(
+        "the commit past all three",
+        Duration::from_secs(2),
+        async || committed(&fixture, 0).await == Some(offsets[2] + 1),
+    )
     .await;
     let depth = inspector.depth().await.unwrap();
     assert_eq!(

@@ -23,8 +23,10 @@ use courier_core::source::shared::{replace, without};
 /// How a hand-out ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Settled {
-    /// Acked or dead-lettered: the message is done, its key free.
-    Final,
+    /// Acked: the message is done, its key free.
+    Acked,
+    /// Dead-lettered: the message is done, its key free.
+    DeadLettered,
     /// A retry copy is stored: the offset is settled, the copy holds the key.
     Retried,
     /// The write that was to settle it failed: handed out again later.
@@ -94,7 +96,7 @@ impl KafkaSource {
             // hand-out sees it settled in the ledger once it is gone here.
             let mut reading = self.reading();
             reading.out.remove(&delivery.receipt);
-            if settled == Settled::Final
+            if matches!(settled, Settled::Acked | Settled::DeadLettered)
                 && let Some(key) = &out.key
             {
                 reading.release(key);
@@ -123,10 +125,19 @@ impl KafkaSource {
                 false
             }
         };
-        if commit {
-            self.commit_soon();
+        if !commit {
+            return Ok(());
         }
-        Ok(())
+        if settled == Settled::Acked {
+            self.commit_soon();
+            return Ok(());
+        }
+        // A copy was written (a retry, a dead letter): its commit is handed
+        // over now, not gathered. Lost in a crash, it means the message is
+        // delivered again from the work topic as well as from the copy, a
+        // duplicate worth a commit of its own; an ack's costs only the
+        // redelivery at-least-once allows.
+        self.commits.hand_over().await
     }
 
     /// A retry that uses no attempt (the app was unreachable, or the
@@ -198,16 +209,16 @@ impl KafkaSource {
         Ok(())
     }
 
-    /// A settlement's commit (or an uncareful read's): the ledgers changed,
-    /// and [`hand_over_commits`] commits them within [`COMMIT_EVERY`].
+    /// An ack's commit (or an uncareful read's): the ledgers changed, and
+    /// [`hand_over_commits`] commits them within [`COMMIT_EVERY`].
     pub(super) fn commit_soon(&self) {
         self.changed.notify_one();
     }
 }
 
-/// How long the changes of settlements gather before one commit hands them
-/// over: a commit per settlement (almost every ack moves a commit point)
-/// was an `OffsetCommit` with every partition's metadata per message.
+/// How long the changes of acks gather before one commit hands them over:
+/// a commit per ack (almost every ack moves a commit point) was an
+/// `OffsetCommit` with every partition's metadata per message.
 const COMMIT_EVERY: Duration = Duration::from_millis(5);
 
 /// Hands the ledgers' commit to librdkafka without waiting for Kafka's
@@ -239,7 +250,9 @@ pub(super) async fn hand_over_commits(
 }
 
 impl super::Commits {
-    async fn hand_over(&self) -> Result<(), SourceError> {
+    /// Hands the ledgers' commit to librdkafka now, unless one carried
+    /// every change already.
+    pub(super) async fn hand_over(&self) -> Result<(), SourceError> {
         let consumer = self
             .consumer
             .lock()
@@ -294,7 +307,7 @@ pub(super) async fn produce(
 impl SettleParts for KafkaSource {
     async fn settle_ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
         let out = self.out_of(delivery)?;
-        self.finish(delivery, out, Settled::Final).await
+        self.finish(delivery, out, Settled::Acked).await
     }
 
     async fn settle_retry(
@@ -335,6 +348,6 @@ impl SettleParts for KafkaSource {
             }
             return Err(e);
         }
-        self.finish(delivery, out, Settled::Final).await
+        self.finish(delivery, out, Settled::DeadLettered).await
     }
 }

@@ -11,7 +11,7 @@ use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{
     BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
 };
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
@@ -150,12 +150,18 @@ impl ConsumerContext for Group {
             consumer.rebalance_protocol(),
             RebalanceProtocol::Cooperative
         );
+        let assigned = |done: KafkaResult<()>| {
+            if let (Ok(()), Some(shared)) = (&done, self.shared.get()) {
+                shared.hold_retry(consumer, partitions);
+            }
+            done
+        };
         let done = match (err, self.shared.get()) {
             (RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS, _) if cooperative => {
-                consumer.incremental_assign(partitions)
+                assigned(consumer.incremental_assign(partitions))
             }
             (RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS, _) => {
-                consumer.assign(partitions)
+                assigned(consumer.assign(partitions))
             }
             (RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS, Some(shared)) => {
                 shared.revoke(consumer, partitions);

@@ -159,6 +159,9 @@ struct Reading {
     /// Partitions with a hand-out in the read under way that must be
     /// committed before it is delivered ([`offsets::Ledger::careful`]).
     careful: Vec<Partition>,
+    /// The retry topic's partitions are paused since an assignment, until
+    /// then ([`rebalance::Shared::hold_retry`]).
+    retry_resume_at: Option<std::time::Instant>,
 }
 
 /// What commits need, shared with the task that hands over settlements'

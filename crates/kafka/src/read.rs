@@ -30,9 +30,14 @@ impl KafkaSource {
         self.release_due(&mut out, max);
         let deadline = Instant::now() + RECEIVE_WAIT;
         while out.len() < max {
+            self.resume_retry();
             let now = Instant::now();
             let wait = if out.is_empty() {
                 let until = self.next_due().map_or(deadline, |due| due.min(deadline));
+                let until = match self.reading().retry_resume_at {
+                    Some(at) => until.min(Instant::from_std(at)),
+                    None => until,
+                };
                 until.saturating_duration_since(now)
             } else {
                 Duration::ZERO
@@ -304,6 +309,37 @@ impl KafkaSource {
             out.push(delivery);
         }
         Ok(())
+    }
+
+    /// Resumes the retry topic's partitions that an assignment paused
+    /// ([`hold_retry`](super::rebalance::Shared::hold_retry)) once their
+    /// wait is over, but those holding a copy not yet due.
+    fn resume_retry(&self) {
+        let held: Vec<i32> = {
+            let mut reading = self.reading();
+            match reading.retry_resume_at {
+                Some(at) if at <= std::time::Instant::now() => {
+                    reading.retry_resume_at = None;
+                    reading.held.keys().copied().collect()
+                }
+                _ => return,
+            }
+        };
+        let consumer = self.consumer();
+        let Ok(assigned) = consumer.assignment() else {
+            return;
+        };
+        let mut resume = TopicPartitionList::new();
+        for element in assigned.elements_for_topic(&self.retry_topic) {
+            if !held.contains(&element.partition()) {
+                resume.add_partition(&self.retry_topic, element.partition());
+            }
+        }
+        if resume.count() > 0
+            && let Err(e) = consumer.resume(&resume)
+        {
+            tracing::warn!(error = %e, "cannot resume the Kafka retry partitions after an assignment");
+        }
     }
 
     /// When a retry copy is due: its sealed `courier-retry-at`, else now

@@ -41,9 +41,37 @@ pub(super) struct Shared {
     pub(super) consumer: Weak<GroupConsumer>,
 }
 
+/// How long the retry topic's partitions wait after an assignment before
+/// they are read. librdkafka keeps one fetch in flight per broker, and a
+/// partition that becomes readable while it waits joins the next one. The
+/// retry partitions, usually empty, were readable microseconds before the
+/// work partitions (which first check their leader epoch): a broker's first
+/// fetch then held only them, and the broker held it, empty, for
+/// `fetch.wait.max.ms` (3 s) while the work partitions' records waited.
+/// Read a moment later, they join a fetch the work partitions are in.
+pub(super) const RETRY_AFTER_ASSIGN: Duration = Duration::from_millis(100);
+
 impl Shared {
     fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pauses the retry topic's partitions of `assigned` for
+    /// [`RETRY_AFTER_ASSIGN`]; a read resumes them (`read.rs`). A retry copy
+    /// due at the assignment so comes up to that much later, or, when the
+    /// work partitions on its broker are empty, up to one fetch wait.
+    pub(super) fn hold_retry(&self, consumer: &BaseConsumer<Group>, assigned: &TopicPartitionList) {
+        let mut retry = TopicPartitionList::new();
+        for element in assigned.elements_for_topic(&self.retry_topic) {
+            retry.add_partition(&self.retry_topic, element.partition());
+        }
+        if retry.count() == 0 {
+            return;
+        }
+        match consumer.pause(&retry) {
+            Ok(()) => self.reading().retry_resume_at = Some(Instant::now() + RETRY_AFTER_ASSIGN),
+            Err(e) => tracing::debug!(error = %e, "the retry partitions are read at once"),
+        }
     }
 
     /// The revoke of `revoked`, by the consumer in the callback; gives the

@@ -188,7 +188,6 @@ pub struct KafkaSource {
     inspector: Arc<Inspector>,
     options: SourceOptions,
     retry_topic: String,
-    reading: Arc<Mutex<Reading>>,
     /// Tells a rebalance during the stop not to wait for deliveries.
     closing: Arc<AtomicBool>,
     live: Mutex<LiveSettings>,
@@ -327,7 +326,7 @@ impl KafkaSource {
     }
 
     fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
-        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+        self.commits.reading()
     }
 
     fn consumer(&self) -> Arc<GroupConsumer> {
@@ -344,7 +343,7 @@ impl KafkaSource {
         group_consumer(
             &self.bootstrap,
             &self.options,
-            &self.reading,
+            &self.commits.reading,
             &self.closing,
             &self.retry_topic,
         )
@@ -416,7 +415,6 @@ impl KafkaSource {
             ensured,
             known: Arc::default(),
             interrupted: tokio::sync::Notify::new(),
-            reading,
             closing,
             seal,
         })

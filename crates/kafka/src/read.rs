@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use super::connection::{REQUEST, blocking, unavailable};
 use super::fields::{F_RETRY_AT, from_record, record_id};
 use super::offsets::{Ledger, Read};
+use super::rebalance::of_topic;
 use super::{KafkaSource, Out, Partition};
 use courier_core::model::{Delivery, parse_time};
 use courier_core::source::shared::{RECEIVE_WAIT, field, without};
@@ -120,12 +121,10 @@ impl KafkaSource {
         if !pause && !reading.paused_at_bound {
             return;
         }
-        let mut work = TopicPartitionList::new();
-        if let Ok(assigned) = self.consumer().assignment() {
-            for element in assigned.elements_for_topic(&self.options.queue) {
-                work.add_partition(&self.options.queue, element.partition());
-            }
-        }
+        let work = match self.consumer().assignment() {
+            Ok(assigned) => of_topic(&assigned, &self.options.queue, &[]),
+            Err(_) => TopicPartitionList::new(),
+        };
         let done = if pause {
             self.consumer().pause(&work)
         } else {
@@ -329,12 +328,7 @@ impl KafkaSource {
         let Ok(assigned) = consumer.assignment() else {
             return;
         };
-        let mut resume = TopicPartitionList::new();
-        for element in assigned.elements_for_topic(&self.retry_topic) {
-            if !held.contains(&element.partition()) {
-                resume.add_partition(&self.retry_topic, element.partition());
-            }
-        }
+        let resume = of_topic(&assigned, &self.retry_topic, &held);
         if resume.count() > 0
             && let Err(e) = consumer.resume(&resume)
         {

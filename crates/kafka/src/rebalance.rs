@@ -61,10 +61,7 @@ impl Shared {
     /// due at the assignment so comes up to that much later, or, when the
     /// work partitions on its broker are empty, up to one fetch wait.
     pub(super) fn hold_retry(&self, consumer: &BaseConsumer<Group>, assigned: &TopicPartitionList) {
-        let mut retry = TopicPartitionList::new();
-        for element in assigned.elements_for_topic(&self.retry_topic) {
-            retry.add_partition(&self.retry_topic, element.partition());
-        }
+        let retry = of_topic(assigned, &self.retry_topic, &[]);
         if retry.count() == 0 {
             return;
         }
@@ -188,6 +185,21 @@ impl Shared {
         reading.version += 1;
         (wanted, abandoned)
     }
+}
+
+/// The partitions of `topic` in `list`, but those numbered in `except`.
+pub(super) fn of_topic(
+    list: &TopicPartitionList,
+    topic: &str,
+    except: &[i32],
+) -> TopicPartitionList {
+    let mut out = TopicPartitionList::new();
+    for element in list.elements_for_topic(topic) {
+        if !except.contains(&element.partition()) {
+            out.add_partition(topic, element.partition());
+        }
+    }
+    out
 }
 
 /// The topic and partition of each element of `list`.

@@ -250,6 +250,10 @@ pub(super) async fn hand_over_commits(
 }
 
 impl super::Commits {
+    pub(super) fn reading(&self) -> std::sync::MutexGuard<'_, super::Reading> {
+        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Hands the ledgers' commit to librdkafka now, unless one carried
     /// every change already.
     pub(super) async fn hand_over(&self) -> Result<(), SourceError> {
@@ -262,7 +266,7 @@ impl super::Commits {
         // Taken and handed over under one lock of the ledgers: a rebalance
         // takes its own commit's snapshot under it too, so this one goes
         // either before the rebalance's commit or without its partitions.
-        let reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let reading = self.reading();
         if reading.version <= *committed {
             return Ok(());
         }

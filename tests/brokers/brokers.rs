@@ -262,6 +262,13 @@ async fn amqp_message_from_the_plain_client_reaches_the_app_as_published() {
     }
 
     let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    // The test's own source counts only what it holds itself, so the
+    // queue reads settled as soon as the sidecar has taken both messages
+    // into its prefetch: wait for the app to have them first.
+    wait_for("both messages at the app", SETTLE, async || {
+        app.received().len() >= 2
+    })
+    .await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
 
@@ -322,6 +329,10 @@ async fn nats_message_from_the_plain_client_reaches_the_app_as_published() {
         .unwrap();
 
     let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    wait_for("both messages at the app", SETTLE, async || {
+        app.received().len() >= 2
+    })
+    .await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
 

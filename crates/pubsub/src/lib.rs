@@ -105,6 +105,9 @@ pub struct PubSubSource {
     /// its `maxDeliveryAttempts`.
     dead_letter_topic: Option<String>,
     max_delivery_attempts: Option<i32>,
+    /// The lease a pull of the work subscription takes by itself: its ack
+    /// deadline at start, in seconds (Pub/Sub's 10 where it gives none).
+    work_deadline_secs: u64,
     seal: Arc<Seal>,
     /// Deliveries with the app (or read ahead), by ack id.
     in_flight: Mutex<HashMap<String, Sub>>,
@@ -128,6 +131,10 @@ impl PubSubSource {
         let names = Names::new(&project, &options.queue);
         let subscription = connection::work_subscription(&client, &names, options.create).await?;
         let work = Work::of(&subscription);
+        let work_deadline_secs = match subscription.ack_deadline_seconds {
+            secs if secs > 0 => secs as u64,
+            _ => 10,
+        };
         let dead_letter_topic = work.dead_letter_topic.clone();
         let max_delivery_attempts = subscription
             .dead_letter_policy
@@ -151,6 +158,7 @@ impl PubSubSource {
             options,
             dead_letter_topic,
             max_delivery_attempts,
+            work_deadline_secs,
             seal,
             in_flight: Mutex::default(),
             known_dead_letter_topics: Mutex::new(HashSet::from([dead_letters])),

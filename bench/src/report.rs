@@ -994,8 +994,9 @@ impl Results {
              Rest: {} s of an empty queue. CPU as % of one core; requests as the data segments the consumer \
              sent on its sockets to the broker's port, from the kernel's counters (`ss -ti`), a second; RSS at \
              the end. Wake: from starting the process to the delivery of the one message that waited, and the \
-             pickup latency, from sending a message to a queue idle for {} s to its arrival at the app (the \
-             median of {}).\n\n\
+             pickup latency, from sending a message to a queue idle for {} s (and a further 0 to 3 s, spread \
+             evenly over the pickups, so that no fixed period of a consumer's waits lines up with them) to its \
+             arrival at the app (the median of {}).\n\n\
              | | consumer | CPU % | requests / s | RSS | start to first delivery, ms | pickup, ms |\n\
              |---|---|---:|---:|---:|---:|---:|",
             self.settings.rest_secs, self.settings.idle_gap_secs, self.settings.pickups

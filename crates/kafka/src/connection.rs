@@ -335,7 +335,7 @@ pub(super) fn ensure_topic(
     if let Some(found) = partitions(inspector, topic)? {
         return Ok(found);
     }
-    let _ = producer.client().fetch_metadata(Some(topic), REQUEST);
+    let _ = producer.fetch_metadata(topic, REQUEST);
     for _ in 0..50 {
         if let Some(found) = partitions(inspector, topic)?.filter(|p| !p.is_empty()) {
             return Ok(found);

@@ -1,5 +1,6 @@
 //! The producer of retries, dead letters, replays and `send`: librdkafka's
-//! producer with a polling thread of courier's own.
+//! producer with a polling thread of courier's own, made when a record is
+//! first sent and closed again after [`IDLE`] without one.
 //!
 //! rdkafka's `FutureProducer` polls its producer in a thread that asks for
 //! 100 ms at a time, and its poll turns what is left of the last
@@ -8,15 +9,21 @@
 //! sidecar (issue 28). This thread asks for a wait a little over a whole
 //! number of milliseconds, so librdkafka's wait ends at or just past the
 //! deadline, and at most that little is spun.
+//!
+//! A sidecar whose app takes everything sends nothing, and an idle producer
+//! still costs librdkafka's threads (a main thread and one per broker, each
+//! awake once a second): about a third of an idle courier's CPU on a
+//! three-broker cluster. So the producer exists only while it is used.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rdkafka::client::{Client, ClientContext};
+use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedHeaders};
+use rdkafka::metadata::Metadata;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer as _, ProducerContext};
 use tokio::sync::oneshot;
 
@@ -25,20 +32,55 @@ use super::connection::Quiet;
 /// How long one poll of the thread waits for a delivery report: whole
 /// milliseconds (librdkafka's unit) and a little, less than a thread's
 /// usual wake-up lateness. A report ends the wait at once; this bounds how
-/// long the thread lives on after the last clone is dropped.
+/// long the thread lives on after the last clone is dropped, and how late
+/// an idle producer is closed.
 const POLL: Duration = Duration::from_micros(1_000_010);
+
+/// How long the producer lives on after its last record's report: a run
+/// of retries keeps one producer, an idle sidecar has none.
+const IDLE: Duration = Duration::from_secs(30);
 
 /// What a record's delivery report says: where it was stored, or why not.
 type Report = Result<(i32, i64), KafkaError>;
 
-/// The producer; clones share it, and the last one dropped stops its
-/// thread.
+/// The producer; clones share it. librdkafka's producer is made on first
+/// use and closed after [`IDLE`] without a record; the last clone dropped
+/// stops its thread.
 #[derive(Clone)]
-pub(super) struct Producer(Arc<Polled>);
+pub(super) struct Producer(Arc<Lazy>);
+
+struct Lazy {
+    config: ClientConfig,
+    /// The producer while it is open.
+    open: Mutex<Option<Arc<Polled>>>,
+    /// When this was made: the clock of `Polled::last_used`.
+    epoch: Instant,
+    /// [`IDLE`], but in tests.
+    idle: Duration,
+}
 
 struct Polled {
-    base: Arc<BaseProducer<Reports>>,
-    stop: Arc<AtomicBool>,
+    base: BaseProducer<Reports>,
+    /// Records sent and not yet reported, and callers holding the producer
+    /// for a request: counted up under `Lazy::open`'s lock, so the thread
+    /// never closes a producer someone just took.
+    users: AtomicUsize,
+    /// Milliseconds from `Lazy::epoch` to the last use's end.
+    last_used: AtomicU64,
+}
+
+/// One use of the open producer: it is not closed while this lives.
+struct Use {
+    polled: Arc<Polled>,
+    epoch: Instant,
+}
+
+impl Drop for Use {
+    fn drop(&mut self) {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        self.polled.last_used.store(now, Ordering::Relaxed);
+        self.polled.users.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Hands each delivery report to the sender waiting for it, and
@@ -69,21 +111,57 @@ impl ProducerContext for Reports {
 }
 
 impl Producer {
+    /// A producer of `config`, made when it is first used. The settings
+    /// are checked now, so that a wrong one fails the start, not a retry.
     pub(super) fn create(config: &ClientConfig) -> KafkaResult<Self> {
-        let base = Arc::new(config.create_with_context::<_, BaseProducer<Reports>>(Reports)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        std::thread::Builder::new()
-            .name("courier-kafka-producer".into())
-            .spawn({
-                let (base, stop) = (base.clone(), stop.clone());
-                move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        base.poll(POLL);
-                    }
-                }
-            })
-            .map_err(|e| KafkaError::ClientCreation(format!("producer thread: {e}")))?;
-        Ok(Self(Arc::new(Polled { base, stop })))
+        Self::closing_after(config, IDLE)
+    }
+
+    fn closing_after(config: &ClientConfig, idle: Duration) -> KafkaResult<Self> {
+        config.create_native_config()?;
+        Ok(Self(Arc::new(Lazy {
+            config: config.clone(),
+            open: Mutex::new(None),
+            epoch: Instant::now(),
+            idle,
+        })))
+    }
+
+    #[cfg(test)]
+    fn is_open(&self) -> bool {
+        self.0.open.lock().unwrap().is_some()
+    }
+
+    /// The open producer, made (with its polling thread) when there is
+    /// none.
+    fn take(&self) -> KafkaResult<Use> {
+        let lazy = &self.0;
+        let mut open = lazy.open.lock().unwrap_or_else(|e| e.into_inner());
+        let polled = match &*open {
+            Some(polled) => polled.clone(),
+            None => {
+                let polled = Arc::new(Polled {
+                    base: lazy
+                        .config
+                        .create_with_context::<_, BaseProducer<Reports>>(Reports)?,
+                    users: AtomicUsize::new(0),
+                    last_used: AtomicU64::new(lazy.epoch.elapsed().as_millis() as u64),
+                });
+                let weak = Arc::downgrade(lazy);
+                let polling = polled.clone();
+                std::thread::Builder::new()
+                    .name("courier-kafka-producer".into())
+                    .spawn(move || poll(polling, weak))
+                    .map_err(|e| KafkaError::ClientCreation(format!("producer thread: {e}")))?;
+                *open = Some(polled.clone());
+                polled
+            }
+        };
+        polled.users.fetch_add(1, Ordering::AcqRel);
+        Ok(Use {
+            polled,
+            epoch: lazy.epoch,
+        })
     }
 
     /// Produces a record to `topic` and waits for its delivery report. A
@@ -97,6 +175,7 @@ impl Producer {
         headers: Option<OwnedHeaders>,
         queue_timeout: Duration,
     ) -> Report {
+        let using = self.take()?;
         let started = Instant::now();
         let (tx, rx) = oneshot::channel();
         let mut record = BaseRecord::with_opaque_to(topic, Box::new(tx)).payload(payload);
@@ -107,7 +186,7 @@ impl Producer {
             record = record.headers(headers);
         }
         loop {
-            match self.0.base.send(record) {
+            match using.polled.base.send(record) {
                 Ok(()) => break,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
                     if started.elapsed() < queue_timeout =>
@@ -121,21 +200,103 @@ impl Producer {
         rx.await.unwrap_or(Err(KafkaError::Canceled))
     }
 
-    pub(super) fn client(&self) -> &Client<Reports> {
-        self.0.base.client()
+    /// The cluster's metadata of `topic`, asked through the producer
+    /// (blocking): where the cluster creates topics on first use, this
+    /// creates it.
+    pub(super) fn fetch_metadata(&self, topic: &str, timeout: Duration) -> KafkaResult<Metadata> {
+        self.take()?
+            .polled
+            .base
+            .client()
+            .fetch_metadata(Some(topic), timeout)
     }
 
     /// Waits until every record produced is stored or failed (blocking).
+    /// A producer that is not open has none.
     pub(super) fn flush(&self, timeout: Duration) -> KafkaResult<()> {
-        self.0.base.flush(timeout)
+        let open = self
+            .0
+            .open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match open {
+            Some(polled) => polled.base.flush(timeout),
+            None => Ok(()),
+        }
     }
 }
 
-impl Drop for Polled {
-    /// The thread ends within [`POLL`] and drops librdkafka's producer
-    /// then. It is not waited for: a drop may come on an async thread, and
-    /// `close` flushed what was produced.
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+/// The producer's thread: serves delivery reports until the last clone of
+/// the [`Producer`] is dropped, or until it has been idle for [`IDLE`],
+/// when it closes it (and a later send opens a new one). librdkafka's
+/// producer is destroyed here, off the async threads, when the thread
+/// lets go of it last.
+fn poll(polled: Arc<Polled>, lazy: std::sync::Weak<Lazy>) {
+    loop {
+        polled.base.poll(POLL);
+        let Some(lazy) = lazy.upgrade() else {
+            return;
+        };
+        let now = lazy.epoch.elapsed().as_millis() as u64;
+        let idle_since = polled.last_used.load(Ordering::Relaxed);
+        if now.saturating_sub(idle_since) < lazy.idle.as_millis() as u64 {
+            continue;
+        }
+        let mut open = lazy.open.lock().unwrap_or_else(|e| e.into_inner());
+        // Under the lock no new use can begin: closed only with none.
+        if polled.users.load(Ordering::Acquire) == 0
+            && open.as_ref().is_some_and(|o| Arc::ptr_eq(o, &polled))
+        {
+            *open = None;
+            drop(open);
+            tracing::debug!("the Kafka producer was idle; closed until the next record");
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::mocking::MockCluster;
+
+    /// A producer opens at its first record, closes when idle, and the
+    /// next record opens it again.
+    #[tokio::test]
+    async fn an_idle_producer_is_closed_and_the_next_record_opens_it_again() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("lazy", 1, 1).unwrap();
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", cluster.bootstrap_servers());
+        let producer = Producer::closing_after(&config, Duration::from_millis(300)).unwrap();
+        assert!(!producer.is_open(), "made before its first record");
+        let send = |body: &'static [u8]| {
+            let producer = producer.clone();
+            async move {
+                producer
+                    .send("lazy", None, body, None, Duration::from_secs(5))
+                    .await
+            }
+        };
+        assert_eq!(send(b"first").await.unwrap(), (0, 0));
+        assert!(producer.is_open());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while producer.is_open() {
+            assert!(Instant::now() < deadline, "still open after 10 s idle");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(send(b"second").await.unwrap(), (0, 1));
+        assert!(producer.is_open());
+        producer.flush(Duration::from_secs(5)).unwrap();
+    }
+
+    /// Settings librdkafka refuses fail at creation, not at the first
+    /// record.
+    #[test]
+    fn a_wrong_setting_fails_at_creation() {
+        let mut config = ClientConfig::new();
+        config.set("linger.ms", "not a number");
+        assert!(Producer::create(&config).is_err());
     }
 }

@@ -452,7 +452,6 @@ async fn poll_depth(
     let received = metrics.received.get_or_create(&labels).clone();
     let mut counted_inside = 0;
     let mut last = None;
-    let mut stretch = 1;
     loop {
         // Dead letters the broker wrote for courier (a Redis script) count
         // like the dispatcher's own.
@@ -472,8 +471,8 @@ async fn poll_depth(
             let counts = (d.ready, d.pending, d.retry_backlog, d.dead_letters);
             (counts, d.queue_depth, received.get())
         });
-        stretch = match (&seen, &last) {
-            (Some(now), Some(before)) if now == before => (stretch * 2).min(QUIET_STRETCH),
+        let stretch = match (&seen, &last) {
+            (Some(now), Some(before)) if now == before => QUIET_STRETCH,
             _ => 1,
         };
         last = seen;
@@ -548,10 +547,14 @@ async fn poll_depth(
 }
 
 /// Depth readings that find nothing changed, with no message received in
-/// between, come further apart: each such reading doubles the wait, up to
-/// this many `--depth-interval`s. An idle queue's gauges then cost its
-/// broker a reading a minute by default instead of four; a change, or a
-/// message received, brings the next reading back to the interval.
+/// between, come further apart: this many `--depth-interval`s. An idle
+/// queue's gauges then cost its broker a reading a minute by default
+/// instead of four; a change, or a message received, brings the next
+/// reading back to the interval. The first unchanged reading stretches the
+/// wait at once: doubling it (15, 30, 60 s) made a sidecar started on a
+/// quiet queue read twice in its first minute, and on Pub/Sub, where a
+/// reading is some 13 calls (snapshots, seeks and pulls of the shadow
+/// subscriptions), that was a third of what the idle sidecar sent.
 const QUIET_STRETCH: u32 = 4;
 
 /// Opens the source; a broker that cannot be reached is logged and tried

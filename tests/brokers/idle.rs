@@ -334,7 +334,7 @@ async fn an_idle_queues_depth_is_read_four_times_less_often_and_a_change_is_stil
     let mut config = run_config(&fixture, &app, fast_policy());
     config.endpoint.depth_interval = INTERVAL;
     let running = Running::start(config).await;
-    // Three unchanged readings stretch the wait to its longest.
+    // An unchanged reading stretches the wait to its longest.
     tokio::time::sleep(INTERVAL * 8).await;
 
     let readings = redis_requests(redis.port(), COUNTED)

@@ -76,6 +76,23 @@ impl Pace {
             .map_or(heartbeat, |due| heartbeat.min(*due))
     }
 
+    /// How long a resting reader's held pull may wait: [`HELD_WAIT`], or
+    /// until a known copy falls due when that is sooner. Not until the
+    /// heartbeat: a look a held pull late costs nothing, but a pull cut to
+    /// the time left before it left the work subscription unwatched (a
+    /// pull held under [`SHORTEST_HOLD`] is not made: the emulator answers
+    /// it at once), and a message arriving then waited for the look.
+    fn hold(&self, now: Instant) -> Duration {
+        if self.found {
+            return Duration::ZERO;
+        }
+        let due = self
+            .due
+            .first()
+            .map(|due| due.saturating_duration_since(now));
+        HELD_WAIT.min(due.unwrap_or(Duration::MAX))
+    }
+
     /// A look at the retry subscription brought `copies` back: what was
     /// due is accounted for (a copy not yet due is held again, and its time
     /// noted again). With none back, a due time is kept for
@@ -175,8 +192,7 @@ impl PubSubSource {
                 return Ok(out);
             }
             if idle {
-                let until = lock(&self.pace).next_look();
-                let hold = HELD_WAIT.min(until.saturating_duration_since(Instant::now()));
+                let hold = lock(&self.pace).hold(Instant::now());
                 if hold >= SHORTEST_HOLD {
                     let work = self.client.pull_held(&self.names.work, max, hold).await?;
                     self.admit_all(Sub::Work, work, &mut out).await;
@@ -365,6 +381,26 @@ mod tests {
         let after = late + Duration::from_millis(5);
         pace.looked_at(after, 0);
         assert_eq!(pace.next_look(), after + RETRY_LOOK);
+    }
+
+    /// A resting reader's held pull lasts until a known copy falls due,
+    /// but not only until the heartbeat.
+    #[test]
+    fn a_held_pull_waits_for_a_due_copy_but_not_for_the_heartbeat() {
+        let start = Instant::now();
+        let mut pace = Pace {
+            resting: true,
+            looked: start,
+            found: false,
+            due: Default::default(),
+        };
+        assert_eq!(pace.hold(start), HELD_WAIT);
+        let late = start + RETRY_LOOK - Duration::from_millis(200);
+        assert_eq!(pace.hold(late), HELD_WAIT);
+        pace.due.insert(late + Duration::from_millis(100));
+        assert_eq!(pace.hold(late), Duration::from_millis(100));
+        pace.looked_at(late, 1);
+        assert_eq!(pace.hold(late), Duration::ZERO);
     }
 
     #[test]

@@ -347,18 +347,23 @@ impl PubSubSource {
 mod tests {
     use super::*;
 
+    /// A resting reader that last looked at retries at `looked`.
+    fn resting_since(looked: Instant) -> Pace {
+        Pace {
+            resting: true,
+            looked,
+            found: false,
+            due: Default::default(),
+        }
+    }
+
     /// A resting reader looks at retries when a known copy falls due, keeps
     /// looking until one comes back (for the grace at most), and otherwise
     /// every `RETRY_LOOK`.
     #[test]
     fn the_retry_look_follows_the_known_due_times() {
         let start = Instant::now();
-        let mut pace = Pace {
-            resting: true,
-            looked: start,
-            found: false,
-            due: Default::default(),
-        };
+        let mut pace = resting_since(start);
         assert_eq!(pace.next_look(), start + RETRY_LOOK);
         let due = start + Duration::from_secs(2);
         pace.due.insert(due);
@@ -388,12 +393,7 @@ mod tests {
     #[test]
     fn a_held_pull_waits_for_a_due_copy_but_not_for_the_heartbeat() {
         let start = Instant::now();
-        let mut pace = Pace {
-            resting: true,
-            looked: start,
-            found: false,
-            due: Default::default(),
-        };
+        let mut pace = resting_since(start);
         assert_eq!(pace.hold(start), HELD_WAIT);
         let late = start + RETRY_LOOK - Duration::from_millis(200);
         assert_eq!(pace.hold(late), HELD_WAIT);

@@ -306,7 +306,7 @@ impl NatsSource {
             first_attempts: Mutex::new(Recent::new(REMEMBERED)),
             retried: Mutex::new(Recent::new(REMEMBERED)),
             held,
-            puller: tokio::sync::Mutex::new(None),
+            puller: Arc::default(),
             dead_letter_streams: Mutex::new(Vec::new()),
             progress: Mutex::new(None),
             ack_wait_ms: Arc::new(AtomicU64::new(millis(options.live.visibility_timeout))),
@@ -366,20 +366,29 @@ impl NatsSource {
     }
 
     /// Sends `+WPI` for every delivery in flight, every third of `AckWait`,
-    /// so none runs out of it however long the app takes.
+    /// so none runs out of it however long the app takes; and for what a
+    /// request sent ahead brought while no read came to take it (the
+    /// dispatcher waits out a hold, a closed gate or a slow app), which is
+    /// parked for the next read.
     pub(super) fn start_progress(&self) {
         let (client, in_flight) = (self.client.clone(), self.in_flight.clone());
-        let ack_wait_ms = self.ack_wait_ms.clone();
+        let (ack_wait_ms, puller) = (self.ack_wait_ms.clone(), self.puller.clone());
         let task = tokio::spawn(async move {
             loop {
                 let ack_wait = Duration::from_millis(ack_wait_ms.load(Ordering::SeqCst));
                 tokio::time::sleep((ack_wait / 3).max(Duration::from_millis(500))).await;
-                let due: Vec<String> = in_flight
+                let mut due: Vec<String> = in_flight
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .keys()
                     .cloned()
                     .collect();
+                // A read holding the puller takes what waits itself.
+                if let Ok(mut puller) = puller.try_lock()
+                    && let Some(puller) = puller.as_mut()
+                {
+                    due.extend(puller.park());
+                }
                 for receipt in due {
                     let _ = client.publish(receipt, AckKind::Progress.into()).await;
                 }

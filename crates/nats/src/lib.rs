@@ -8,15 +8,18 @@
 //!   `MaxAckPending` limit: courier, not the server, decides when a message
 //!   is done.
 //! - A read is one pull request for up to the free slots, with `no_wait`
-//!   and an expiry of a second: the server holds it until a message is
+//!   and an expiry of three seconds: the server holds it until a message is
 //!   there, delivers what the stream has, and ends it at once. Its answers
 //!   come to one subscription the source keeps (each request on a reply
 //!   subject of its own), so a read costs one publish, and a message sent
 //!   to a request the reader stopped waiting for is handed out by the next
-//!   read rather than lost until `AckWait`. A request for more than one
-//!   message is bounded in bytes too (8 MiB, or one message of the
-//!   server's `max_payload`). A read registers its deliveries in flight
-//!   only once nothing in it can fail any more.
+//!   read rather than lost until `AckWait`. A read that came back full
+//!   sends the next read's request ahead (no expiry: answered at once);
+//!   what it brings is kept in progress until a read takes it and given
+//!   back at `close`. A request for more than one message is bounded in
+//!   bytes too (8 MiB, or one message of the server's `max_payload`). A
+//!   read registers its deliveries in flight only once nothing in it can
+//!   fail any more.
 //! - A message JetStream handed out more than `max_deliveries` times
 //!   (`num_delivered`) is marked undeliverable: the dispatcher dead-letters
 //!   it without offering it to the app.
@@ -136,8 +139,9 @@ pub struct NatsSource {
     /// make a poison pill.
     retried: Mutex<Recent<u64, u64>>,
     held: Arc<AtomicI64>,
-    /// Created on the first read.
-    puller: tokio::sync::Mutex<Option<Puller>>,
+    /// Created on the first read; the in-progress ticker parks what a
+    /// request sent ahead brought while no read takes it.
+    puller: Arc<tokio::sync::Mutex<Option<Puller>>>,
     dead_letter_streams: Mutex<Vec<String>>,
     progress: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The consumer's `AckWait` in ms, which paces the in-progress ticker.
@@ -183,6 +187,7 @@ impl Consumer for NatsSource {
     }
 
     async fn close(&self) {
+        self.give_back_unread().await;
         if let Some(task) = self
             .progress
             .lock()

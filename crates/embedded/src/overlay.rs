@@ -44,8 +44,8 @@ pub(super) struct Held {
     pub(super) receipt_until: u64,
     /// The lease's end now: later than the receipt's once kept alive.
     pub(super) until: u64,
-    /// What `leased` will hold: the record with its delivery counted.
-    pub(super) record: Vec<u8>,
+    /// What `leased` will hold.
+    pub(super) record: LeaseRecord,
 }
 
 impl Overlay {
@@ -178,7 +178,7 @@ pub(super) fn write_held(tx: &WriteTransaction, overlay: &mut Overlay) -> Result
         ready.remove(held.ready_key).map_err(store_error)?;
         overlay.taken.remove(&held.ready_key);
         leased
-            .insert((held.until, seq), held.record.as_slice())
+            .insert((held.until, seq), held.record.encode().as_slice())
             .map_err(store_error)?;
         if held.until != held.receipt_until {
             overlay

@@ -41,7 +41,7 @@ pub(super) fn retake(
         match fate(key.1, &data, until, lease.max_deliveries) {
             Fate::Deliver(delivery, record) => {
                 leased
-                    .insert((until, key.1), record.as_slice())
+                    .insert((until, key.1), record.encode().as_slice())
                     .map_err(store_error)?;
                 bytes += data.len();
                 deliveries.push(delivery);
@@ -144,7 +144,7 @@ pub(super) fn hand_out(
 /// What becomes of a stored record about to be handed out.
 pub(super) enum Fate {
     /// Handed out: the delivery, and the record its lease stores.
-    Deliver(Delivery, Vec<u8>),
+    Deliver(Delivery, LeaseRecord),
     /// Dead-lettered as `undeliverable`, for this reason, never offered to
     /// the app.
     DeadLetter(String),
@@ -170,7 +170,7 @@ pub(super) fn fate(seq: u64, stored: &[u8], until: u64, max_deliveries: u32) -> 
                     "handed out {earlier} times without being settled"
                 ));
             }
-            let (delivery, record) = deliver_fields(seq, fields, earlier, until);
+            let (delivery, record) = deliver_fields(seq, stored, fields, earlier, until);
             Fate::Deliver(delivery, record)
         }
         None => {
@@ -224,13 +224,35 @@ pub(super) fn store_dead_letter(
     Ok(())
 }
 
+/// What a lease stores: the message with this delivery counted. Encoded
+/// only when it is written, which most hand-outs never are (the ack comes
+/// before the next transaction), not for every one.
+pub(super) struct LeaseRecord {
+    stored: Bytes,
+    /// The deliveries of it, this one included; none for a record that
+    /// cannot be read, which is stored as it was.
+    deliveries: Option<u32>,
+}
+
+impl LeaseRecord {
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let Some(deliveries) = self.deliveries else {
+            return self.stored.to_vec();
+        };
+        let mut fields = decode_fields(&self.stored).unwrap_or_default();
+        take_deliveries(&mut fields);
+        fields.push((F_DELIVERIES.into(), Bytes::from(deliveries.to_string())));
+        encode_fields(&fields)
+    }
+}
+
 /// A delivery of the stored message `seq` under a lease until `until`, and
-/// the record its lease stores: the message with this delivery counted.
-pub(super) fn deliver(seq: u64, stored: Bytes, until: u64) -> (Delivery, Vec<u8>) {
+/// the record its lease stores.
+pub(super) fn deliver(seq: u64, stored: Bytes, until: u64) -> (Delivery, LeaseRecord) {
     match decode_fields(&stored) {
         Some(mut fields) => {
             let earlier = take_deliveries(&mut fields);
-            deliver_fields(seq, fields, earlier, until)
+            deliver_fields(seq, stored, fields, earlier, until)
         }
         None => deliver_unreadable(seq, stored, until),
     }
@@ -240,12 +262,15 @@ pub(super) fn deliver(seq: u64, stored: Bytes, until: u64) -> (Delivery, Vec<u8>
 /// never settled.
 fn deliver_fields(
     seq: u64,
-    mut fields: Vec<(Bytes, Bytes)>,
+    stored: Bytes,
+    fields: Vec<(Bytes, Bytes)>,
     earlier: u32,
     until: u64,
-) -> (Delivery, Vec<u8>) {
-    fields.push((F_DELIVERIES.into(), Bytes::from((earlier + 1).to_string())));
-    let record = encode_fields(&fields);
+) -> (Delivery, LeaseRecord) {
+    let record = LeaseRecord {
+        stored,
+        deliveries: Some(earlier + 1),
+    };
     let delivery = Delivery::from_fields(&seq.to_string(), fields, earlier, receipt(until, seq));
     (delivery, record)
 }
@@ -254,7 +279,7 @@ fn deliver_fields(
 /// wrong bytes) must not stop the queue behind it: it is handed out as
 /// undeliverable, with its raw bytes as the body, so it is dead-lettered
 /// with the reason and can be inspected.
-fn deliver_unreadable(seq: u64, stored: Bytes, until: u64) -> (Delivery, Vec<u8>) {
+fn deliver_unreadable(seq: u64, stored: Bytes, until: u64) -> (Delivery, LeaseRecord) {
     let mut delivery = Delivery::from_fields(
         &seq.to_string(),
         vec![(PAYLOAD.into(), stored.clone())],
@@ -265,7 +290,11 @@ fn deliver_unreadable(seq: u64, stored: Bytes, until: u64) -> (Delivery, Vec<u8>
         "message {seq} is stored in a form that cannot be read ({} bytes); its raw bytes are kept as the body",
         stored.len()
     ));
-    (delivery, stored.to_vec())
+    let record = LeaseRecord {
+        stored,
+        deliveries: None,
+    };
+    (delivery, record)
 }
 
 fn receipt(until: u64, seq: u64) -> String {

@@ -51,7 +51,8 @@
 //! (receiving, holding retries until due), `settle` (ack, retry, dead
 //! letter, commits, produce), `dead_letters` (the dead-letter store:
 //! browse, replay, purge, send), `depth`, `fields`, `rebalance` (giving
-//! partitions up), `stall` (a replica left without partitions).
+//! partitions up), `stall` (a replica left without partitions),
+//! `producer` and `inspector` (clients made when used, closed when idle).
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -59,6 +60,7 @@ mod connection;
 mod dead_letters;
 mod depth;
 mod fields;
+mod inspector;
 mod offsets;
 mod producer;
 mod read;
@@ -74,7 +76,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use rdkafka::message::OwnedMessage;
 
-use connection::{GroupConsumer, Inspector, Producer};
+use connection::{GroupConsumer, Producer};
 use courier_core::model::Delivery;
 use courier_core::source::shared::Seal;
 use courier_core::source::{
@@ -82,6 +84,7 @@ use courier_core::source::{
     Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use dead_letters::KafkaStore;
+use inspector::Inspectors;
 use offsets::Ledger;
 use rdkafka::consumer::Consumer as _;
 
@@ -185,7 +188,7 @@ pub struct KafkaSource {
     /// What `stall.rs` watches of the assignment.
     watch: Mutex<stall::Watch>,
     producer: Producer,
-    inspector: Arc<Inspector>,
+    inspector: Arc<Inspectors>,
     options: SourceOptions,
     retry_topic: String,
     /// Tells a rebalance during the stop not to wait for deliveries.
@@ -210,7 +213,7 @@ pub struct KafkaSource {
 /// was not made yet sent a metadata request a second; issue 28).
 async fn ensure_dead_letter_topics(
     producer: &Producer,
-    inspector: &Arc<Inspector>,
+    inspector: &Arc<Inspectors>,
     ensured: &Mutex<HashSet<String>>,
     dead_letter_topic: &str,
 ) -> Result<(), SourceError> {
@@ -221,7 +224,7 @@ async fn ensure_dead_letter_topics(
     {
         return Ok(());
     }
-    let (producer, inspector) = (producer.clone(), inspector.clone());
+    let (producer, inspector) = (producer.clone(), inspector.get()?);
     let topic = dead_letter_topic.to_string();
     connection::blocking(move || {
         connection::ensure_topic(&producer, &inspector, &topic)?;
@@ -353,7 +356,8 @@ impl KafkaSource {
         let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
         connection::check_topic(&options.queue)?;
         let producer = connection::producer(&bootstrap, &options)?;
-        let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
+        let inspectors = Inspectors::new(&bootstrap, &options)?;
+        let inspector = inspectors.get()?;
         let retry_topic = fields::retry_topic(&options.queue);
         {
             let (producer, inspector) = (producer.clone(), inspector.clone());
@@ -372,7 +376,7 @@ impl KafkaSource {
         let ensured = Mutex::default();
         ensure_dead_letter_topics(
             &producer,
-            &inspector,
+            &inspectors,
             &ensured,
             &options.live.dead_letter_queue,
         )
@@ -402,13 +406,13 @@ impl KafkaSource {
             store: KafkaStore::new(
                 &options.queue,
                 producer.clone(),
-                inspector.clone(),
+                inspectors.clone(),
                 seal.clone(),
             ),
             bootstrap,
             watch: Mutex::default(),
             producer,
-            inspector,
+            inspector: inspectors,
             live: Mutex::new(options.live.clone()),
             options,
             retry_topic,

@@ -114,6 +114,14 @@ pub struct TortureArgs {
     pub work_dir: Option<PathBuf>,
 }
 
+/// Where the broker cannot be counted, the settle period ends once the app
+/// has heard nothing for this long: longer than any backoff and
+/// Retry-After, and than a killed courier's messages take to come back
+/// (its leases, 10 s on Pub/Sub, while the next courier looks at the retry
+/// subscription every 10 s). At 10 s a message leased to a killed courier
+/// came back after the period had ended, and was reported lost.
+const QUIET: Duration = Duration::from_secs(20);
+
 /// The brokers the torture run supports.
 pub const BROKERS: [&str; 7] = [
     "redis", "nats", "rabbitmq", "embedded", "kafka", "sqs", "pubsub",
@@ -450,7 +458,7 @@ impl Broker {
     /// unsettled while courier runs; where it cannot (the embedded queue's
     /// file is courier's; counting a Pub/Sub subscription without taking
     /// its messages from courier needs snapshots), the settle period ends
-    /// once the app has heard nothing for 10 s.
+    /// once the app has heard nothing for [`QUIET`].
     fn countable(&self) -> bool {
         !matches!(self, Broker::Embedded(_) | Broker::PubSub(_))
     }
@@ -1193,12 +1201,10 @@ async fn run(args: TortureArgs, port: Option<u16>) -> anyhow::Result<bool> {
             break;
         }
         if !run.broker.countable() {
-            // Settled once the app has heard nothing for 10 s (longer than
-            // any backoff and Retry-After).
             let len = file_len(&app_log);
             if len != quiet_since.1 {
                 quiet_since = (Instant::now(), len);
-            } else if quiet_since.0.elapsed() >= Duration::from_secs(10) {
+            } else if quiet_since.0.elapsed() >= QUIET {
                 break;
             }
         } else if run.broker.settled(&queue).await {

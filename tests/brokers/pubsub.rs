@@ -15,7 +15,8 @@ use bytes::Bytes;
 use courier::model::parse_time;
 use courier::source::Source;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
-    DeleteTopicRequest, ModifyAckDeadlineRequest, PublishRequest, PubsubMessage, Subscription,
+    DeleteTopicRequest, GetSubscriptionRequest, ModifyAckDeadlineRequest, PublishRequest,
+    PubsubMessage, Subscription,
 };
 
 const SETTLE: Duration = Duration::from_secs(60);
@@ -322,6 +323,35 @@ async fn a_subscription_without_a_dead_letter_policy_counts_from_the_record() {
         .map(Received::attempt)
         .collect();
     assert_eq!(attempts, vec![1, 2, 3]);
+}
+
+/// `--create` makes the work subscription with the visibility timeout's
+/// lease as its ack deadline (10 s at least): a pull then leases for as
+/// long as courier needs, and a courier killed before it could change a
+/// lease leaves its messages for the visibility timeout, not a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_gives_the_work_subscription_the_lease_as_ack_deadline() {
+    let fixture = Fixture::pubsub();
+    let (_, mut subscriber) = pubsub_clients().await;
+    for (visibility, deadline) in [(Duration::from_secs(6), 10), (Duration::from_secs(25), 25)] {
+        let queue = format!("{}-lease-{}", fixture.queue, visibility.as_secs());
+        let mut options = courier::source::SourceOptions::new(&queue);
+        options.create = true;
+        options.live.visibility_timeout = visibility;
+        let source = courier::source::open(&fixture.url, options).await.unwrap();
+        let made = subscriber
+            .get_subscription(GetSubscriptionRequest {
+                subscription: pubsub_subscription(&queue),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            made.ack_deadline_seconds, deadline,
+            "visibility {visibility:?}"
+        );
+        source.close().await;
+    }
 }
 
 /// `courier send` publishes to the subscription's topic with its headers;

@@ -454,11 +454,17 @@ pub(super) fn missing_subscription(name: &str) -> SourceError {
 
 /// The work subscription; with `create`, made when missing, on a topic of
 /// the same name (made too), with a dead-letter policy to `<queue>.dlq` so
-/// that Pub/Sub counts deliveries.
+/// that Pub/Sub counts deliveries, and the lease courier needs as its ack
+/// deadline: a pull then leases what it takes for as long as courier
+/// would, with no `ModifyAckDeadline` after it, and a courier killed
+/// before it could send one leaves the messages for the visibility
+/// timeout, not for a longer deadline (a minute, once: a torture run's
+/// settle period ended before a message came back).
 pub(super) async fn work_subscription(
     client: &Client,
     names: &Names,
     create: bool,
+    lease_secs: u64,
 ) -> Result<Subscription, SourceError> {
     if let Some(found) = client.get_subscription(&names.work).await? {
         return Ok(found);
@@ -472,7 +478,7 @@ pub(super) async fn work_subscription(
         .ensure_topic(&names.work_topic, HashMap::new())
         .await?;
     client.ensure_topic(&dead_letters, HashMap::new()).await?;
-    let mut subscription = subscription_of(&names.work, &names.work_topic, 60);
+    let mut subscription = subscription_of(&names.work, &names.work_topic, lease_secs);
     subscription.dead_letter_policy = Some(DeadLetterPolicy {
         dead_letter_topic: dead_letters,
         max_delivery_attempts: RETRY_MAX_DELIVERY_ATTEMPTS,

@@ -129,7 +129,9 @@ impl PubSubSource {
         let project = connection::project_of(url).map_err(SourceError::invalid)?;
         let client = Client::connect().await?;
         let names = Names::new(&project, &options.queue);
-        let subscription = connection::work_subscription(&client, &names, options.create).await?;
+        let lease_secs = read::lease_for(options.live.visibility_timeout);
+        let subscription =
+            connection::work_subscription(&client, &names, options.create, lease_secs).await?;
         let work = Work::of(&subscription);
         let work_deadline_secs = match subscription.ack_deadline_seconds {
             secs if secs > 0 => secs as u64,

@@ -126,6 +126,11 @@ enum Admitted {
     },
 }
 
+/// The lease a visibility timeout takes, in whole seconds (10 to 600).
+pub(super) fn lease_for(visibility: Duration) -> u64 {
+    ceil_secs(visibility).clamp(MIN_LEASE_SECS, MAX_HOLD_SECS)
+}
+
 /// Whole seconds, rounded up: never early.
 pub(super) fn ceil_secs(d: Duration) -> u64 {
     d.as_millis().div_ceil(1000) as u64
@@ -150,7 +155,7 @@ pub(super) fn holds(delivery_attempt: i32, held: bool) -> bool {
 impl PubSubSource {
     /// The lease of a message with the app, in whole seconds (10 to 600).
     pub(super) fn lease_secs(&self) -> u64 {
-        ceil_secs(self.live().visibility_timeout).clamp(MIN_LEASE_SECS, MAX_HOLD_SECS)
+        lease_for(self.live().visibility_timeout)
     }
 
     /// Up to `max` deliveries. The retry subscription is asked only when a
@@ -255,8 +260,8 @@ impl PubSubSource {
         // subscription's ack deadline, 10 s at least, holds the lease
         // meanwhile. An ack or a retry that overtakes it is not undone: the
         // deadline of a message already acked changes nothing. Where the
-        // pull's own lease is the one needed (courier makes the work
-        // subscription with the default visibility timeout as its ack
+        // pull's own lease is the one needed (`--create` makes the work
+        // subscription with the visibility timeout's lease as its ack
         // deadline), nothing is sent: one call fewer per pull, about a
         // tenth of the emulator's work in a drain.
         let secs = self.lease_secs();

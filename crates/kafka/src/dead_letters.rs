@@ -24,7 +24,6 @@ use super::connection::{
     unavailable,
 };
 use super::fields::{from_record, parse_record_id, record_id, removed_topic, retry_topic};
-use super::inspector::Inspectors;
 use super::settle::produce;
 use courier_core::model::{DeadLetter, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
@@ -53,7 +52,7 @@ pub(super) fn check_dead_letter_topic(dead_letter_topic: &str, topic: &str) -> R
 pub(super) struct KafkaStore {
     topic: String,
     producer: Producer,
-    inspector: Arc<Inspectors>,
+    inspector: Arc<Inspector>,
     /// Known once the work topic was found to exist.
     work_topic: OnceCell<()>,
     /// The topic's seal: the consumer's, or read (and recorded if missing)
@@ -67,7 +66,7 @@ impl KafkaStore {
     pub(super) fn new(
         topic: &str,
         producer: Producer,
-        inspector: Arc<Inspectors>,
+        inspector: Arc<Inspector>,
         seal: Arc<Seal>,
     ) -> Self {
         Self {
@@ -86,7 +85,7 @@ impl KafkaStore {
         Ok(Self {
             topic: options.queue.clone(),
             producer: connection::producer(&bootstrap, &options)?,
-            inspector: Inspectors::new(&bootstrap, &options)?,
+            inspector: Arc::new(connection::inspector(&bootstrap, &options)?),
             work_topic: OnceCell::new(),
             seal: OnceCell::new_with(options.seal.clone()),
         })
@@ -97,7 +96,7 @@ impl KafkaStore {
     async fn work_topic(&self) -> Result<&str, SourceError> {
         self.work_topic
             .get_or_try_init(|| async {
-                let (inspector, topic) = (self.inspector.get()?, self.topic.clone());
+                let (inspector, topic) = (self.inspector.clone(), self.topic.clone());
                 let found = blocking(move || partitions(&inspector, &topic)).await?;
                 match found {
                     Some(_) => Ok(()),
@@ -111,7 +110,7 @@ impl KafkaStore {
     /// The records of a dead-letter topic not yet removed, oldest first,
     /// and the ids removed.
     async fn letters(&self, dead_letter_topic: &str) -> Result<Vec<OwnedMessage>, SourceError> {
-        let inspector = self.inspector.get()?;
+        let inspector = self.inspector.clone();
         let topic = dead_letter_topic.to_string();
         blocking(move || {
             let removed = removed_ids(&read_topic(&inspector, &removed_topic(&topic))?);
@@ -195,7 +194,7 @@ impl DeadLetterStore for KafkaStore {
         let seal = self
             .seal
             .get_or_try_init(|| async {
-                seal_of(&self.producer, &self.inspector.get()?, &self.topic)
+                seal_of(&self.producer, &self.inspector, &self.topic)
                     .await
                     .map(Arc::new)
             })

@@ -160,7 +160,7 @@ impl KafkaSource {
     /// The records of the work and retry topics not settled by the group
     /// (waiting or handed out), and the sum of the group's commit points.
     pub(super) async fn progress(&self) -> Result<(u64, i64), SourceError> {
-        let (inspector, known) = (self.inspector.get()?, self.known.clone());
+        let (inspector, known) = (self.inspector.clone(), self.known.clone());
         let (topic, retry) = (self.options.queue.clone(), self.retry_topic.clone());
         blocking(move || {
             let ([work, retries], _) = lags(&inspector, &known, [&topic, &retry], &[])?;
@@ -181,7 +181,7 @@ impl KafkaSource {
             &dead_letter_topic,
         )
         .await?;
-        let (inspector, known) = (self.inspector.get()?, self.known.clone());
+        let (inspector, known) = (self.inspector.clone(), self.known.clone());
         let (topic, retry) = (self.options.queue.clone(), self.retry_topic.clone());
         let (work, retries, dead_letters, oldest_waiting_age) = blocking(move || {
             let removed = removed_topic(&dead_letter_topic);

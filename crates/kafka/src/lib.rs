@@ -51,8 +51,7 @@
 //! (receiving, holding retries until due), `settle` (ack, retry, dead
 //! letter, commits, produce), `dead_letters` (the dead-letter store:
 //! browse, replay, purge, send), `depth`, `fields`, `rebalance` (giving
-//! partitions up), `stall` (a replica left without partitions),
-//! `producer` and `inspector` (clients made when used, closed when idle).
+//! partitions up), `stall` (a replica left without partitions).
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -60,7 +59,6 @@ mod connection;
 mod dead_letters;
 mod depth;
 mod fields;
-mod inspector;
 mod offsets;
 mod producer;
 mod read;
@@ -76,7 +74,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use rdkafka::message::OwnedMessage;
 
-use connection::{GroupConsumer, Producer};
+use connection::{GroupConsumer, Inspector, Producer};
 use courier_core::model::Delivery;
 use courier_core::source::shared::Seal;
 use courier_core::source::{
@@ -84,7 +82,6 @@ use courier_core::source::{
     Source, SourceError, SourceOptions, WithStore, settle_by_parts,
 };
 use dead_letters::KafkaStore;
-use inspector::Inspectors;
 use offsets::Ledger;
 use rdkafka::consumer::Consumer as _;
 
@@ -188,7 +185,7 @@ pub struct KafkaSource {
     /// What `stall.rs` watches of the assignment.
     watch: Mutex<stall::Watch>,
     producer: Producer,
-    inspector: Arc<Inspectors>,
+    inspector: Arc<Inspector>,
     options: SourceOptions,
     retry_topic: String,
     /// Tells a rebalance during the stop not to wait for deliveries.
@@ -213,7 +210,7 @@ pub struct KafkaSource {
 /// was not made yet sent a metadata request a second; issue 28).
 async fn ensure_dead_letter_topics(
     producer: &Producer,
-    inspector: &Arc<Inspectors>,
+    inspector: &Arc<Inspector>,
     ensured: &Mutex<HashSet<String>>,
     dead_letter_topic: &str,
 ) -> Result<(), SourceError> {
@@ -224,7 +221,7 @@ async fn ensure_dead_letter_topics(
     {
         return Ok(());
     }
-    let (producer, inspector) = (producer.clone(), inspector.get()?);
+    let (producer, inspector) = (producer.clone(), inspector.clone());
     let topic = dead_letter_topic.to_string();
     connection::blocking(move || {
         connection::ensure_topic(&producer, &inspector, &topic)?;
@@ -356,8 +353,7 @@ impl KafkaSource {
         let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
         connection::check_topic(&options.queue)?;
         let producer = connection::producer(&bootstrap, &options)?;
-        let inspectors = Inspectors::new(&bootstrap, &options)?;
-        let inspector = inspectors.get()?;
+        let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
         let retry_topic = fields::retry_topic(&options.queue);
         {
             let (producer, inspector) = (producer.clone(), inspector.clone());
@@ -376,7 +372,7 @@ impl KafkaSource {
         let ensured = Mutex::default();
         ensure_dead_letter_topics(
             &producer,
-            &inspectors,
+            &inspector,
             &ensured,
             &options.live.dead_letter_queue,
         )
@@ -406,13 +402,13 @@ impl KafkaSource {
             store: KafkaStore::new(
                 &options.queue,
                 producer.clone(),
-                inspectors.clone(),
+                inspector.clone(),
                 seal.clone(),
             ),
             bootstrap,
             watch: Mutex::default(),
             producer,
-            inspector: inspectors,
+            inspector,
             live: Mutex::new(options.live.clone()),
             options,
             retry_topic,

@@ -21,6 +21,13 @@ pub(super) enum Call {
     Interrupt {
         tables: Arc<Tables>,
     },
+    /// A receive took all that waited ahead ([`ahead`]): the next read's
+    /// hand-out, made now.
+    Fill {
+        tables: Arc<Tables>,
+        max: usize,
+        terms: Terms,
+    },
 }
 
 /// An ack of the lease a receipt names.
@@ -42,6 +49,9 @@ pub(super) struct PendingAcks {
 
 #[derive(Default)]
 struct Pending {
+    /// Taken before `acks`: an ack of a read-ahead hand-out comes after
+    /// the receive that took it.
+    took: Vec<Took>,
     acks: Vec<Ack>,
     /// When the oldest of `acks` was made.
     since: Option<Instant>,
@@ -57,7 +67,15 @@ impl PendingAcks {
         let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         pending.acks.push(ack);
         pending.since.get_or_insert_with(Instant::now);
-        pending.acks.len() == 1 && !pending.will_wake
+        pending.took.len() + pending.acks.len() == 1 && !pending.will_wake
+    }
+
+    /// Adds `took`; true when the writer must be told, as for [`Self::push`].
+    pub(super) fn push_took(&self, took: Took) -> bool {
+        let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        pending.took.push(took);
+        pending.since.get_or_insert_with(Instant::now);
+        pending.took.len() + pending.acks.len() == 1 && !pending.will_wake
     }
 
     /// When the oldest waiting ack was made.
@@ -75,11 +93,15 @@ impl PendingAcks {
         pending.since
     }
 
-    /// The waiting acks and when the oldest was made.
-    pub(super) fn take(&self) -> Option<(Vec<Ack>, Instant)> {
+    /// The waiting takes and acks, and when the oldest was made.
+    pub(super) fn take(&self) -> Option<(Vec<Took>, Vec<Ack>, Instant)> {
         let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let since = pending.since.take()?;
-        Some((std::mem::take(&mut pending.acks), since))
+        Some((
+            std::mem::take(&mut pending.took),
+            std::mem::take(&mut pending.acks),
+            since,
+        ))
     }
 }
 
@@ -88,15 +110,23 @@ impl PendingAcks {
 pub(super) struct Lease {
     pub(super) tables: Arc<Tables>,
     pub(super) max: usize,
-    pub(super) visibility: u64,
-    /// Where a message handed out too often is dead-lettered, and how
-    /// often is too often (the live settings when the receive was made).
-    pub(super) dead_letter_queue: String,
-    pub(super) max_deliveries: u32,
+    pub(super) terms: Terms,
     pub(super) deadline: Instant,
     /// When the writer tries it again if nothing else happens first.
     pub(super) next_try: Instant,
     pub(super) reply: Reply<Vec<Delivery>>,
+}
+
+/// What a hand-out is made under: the live settings when the receive was
+/// made.
+#[derive(Clone)]
+pub(super) struct Terms {
+    /// The lease's length, in ms.
+    pub(super) visibility: u64,
+    /// Where a message handed out too often is dead-lettered, and how
+    /// often is too often.
+    pub(super) dead_letter_queue: String,
+    pub(super) max_deliveries: u32,
 }
 
 /// A call that writes, answered once its transaction is committed.

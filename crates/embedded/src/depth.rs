@@ -18,8 +18,13 @@ impl Writer {
         // during a drain there are none, where a backlog can be large.
         let later = ready.range((now + 1, 0)..).map_err(store_error)?.count() as u64;
         let total = ready.len().map_err(store_error)?;
+        // What waits ahead of a receive is taken but still ready.
         let (taken, held, acked_leased) = self.queues.get(&tables.ready).map_or((0, 0, 0), |o| {
-            (o.taken.len(), o.held.len(), o.acked_leased.len())
+            (
+                o.taken.len().saturating_sub(o.ahead.len()),
+                o.held.len(),
+                o.acked_leased.len(),
+            )
         });
         // The oldest due row nobody holds: rows are ordered by due time,
         // so the first one not taken waited longest (a new message is due

@@ -146,6 +146,17 @@ impl File {
         Ok(())
     }
 
+    /// Tells the writer a receive took what it read ahead, the way acks
+    /// reach it ([`PendingAcks`]), and with `fill` asks for the next.
+    pub(super) fn took(&self, took: Took, fill: Option<Call>) -> Result<(), SourceError> {
+        let writing = self.writer.get().ok_or_else(writer_gone)?;
+        let poke = writing.acks.push_took(took);
+        if let Some(call) = fill.or(poke.then_some(Call::Poke)) {
+            writing.calls.send(call).map_err(|_| writer_gone())?;
+        }
+        Ok(())
+    }
+
     /// Hands `call` to the writer; its answer comes on the receiver.
     pub(super) fn submit<T>(
         &self,
@@ -221,6 +232,7 @@ impl Tables {
             ready: format!("ready/{queue}"),
             leased: format!("leased/{queue}"),
             acked: format!("acked/{queue}"),
+            ahead: Ahead::default(),
         }
     }
 }

@@ -27,6 +27,9 @@
 //! - **Wake-ups.** A receive that finds nothing waits inside the writer; it
 //!   is tried again after each transaction (a send reaches it at once) and
 //!   at the next due time it saw (a retry reaches it when due).
+//! - **Read-ahead.** A receive answered full is followed by the next one's
+//!   hand-out, which the next receive takes without a call to the writer
+//!   ([`ahead`]).
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -54,6 +57,7 @@ use courier_core::source::{
     encode_fields, settle_by_parts,
 };
 
+mod ahead;
 mod calls;
 mod dead_letters;
 mod depth;
@@ -63,6 +67,7 @@ mod read;
 mod settle;
 mod writer;
 
+use ahead::*;
 use calls::*;
 use dead_letters::EmbeddedStore;
 use file::*;
@@ -193,6 +198,8 @@ struct Tables {
     ready: String,
     leased: String,
     acked: String,
+    /// What the writer handed out ahead for this source's next receive.
+    ahead: Ahead,
 }
 
 /// One open redb file, shared by every source and store on the directory in
@@ -267,6 +274,21 @@ impl Consumer for EmbeddedSource {
         let now = Instant::now();
         let tables = self.tables.clone();
         let live = self.live();
+        let terms = Terms {
+            visibility: live.visibility_timeout.as_millis() as u64,
+            dead_letter_queue: live.dead_letter_queue,
+            max_deliveries: live.max_deliveries,
+        };
+        let (found, emptied) = self.tables.ahead.take(max);
+        if !found.is_empty() {
+            let took = Took {
+                tables: tables.clone(),
+                seqs: found.iter().filter_map(seq_of).collect(),
+            };
+            let fill = emptied.then(|| Call::Fill { tables, max, terms });
+            self.file.took(took, fill)?;
+            return Ok(found);
+        }
         let answer = {
             let mut interrupted = self.interrupt.lock().unwrap_or_else(|e| e.into_inner());
             let wait = if std::mem::take(&mut *interrupted) {
@@ -278,9 +300,7 @@ impl Consumer for EmbeddedSource {
                 Call::Lease(Lease {
                     tables,
                     max,
-                    visibility: live.visibility_timeout.as_millis() as u64,
-                    dead_letter_queue: live.dead_letter_queue,
-                    max_deliveries: live.max_deliveries,
+                    terms,
                     deadline: now + wait,
                     next_try: now,
                     reply,

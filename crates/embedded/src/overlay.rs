@@ -27,6 +27,11 @@ pub(super) struct Overlay {
     /// Rows of `ready` found unfit to hand out (handed out too often, too
     /// big), taken and waiting for the next transaction to dead-letter them.
     pub(super) doomed: Vec<Doomed>,
+    /// Handed out ahead of a receive ([`ahead`]), by seq: taken, but not
+    /// held, as no receive has them yet. Never written.
+    pub(super) ahead: HashMap<u64, Held>,
+    /// Whose read-ahead holds them, and when it goes stale.
+    pub(super) ahead_of: Option<(Arc<Tables>, Instant)>,
 }
 
 /// A row of `ready` to dead-letter as `undeliverable` instead of handing it
@@ -59,6 +64,8 @@ impl Overlay {
             cursor: None,
             extended: HashMap::new(),
             doomed: Vec::new(),
+            ahead: HashMap::new(),
+            ahead_of: None,
         }
     }
 

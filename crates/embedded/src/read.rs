@@ -15,7 +15,7 @@ pub(super) fn retake(
 ) -> Result<Leased, SourceError> {
     // Past `now` even with no visibility timeout, or the loop below would
     // find the lease it just stored.
-    let until = now + lease.visibility.max(1);
+    let until = now + lease.terms.visibility.max(1);
     let mut leased = tx
         .open_table(QueueTable::new(&lease.tables.leased))
         .map_err(store_error)?;
@@ -38,7 +38,7 @@ pub(super) fn retake(
         }
         leased.remove(key).map_err(store_error)?;
         overlay.extended.remove(&key.1);
-        match fate(key.1, &data, until, lease.max_deliveries) {
+        match fate(key.1, &data, until, lease.terms.max_deliveries) {
             Fate::Deliver(delivery, record) => {
                 leased
                     .insert((until, key.1), record.encode().as_slice())
@@ -60,9 +60,9 @@ pub(super) fn retake(
             &data,
             &why,
             &lease.tables.queue,
-            &lease.dead_letter_queue,
+            &lease.terms.dead_letter_queue,
         );
-        store_dead_letter(tx, &lease.dead_letter_queue, &record)?;
+        store_dead_letter(tx, &lease.terms.dead_letter_queue, &record)?;
     }
     Ok(Leased {
         retaken: !deliveries.is_empty() || dead_lettered,
@@ -84,7 +84,7 @@ pub(super) struct Budget {
 pub(super) fn hand_out(
     ready: &impl ReadableTable<(u64, u64), &'static [u8]>,
     overlay: &mut Overlay,
-    lease: &Lease,
+    terms: &Terms,
     now: u64,
     mut budget: Budget,
 ) -> Result<Vec<Delivery>, SourceError> {
@@ -92,7 +92,7 @@ pub(super) fn hand_out(
     if budget.room == 0 {
         return Ok(out);
     }
-    let until = now + lease.visibility;
+    let until = now + terms.visibility;
     let from = match overlay.cursor {
         Some(cursor) => Bound::Excluded(cursor),
         None => Bound::Unbounded,
@@ -114,7 +114,7 @@ pub(super) fn hand_out(
         }
         overlay.cursor = Some(key);
         overlay.taken.insert(key);
-        match fate(key.1, data.value(), until, lease.max_deliveries) {
+        match fate(key.1, data.value(), until, terms.max_deliveries) {
             Fate::Deliver(delivery, record) => {
                 overlay.held.insert(
                     key.1,
@@ -134,7 +134,7 @@ pub(super) fn hand_out(
             Fate::DeadLetter(why) => overlay.doomed.push(Doomed {
                 ready_key: key,
                 why,
-                dead_letter_queue: lease.dead_letter_queue.clone(),
+                dead_letter_queue: terms.dead_letter_queue.clone(),
             }),
         }
     }

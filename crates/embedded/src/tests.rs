@@ -270,3 +270,134 @@ async fn an_ack_with_no_call_after_it_is_written_within_the_flush_interval() {
         "and so is its lease"
     );
 }
+
+fn open_with_visibility(dir: &Path, visibility: Duration) -> EmbeddedSource {
+    let mut options = SourceOptions::new("q");
+    options.live.visibility_timeout = visibility;
+    EmbeddedSource::open(dir, options).unwrap()
+}
+
+async fn send_numbered(source: &EmbeddedSource, n: usize) {
+    for i in 0..n {
+        source.send(Bytes::from(format!("{i}")), &[]).await.unwrap();
+    }
+}
+
+fn bodies(got: &[Delivery]) -> Vec<String> {
+    got.iter()
+        .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+        .collect()
+}
+
+/// A read that came back full is followed by the next one's hand-out;
+/// the receive that takes it gets the next messages in order, first
+/// attempts, held and written like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_read_hands_out_the_next_one_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    send_numbered(&source, 6).await;
+    let first = source.receive(3).await.unwrap();
+    assert_eq!(bodies(&first), ["0", "1", "2"]);
+    wait_until(|| !source.tables.ahead.is_empty()).await;
+    let next = source.receive(3).await.unwrap();
+    assert_eq!(bodies(&next), ["3", "4", "5"]);
+    assert!(next.iter().all(|d| d.attempt == 1), "{next:?}");
+    // Taken from the read-ahead, they are held leases: written in time.
+    tokio::time::sleep(FLUSH_EVERY * 5).await;
+    assert_eq!(rows(&source, &source.tables.leased), 6);
+    for d in first.iter().chain(&next) {
+        source.ack(d).await.unwrap();
+    }
+    tokio::time::sleep(FLUSH_EVERY * 5).await;
+    assert_eq!(rows(&source, &source.tables.ready), 0);
+    assert_eq!(rows(&source, &source.tables.leased), 0);
+}
+
+/// What waits ahead and no receive takes in time (a hold, a slow app) is
+/// given back: it is ready again, its delivery not counted, and never in
+/// `leased` (a restart finds it ready too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_ahead_no_receive_takes_is_given_back_uncounted() {
+    let dir = tempfile::tempdir().unwrap();
+    // A tenth of the lease: given back after 100 ms.
+    let source = open_with_visibility(dir.path(), Duration::from_secs(1));
+    send_numbered(&source, 4).await;
+    let first = source.receive(2).await.unwrap();
+    assert_eq!(bodies(&first), ["0", "1"]);
+    wait_until(|| !source.tables.ahead.is_empty()).await;
+    wait_until(|| source.tables.ahead.is_empty()).await;
+    tokio::time::sleep(FLUSH_EVERY * 5).await;
+    assert_eq!(rows(&source, &source.tables.leased), 2, "only the two read");
+    let depth = source.depth().await.unwrap();
+    assert_eq!((depth.ready, depth.pending), (Some(2), 2), "{depth:?}");
+    let again = source.receive(2).await.unwrap();
+    assert_eq!(bodies(&again), ["2", "3"]);
+    assert!(again.iter().all(|d| d.attempt == 1), "{again:?}");
+}
+
+/// A stop gives back what waits ahead: the next process gets it at once
+/// as a first attempt, not after a lease runs out as a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_gives_back_the_read_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    send_numbered(&source, 4).await;
+    let first = source.receive(2).await.unwrap();
+    wait_until(|| !source.tables.ahead.is_empty()).await;
+    source.close().await;
+    assert!(source.tables.ahead.is_empty());
+    drop(source);
+    let source = open(dir.path());
+    let depth = source.depth().await.unwrap();
+    assert_eq!((depth.ready, depth.pending), (Some(2), 2), "{depth:?}");
+    let again = source.receive(4).await.unwrap();
+    assert_eq!(bodies(&again), ["2", "3"]);
+    assert!(again.iter().all(|d| d.attempt == 1), "{again:?}");
+    drop(first);
+}
+
+/// A receive that reached the writer before the read-ahead was made does
+/// not wait while the read-ahead holds what is due: it gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_that_missed_the_read_ahead_gets_its_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = open(dir.path());
+    send_numbered(&source, 4).await;
+    source.receive(2).await.unwrap();
+    wait_until(|| !source.tables.ahead.is_empty()).await;
+    // As if it had looked just before the read-ahead was made.
+    let (reply, answer) = oneshot::channel();
+    let now = Instant::now();
+    source
+        .file
+        .submit::<Vec<Delivery>>(|_| {
+            Call::Lease(Lease {
+                tables: source.tables.clone(),
+                max: 2,
+                terms: Terms {
+                    visibility: 30_000,
+                    dead_letter_queue: "q.dlq".into(),
+                    max_deliveries: 10,
+                },
+                deadline: now + Duration::from_secs(10),
+                next_try: now,
+                reply,
+            })
+        })
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(2), answer)
+        .await
+        .expect("answered at once, not after its wait")
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&got), ["2", "3"]);
+}
+
+async fn wait_until(mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(5), "timed out");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

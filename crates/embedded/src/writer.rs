@@ -72,7 +72,11 @@ impl Writer {
             return Some(Instant::now());
         }
         let lease = self.waiting.iter().map(|l| l.next_try).min();
-        flush.into_iter().chain(lease).min()
+        flush
+            .into_iter()
+            .chain(lease)
+            .chain(self.next_stale())
+            .min()
     }
 
     /// A transaction, fsynced, that writes everything held in memory: makes
@@ -113,13 +117,15 @@ impl Writer {
         if pokes_only && self.acks.since().is_some_and(|t| now < t + FLUSH_EVERY) {
             return;
         }
-        if let Some((acks, since)) = self.acks.take() {
+        if let Some((took, acks, since)) = self.acks.take() {
+            self.took(took, since);
             self.ack(acks, since);
         }
         let mut leases = std::mem::take(&mut self.waiting);
         let mut changes = Vec::new();
         let mut depths = Vec::new();
         let mut interrupted = Vec::new();
+        let mut fills = Vec::new();
         for call in calls {
             match call {
                 Call::Lease(lease) if lease.max == 0 => {
@@ -130,8 +136,20 @@ impl Writer {
                 Call::Change(change) => changes.push(change),
                 Call::Depth { tables, dlq, reply } => depths.push((tables, dlq, reply)),
                 Call::Interrupt { tables } => interrupted.push(tables.ready.clone()),
+                Call::Fill { tables, max, terms } => fills.push((tables, max, terms)),
             }
         }
+        // Before any receive is tried, so it finds those rows: what went
+        // stale; what waits for a receive that came here instead (it
+        // looked before the read-ahead was made); all of it at a flush,
+        // which a stop asks for.
+        let closing = changes.iter().any(|c| matches!(c, Change::Flush { .. }));
+        let missed: Vec<&str> = leases
+            .iter()
+            .filter(|l| !l.tables.ahead.is_empty())
+            .map(|l| l.tables.ready.as_str())
+            .collect();
+        self.give_back_ahead(now, closing, &missed);
         // Tried now, and answered even when nothing is due.
         for lease in &mut leases {
             if interrupted.contains(&lease.tables.ready) {
@@ -155,6 +173,11 @@ impl Writer {
             if let Some(late) = self.serve(tried, now) {
                 let result = self.commit_durable(now);
                 answer_leases(late, result);
+            }
+        }
+        if !closing {
+            for (tables, max, terms) in fills {
+                self.fill_ahead(&tables, max, &terms);
             }
         }
         for (tables, dlq, reply) in depths {
@@ -239,14 +262,7 @@ impl Writer {
                 .queues
                 .get(&lease.tables.ready)
                 .map(|o| &o.acked_leased);
-            tx.open_table(QueueTable::new(&lease.tables.leased))
-                .ok()
-                .and_then(|leased| leased.range((0, 0)..=(now_ms, u64::MAX)).ok())
-                .is_some_and(|mut rows| {
-                    rows.any(|row| {
-                        row.is_ok_and(|(k, _)| !acked.is_some_and(|a| a.contains(&k.value())))
-                    })
-                })
+            lease_ran_out(&tx, &lease.tables, acked, now_ms)
         })
     }
 
@@ -365,6 +381,7 @@ impl Writer {
             }
         };
         let mut late = Vec::new();
+        let mut full = Vec::new();
         for (mut lease, mut leased) in tried {
             let overlay = overlay_of(&mut self.queues, &lease.tables);
             let room = lease.max.saturating_sub(leased.deliveries.len());
@@ -377,7 +394,7 @@ impl Writer {
             let fresh = tx
                 .open_table(QueueTable::new(&lease.tables.ready))
                 .map_err(store_error)
-                .and_then(|ready| hand_out(&ready, overlay, &lease, now_ms, budget));
+                .and_then(|ready| hand_out(&ready, overlay, &lease.terms, now_ms, budget));
             match fresh {
                 Ok(fresh) if !fresh.is_empty() => {
                     leased.deliveries.extend(fresh);
@@ -393,6 +410,11 @@ impl Writer {
                 if leased.retaken || self.careful_until.is_some_and(|t| now < t) {
                     late.push((lease, leased));
                 } else {
+                    // Came back full: a backlog waits, and the next read
+                    // is handed out now, while the app works on this one.
+                    if leased.deliveries.len() == lease.max {
+                        full.push((lease.tables.clone(), lease.max, lease.terms.clone()));
+                    }
                     let _ = lease.reply.send(Ok(leased.deliveries));
                 }
             } else if lease.deadline <= now {
@@ -409,6 +431,26 @@ impl Writer {
                 self.waiting.push(lease);
             }
         }
+        drop(tx);
+        for (tables, max, terms) in full {
+            self.fill_ahead(&tables, max, &terms);
+        }
         (!late.is_empty()).then_some(late)
     }
+}
+
+/// Whether `leased` holds a lease that ran out by `now_ms` and was not
+/// acked since (`acked`).
+pub(super) fn lease_ran_out(
+    tx: &redb::ReadTransaction,
+    tables: &Tables,
+    acked: Option<&HashSet<(u64, u64)>>,
+    now_ms: u64,
+) -> bool {
+    tx.open_table(QueueTable::new(&tables.leased))
+        .ok()
+        .and_then(|leased| leased.range((0, 0)..=(now_ms, u64::MAX)).ok())
+        .is_some_and(|mut rows| {
+            rows.any(|row| row.is_ok_and(|(k, _)| !acked.is_some_and(|a| a.contains(&k.value()))))
+        })
 }

@@ -58,6 +58,12 @@ impl Ahead {
         self.stock().deliveries.is_empty()
     }
 
+    /// When what waits goes stale; none while nothing waits.
+    pub(super) fn stale_at(&self) -> Option<Instant> {
+        let stock = self.stock();
+        stock.stale_at.filter(|_| !stock.deliveries.is_empty())
+    }
+
     pub(super) fn fill(&self, deliveries: Vec<Delivery>, stale_at: Instant) {
         let mut stock = self.stock();
         stock.deliveries.extend(deliveries);
@@ -124,8 +130,10 @@ impl Writer {
                 overlay.ahead.insert(seq, held);
             }
         }
+        if !overlay.ahead_of.iter().any(|t| Arc::ptr_eq(t, tables)) {
+            overlay.ahead_of.push(tables.clone());
+        }
         let fresh_for = AHEAD_FOR.min(Duration::from_millis(terms.visibility / 10));
-        overlay.ahead_of = Some((tables.clone(), now + fresh_for));
         tables.ahead.fill(found, now + fresh_for);
     }
 
@@ -143,24 +151,34 @@ impl Writer {
         }
     }
 
-    /// Gives back what waits ahead and went stale, or waits for one of the
-    /// queues in `missed` (by `ready` table), or any with `all`: its rows
-    /// are in `ready`, untouched, for the next receive.
-    pub(super) fn give_back_ahead(&mut self, now: Instant, all: bool, missed: &[&str]) {
-        for (ready, overlay) in &mut self.queues {
-            let Some((tables, stale_at)) = overlay.ahead_of.clone() else {
-                continue;
-            };
-            if !all && now < stale_at && !missed.contains(&ready.as_str()) {
-                continue;
-            }
-            overlay.ahead_of = None;
-            for seq in tables.ahead.drain().iter().filter_map(seq_of) {
-                if let Some(held) = overlay.ahead.remove(&seq) {
-                    overlay.taken.remove(&held.ready_key);
-                    // The cursor is past its row.
-                    overlay.cursor = None;
-                }
+    /// Gives back what waits ahead and went stale, what waits for a source
+    /// in `missed`, and all of it with `all`.
+    pub(super) fn give_back_ahead(&mut self, now: Instant, all: bool, missed: &[Arc<Tables>]) {
+        let due: Vec<Arc<Tables>> = self
+            .queues
+            .values()
+            .flat_map(|o| &o.ahead_of)
+            .filter(|t| {
+                all || missed.iter().any(|m| Arc::ptr_eq(m, t))
+                    || t.ahead.stale_at().is_none_or(|at| at <= now)
+            })
+            .cloned()
+            .collect();
+        for tables in due {
+            self.give_back(&tables);
+        }
+    }
+
+    /// Gives back what waits in `tables`' read-ahead: its rows are in
+    /// `ready`, untouched, for the next receive.
+    fn give_back(&mut self, tables: &Arc<Tables>) {
+        let overlay = overlay_of(&mut self.queues, tables);
+        overlay.ahead_of.retain(|t| !Arc::ptr_eq(t, tables));
+        for seq in tables.ahead.drain().iter().filter_map(seq_of) {
+            if let Some(held) = overlay.ahead.remove(&seq) {
+                overlay.taken.remove(&held.ready_key);
+                // The cursor is past its row.
+                overlay.cursor = None;
             }
         }
     }
@@ -169,7 +187,8 @@ impl Writer {
     pub(super) fn next_stale(&self) -> Option<Instant> {
         self.queues
             .values()
-            .filter_map(|o| o.ahead_of.as_ref().map(|(_, at)| *at))
+            .flat_map(|o| &o.ahead_of)
+            .filter_map(|t| t.ahead.stale_at())
             .min()
     }
 }

@@ -64,16 +64,17 @@ impl PendingAcks {
     /// Adds `ack`; true when the writer must be told: it is the first since
     /// the writer last looked, and the writer is not bound to wake soon.
     pub(super) fn push(&self, ack: Ack) -> bool {
-        let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        pending.acks.push(ack);
-        pending.since.get_or_insert_with(Instant::now);
-        pending.took.len() + pending.acks.len() == 1 && !pending.will_wake
+        self.add(|pending| pending.acks.push(ack))
     }
 
     /// Adds `took`; true when the writer must be told, as for [`Self::push`].
     pub(super) fn push_took(&self, took: Took) -> bool {
+        self.add(|pending| pending.took.push(took))
+    }
+
+    fn add(&self, put: impl FnOnce(&mut Pending)) -> bool {
         let mut pending = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        pending.took.push(took);
+        put(&mut pending);
         pending.since.get_or_insert_with(Instant::now);
         pending.took.len() + pending.acks.len() == 1 && !pending.will_wake
     }

@@ -30,8 +30,8 @@ pub(super) struct Overlay {
     /// Handed out ahead of a receive ([`ahead`]), by seq: taken, but not
     /// held, as no receive has them yet. Never written.
     pub(super) ahead: HashMap<u64, Held>,
-    /// Whose read-ahead holds them, and when it goes stale.
-    pub(super) ahead_of: Option<(Arc<Tables>, Instant)>,
+    /// The sources whose read-ahead holds them.
+    pub(super) ahead_of: Vec<Arc<Tables>>,
 }
 
 /// A row of `ready` to dead-letter as `undeliverable` instead of handing it
@@ -65,7 +65,7 @@ impl Overlay {
             extended: HashMap::new(),
             doomed: Vec::new(),
             ahead: HashMap::new(),
-            ahead_of: None,
+            ahead_of: Vec::new(),
         }
     }
 

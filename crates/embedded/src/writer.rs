@@ -144,10 +144,10 @@ impl Writer {
         // looked before the read-ahead was made); all of it at a flush,
         // which a stop asks for.
         let closing = changes.iter().any(|c| matches!(c, Change::Flush { .. }));
-        let missed: Vec<&str> = leases
+        let missed: Vec<Arc<Tables>> = leases
             .iter()
             .filter(|l| !l.tables.ahead.is_empty())
-            .map(|l| l.tables.ready.as_str())
+            .map(|l| l.tables.clone())
             .collect();
         self.give_back_ahead(now, closing, &missed);
         // Tried now, and answered even when nothing is due.

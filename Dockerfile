@@ -7,13 +7,16 @@
 # Build stage: the binary of the dist profile (the release profile with thin
 # LTO and one codegen unit: smaller and 9 % fewer instructions per message,
 # at the price of a long link), with Cargo.lock as committed (--locked).
-# TLS is rustls with ring, so the binary needs no OpenSSL at run time, only
-# glibc, which the distroless "cc" image has.
+# TLS is rustls with ring, except Kafka's: librdkafka's own TLS and SASL on
+# the system's OpenSSL, so the binary needs glibc and libssl3 at run time,
+# which the distroless "cc" image has (libcurl is linked in statically).
 FROM rust:1-bookworm AS build
 WORKDIR /src
 # The whole repository (less .dockerignore), so that every workspace member
 # Cargo.toml names is there.
 COPY . .
+# cmake for librdkafka (scripts/build-deps says why).
+RUN scripts/build-deps
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --profile dist --locked --package courier --bin courier \

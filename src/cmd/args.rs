@@ -9,7 +9,8 @@ use std::time::Duration;
 use clap::Args;
 use http::Uri;
 
-use crate::source::{Seal, SourceUrl, Tls, TlsFiles};
+use crate::source::sasl::Mechanism;
+use crate::source::{Sasl, Seal, SourceUrl, Tls, TlsFiles};
 
 /// Bad usage: the message is printed as is and the process exits with 2.
 #[derive(Debug, thiserror::Error)]
@@ -34,7 +35,30 @@ pub struct SourceArgs {
     /// PEM private key of --tls-cert-file.
     #[arg(long, env = "COURIER_TLS_KEY_FILE")]
     pub tls_key_file: Option<PathBuf>,
+    /// Kafka: log in with SASL by this mechanism: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or
+    /// OAUTHBEARER (OAuth 2 client credentials, with --kafka-oauth-token-url). Over kafkas:// the
+    /// login goes inside TLS; over kafka:// in the clear.
+    #[arg(long, env = "COURIER_KAFKA_SASL_MECHANISM")]
+    pub kafka_sasl_mechanism: Option<String>,
+    /// Kafka: the SASL user name; with OAUTHBEARER, the OAuth client id.
+    #[arg(long, env = "COURIER_KAFKA_SASL_USERNAME")]
+    pub kafka_sasl_username: Option<String>,
+    /// Kafka: a file holding the SASL password (a mounted Secret; one trailing newline is
+    /// ignored); with OAUTHBEARER, the OAuth client secret. Or set COURIER_KAFKA_SASL_PASSWORD.
+    /// Never taken from the URL or a flag's value.
+    #[arg(long, env = "COURIER_KAFKA_SASL_PASSWORD_FILE")]
+    pub kafka_sasl_password_file: Option<PathBuf>,
+    /// Kafka with OAUTHBEARER: the identity provider's token endpoint (https://...), where the
+    /// client id and secret are exchanged for a token, again before it expires.
+    #[arg(long, env = "COURIER_KAFKA_OAUTH_TOKEN_URL")]
+    pub kafka_oauth_token_url: Option<String>,
+    /// Kafka with OAUTHBEARER: the scope to ask the identity provider for.
+    #[arg(long, env = "COURIER_KAFKA_OAUTH_SCOPE")]
+    pub kafka_oauth_scope: Option<String>,
 }
+
+/// The variable that may hold the SASL password instead of a file.
+pub const KAFKA_SASL_PASSWORD_ENV: &str = "COURIER_KAFKA_SASL_PASSWORD";
 
 /// `--source`'s help, from the broker table: every URL form and TLS scheme
 /// of this build, so that it cannot fall behind the brokers.
@@ -55,9 +79,10 @@ fn source_help() -> String {
 }
 
 impl SourceArgs {
-    /// The broker URL and the TLS files it connects with, checked: every
-    /// `--tls-*` file read and parsed, and given only with a TLS scheme.
-    pub fn parse(&self) -> Result<(SourceUrl, Tls), UsageError> {
+    /// The broker URL and what it connects with, checked: every `--tls-*`
+    /// file read and parsed, and given only with a TLS scheme; the SASL
+    /// login of `--kafka-sasl-*`, given only for Kafka.
+    pub fn parse(&self) -> Result<(SourceUrl, Tls, Option<Sasl>), UsageError> {
         // Before anything connects: a library may log what it connects with.
         for secret in crate::source::secrets_of(&self.source) {
             crate::telemetry::hide_in_logs(&secret);
@@ -69,13 +94,19 @@ impl SourceArgs {
         }
         let url = parse_source(&self.source)?;
         check_queue(&self.queue)?;
+        let sasl = self.sasl(&url)?;
+        let tls = self.tls(&url)?;
+        Ok((url, tls, sasl))
+    }
+
+    fn tls(&self, url: &SourceUrl) -> Result<Tls, UsageError> {
         let files = TlsFiles {
             ca_file: self.tls_ca_file.clone(),
             cert_file: self.tls_cert_file.clone(),
             key_file: self.tls_key_file.clone(),
         };
         if files == TlsFiles::default() {
-            return Ok((url, Tls::default()));
+            return Ok(Tls::default());
         }
         if !url.uses_tls() {
             let schemes = url.broker().tls_schemes;
@@ -87,8 +118,130 @@ impl SourceArgs {
                 "--tls-* files are given but --source {url} does not connect over TLS; {hint}"
             )));
         }
-        let tls = Tls::load(&files).map_err(UsageError)?;
-        Ok((url, tls))
+        Tls::load(&files).map_err(UsageError)
+    }
+
+    /// The SASL login of `--kafka-sasl-*`: the mechanism, the user and the
+    /// secret all given, the secret from its file or variable and hidden
+    /// in every log line from here on.
+    fn sasl(&self, url: &SourceUrl) -> Result<Option<Sasl>, UsageError> {
+        let secret_env = std::env::var(KAFKA_SASL_PASSWORD_ENV)
+            .ok()
+            .filter(|s| !s.is_empty());
+        let given: Vec<&str> = [
+            ("--kafka-sasl-username", self.kafka_sasl_username.is_some()),
+            (
+                "--kafka-sasl-password-file",
+                self.kafka_sasl_password_file.is_some(),
+            ),
+            (
+                "--kafka-oauth-token-url",
+                self.kafka_oauth_token_url.is_some(),
+            ),
+            ("--kafka-oauth-scope", self.kafka_oauth_scope.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect();
+        let Some(mechanism) = &self.kafka_sasl_mechanism else {
+            if let Some(flag) = given.first() {
+                return Err(UsageError(format!(
+                    "{flag} is given without --kafka-sasl-mechanism; name the mechanism ({}) to log in with SASL",
+                    Mechanism::NAMES.join(", ")
+                )));
+            }
+            return Ok(None);
+        };
+        let mechanism = Mechanism::parse(mechanism)
+            .map_err(|e| UsageError(format!("--kafka-sasl-mechanism {e}")))?;
+        if url.broker().name != "kafka" {
+            return Err(UsageError(format!(
+                "--kafka-sasl-mechanism is for Kafka, and --source {url} is {}; leave the --kafka-* flags out",
+                url.broker().name
+            )));
+        }
+        let (who, what) = match mechanism {
+            Mechanism::OAuthBearer => ("the OAuth client id", "the OAuth client secret"),
+            _ => ("the user name", "the password"),
+        };
+        let username = self
+            .kafka_sasl_username
+            .clone()
+            .filter(|u| !u.trim().is_empty())
+            .ok_or_else(|| {
+                UsageError(format!(
+                    "--kafka-sasl-mechanism {mechanism} needs {who}: give --kafka-sasl-username (COURIER_KAFKA_SASL_USERNAME)"
+                ))
+            })?;
+        let (secret, from) = match (&self.kafka_sasl_password_file, secret_env) {
+            (Some(_), Some(_)) => {
+                return Err(UsageError(format!(
+                    "both --kafka-sasl-password-file and {KAFKA_SASL_PASSWORD_ENV} are set; give {what} one way"
+                )));
+            }
+            (Some(path), None) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    UsageError(format!(
+                        "--kafka-sasl-password-file {}: cannot read it: {e}",
+                        path.display()
+                    ))
+                })?;
+                let secret = text
+                    .strip_suffix('\n')
+                    .map(|s| s.strip_suffix('\r').unwrap_or(s))
+                    .unwrap_or(&text)
+                    .to_string();
+                (
+                    secret,
+                    format!("--kafka-sasl-password-file {}", path.display()),
+                )
+            }
+            (None, Some(secret)) => (secret, KAFKA_SASL_PASSWORD_ENV.to_string()),
+            (None, None) => {
+                return Err(UsageError(format!(
+                    "--kafka-sasl-mechanism {mechanism} needs {what}: set {KAFKA_SASL_PASSWORD_ENV}, or give --kafka-sasl-password-file (a mounted Secret)"
+                )));
+            }
+        };
+        if secret.is_empty() {
+            return Err(UsageError(format!("{from} is empty; it must hold {what}")));
+        }
+        crate::telemetry::hide_in_logs(&secret);
+        let mut sasl = Sasl::new(mechanism, username, secret, from);
+        match (mechanism, &self.kafka_oauth_token_url) {
+            (Mechanism::OAuthBearer, Some(url)) => {
+                let parsed: Uri = url.parse().map_err(|e| {
+                    UsageError(format!(
+                        "--kafka-oauth-token-url {url:?} is not a URL ({e}); write it like https://idp.example.com/oauth2/token"
+                    ))
+                })?;
+                if !matches!(parsed.scheme_str(), Some("https" | "http")) || parsed.host().is_none()
+                {
+                    return Err(UsageError(format!(
+                        "--kafka-oauth-token-url {url:?} is not an http(s) URL with a host; write it like https://idp.example.com/oauth2/token"
+                    )));
+                }
+                sasl.token_url = Some(url.clone());
+                sasl.scope = self.kafka_oauth_scope.clone();
+            }
+            (Mechanism::OAuthBearer, None) => {
+                return Err(UsageError(
+                    "--kafka-sasl-mechanism OAUTHBEARER needs --kafka-oauth-token-url, the identity provider's token endpoint".into(),
+                ));
+            }
+            (_, Some(_)) => {
+                return Err(UsageError(format!(
+                    "--kafka-oauth-token-url is for OAUTHBEARER, and --kafka-sasl-mechanism is {mechanism}; leave it out"
+                )));
+            }
+            (_, None) if self.kafka_oauth_scope.is_some() => {
+                return Err(UsageError(format!(
+                    "--kafka-oauth-scope is for OAUTHBEARER, and --kafka-sasl-mechanism is {mechanism}; leave it out"
+                )));
+            }
+            (_, None) => {}
+        }
+        Ok(Some(sasl))
     }
 }
 

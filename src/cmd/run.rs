@@ -135,7 +135,7 @@ pub struct RunArgs {
 
 /// Checks every flag of `courier run` into the config the sidecar runs with.
 pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
-    let (source, tls) = args.source.parse()?;
+    let (source, tls, sasl) = args.source.parse()?;
     let app = parse_app(&args.app)?;
     if args.concurrency == 0 {
         return Err(UsageError("--concurrency must be at least 1".into()));
@@ -205,6 +205,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         max_body: args.max_body,
         max_unsettled: MAX_UNSETTLED,
         tls,
+        sasl,
         seal: args.seal.load()?,
     };
     Ok(RunConfig {

@@ -117,7 +117,7 @@ fn random_uuid() -> String {
 }
 
 pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
-    let (url, tls) = args.source.parse()?;
+    let (url, tls, sasl) = args.source.parse()?;
     let headers = headers(&args)?;
     let body = if args.body == "-" {
         let mut buf = Vec::new();
@@ -130,6 +130,7 @@ pub async fn run(args: SendArgs) -> anyhow::Result<ExitCode> {
     };
     let mut options = SourceOptions::new(&args.source.queue);
     options.tls = tls;
+    options.sasl = sasl;
     let source = source::open_admin(&url, options)
         .await
         .with_context(|| format!("cannot open --source {url}"))?;

@@ -2,7 +2,7 @@
 //! never joins the group), their settings, the topics courier needs, the
 //! seal key, and reading a topic from end to end.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,8 +17,9 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
 
 use courier_core::source::redact::redact;
+use courier_core::source::sasl::Mechanism;
 use courier_core::source::shared::{HELD_WAIT, Seal};
-use courier_core::source::{SourceError, SourceOptions};
+use courier_core::source::{ErrorKind, Sasl, SourceError, SourceOptions, Tls};
 
 /// How long one metadata, offset or watermark request may take.
 pub(super) const REQUEST: Duration = Duration::from_secs(10);
@@ -28,26 +29,32 @@ pub(super) const REQUEST: Duration = Duration::from_secs(10);
 /// you create topics yourself, make it compacted rather than time-limited.
 const SEAL_TOPIC: &str = "courier-seal-keys";
 
-/// Checks a `kafka://host:port[,host:port]` URL at start.
+/// Checks a `kafka://` or `kafkas://host:port[,host:port]` URL at start.
 pub fn check_url(text: &str) -> Result<(), String> {
     bootstrap_servers(text).map(drop)
 }
 
-/// The bootstrap servers of a `kafka://` URL, as librdkafka takes them.
-pub(super) fn bootstrap_servers(text: &str) -> Result<String, String> {
+/// The bootstrap servers of a `kafka://` or `kafkas://` URL, as librdkafka
+/// takes them, and whether the URL asks for TLS.
+pub(super) fn bootstrap_servers(text: &str) -> Result<(String, bool), String> {
     let refused = |why: &str| {
         format!(
-            "{}: {why}; write it like kafka://host:9092 or kafka://h1:9092,h2:9092 (any reachable broker is enough)",
+            "{}: {why}; write it like kafka://host:9092 or kafka://h1:9092,h2:9092 (any reachable broker is enough), kafkas://host:9093 over TLS",
             redact(text)
         )
     };
-    let Some(hosts) = text.strip_prefix("kafka://") else {
-        return Err(refused("not a kafka:// URL"));
+    let (hosts, tls) = match (
+        text.strip_prefix("kafka://"),
+        text.strip_prefix("kafkas://"),
+    ) {
+        (Some(hosts), _) => (hosts, false),
+        (_, Some(hosts)) => (hosts, true),
+        _ => return Err(refused("not a kafka:// or kafkas:// URL")),
     };
     let hosts = hosts.strip_suffix('/').unwrap_or(hosts);
     if hosts.contains('@') {
         return Err(refused(
-            "courier does not support SASL or TLS to Kafka yet, so a URL cannot carry credentials",
+            "a Kafka URL carries no credentials: give the SASL login with --kafka-sasl-mechanism, --kafka-sasl-username and COURIER_KAFKA_SASL_PASSWORD (or --kafka-sasl-password-file)",
         ));
     }
     if hosts.contains(['/', '?', '#']) {
@@ -63,7 +70,279 @@ pub(super) fn bootstrap_servers(text: &str) -> Result<String, String> {
         }
         servers.push(server.to_string());
     }
-    Ok(servers.join(","))
+    Ok((servers.join(","), tls))
+}
+
+/// What every client of one cluster connects with: the bootstrap servers,
+/// TLS and the SASL login, and what librdkafka last said went wrong with
+/// them, for the error a failed start ends with.
+#[derive(Clone)]
+pub(super) struct Cluster {
+    bootstrap: String,
+    tls: Option<Tls>,
+    sasl: Option<Sasl>,
+    trouble: Arc<Trouble>,
+}
+
+/// The last connection errors librdkafka reported on any client of a
+/// cluster (its error callback), which a timed-out request does not say.
+/// Several, because the error that explains a failure (a refused login) is
+/// often followed by ones that do not (all brokers down).
+#[derive(Default)]
+pub(super) struct Trouble(Mutex<VecDeque<(RDKafkaErrorCode, String)>>);
+
+/// How many of the last errors [`Trouble`] keeps.
+const TROUBLE_KEPT: usize = 16;
+
+impl Trouble {
+    fn record(&self, code: RDKafkaErrorCode, reason: &str) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() == TROUBLE_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back((code, reason.to_string()));
+    }
+
+    /// The errors kept, newest first.
+    fn newest_first(&self) -> Vec<(RDKafkaErrorCode, String)> {
+        let kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.iter().rev().cloned().collect()
+    }
+}
+
+impl Cluster {
+    pub(super) fn of(url: &str, options: &SourceOptions) -> Result<Self, SourceError> {
+        let (bootstrap, tls) = bootstrap_servers(url).map_err(SourceError::invalid)?;
+        if options
+            .sasl
+            .as_ref()
+            .is_some_and(|s| s.mechanism == Mechanism::Plain)
+            && !tls
+        {
+            tracing::warn!(
+                "SASL PLAIN over kafka:// sends the password in the clear; use kafkas:// where the brokers take TLS"
+            );
+        }
+        Ok(Self {
+            bootstrap,
+            tls: tls.then(|| options.tls.clone()),
+            sasl: options.sasl.clone(),
+            trouble: Arc::default(),
+        })
+    }
+
+    /// The settings every client of the cluster shares: where it is, TLS
+    /// and SASL.
+    fn config(&self, client_id: &str) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("client.id", client_id)
+            // Level 6 (info): a broker's failure is logged at it, and the
+            // log is how a failed start says why (`Cluster::reach`).
+            .set("log_level", "6");
+        let protocol = match (&self.tls, &self.sasl) {
+            (None, None) => "plaintext",
+            (Some(_), None) => "ssl",
+            (None, Some(_)) => "sasl_plaintext",
+            (Some(_), Some(_)) => "sasl_ssl",
+        };
+        config.set("security.protocol", protocol);
+        if let Some(tls) = &self.tls {
+            // The PEMs as read and checked at start, not the paths: a file
+            // swapped later changes nothing until a restart, as for every
+            // other broker.
+            match tls.ca_pem() {
+                Some(ca) => config.set("ssl.ca.pem", String::from_utf8_lossy(ca)),
+                // librdkafka looks for the system's roots where Debian,
+                // RHEL, Alpine and distroless keep them.
+                None => config.set("ssl.ca.location", "probe"),
+            };
+            if let Some((cert, key)) = tls.client_pem() {
+                config
+                    .set("ssl.certificate.pem", String::from_utf8_lossy(cert))
+                    .set("ssl.key.pem", String::from_utf8_lossy(key));
+            }
+            config.set("ssl.endpoint.identification.algorithm", "https");
+        }
+        if let Some(sasl) = &self.sasl {
+            config.set("sasl.mechanism", sasl.mechanism.name());
+            match sasl.mechanism {
+                Mechanism::OAuthBearer => {
+                    config
+                        .set("sasl.oauthbearer.method", "oidc")
+                        .set("sasl.oauthbearer.client.id", &sasl.username)
+                        .set("sasl.oauthbearer.client.secret", sasl.secret())
+                        .set(
+                            "sasl.oauthbearer.token.endpoint.url",
+                            sasl.token_url.as_deref().unwrap_or_default(),
+                        )
+                        .set("https.ca.location", "probe");
+                    if let Some(scope) = &sasl.scope {
+                        config.set("sasl.oauthbearer.scope", scope);
+                    }
+                }
+                _ => {
+                    config
+                        .set("sasl.username", &sasl.username)
+                        .set("sasl.password", sasl.secret());
+                }
+            }
+        }
+        // librdkafka's own debug contexts (`cgrp`, `consumer`, `all`, ...) for
+        // finding out what the group does. They come through courier's log at
+        // debug level (RUST_LOG=courier_kafka=debug); rdkafka would
+        // otherwise hold librdkafka's level at what the `log` filter lets
+        // through for the target `librdkafka`, which is not debug.
+        if let Ok(debug) = std::env::var("COURIER_KAFKA_DEBUG") {
+            config
+                .set("debug", debug)
+                .set("log_level", "7")
+                .set_log_level(RDKafkaLogLevel::Debug);
+        }
+        config
+    }
+
+    /// The context of an inspector or producer of this cluster.
+    pub(super) fn quiet(&self) -> Quiet {
+        Quiet {
+            trouble: self.trouble.clone(),
+        }
+    }
+
+    /// The first request of a start or a command, through `inspector`:
+    /// tried for up to [`REQUEST`], serving the inspector's events between
+    /// tries (its error callback is what says why a request failed), and
+    /// given up as soon as that says what to fix.
+    pub(super) fn reach(&self, inspector: &Inspector, topic: &str) -> Result<(), SourceError> {
+        let deadline = std::time::Instant::now() + REQUEST;
+        loop {
+            let tried = inspector
+                .fetch_metadata(Some(topic), Duration::from_secs(1))
+                .map(drop)
+                .map_err(unavailable);
+            let Err(error) = tried else {
+                return Ok(());
+            };
+            {
+                // Unassigned, so a poll serves events, never a record. A
+                // poll that served a log line returns as one that found
+                // nothing, so the queue is served for a while instead,
+                // waiting a millisecond at a time when it is empty.
+                let _reading = READING.lock().unwrap_or_else(|e| e.into_inner());
+                let until = std::time::Instant::now() + Duration::from_millis(50);
+                while std::time::Instant::now() < until {
+                    let _ = inspector.poll(Duration::from_millis(1));
+                }
+            }
+            let error = self.explain(error);
+            if error.kind() != ErrorKind::Unavailable || std::time::Instant::now() >= deadline {
+                return Err(error);
+            }
+        }
+    }
+
+    /// Turns a failed first request into what to fix, from what librdkafka
+    /// reported meanwhile: a login the brokers refused, a certificate that
+    /// is not trusted, a listener that speaks another protocol. Anything
+    /// else stays as it was (a broker that cannot be reached is tried
+    /// again).
+    pub(super) fn explain(&self, error: SourceError) -> SourceError {
+        if error.kind() != ErrorKind::Unavailable {
+            return error;
+        }
+        self.trouble
+            .newest_first()
+            .into_iter()
+            .find_map(|(code, reason)| {
+                explain(code, &reason, self.tls.as_ref(), self.sasl.as_ref())
+            })
+            .unwrap_or(error)
+    }
+}
+
+/// What a connection error librdkafka reported means for the operator,
+/// naming the setting to change; `None` for one that may pass (a broker
+/// down).
+fn explain(
+    code: RDKafkaErrorCode,
+    reason: &str,
+    tls: Option<&Tls>,
+    sasl: Option<&Sasl>,
+) -> Option<SourceError> {
+    let lower = reason.to_ascii_lowercase();
+    if let Some(sasl) = sasl {
+        if sasl.mechanism == Mechanism::OAuthBearer
+            && lower.contains("oauthbearer")
+            && lower.contains("token")
+        {
+            return Some(SourceError::refused(format!(
+                "no OAuth token for Kafka: {reason}; check --kafka-oauth-token-url ({}), the client id (--kafka-sasl-username {:?}) and the client secret ({})",
+                sasl.token_url.as_deref().unwrap_or_default(),
+                sasl.username,
+                sasl.secret_from
+            )));
+        }
+        if lower.contains("unsupported sasl mechanism") {
+            return Some(SourceError::invalid(format!(
+                "the Kafka brokers do not offer SASL {}: {reason}; set --kafka-sasl-mechanism to one they offer",
+                sasl.mechanism
+            )));
+        }
+        if lower.contains("handshake not supported") || lower.contains("does not support sasl") {
+            return Some(SourceError::invalid(format!(
+                "the Kafka brokers at this address do not take a SASL login: {reason}; point --source at their SASL listener, or leave --kafka-sasl-mechanism out"
+            )));
+        }
+        if code == RDKafkaErrorCode::Authentication || lower.contains("authentication failed") {
+            return Some(SourceError::refused(format!(
+                "Kafka refused the SASL {} login of {:?}: {reason}; check --kafka-sasl-username and the password ({})",
+                sasl.mechanism, sasl.username, sasl.secret_from
+            )));
+        }
+    }
+    if let Some(tls) = tls {
+        if lower.contains("certificate verify failed") {
+            let fix = if tls.ca_pem().is_some() {
+                "check that --tls-ca-file holds the CA that signed the brokers' certificates, and that they name the hosts of --source"
+            } else {
+                "give the CA that signed them with --tls-ca-file"
+            };
+            return Some(SourceError::invalid(format!(
+                "certificate verify failed: the Kafka brokers' TLS certificate is not trusted: {reason}; {fix}"
+            )));
+        }
+        if lower.contains("wrong version number")
+            || lower.contains("packet length too long")
+            || lower.contains("record layer failure")
+        {
+            return Some(SourceError::invalid(format!(
+                "the Kafka brokers at this address do not speak TLS: {reason}; write kafka:// for a plaintext listener, or point kafkas:// at their TLS port"
+            )));
+        }
+        if lower.contains("alert")
+            && (lower.contains("certificate required")
+                || lower.contains("handshake failure")
+                || lower.contains("bad certificate")
+                || lower.contains("unknown ca"))
+        {
+            let fix = if tls.client_pem().is_some() {
+                "the brokers did not accept --tls-cert-file; check that they trust the CA that issued it"
+            } else {
+                "the brokers ask for a client certificate (mutual TLS); give it with --tls-cert-file and --tls-key-file"
+            };
+            return Some(SourceError::invalid(format!(
+                "the Kafka brokers refused the TLS handshake: {reason}; {fix}"
+            )));
+        }
+    } else if lower.contains("connecting to a ssl listener")
+        || (lower.contains("disconnected") && lower.contains("state apiversion_query"))
+    {
+        return Some(SourceError::invalid(format!(
+            "the Kafka brokers closed the connection at its first request: {reason}; if the listener takes TLS, write kafkas://"
+        )));
+    }
+    None
 }
 
 /// Refuses a `--queue` that names no topic.
@@ -101,17 +380,29 @@ fn log(level: RDKafkaLogLevel, facility: &str, message: &str) {
     }
 }
 
-/// The context of every client: librdkafka's log into courier's.
+/// The context of the inspector and the producer: librdkafka's log into
+/// courier's, its errors kept for [`Cluster::explain`].
 #[derive(Clone, Default)]
-pub(super) struct Quiet;
+pub(super) struct Quiet {
+    trouble: Arc<Trouble>,
+}
 
 impl ClientContext for Quiet {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
         log(level, facility, message);
+        // A connection closed at its first request reaches the error
+        // callback only as "all brokers down"; its log line says where.
+        if facility == "FAIL" {
+            self.trouble
+                .record(RDKafkaErrorCode::BrokerTransportFailure, message);
+        }
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::debug!(%error, "librdkafka: {reason}");
+        if let Some(code) = error.rdkafka_error_code() {
+            self.trouble.record(code, reason);
+        }
     }
 }
 
@@ -123,15 +414,16 @@ impl ConsumerContext for Quiet {}
 #[derive(Default)]
 pub(super) struct Group {
     pub(super) shared: std::sync::OnceLock<super::rebalance::Shared>,
+    quiet: Quiet,
 }
 
 impl ClientContext for Group {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
-        log(level, facility, message);
+        self.quiet.log(level, facility, message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        tracing::debug!(%error, "librdkafka: {reason}");
+        self.quiet.error(error, reason);
     }
 }
 
@@ -196,26 +488,6 @@ pub(super) fn group_id(group: &str, topic: &str) -> String {
     format!("{group}.{topic}")
 }
 
-fn base_config(bootstrap: &str, client_id: &str) -> ClientConfig {
-    let mut config = ClientConfig::new();
-    config
-        .set("bootstrap.servers", bootstrap)
-        .set("client.id", client_id)
-        .set("log_level", "4");
-    // librdkafka's own debug contexts (`cgrp`, `consumer`, `all`, ...) for
-    // finding out what the group does. They come through courier's log at
-    // debug level (RUST_LOG=courier_kafka=debug); rdkafka would
-    // otherwise hold librdkafka's level at what the `log` filter lets
-    // through for the target `librdkafka`, which is not debug.
-    if let Ok(debug) = std::env::var("COURIER_KAFKA_DEBUG") {
-        config
-            .set("debug", debug)
-            .set("log_level", "7")
-            .set_log_level(RDKafkaLogLevel::Debug);
-    }
-    config
-}
-
 /// How long the group waits for a replica's heartbeat before it gives
 /// the replica's partitions to another: Kafka's long-time default. Not the
 /// visibility timeout: a Kafka group rebalances as a whole, and the group
@@ -225,10 +497,11 @@ pub(super) const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 /// The consumer of the group: nothing committed without courier (no
 /// auto-commit, no offset store), earliest offsets for a new group.
 pub(super) fn consumer(
-    bootstrap: &str,
+    cluster: &Cluster,
     options: &SourceOptions,
 ) -> Result<GroupConsumer, SourceError> {
-    base_config(bootstrap, &options.consumer)
+    cluster
+        .config(&options.consumer)
         .set("group.id", group_id(&options.group, &options.queue))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
@@ -248,23 +521,27 @@ pub(super) fn consumer(
         // waits for the fetch in flight to its broker, up to this long.
         .set("fetch.wait.max.ms", HELD_WAIT.as_millis().to_string())
         .set("allow.auto.create.topics", "false")
-        .create_with_context(Group::default())
+        .create_with_context(Group {
+            shared: Default::default(),
+            quiet: cluster.quiet(),
+        })
         .map_err(unavailable)
 }
 
 /// A consumer that reads offsets, watermarks and whole topics but never
 /// joins the group, so depth and dead-letter browsing cause no rebalance.
 pub(super) fn inspector(
-    bootstrap: &str,
+    cluster: &Cluster,
     options: &SourceOptions,
 ) -> Result<Inspector, SourceError> {
-    base_config(bootstrap, &format!("{}-inspector", options.consumer))
+    cluster
+        .config(&format!("{}-inspector", options.consumer))
         .set("group.id", group_id(&options.group, &options.queue))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("allow.auto.create.topics", "false")
         .set("fetch.wait.max.ms", "100")
-        .create_with_context(Quiet)
+        .create_with_context(cluster.quiet())
         .map_err(unavailable)
 }
 
@@ -280,8 +557,11 @@ const PRODUCER_MAX_BYTES: &str = "1000000000";
 /// in-sync replicas, and given up after 10 s so that a settlement that
 /// cannot be written fails rather than hangs. It may create courier's own
 /// topics on first use, where the brokers allow that.
-pub(super) fn producer(bootstrap: &str, options: &SourceOptions) -> Result<Producer, SourceError> {
-    let mut config = base_config(bootstrap, &format!("{}-producer", options.consumer));
+pub(super) fn producer(
+    cluster: &Cluster,
+    options: &SourceOptions,
+) -> Result<Producer, SourceError> {
+    let mut config = cluster.config(&format!("{}-producer", options.consumer));
     config
         .set("message.max.bytes", PRODUCER_MAX_BYTES)
         .set("enable.idempotence", "true")
@@ -289,7 +569,7 @@ pub(super) fn producer(bootstrap: &str, options: &SourceOptions) -> Result<Produ
         .set("message.timeout.ms", "10000")
         .set("linger.ms", "1")
         .set("allow.auto.create.topics", "true");
-    Producer::create(&config).map_err(unavailable)
+    Producer::create(&config, cluster.quiet()).map_err(unavailable)
 }
 
 /// Runs a blocking librdkafka call off the async threads.
@@ -522,9 +802,16 @@ mod tests {
     fn url_rows() {
         assert_eq!(
             bootstrap_servers("kafka://127.0.0.1:9092"),
-            Ok("127.0.0.1:9092".into())
+            Ok(("127.0.0.1:9092".into(), false))
         );
-        assert_eq!(bootstrap_servers("kafka://a:1, b:2/"), Ok("a:1,b:2".into()));
+        assert_eq!(
+            bootstrap_servers("kafka://a:1, b:2/"),
+            Ok(("a:1,b:2".into(), false))
+        );
+        assert_eq!(
+            bootstrap_servers("kafkas://a:9093,b:9093"),
+            Ok(("a:9093,b:9093".into(), true))
+        );
         for bad in [
             "kafka://",
             "kafka://host",
@@ -534,13 +821,18 @@ mod tests {
             "kafka://a:1/topic",
             "kafka://user:pw@a:1",
             "kafka://a:1?x=1",
+            "kafkas://",
+            "kafkas://user:pw@a:1",
             "redis://a:1",
         ] {
             let err = bootstrap_servers(bad).unwrap_err();
             assert!(err.contains("kafka://host:9092"), "{bad}: {err}");
         }
         let err = bootstrap_servers("kafka://user:hunter2@a:1").unwrap_err();
-        assert!(!err.contains("hunter2") && err.contains("SASL"), "{err}");
+        assert!(
+            !err.contains("hunter2") && err.contains("--kafka-sasl-username"),
+            "{err}"
+        );
     }
 
     #[test]

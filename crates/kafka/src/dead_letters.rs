@@ -80,12 +80,17 @@ impl KafkaStore {
 
     /// An admin handle: the clients, nothing created.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
+        let cluster = connection::Cluster::of(url, &options)?;
         connection::check_topic(&options.queue)?;
+        let inspector = Arc::new(connection::inspector(&cluster, &options)?);
+        // One request before any command's work, so that a refused login or
+        // an untrusted certificate ends the command with what to fix.
+        let (reached, topic, at) = (inspector.clone(), options.queue.clone(), cluster.clone());
+        blocking(move || at.reach(&reached, &topic)).await?;
         Ok(Self {
             topic: options.queue.clone(),
-            producer: connection::producer(&bootstrap, &options)?,
-            inspector: Arc::new(connection::inspector(&bootstrap, &options)?),
+            producer: connection::producer(&cluster, &options)?,
+            inspector,
             work_topic: OnceCell::new(),
             seal: OnceCell::new_with(options.seal.clone()),
         })

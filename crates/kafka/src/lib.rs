@@ -1,4 +1,8 @@
-//! Kafka (`kafka://host:port[,host:port]`, rdkafka on librdkafka).
+//! Kafka (`kafka://host:port[,host:port]`, `kafkas://` over TLS, rdkafka on
+//! librdkafka), with a SASL login (PLAIN, SCRAM, OAUTHBEARER by OAuth client
+//! credentials) from `--kafka-sasl-*`: TLS and SASL are librdkafka's own,
+//! on OpenSSL, and the token of OAUTHBEARER is fetched and renewed by
+//! librdkafka's OIDC client (`connection::Cluster`).
 //!
 //! - `--queue` names the topic, which must exist (with `--create`, courier
 //!   has the cluster create it on first use). `--group` names the readers:
@@ -93,12 +97,12 @@ pub use connection::check_url;
 /// hand it out again before a restart.
 const AFTER_FAILED_SETTLE: Duration = Duration::from_secs(5);
 
-/// Kafka: `kafka://host:port[,host:port]`.
+/// Kafka: `kafka://host:port[,host:port]`, `kafkas://` over TLS.
 pub const BROKER: Broker = Broker {
     name: "kafka",
     messaging_system: "kafka",
-    schemes: &["kafka"],
-    tls_schemes: &[],
+    schemes: &["kafka", "kafkas"],
+    tls_schemes: &["kafkas"],
     url_form: "kafka://host:port[,host:port]",
     check_url,
     open: |url, options| {
@@ -181,7 +185,7 @@ pub struct KafkaSource {
     /// changed.
     changed: Arc<tokio::sync::Notify>,
     hand_over: tokio::task::JoinHandle<()>,
-    bootstrap: String,
+    cluster: connection::Cluster,
     /// What `stall.rs` watches of the assignment.
     watch: Mutex<stall::Watch>,
     producer: Producer,
@@ -341,7 +345,7 @@ impl KafkaSource {
     /// reading state.
     fn join(&self) -> Result<Arc<GroupConsumer>, SourceError> {
         group_consumer(
-            &self.bootstrap,
+            &self.cluster,
             &self.options,
             &self.commits.reading,
             &self.closing,
@@ -350,16 +354,18 @@ impl KafkaSource {
     }
 
     pub(crate) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
-        let bootstrap = connection::bootstrap_servers(url).map_err(SourceError::invalid)?;
+        let cluster = connection::Cluster::of(url, &options)?;
         connection::check_topic(&options.queue)?;
-        let producer = connection::producer(&bootstrap, &options)?;
-        let inspector = Arc::new(connection::inspector(&bootstrap, &options)?);
+        let producer = connection::producer(&cluster, &options)?;
+        let inspector = Arc::new(connection::inspector(&cluster, &options)?);
         let retry_topic = fields::retry_topic(&options.queue);
         {
             let (producer, inspector) = (producer.clone(), inspector.clone());
             let (topic, retry, create) =
                 (options.queue.clone(), retry_topic.clone(), options.create);
+            let at = cluster.clone();
             connection::blocking(move || {
+                at.reach(&inspector, &topic)?;
                 if create {
                     connection::ensure_topic(&producer, &inspector, &topic)?;
                 } else if connection::partitions(&inspector, &topic)?.is_none() {
@@ -383,7 +389,7 @@ impl KafkaSource {
         };
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
-        let consumer = group_consumer(&bootstrap, &options, &reading, &closing, &retry_topic)?;
+        let consumer = group_consumer(&cluster, &options, &reading, &closing, &retry_topic)?;
         let commits = Arc::new(Commits {
             consumer: Mutex::new(consumer),
             reading: reading.clone(),
@@ -405,7 +411,7 @@ impl KafkaSource {
                 inspector.clone(),
                 seal.clone(),
             ),
-            bootstrap,
+            cluster,
             watch: Mutex::default(),
             producer,
             inspector,
@@ -423,13 +429,13 @@ impl KafkaSource {
 
 /// A consumer of the group whose rebalance callbacks share `reading`.
 fn group_consumer(
-    bootstrap: &str,
+    cluster: &connection::Cluster,
     options: &SourceOptions,
     reading: &Arc<Mutex<Reading>>,
     closing: &Arc<AtomicBool>,
     retry_topic: &str,
 ) -> Result<Arc<GroupConsumer>, SourceError> {
-    let consumer = Arc::new(connection::consumer(bootstrap, options)?);
+    let consumer = Arc::new(connection::consumer(cluster, options)?);
     let _ = consumer.context().shared.set(rebalance::Shared {
         reading: reading.clone(),
         retry_topic: retry_topic.to_string(),

@@ -51,6 +51,8 @@ pub(super) struct Producer(Arc<Lazy>);
 
 struct Lazy {
     config: ClientConfig,
+    /// The context of every producer made: where its errors are kept.
+    quiet: Quiet,
     /// The producer while it is open.
     open: Mutex<Option<Arc<Polled>>>,
     /// When this was made: the clock of `Polled::last_used`.
@@ -85,15 +87,15 @@ impl Drop for Use {
 
 /// Hands each delivery report to the sender waiting for it, and
 /// librdkafka's log to courier's.
-pub(super) struct Reports;
+pub(super) struct Reports(Quiet);
 
 impl ClientContext for Reports {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
-        Quiet.log(level, facility, message);
+        self.0.log(level, facility, message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        Quiet.error(error, reason);
+        self.0.error(error, reason);
     }
 }
 
@@ -113,14 +115,15 @@ impl ProducerContext for Reports {
 impl Producer {
     /// A producer of `config`, made when it is first used. The settings
     /// are checked now, so that a wrong one fails the start, not a retry.
-    pub(super) fn create(config: &ClientConfig) -> KafkaResult<Self> {
-        Self::closing_after(config, IDLE)
+    pub(super) fn create(config: &ClientConfig, quiet: Quiet) -> KafkaResult<Self> {
+        Self::closing_after(config, quiet, IDLE)
     }
 
-    fn closing_after(config: &ClientConfig, idle: Duration) -> KafkaResult<Self> {
+    fn closing_after(config: &ClientConfig, quiet: Quiet, idle: Duration) -> KafkaResult<Self> {
         config.create_native_config()?;
         Ok(Self(Arc::new(Lazy {
             config: config.clone(),
+            quiet,
             open: Mutex::new(None),
             epoch: Instant::now(),
             idle,
@@ -143,7 +146,9 @@ impl Producer {
                 let polled = Arc::new(Polled {
                     base: lazy
                         .config
-                        .create_with_context::<_, BaseProducer<Reports>>(Reports)?,
+                        .create_with_context::<_, BaseProducer<Reports>>(Reports(
+                            lazy.quiet.clone(),
+                        ))?,
                     users: AtomicUsize::new(0),
                     last_used: AtomicU64::new(lazy.epoch.elapsed().as_millis() as u64),
                 });
@@ -269,7 +274,8 @@ mod tests {
         cluster.create_topic("lazy", 1, 1).unwrap();
         let mut config = ClientConfig::new();
         config.set("bootstrap.servers", cluster.bootstrap_servers());
-        let producer = Producer::closing_after(&config, Duration::from_millis(300)).unwrap();
+        let producer =
+            Producer::closing_after(&config, Quiet::default(), Duration::from_millis(300)).unwrap();
         assert!(!producer.is_open(), "made before its first record");
         let send = |body: &'static [u8]| {
             let producer = producer.clone();
@@ -297,6 +303,6 @@ mod tests {
     fn a_wrong_setting_fails_at_creation() {
         let mut config = ClientConfig::new();
         config.set("linger.ms", "not a number");
-        assert!(Producer::create(&config).is_err());
+        assert!(Producer::create(&config, Quiet::default()).is_err());
     }
 }

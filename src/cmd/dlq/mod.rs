@@ -174,12 +174,13 @@ async fn dead_letter_queue(target: &Target) -> anyhow::Result<String> {
 }
 
 async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, String)> {
-    let (url, tls) = target.source.parse()?;
+    let (url, tls, sasl) = target.source.parse()?;
     let queue = &target.source.queue;
     let dlq = dead_letter_queue(target).await?;
     let mut options = SourceOptions::new(queue);
     options.live.dead_letter_queue = dlq.clone();
     options.tls = tls;
+    options.sasl = sasl;
     options.seal = target.seal.load()?;
     let source = source::open_admin(&url, options)
         .await

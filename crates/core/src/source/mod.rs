@@ -11,6 +11,7 @@
 pub mod batch;
 pub mod recent;
 pub mod redact;
+pub mod sasl;
 pub mod seal;
 #[doc(hidden)]
 pub mod shared;
@@ -31,6 +32,7 @@ pub use crate::model::{DeadLetter, Delivery, Failure};
 pub use batch::Batcher;
 pub use recent::{REMEMBERED, Recent};
 pub use redact::{redact, redact_error, secrets_of};
+pub use sasl::Sasl;
 pub use seal::Seal;
 pub use tls::{Tls, TlsFiles};
 pub use wire::{decode_fields, encode_fields};
@@ -241,6 +243,8 @@ pub struct SourceOptions {
     /// `--tls-ca-file`, `--tls-cert-file`, `--tls-key-file`, read and
     /// checked; empty unless the URL's scheme is a TLS one.
     pub tls: Tls,
+    /// Kafka's SASL login (`--kafka-sasl-*`), checked; none: no SASL.
+    pub sasl: Option<Sasl>,
     /// The seal's keys from `--seal-keys-file`; none: the key the broker
     /// keeps per queue, made on first use.
     pub seal: Option<Arc<Seal>>,
@@ -351,6 +355,7 @@ impl SourceOptions {
             max_body: 4 << 20,
             max_unsettled: MAX_UNSETTLED,
             tls: Tls::default(),
+            sasl: None,
             seal: None,
         }
     }

@@ -129,6 +129,7 @@ pub const KNOWN_SCHEMES: &[&str] = &[
     "tls",
     "embedded",
     "kafka",
+    "kafkas",
     "sqs",
     "pubsub",
 ];

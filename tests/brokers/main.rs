@@ -18,6 +18,7 @@ mod embedded_dead_letters;
 mod embedded_durability;
 mod embedded_leases;
 mod idle;
+mod kafka_security;
 mod kafka_settle;
 mod keep_alive;
 mod nats_cluster;

@@ -39,17 +39,17 @@ const NOBODY_PORT: u16 = 17099;
 
 /// PEM files: the CA that signed the brokers' certificates, a client
 /// certificate it signed, and another CA that signed neither.
-struct Certs {
+pub(super) struct Certs {
     dir: PathBuf,
     _removed_at_exit: Held,
 }
 
 impl Certs {
-    fn path(&self, name: &str) -> PathBuf {
+    pub(super) fn path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
 
-    fn ca(&self) -> String {
+    pub(super) fn ca(&self) -> String {
         self.path("ca.crt").display().to_string()
     }
 
@@ -63,7 +63,7 @@ impl Certs {
     }
 }
 
-fn certs() -> &'static Certs {
+pub(super) fn certs() -> &'static Certs {
     static CERTS: OnceLock<Certs> = OnceLock::new();
     CERTS.get_or_init(|| {
         let dir = tempfile::Builder::new()
@@ -443,7 +443,7 @@ async fn start(broker: fn() -> String) -> String {
 
 // === What a user runs ===
 
-fn tls_env(args: &[String]) -> Vec<(String, String)> {
+pub(super) fn tls_env(args: &[String]) -> Vec<(String, String)> {
     args.chunks(2)
         .map(|pair| {
             let flag = pair[0].trim_start_matches("--").replace('-', "_");
@@ -456,7 +456,7 @@ fn tls_env(args: &[String]) -> Vec<(String, String)> {
 }
 
 /// `courier send` with the TLS files as `COURIER_TLS_*` variables.
-fn send(url: &str, queue: &str, tls: &[String], body: &str) -> Output {
+pub(super) fn send(url: &str, queue: &str, tls: &[String], body: &str) -> Output {
     courier_command()
         .args(["send", "--source", url, "--queue", queue, body])
         .envs(tls_env(tls))
@@ -464,7 +464,7 @@ fn send(url: &str, queue: &str, tls: &[String], body: &str) -> Output {
         .expect("run courier send")
 }
 
-fn dlq_list(url: &str, queue: &str, tls: &[String]) -> Output {
+pub(super) fn dlq_list(url: &str, queue: &str, tls: &[String]) -> Output {
     courier_command()
         .args(["dlq", "list", "--output", "json"])
         .args(["--source", url, "--queue", queue])
@@ -473,7 +473,7 @@ fn dlq_list(url: &str, queue: &str, tls: &[String]) -> Output {
         .expect("run courier dlq list")
 }
 
-fn text(output: &Output) -> String {
+pub(super) fn text(output: &Output) -> String {
     format!(
         "exit {:?}\nstdout: {}\nstderr: {}",
         output.status.code(),
@@ -485,7 +485,7 @@ fn text(output: &Output) -> String {
 /// One message acked, one retried after a 503 and then acked, one
 /// dead-lettered after a 400, all over TLS; the dead letter is listed by
 /// `courier dlq list` over TLS too.
-async fn delivers_over_tls(url: &str, tls: Vec<String>) {
+pub(super) async fn delivers_over_tls(url: &str, tls: Vec<String>) {
     let app = TestApp::start().await;
     let dir = tempfile::tempdir().unwrap();
     let policy = write_policy(
@@ -572,7 +572,11 @@ async fn delivers_over_tls(url: &str, tls: Vec<String>) {
 
 /// `courier run` with `args` and TLS `tls` must end within `limit`; returns
 /// its exit code, its stderr and how long it took.
-async fn run_ends(url: &str, tls: &[String], limit: Duration) -> (Option<i32>, String, Duration) {
+pub(super) async fn run_ends(
+    url: &str,
+    tls: &[String],
+    limit: Duration,
+) -> (Option<i32>, String, Duration) {
     let app = TestApp::start().await;
     let mut args = vec![
         "--source".to_string(),
@@ -591,11 +595,11 @@ async fn run_ends(url: &str, tls: &[String], limit: Duration) -> (Option<i32>, S
     (status.code(), courier.log(), courier.started.elapsed())
 }
 
-fn ca_only() -> Vec<String> {
+pub(super) fn ca_only() -> Vec<String> {
     vec!["--tls-ca-file".into(), certs().ca()]
 }
 
-fn mutual() -> Vec<String> {
+pub(super) fn mutual() -> Vec<String> {
     let mut args = ca_only();
     args.extend(certs().client_args());
     args
@@ -603,7 +607,7 @@ fn mutual() -> Vec<String> {
 
 /// On a broker that requires client certificates: delivery with one, and
 /// a clear refusal (exit 1, naming the flags) without.
-async fn mutual_tls_delivers_and_refuses_a_client_without_a_certificate(url: &str) {
+pub(super) async fn mutual_tls_delivers_and_refuses_a_client_without_a_certificate(url: &str) {
     delivers_over_tls(url, mutual()).await;
     let out = send(url, &fresh_queue(url), &ca_only(), "no certificate");
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));

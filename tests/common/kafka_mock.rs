@@ -23,8 +23,17 @@ impl KafkaMock {
     /// Starts a mock cluster of `brokers` brokers. It ends when this
     /// process closes its stdin, which also happens when this process dies.
     pub fn start(brokers: u32) -> Self {
+        Self::start_with(brokers, &[])
+    }
+
+    /// [`KafkaMock::start`] with more of kafka-mock's flags: a front that
+    /// speaks TLS (`--tls-cert`, `--tls-key`, `--tls-client-ca`) or takes
+    /// a SASL login (`--sasl MECHANISM:user:password`, `--sasl
+    /// OAUTHBEARER:token`) before it lets requests through to the broker.
+    pub fn start_with(brokers: u32, flags: &[String]) -> Self {
         let mut child = Command::new(KAFKA_MOCK_BIN)
             .args(["--brokers", &brokers.to_string(), "--exit-on-eof"])
+            .args(flags)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

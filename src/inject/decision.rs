@@ -10,9 +10,10 @@ use serde_json::{Value, json};
 
 use super::settings::{
     CONTAINER_NAME, DEFAULT_DRAIN, DEFAULT_GRACE_SECONDS, DRAIN_PATH, GRACE_MARGIN, INJECT_LABEL,
-    METRICS_PORT_NAME, SEAL_KEYS_FILE, SEAL_MOUNT_PATH, SEAL_VOLUME, SIDECAR_UID, Settings,
-    SidecarDefaults, SourceSetting, TLS_MOUNT_PATH, TLS_VOLUME, TOKEN_MOUNT_PATH, annotations,
-    read_settings,
+    KAFKA_SASL_PASSWORD_ENV, KAFKA_SASL_PASSWORD_KEY, KAFKA_SASL_USERNAME_ENV,
+    KAFKA_SASL_USERNAME_KEY, METRICS_PORT_NAME, SEAL_KEYS_FILE, SEAL_MOUNT_PATH, SEAL_VOLUME,
+    SIDECAR_UID, Settings, SidecarDefaults, SourceSetting, TLS_MOUNT_PATH, TLS_VOLUME,
+    TOKEN_MOUNT_PATH, annotations, read_settings,
 };
 use crate::duration;
 use crate::source::redact;
@@ -399,7 +400,7 @@ fn escape_pointer(key: &str) -> String {
 
 /// The container that is injected. Its configuration is all in `COURIER_*`
 /// variables, the same ones `courier run` reads, so that a Secret can
-/// supply the broker URL.
+/// supply the broker URL and the Kafka login.
 fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
     let mut env = vec![
         json!({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}),
@@ -411,6 +412,18 @@ fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
             "name": "COURIER_SOURCE",
             "valueFrom": {"secretKeyRef": {"name": name, "key": key}},
         })),
+    }
+    // Kafka's SASL login, from its Secret as the broker URL may be.
+    if let Some(secret) = &settings.kafka_sasl {
+        for (name, key) in [
+            (KAFKA_SASL_USERNAME_ENV, KAFKA_SASL_USERNAME_KEY),
+            (KAFKA_SASL_PASSWORD_ENV, KAFKA_SASL_PASSWORD_KEY),
+        ] {
+            env.push(json!({
+                "name": name,
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
+            }));
+        }
     }
     let mut var = |name: &str, value: String| env.push(json!({"name": name, "value": value}));
     var("COURIER_QUEUE", settings.queue.clone());

@@ -6,7 +6,9 @@
 //! when a new `courier run` flag is in neither list (tests/kubernetes/helm_annotations.rs),
 //! so the table in docs/kubernetes.md cannot fall behind.
 
+use super::settings::annotations;
 use crate::duration;
+use crate::source::sasl::Mechanism;
 
 /// What an annotation's value must look like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +23,11 @@ pub enum Kind {
     Path,
     /// One of these words.
     OneOf(&'static [&'static str]),
+    /// An `http://` or `https://` URL with a host, as `courier run` reads
+    /// `--kafka-oauth-token-url`.
+    HttpUrl,
+    /// Free text on one line: no control characters.
+    Text,
 }
 
 /// An annotation passed to the sidecar as the variable of its flag.
@@ -97,6 +104,24 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         // import; tests/dispatch/cloudevents.rs checks that the two agree.
         kind: Kind::OneOf(&["binary", "structured", "off"]),
     },
+    Passthrough {
+        annotation: annotations::KAFKA_SASL_MECHANISM,
+        flag: "kafka-sasl-mechanism",
+        env: "COURIER_KAFKA_SASL_MECHANISM",
+        kind: Kind::OneOf(&Mechanism::NAMES),
+    },
+    Passthrough {
+        annotation: annotations::KAFKA_OAUTH_TOKEN_URL,
+        flag: "kafka-oauth-token-url",
+        env: "COURIER_KAFKA_OAUTH_TOKEN_URL",
+        kind: Kind::HttpUrl,
+    },
+    Passthrough {
+        annotation: annotations::KAFKA_OAUTH_SCOPE,
+        flag: "kafka-oauth-scope",
+        env: "COURIER_KAFKA_OAUTH_SCOPE",
+        kind: Kind::Text,
+    },
 ];
 
 /// The `courier run` flags set by the annotations of `settings` (not
@@ -121,6 +146,7 @@ pub const ANNOTATED: &[(&str, &str)] = &[
         "tls-key-file",
         "courier.dev/tls-secret, courier.dev/tls-client-cert",
     ),
+    ("kafka-sasl-username", "courier.dev/kafka-sasl-secret"),
 ];
 
 /// The `courier run` flags a pod does not set by annotation, and why.
@@ -161,6 +187,10 @@ pub const NOT_ANNOTATIONS: &[(&str, &str)] = &[
         "drain-resume-after",
         "the injector sets it from the pod's grace period, after which a pod being deleted has had its SIGTERM",
     ),
+    (
+        "kafka-sasl-password-file",
+        "courier.dev/kafka-sasl-secret gives the sidecar the Secret's password as COURIER_KAFKA_SASL_PASSWORD (a secretKeyRef), never as a file path or a flag's value",
+    ),
 ];
 
 /// Checks one annotation's value; the message says what to write.
@@ -178,6 +208,25 @@ pub fn check(kind: Kind, value: &str) -> Result<(), String> {
         )),
         Kind::OneOf(words) if words.contains(&value) => Ok(()),
         Kind::OneOf(words) => Err(format!("{value:?} is not one of {}", words.join(", "))),
+        Kind::HttpUrl => check_http_url(value),
+        Kind::Text if !value.contains(char::is_control) => Ok(()),
+        Kind::Text => Err(format!(
+            "{value:?} holds a control character; write it on one line, without tabs"
+        )),
+    }
+}
+
+/// What `courier run` accepts as `--kafka-oauth-token-url`.
+fn check_http_url(value: &str) -> Result<(), String> {
+    let example = "write it like https://idp.example.com/oauth2/token";
+    match value.parse::<http::Uri>() {
+        Ok(uri) if matches!(uri.scheme_str(), Some("https" | "http")) && uri.host().is_some() => {
+            Ok(())
+        }
+        Ok(_) => Err(format!(
+            "{value:?} is not an http(s) URL with a host; {example}"
+        )),
+        Err(e) => Err(format!("{value:?} is not a URL ({e}); {example}")),
     }
 }
 
@@ -222,5 +271,51 @@ mod tests {
             check(readiness, "App"),
             Err("\"App\" is not one of broker, app, none".into())
         );
+        for good in [
+            "https://idp.example.com/oauth2/token",
+            "http://keycloak.auth.svc:8080/realms/kafka/protocol/openid-connect/token",
+        ] {
+            assert_eq!(check(Kind::HttpUrl, good), Ok(()), "{good}");
+        }
+        for bad in [
+            "idp.example.com/token",
+            "ftp://idp.example.com/token",
+            "https:///token",
+            "/oauth2/token",
+            "https://idp example.com/token",
+        ] {
+            let err = check(Kind::HttpUrl, bad).unwrap_err();
+            assert!(
+                err.contains("https://idp.example.com/oauth2/token"),
+                "says what to write: {err}"
+            );
+        }
+        assert!(check(Kind::Text, "api://kafka/.default openid").is_ok());
+        for bad in ["kafka\nadmin", "kafka\tadmin", "kafka\u{7f}"] {
+            assert!(check(Kind::Text, bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// The mechanisms are the names `courier run` takes, and every entry's
+    /// flag and variable are the ones of the same flag.
+    #[test]
+    fn entries_are_named_after_their_flag() {
+        let mechanism = PASSTHROUGH
+            .iter()
+            .find(|p| p.flag == "kafka-sasl-mechanism")
+            .unwrap();
+        for name in Mechanism::NAMES {
+            assert!(check(mechanism.kind, name).is_ok(), "{name}");
+        }
+        assert!(check(mechanism.kind, "GSSAPI").is_err());
+        for p in PASSTHROUGH {
+            assert_eq!(
+                p.env,
+                format!("COURIER_{}", p.flag.to_uppercase().replace('-', "_")),
+                "{}",
+                p.annotation
+            );
+            assert_eq!(p.annotation, format!("courier.dev/{}", p.flag));
+        }
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::duration;
+use crate::source::sasl::Mechanism;
 use crate::source::{BROKERS, redact, url_forms};
 use crate::telemetry;
 
@@ -41,7 +42,8 @@ pub(super) const DEFAULT_GRACE_SECONDS: i64 = 30;
 
 /// The pod annotations the injector reads.
 pub mod annotations {
-    /// Broker URL (`redis://…`, `amqp://…`, `nats://…`); or use `SOURCE_SECRET`.
+    /// Broker URL (`redis://…`, `amqp://…`, `nats://…`, `kafka://…`); or use
+    /// `SOURCE_SECRET`.
     pub const SOURCE: &str = "courier.dev/source";
     /// Name of a Secret in the pod's namespace holding the broker URL.
     pub const SOURCE_SECRET: &str = "courier.dev/source-secret";
@@ -69,7 +71,7 @@ pub mod annotations {
     pub const NATIVE_SIDECAR: &str = "courier.dev/native-sidecar";
     /// Name of a Secret in the pod's namespace with `ca.crt` (and, for
     /// mutual TLS, `tls.crt` and `tls.key`), mounted read-only into the
-    /// sidecar for `rediss://`, `amqps://` and NATS `tls://`.
+    /// sidecar for `rediss://`, `amqps://`, NATS `tls://` and `kafkas://`.
     pub const TLS_SECRET: &str = "courier.dev/tls-secret";
     /// `true`: the sidecar presents `tls.crt` and `tls.key` of that Secret
     /// (mutual TLS).
@@ -78,6 +80,17 @@ pub mod annotations {
     /// seal's keys file (`--seal-keys-file`), mounted read-only into the
     /// sidecar; without it the broker keeps a key per queue.
     pub const SEAL_KEYS_SECRET: &str = "courier.dev/seal-keys-secret";
+    /// Name of a Secret in the pod's namespace with the keys `username` and
+    /// `password` (with OAUTHBEARER the OAuth client id and secret): Kafka's
+    /// SASL login, given to the sidecar as `secretKeyRef` variables.
+    pub const KAFKA_SASL_SECRET: &str = "courier.dev/kafka-sasl-secret";
+    /// The SASL mechanism (`--kafka-sasl-mechanism`, passed through).
+    pub const KAFKA_SASL_MECHANISM: &str = "courier.dev/kafka-sasl-mechanism";
+    /// OAUTHBEARER: the token endpoint (`--kafka-oauth-token-url`, passed
+    /// through).
+    pub const KAFKA_OAUTH_TOKEN_URL: &str = "courier.dev/kafka-oauth-token-url";
+    /// OAUTHBEARER: the scope (`--kafka-oauth-scope`, passed through).
+    pub const KAFKA_OAUTH_SCOPE: &str = "courier.dev/kafka-oauth-scope";
     /// The OpenTelemetry collector that trace spans go to
     /// (`OTEL_EXPORTER_OTLP_ENDPOINT`); `$(HOST_IP)` is the node's address.
     pub const OTEL_ENDPOINT: &str = "courier.dev/otel-endpoint";
@@ -100,6 +113,20 @@ pub const TRACE_ANNOTATIONS: &[(&str, &str)] = &[
     (annotations::OTEL_SAMPLER, "OTEL_TRACES_SAMPLER"),
     (annotations::OTEL_SAMPLER_ARG, "OTEL_TRACES_SAMPLER_ARG"),
 ];
+
+/// The keys of the Secret of `courier.dev/kafka-sasl-secret`, and the
+/// variables of `courier run` they become.
+pub const KAFKA_SASL_USERNAME_KEY: &str = "username";
+pub const KAFKA_SASL_PASSWORD_KEY: &str = "password";
+/// `--kafka-sasl-username`'s variable.
+pub const KAFKA_SASL_USERNAME_ENV: &str = "COURIER_KAFKA_SASL_USERNAME";
+/// The variable `courier run` reads the SASL password from
+/// (`cmd::args::KAFKA_SASL_PASSWORD_ENV`, which the injector does not
+/// import; tests/kubernetes/helm_annotations.rs checks that they agree).
+pub const KAFKA_SASL_PASSWORD_ENV: &str = "COURIER_KAFKA_SASL_PASSWORD";
+/// The schemes of Kafka's URLs (`courier_kafka::BROKER`, which a build
+/// without Kafka lacks; a unit test checks that they agree).
+pub(super) const KAFKA_SCHEMES: &[&str] = &["kafka", "kafkas"];
 
 /// What a collector on the node is reached by in `courier.dev/otel-endpoint`;
 /// the injector defines it from the downward API.
@@ -185,6 +212,8 @@ pub(super) struct Settings {
     pub(super) tls: Option<TlsSecret>,
     /// The Secret of the seal's keys (`courier.dev/seal-keys-secret`).
     pub(super) seal_keys: Option<String>,
+    /// The Secret of Kafka's SASL login (`courier.dev/kafka-sasl-secret`).
+    pub(super) kafka_sasl: Option<String>,
     /// Annotations of [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH):
     /// (variable, value), checked.
     pub(super) passthrough: Vec<(&'static str, String)>,
@@ -368,6 +397,8 @@ pub(super) fn read_settings(
         }
     }
 
+    problems.extend(check_kafka_login(&get, source.as_ref()));
+
     let traces = read_traces(&get).unwrap_or_else(|problem| {
         problems.push(problem);
         Vec::new()
@@ -388,11 +419,104 @@ pub(super) fn read_settings(
             resources,
             tls,
             seal_keys: get(a::SEAL_KEYS_SECRET).map(str::to_string),
+            kafka_sasl: get(a::KAFKA_SASL_SECRET).map(str::to_string),
             passthrough,
             traces,
         }),
         _ => Err(problems),
     }
+}
+
+/// The Kafka login annotations hang together as `courier run` requires of
+/// its `--kafka-*` flags: the Secret and the mechanism both or neither, the
+/// OAuth annotations only with OAUTHBEARER, which needs a token URL, and
+/// all of them only for a Kafka source. A source from a Secret is not
+/// seen here, so it passes. The values themselves are checked with
+/// [`flags::PASSTHROUGH`](super::flags::PASSTHROUGH); a mechanism that is
+/// not one of the names is reported there alone.
+fn check_kafka_login<'a>(
+    get: &impl Fn(&str) -> Option<&'a str>,
+    source: Option<&SourceSetting>,
+) -> Vec<String> {
+    use annotations as a;
+    let oauthbearer = Mechanism::OAuthBearer.name();
+    let mut problems = Vec::new();
+    let mechanism = get(a::KAFKA_SASL_MECHANISM);
+    let secret = get(a::KAFKA_SASL_SECRET);
+    let token_url = get(a::KAFKA_OAUTH_TOKEN_URL);
+    let scope = get(a::KAFKA_OAUTH_SCOPE);
+    match (secret, mechanism) {
+        (Some(_), None) => problems.push(format!(
+            "{} is set without {}; name the mechanism to log in with ({})",
+            a::KAFKA_SASL_SECRET,
+            a::KAFKA_SASL_MECHANISM,
+            Mechanism::NAMES.join(", ")
+        )),
+        (None, Some(m)) => problems.push(format!(
+            "{} is set without {}; name the Secret whose keys {KAFKA_SASL_USERNAME_KEY} and {KAFKA_SASL_PASSWORD_KEY} hold {}",
+            a::KAFKA_SASL_MECHANISM,
+            a::KAFKA_SASL_SECRET,
+            if m == oauthbearer {
+                "the OAuth client id and secret"
+            } else {
+                "the login"
+            }
+        )),
+        _ => {}
+    }
+    let known = mechanism.filter(|m| Mechanism::NAMES.contains(m));
+    for (annotation, given) in [
+        (a::KAFKA_OAUTH_TOKEN_URL, token_url),
+        (a::KAFKA_OAUTH_SCOPE, scope),
+    ] {
+        if given.is_none() {
+            continue;
+        }
+        match (mechanism, known) {
+            (None, _) => problems.push(format!(
+                "{annotation} is set without {}; it is for {oauthbearer}: set the mechanism to {oauthbearer}, or leave it out",
+                a::KAFKA_SASL_MECHANISM
+            )),
+            (Some(m), Some(_)) if m != oauthbearer => problems.push(format!(
+                "{annotation} is for {oauthbearer}, and {} is {m}; leave it out",
+                a::KAFKA_SASL_MECHANISM
+            )),
+            _ => {}
+        }
+    }
+    if known == Some(oauthbearer) && token_url.is_none() {
+        problems.push(format!(
+            "{} {oauthbearer} needs {}, the identity provider's token endpoint",
+            a::KAFKA_SASL_MECHANISM,
+            a::KAFKA_OAUTH_TOKEN_URL
+        ));
+    }
+    if let Some(SourceSetting::Url(url)) = source {
+        let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+        let given: Vec<&str> = [
+            a::KAFKA_SASL_SECRET,
+            a::KAFKA_SASL_MECHANISM,
+            a::KAFKA_OAUTH_TOKEN_URL,
+            a::KAFKA_OAUTH_SCOPE,
+        ]
+        .into_iter()
+        .filter(|annotation| get(annotation).is_some())
+        .collect();
+        if !given.is_empty() && !KAFKA_SCHEMES.contains(&scheme) {
+            // Only the scheme is echoed: the URL may hold credentials.
+            let (is, it) = if given.len() == 1 {
+                ("is", "it")
+            } else {
+                ("are", "them")
+            };
+            problems.push(format!(
+                "{} {is} for Kafka, and {} has the scheme {scheme:?}; leave {it} out, or consume from a kafka:// or kafkas:// URL",
+                given.join(", "),
+                a::SOURCE,
+            ));
+        }
+    }
+    problems
 }
 
 /// The trace annotations as the sidecar's variables, checked by the rules
@@ -546,6 +670,118 @@ mod tests {
         for bad in ["localhost", "redis:", ":6379"] {
             assert!(check_source(bad).is_err(), "{bad}");
         }
+    }
+
+    /// The problems of a pod with `courier.dev/queue` and these
+    /// annotations; none when it would be injected.
+    fn problems_of(pairs: &[(&str, &str)]) -> Vec<String> {
+        let mut given = BTreeMap::from([(annotations::QUEUE.to_string(), "orders".to_string())]);
+        given.extend(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        read_settings(&given, &SidecarDefaults::default())
+            .err()
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_kafka_login_hangs_together() {
+        use annotations as a;
+        let kafka = (a::SOURCE, "kafkas://pkc-1.example.confluent.cloud:9092");
+        for ok in [
+            vec![
+                kafka,
+                (a::KAFKA_SASL_SECRET, "kafka-login"),
+                (a::KAFKA_SASL_MECHANISM, "SCRAM-SHA-512"),
+            ],
+            vec![
+                (a::SOURCE, "kafka://kafka.shop.svc:9092"),
+                (a::KAFKA_SASL_SECRET, "kafka-login"),
+                (a::KAFKA_SASL_MECHANISM, "OAUTHBEARER"),
+                (
+                    a::KAFKA_OAUTH_TOKEN_URL,
+                    "https://idp.example.com/oauth2/token",
+                ),
+                (a::KAFKA_OAUTH_SCOPE, "kafka"),
+            ],
+            // The injector cannot see a source in a Secret.
+            vec![
+                (a::SOURCE_SECRET, "orders-broker"),
+                (a::KAFKA_SASL_SECRET, "kafka-login"),
+                (a::KAFKA_SASL_MECHANISM, "PLAIN"),
+            ],
+        ] {
+            assert_eq!(problems_of(&ok), Vec::<String>::new(), "{ok:?}");
+        }
+        for (bad, expected) in [
+            (
+                vec![kafka, (a::KAFKA_SASL_SECRET, "kafka-login")],
+                "courier.dev/kafka-sasl-secret is set without courier.dev/kafka-sasl-mechanism; name the mechanism to log in with (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER)",
+            ),
+            (
+                vec![kafka, (a::KAFKA_SASL_MECHANISM, "PLAIN")],
+                "courier.dev/kafka-sasl-mechanism is set without courier.dev/kafka-sasl-secret; name the Secret whose keys username and password hold the login",
+            ),
+            (
+                vec![
+                    kafka,
+                    (a::KAFKA_SASL_SECRET, "kafka-login"),
+                    (a::KAFKA_SASL_MECHANISM, "PLAIN"),
+                    (a::KAFKA_OAUTH_SCOPE, "kafka"),
+                ],
+                "courier.dev/kafka-oauth-scope is for OAUTHBEARER, and courier.dev/kafka-sasl-mechanism is PLAIN; leave it out",
+            ),
+            (
+                vec![
+                    kafka,
+                    (a::KAFKA_OAUTH_TOKEN_URL, "https://idp.example.com/token"),
+                ],
+                "courier.dev/kafka-oauth-token-url is set without courier.dev/kafka-sasl-mechanism; it is for OAUTHBEARER",
+            ),
+            (
+                vec![
+                    kafka,
+                    (a::KAFKA_SASL_SECRET, "kafka-login"),
+                    (a::KAFKA_SASL_MECHANISM, "OAUTHBEARER"),
+                ],
+                "courier.dev/kafka-sasl-mechanism OAUTHBEARER needs courier.dev/kafka-oauth-token-url",
+            ),
+            (
+                vec![
+                    (a::SOURCE, "redis://:hunter2@redis:6379/0"),
+                    (a::KAFKA_SASL_SECRET, "kafka-login"),
+                    (a::KAFKA_SASL_MECHANISM, "PLAIN"),
+                ],
+                "courier.dev/kafka-sasl-secret, courier.dev/kafka-sasl-mechanism are for Kafka, and courier.dev/source has the scheme \"redis\"; leave them out, or consume from a kafka:// or kafkas:// URL",
+            ),
+        ] {
+            let problems = problems_of(&bad);
+            assert!(
+                problems.iter().any(|p| p.contains(expected)),
+                "{expected:?} in {problems:?}"
+            );
+            assert!(
+                !problems.iter().any(|p| p.contains("hunter2")),
+                "{problems:?}"
+            );
+        }
+        // A misspelt mechanism is named once, by its own check.
+        let problems = problems_of(&[
+            kafka,
+            (a::KAFKA_SASL_SECRET, "kafka-login"),
+            (a::KAFKA_SASL_MECHANISM, "oauthbearer"),
+            (a::KAFKA_OAUTH_SCOPE, "kafka"),
+        ]);
+        assert_eq!(
+            problems,
+            vec![
+                "courier.dev/kafka-sasl-mechanism \"oauthbearer\" is not one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER"
+            ],
+        );
+    }
+
+    #[cfg(feature = "kafka")]
+    #[test]
+    fn kafka_schemes_are_the_brokers() {
+        assert_eq!(crate::source::kafka::BROKER.schemes, KAFKA_SCHEMES);
     }
 
     #[test]

@@ -86,13 +86,19 @@ fn the_docs_have_a_row_for_every_annotation_and_every_exception() {
     }
 }
 
+/// The walkthrough's Deployment with `extra` annotations; a `null` one
+/// removes the annotation.
 fn deployment(extra: Value) -> Value {
     let mut annotations = json!({
         "courier.dev/source-secret": "orders-broker",
         "courier.dev/queue": "orders",
     });
     for (k, v) in extra.as_object().unwrap() {
-        annotations[k] = v.clone();
+        if v.is_null() {
+            annotations.as_object_mut().unwrap().remove(k);
+        } else {
+            annotations[k] = v.clone();
+        }
     }
     json!({
         "apiVersion": "apps/v1",
@@ -373,5 +379,271 @@ fn a_tls_secret_is_mounted_into_the_sidecar_and_sets_the_tls_flags() {
             panic!("{bad} must be refused, got {decision}");
         };
         assert!(message.contains("courier.dev/tls-client-cert"), "{message}");
+    }
+}
+
+/// `extra` on a Deployment that consumes from `source` (a URL, not the
+/// Secret of [`deployment`]).
+fn consuming_from(source: &str, mut extra: Value) -> Value {
+    extra["courier.dev/source-secret"] = Value::Null;
+    extra["courier.dev/source"] = json!(source);
+    extra
+}
+
+const CONFLUENT: &str = "kafkas://pkc-xxxx.region.provider.confluent.cloud:9092";
+
+/// `courier.dev/kafka-sasl-secret` gives the sidecar the Secret's
+/// `username` and `password` as `secretKeyRef` variables, as
+/// `courier.dev/source-secret` gives `COURIER_SOURCE`, and mounts nothing;
+/// the mechanism, token URL and scope are passed through.
+#[test]
+fn a_kafka_sasl_secret_becomes_secret_key_ref_variables() {
+    let given = consuming_from(
+        CONFLUENT,
+        json!({
+            "courier.dev/kafka-sasl-secret": "kafka-login",
+            "courier.dev/kafka-sasl-mechanism": "PLAIN",
+        }),
+    );
+    let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
+    assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
+    let spec = &doc["spec"]["template"]["spec"];
+    assert!(spec.get("volumes").is_none(), "no volume: {spec}");
+    let sidecar = &spec["initContainers"][0];
+    assert!(sidecar.get("volumeMounts").is_none(), "{sidecar}");
+    let env = sidecar["env"].as_array().unwrap();
+    for expected in [
+        json!({"name": "COURIER_SOURCE", "value": CONFLUENT}),
+        json!({"name": "COURIER_KAFKA_SASL_MECHANISM", "value": "PLAIN"}),
+        json!({"name": "COURIER_KAFKA_SASL_USERNAME",
+               "valueFrom": {"secretKeyRef": {"name": "kafka-login", "key": "username"}}}),
+        json!({"name": "COURIER_KAFKA_SASL_PASSWORD",
+               "valueFrom": {"secretKeyRef": {"name": "kafka-login", "key": "password"}}}),
+    ] {
+        assert!(env.contains(&expected), "{expected} in {env:?}");
+    }
+    assert!(
+        !env.iter()
+            .any(|var| var["name"].as_str().unwrap().contains("OAUTH")),
+        "{env:?}"
+    );
+    assert!(
+        spec["containers"][0].get("env").is_none(),
+        "the app does not get the login: {}",
+        spec["containers"][0]
+    );
+
+    // OAUTHBEARER with its token URL and scope; kafka:// as well as kafkas://.
+    let env = sidecar_env(consuming_from(
+        "kafka://kafka.shop.svc:9092",
+        json!({
+            "courier.dev/kafka-sasl-secret": "kafka-oauth",
+            "courier.dev/kafka-sasl-mechanism": "OAUTHBEARER",
+            "courier.dev/kafka-oauth-token-url": "https://idp.example.com/oauth2/token",
+            "courier.dev/kafka-oauth-scope": "kafka:consume",
+        }),
+    ))
+    .unwrap();
+    for expected in [
+        json!({"name": "COURIER_KAFKA_SASL_MECHANISM", "value": "OAUTHBEARER"}),
+        json!({"name": "COURIER_KAFKA_OAUTH_TOKEN_URL", "value": "https://idp.example.com/oauth2/token"}),
+        json!({"name": "COURIER_KAFKA_OAUTH_SCOPE", "value": "kafka:consume"}),
+        json!({"name": "COURIER_KAFKA_SASL_USERNAME",
+               "valueFrom": {"secretKeyRef": {"name": "kafka-oauth", "key": "username"}}}),
+        json!({"name": "COURIER_KAFKA_SASL_PASSWORD",
+               "valueFrom": {"secretKeyRef": {"name": "kafka-oauth", "key": "password"}}}),
+    ] {
+        assert!(env.contains(&expected), "{expected} in {env:?}");
+    }
+
+    // A source in a Secret is not seen by the injector: the login passes.
+    let env = sidecar_env(json!({
+        "courier.dev/kafka-sasl-secret": "kafka-login",
+        "courier.dev/kafka-sasl-mechanism": "SCRAM-SHA-512",
+    }))
+    .unwrap();
+    assert!(
+        env.contains(&json!({"name": "COURIER_KAFKA_SASL_MECHANISM", "value": "SCRAM-SHA-512"})),
+        "{env:?}"
+    );
+
+    // Without the annotations, no login variable.
+    let env = sidecar_env(json!({})).unwrap();
+    assert!(
+        !env.iter()
+            .any(|var| var["name"].as_str().unwrap().starts_with("COURIER_KAFKA_")),
+        "{env:?}"
+    );
+}
+
+/// `courier.dev/tls-secret` applies to `kafkas://`, beside a SASL login:
+/// its volume and the CA variable, and the login from its own Secret.
+#[test]
+fn a_tls_secret_serves_kafkas_with_a_sasl_login() {
+    let given = consuming_from(
+        "kafkas://kafka.shop.svc:9093",
+        json!({
+            "courier.dev/tls-secret": "kafka-ca",
+            "courier.dev/kafka-sasl-secret": "kafka-login",
+            "courier.dev/kafka-sasl-mechanism": "SCRAM-SHA-256",
+        }),
+    );
+    let env = mounted_in_the_sidecar_only(given, "courier-tls", "kafka-ca", "/etc/courier/tls");
+    for expected in [
+        json!({"name": "COURIER_TLS_CA_FILE", "value": "/etc/courier/tls/ca.crt"}),
+        json!({"name": "COURIER_KAFKA_SASL_MECHANISM", "value": "SCRAM-SHA-256"}),
+        json!({"name": "COURIER_KAFKA_SASL_PASSWORD",
+               "valueFrom": {"secretKeyRef": {"name": "kafka-login", "key": "password"}}}),
+    ] {
+        assert!(env.contains(&expected), "{expected} in {env:?}");
+    }
+}
+
+/// The variables of the login are the ones `courier run` reads: the
+/// mechanism, user, token URL and scope its flags' variables, the password
+/// the variable it takes instead of `--kafka-sasl-password-file`; and the
+/// passed-through values parse as those flags.
+#[test]
+fn the_kafka_login_variables_are_what_courier_run_reads() {
+    let env = sidecar_env(consuming_from(
+        CONFLUENT,
+        json!({
+            "courier.dev/kafka-sasl-secret": "kafka-login",
+            "courier.dev/kafka-sasl-mechanism": "OAUTHBEARER",
+            "courier.dev/kafka-oauth-token-url": "https://idp.example.com/oauth2/token",
+            "courier.dev/kafka-oauth-scope": "kafka",
+        }),
+    ))
+    .unwrap();
+    let mut cli = Cli::command();
+    cli.build();
+    let run = cli.find_subcommand("run").unwrap().clone();
+    let flag_of = |env: &str| {
+        run.get_arguments()
+            .find(|a| a.get_env().and_then(|e| e.to_str()) == Some(env))
+            .and_then(|a| a.get_long())
+    };
+    let mut argv = vec![
+        "courier".to_string(),
+        "run".into(),
+        "--queue=orders".into(),
+        format!("--source={CONFLUENT}"),
+    ];
+    let mut login = Vec::new();
+    for var in &env {
+        let name = var["name"].as_str().unwrap();
+        if !name.starts_with("COURIER_KAFKA_") {
+            continue;
+        }
+        login.push(name);
+        if name == courier::cmd::args::KAFKA_SASL_PASSWORD_ENV {
+            assert_eq!(flag_of(name), None, "the password has no flag");
+            continue;
+        }
+        let flag = flag_of(name).unwrap_or_else(|| panic!("{name} is no courier run variable"));
+        let value = var["value"].as_str().unwrap_or("a-client-id");
+        argv.push(format!("--{flag}={value}"));
+    }
+    assert_eq!(
+        login,
+        [
+            "COURIER_KAFKA_SASL_USERNAME",
+            "COURIER_KAFKA_SASL_PASSWORD",
+            "COURIER_KAFKA_SASL_MECHANISM",
+            "COURIER_KAFKA_OAUTH_TOKEN_URL",
+            "COURIER_KAFKA_OAUTH_SCOPE",
+        ]
+    );
+    if let Err(e) = <Cli as clap::Parser>::try_parse_from(&argv) {
+        panic!("courier run does not accept {argv:?}: {e}");
+    }
+}
+
+/// Each way the login annotations do not hang together refuses the pod,
+/// with what to change; a refusal never repeats the source's credentials.
+#[test]
+fn a_kafka_login_that_does_not_hang_together_refuses_the_pod() {
+    let login = |extra: Value| {
+        let mut given = json!({
+            "courier.dev/kafka-sasl-secret": "kafka-login",
+            "courier.dev/kafka-sasl-mechanism": "PLAIN",
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            given[k] = v.clone();
+        }
+        consuming_from(CONFLUENT, given)
+    };
+    for (given, expected) in [
+        (
+            login(json!({"courier.dev/kafka-sasl-mechanism": null})),
+            "courier.dev/kafka-sasl-secret is set without courier.dev/kafka-sasl-mechanism; name the mechanism to log in with (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER)",
+        ),
+        (
+            login(json!({"courier.dev/kafka-sasl-secret": null})),
+            "courier.dev/kafka-sasl-mechanism is set without courier.dev/kafka-sasl-secret; name the Secret whose keys username and password hold the login",
+        ),
+        (
+            login(
+                json!({"courier.dev/kafka-sasl-secret": null, "courier.dev/kafka-sasl-mechanism": "OAUTHBEARER",
+                         "courier.dev/kafka-oauth-token-url": "https://idp.example.com/oauth2/token"}),
+            ),
+            "courier.dev/kafka-sasl-mechanism is set without courier.dev/kafka-sasl-secret; name the Secret whose keys username and password hold the OAuth client id and secret",
+        ),
+        (
+            login(
+                json!({"courier.dev/kafka-oauth-token-url": "https://idp.example.com/oauth2/token"}),
+            ),
+            "courier.dev/kafka-oauth-token-url is for OAUTHBEARER, and courier.dev/kafka-sasl-mechanism is PLAIN; leave it out",
+        ),
+        (
+            login(
+                json!({"courier.dev/kafka-sasl-mechanism": "SCRAM-SHA-256", "courier.dev/kafka-oauth-scope": "kafka"}),
+            ),
+            "courier.dev/kafka-oauth-scope is for OAUTHBEARER, and courier.dev/kafka-sasl-mechanism is SCRAM-SHA-256; leave it out",
+        ),
+        (
+            consuming_from(CONFLUENT, json!({"courier.dev/kafka-oauth-scope": "kafka"})),
+            "courier.dev/kafka-oauth-scope is set without courier.dev/kafka-sasl-mechanism; it is for OAUTHBEARER: set the mechanism to OAUTHBEARER, or leave it out",
+        ),
+        (
+            login(json!({"courier.dev/kafka-sasl-mechanism": "OAUTHBEARER"})),
+            "courier.dev/kafka-sasl-mechanism OAUTHBEARER needs courier.dev/kafka-oauth-token-url, the identity provider's token endpoint",
+        ),
+        (
+            consuming_from(
+                "amqps://orders:s3cret@rabbitmq.shop.svc:5671/%2f",
+                json!({"courier.dev/kafka-sasl-secret": "kafka-login", "courier.dev/kafka-sasl-mechanism": "PLAIN"}),
+            ),
+            "courier.dev/kafka-sasl-secret, courier.dev/kafka-sasl-mechanism are for Kafka, and courier.dev/source has the scheme \"amqps\"; leave them out, or consume from a kafka:// or kafkas:// URL",
+        ),
+        (
+            consuming_from(
+                "redis://redis.shop.svc:6379/0",
+                json!({"courier.dev/kafka-oauth-scope": "kafka"}),
+            ),
+            "courier.dev/kafka-oauth-scope is for Kafka, and courier.dev/source has the scheme \"redis\"; leave it out, or consume from a kafka:// or kafkas:// URL",
+        ),
+        (
+            login(json!({"courier.dev/kafka-sasl-mechanism": "plain"})),
+            "courier.dev/kafka-sasl-mechanism \"plain\" is not one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER",
+        ),
+        (
+            login(json!({"courier.dev/kafka-sasl-mechanism": "OAUTHBEARER",
+                         "courier.dev/kafka-oauth-token-url": "ftp://idp.example.com/oauth2/token"})),
+            "courier.dev/kafka-oauth-token-url \"ftp://idp.example.com/oauth2/token\" is not an http(s) URL with a host; write it like https://idp.example.com/oauth2/token",
+        ),
+        (
+            login(json!({"courier.dev/kafka-sasl-mechanism": "OAUTHBEARER",
+                         "courier.dev/kafka-oauth-token-url": "https://idp.example.com/oauth2/token",
+                         "courier.dev/kafka-oauth-scope": "kafka\nadmin"})),
+            "courier.dev/kafka-oauth-scope \"kafka\\nadmin\" holds a control character; write it on one line, without tabs",
+        ),
+    ] {
+        let message = sidecar_env(given.clone()).unwrap_err();
+        assert!(
+            message.contains(expected),
+            "{given}: {expected:?} in {message}"
+        );
+        assert!(!message.contains("s3cret"), "{message}");
     }
 }

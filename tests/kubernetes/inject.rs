@@ -480,6 +480,51 @@ fn credentials_in_the_source_annotation_get_a_warning_that_does_not_repeat_them(
     assert!(plain.warnings().is_empty(), "{:?}", plain.warnings());
 }
 
+/// A Kafka login from a Secret travels through the AdmissionReview: the
+/// sidecar gets `secretKeyRef`s to the Secret's `username` and `password`,
+/// with no warning (nothing secret is in the pod); a login that does not
+/// hang together is refused with a 400 that says what to change.
+#[test]
+fn a_kafka_sasl_secret_goes_through_the_review() {
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    let annotations = &mut request["request"]["object"]["metadata"]["annotations"];
+    annotations["courier.dev/source"] = json!("kafkas://kafka-0.kafka.shop.svc:9093");
+    annotations["courier.dev/kafka-sasl-secret"] = json!("kafka-login");
+    annotations["courier.dev/kafka-sasl-mechanism"] = json!("SCRAM-SHA-512");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed(), "{}", r.message());
+    assert!(r.warnings().is_empty(), "{:?}", r.warnings());
+    let env = env_of(&r.sidecar());
+    assert_eq!(env["COURIER_KAFKA_SASL_MECHANISM"], json!("SCRAM-SHA-512"));
+    for (name, key) in [
+        ("COURIER_KAFKA_SASL_USERNAME", "username"),
+        ("COURIER_KAFKA_SASL_PASSWORD", "password"),
+    ] {
+        assert_eq!(
+            env[name],
+            json!({"secretKeyRef": {"name": "kafka-login", "key": key}}),
+            "{name}"
+        );
+    }
+    let typed: k8s_openapi::api::core::v1::Container = serde_json::from_value(r.sidecar()).unwrap();
+    assert_eq!(serde_json::to_value(&typed).unwrap(), r.sidecar());
+
+    let annotations = &mut request["request"]["object"]["metadata"]["annotations"];
+    annotations["courier.dev/kafka-sasl-mechanism"] = json!("OAUTHBEARER");
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(!r.allowed());
+    assert!(!r.has_patch());
+    assert_eq!(r.response["status"]["code"], 400);
+    assert_eq!(r.response["auditAnnotations"]["decision"], "denied");
+    assert!(
+        r.message().contains(
+            "courier.dev/kafka-sasl-mechanism OAUTHBEARER needs courier.dev/kafka-oauth-token-url"
+        ),
+        "{}",
+        r.message()
+    );
+}
+
 #[test]
 fn pod_without_the_label_is_not_touched() {
     let r = review_fixture("not-opted-in");
@@ -651,6 +696,102 @@ fn render_injects_into_a_deployment_template() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("courier.dev/queue"));
+}
+
+/// `courier inject --pod` on a Deployment with the annotations of
+/// docs/kubernetes.md's Kafka login example prints the sidecar with the
+/// login from the Secret; without the mechanism it refuses, as the webhook
+/// would, with the message.
+#[test]
+fn render_injects_the_docs_kafka_login() {
+    let docs =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/kubernetes.md"))
+            .unwrap();
+    let section = docs
+        .split_once("\n## Kafka login\n")
+        .expect("docs/kubernetes.md has a section Kafka login")
+        .1;
+    let example = section
+        .split_once("```yaml\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("a yaml example in the section")
+        .0;
+    let example: Value = serde_saphyr::from_str(example).unwrap();
+    let template = &example["spec"]["template"]["metadata"];
+    assert_eq!(template["labels"]["courier.dev/inject"], "true");
+    let mut deployment = json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "orders", "namespace": "shop"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "orders"}},
+            "template": {
+                "metadata": template,
+                "spec": {"containers": [{"name": "orders", "image": "orders:1"}]},
+            },
+        },
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("deployment.yaml");
+    let preview = |deployment: &Value| {
+        std::fs::write(&path, serde_json::to_string(deployment).unwrap()).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_courier"));
+        command.args(["inject", "--pod"]).arg(&path);
+        for (key, _) in std::env::vars() {
+            if key.starts_with("COURIER_") {
+                command.env_remove(key);
+            }
+        }
+        command.output().unwrap()
+    };
+
+    let out = preview(&deployment);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rendered: Value = serde_saphyr::from_slice(&out.stdout).unwrap();
+    let sidecar = &rendered["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(sidecar["name"], "courier", "{rendered}");
+    let env = env_of(sidecar);
+    assert_eq!(
+        env["COURIER_SOURCE"],
+        json!("kafkas://pkc-xxxx.region.provider.confluent.cloud:9092")
+    );
+    assert_eq!(env["COURIER_KAFKA_SASL_MECHANISM"], json!("PLAIN"));
+    assert_eq!(
+        env["COURIER_KAFKA_SASL_USERNAME"],
+        json!({"secretKeyRef": {"name": "kafka-login", "key": "username"}})
+    );
+    assert_eq!(
+        env["COURIER_KAFKA_SASL_PASSWORD"],
+        json!({"secretKeyRef": {"name": "kafka-login", "key": "password"}})
+    );
+    assert!(
+        rendered["spec"]["template"]["spec"]
+            .get("volumes")
+            .is_none(),
+        "{rendered}"
+    );
+
+    let annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        .as_object_mut()
+        .unwrap();
+    annotations.remove("courier.dev/kafka-sasl-mechanism");
+    let out = preview(&deployment);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        out.stdout.is_empty(),
+        "nothing is printed for a refused pod"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "courier.dev/kafka-sasl-secret is set without courier.dev/kafka-sasl-mechanism"
+        ),
+        "{stderr}"
+    );
 }
 
 // === The server, over HTTPS ===

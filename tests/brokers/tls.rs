@@ -4,7 +4,8 @@
 //! `--tls-cert-file` + `--tls-key-file` for mutual TLS), through the built
 //! binary as a user runs it: `courier run`,
 //! `courier send` (its flags given as `COURIER_TLS_*` variables) and
-//! `courier dlq list`. The certificates are made here with rcgen; the
+//! `courier dlq list` (Kafka's `kafkas://` is in kafka_security). The
+//! certificates are made here with rcgen; the
 //! brokers are private TLS listeners on ports 17000-17099, started once for
 //! this test binary and ended with it.
 
@@ -746,6 +747,7 @@ async fn bad_tls_files_exit_2_before_connecting() {
         format!("rediss://127.0.0.1:{NOBODY_PORT}/0"),
         format!("amqps://guest:guest@127.0.0.1:{NOBODY_PORT}/%2f"),
         format!("tls://127.0.0.1:{NOBODY_PORT}"),
+        format!("kafkas://127.0.0.1:{NOBODY_PORT}"),
     ] {
         for (tls, says) in &cases {
             let queue = unique("tls");
@@ -773,6 +775,7 @@ fn tls_files_need_a_tls_scheme() {
         ("redis://127.0.0.1:6379/0", "rediss://"),
         ("amqp://guest:guest@127.0.0.1:5672/%2f", "amqps://"),
         ("nats://127.0.0.1:4222", "tls://"),
+        ("kafka://127.0.0.1:9092", "kafkas://"),
     ] {
         let out = courier_command()
             .args(["send", "--source", url, "--queue", "q", "x"])

@@ -124,9 +124,14 @@ pub const KAFKA_SASL_USERNAME_ENV: &str = "COURIER_KAFKA_SASL_USERNAME";
 /// (`cmd::args::KAFKA_SASL_PASSWORD_ENV`, which the injector does not
 /// import; tests/kubernetes/helm_annotations.rs checks that they agree).
 pub const KAFKA_SASL_PASSWORD_ENV: &str = "COURIER_KAFKA_SASL_PASSWORD";
-/// The schemes of Kafka's URLs (`courier_kafka::BROKER`, which a build
-/// without Kafka lacks; a unit test checks that they agree).
-pub(super) const KAFKA_SCHEMES: &[&str] = &["kafka", "kafkas"];
+/// The schemes of Kafka's URLs, from the broker table: none in a build
+/// without Kafka, whose injector then takes no Kafka login annotation.
+fn kafka_schemes() -> &'static [&'static str] {
+    BROKERS
+        .iter()
+        .find(|b| b.name == "kafka")
+        .map_or(&[], |b| b.schemes)
+}
 
 /// What a collector on the node is reached by in `courier.dev/otel-endpoint`;
 /// the injector defines it from the downward API.
@@ -502,7 +507,7 @@ fn check_kafka_login<'a>(
         .into_iter()
         .filter(|annotation| get(annotation).is_some())
         .collect();
-        if !given.is_empty() && !KAFKA_SCHEMES.contains(&scheme) {
+        if !given.is_empty() && !kafka_schemes().contains(&scheme) {
             // Only the scheme is echoed: the URL may hold credentials.
             let (is, it) = if given.len() == 1 {
                 ("is", "it")
@@ -781,7 +786,7 @@ mod tests {
     #[cfg(feature = "kafka")]
     #[test]
     fn kafka_schemes_are_the_brokers() {
-        assert_eq!(crate::source::kafka::BROKER.schemes, KAFKA_SCHEMES);
+        assert_eq!(kafka_schemes(), ["kafka", "kafkas"]);
     }
 
     #[test]

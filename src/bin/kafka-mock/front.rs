@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio_rustls::TlsAcceptor;
 
-use crate::sasl::{Accounts, Login, Step};
+use super::sasl::{Accounts, Login, Step};
 use courier::source::sasl::Mechanism;
 
 const SASL_HANDSHAKE: i16 = 17;

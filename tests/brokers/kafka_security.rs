@@ -98,6 +98,22 @@ fn oauth_front() -> &'static KafkaMock {
     })
 }
 
+/// A front that takes another bearer token than the identity provider
+/// below issues.
+fn other_oauth_front() -> &'static KafkaMock {
+    static SLOT: OnceLock<KafkaMock> = OnceLock::new();
+    front(&SLOT, || {
+        [
+            tls_flags(),
+            vec![
+                "--sasl".into(),
+                "OAUTHBEARER:a-token-of-another-issuer".into(),
+            ],
+        ]
+        .concat()
+    })
+}
+
 /// `kafkas://` to a front's bootstrap servers.
 fn tls_url(mock: &KafkaMock) -> String {
     format!("kafkas://{}", mock.bootstrap)
@@ -364,6 +380,7 @@ async fn kafka_oauthbearer_with_a_wrong_client_secret_is_refused_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_kafka_misconfiguration_ends_the_start_with_what_to_fix() {
     let sasl_url = format!("kafka://{}", sasl_front().bootstrap);
+    let (token_url, _) = identity_provider().await;
     let cases: Vec<(&str, String, Vec<String>, &[&str])> = vec![
         (
             "a wrong password",
@@ -373,6 +390,15 @@ async fn each_kafka_misconfiguration_ends_the_start_with_what_to_fix() {
                 "refused the SASL SCRAM-SHA-512 login of \"carol\"",
                 "--kafka-sasl-username",
                 "--kafka-sasl-password-file",
+            ],
+        ),
+        (
+            "a token the brokers do not accept",
+            tls_url(other_oauth_front()),
+            [ca_only(), oauth_login(&token_url, OAUTH_CLIENT.1)].concat(),
+            &[
+                "refused the OAuth token of client \"courier-client\"",
+                "--kafka-oauth-scope",
             ],
         ),
         (

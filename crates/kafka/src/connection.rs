@@ -294,7 +294,16 @@ fn explain(
                 "the Kafka brokers at this address do not take a SASL login: {reason}; point --source at their SASL listener, or leave --kafka-sasl-mechanism out"
             )));
         }
-        if code == RDKafkaErrorCode::Authentication || lower.contains("authentication failed") {
+        let refused =
+            code == RDKafkaErrorCode::Authentication || lower.contains("authentication failed");
+        if refused && sasl.mechanism == Mechanism::OAuthBearer {
+            return Some(SourceError::refused(format!(
+                "Kafka refused the OAuth token of client {:?} from {}: {reason}; check that the identity provider issues tokens this cluster accepts (its audience and --kafka-oauth-scope)",
+                sasl.username,
+                sasl.token_url.as_deref().unwrap_or_default()
+            )));
+        }
+        if refused {
             return Some(SourceError::refused(format!(
                 "Kafka refused the SASL {} login of {:?}: {reason}; check --kafka-sasl-username and the password ({})",
                 sasl.mechanism, sasl.username, sasl.secret_from

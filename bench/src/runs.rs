@@ -744,7 +744,7 @@ async fn write_backlog(queue: &str, entries: u64, body: &Bytes) -> anyhow::Resul
                     Bytes::from_static(courier::model::PAYLOAD.as_bytes()),
                     body.clone(),
                 )];
-                let delivery = Delivery::from_fields(&id, fields, 0, id.clone());
+                let delivery = Delivery::from_fields(&id, fields, 0, id.clone(), Some(now));
                 zadd.arg(due)
                     .arg(encode_fields(&delivery.fields_for_retry(2, now)));
                 i += 1;

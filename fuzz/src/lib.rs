@@ -278,7 +278,7 @@ fn fields_of(data: &[u8]) -> (u32, Vec<(Bytes, Bytes)>) {
 pub fn redis_entry(data: &[u8]) {
     let (extra, fields) = fields_of(data);
     let has_payload = fields.iter().any(|(n, _)| n.as_ref() == b"payload");
-    let delivery = Delivery::from_fields("1-0", fields, extra, "1-0".into());
+    let delivery = Delivery::from_fields("1-0", fields, extra, "1-0".into(), None);
     assert!(delivery.attempt >= 1);
     assert_eq!(delivery.problem.is_none(), has_payload);
     let first = UNIX_EPOCH + Duration::from_millis(1_795_953_600_123);
@@ -286,7 +286,7 @@ pub fn redis_entry(data: &[u8]) {
         let stored = delivery.fields_for_retry(next, first);
         let wire = Bytes::from(encode_fields(&stored));
         assert_eq!(decode_fields(&wire).as_ref(), Some(&stored));
-        let again = Delivery::from_fields("2-0", stored, 0, "2-0".into());
+        let again = Delivery::from_fields("2-0", stored, 0, "2-0".into(), Some(first));
         assert_eq!(again.message, delivery.message);
         assert_eq!(again.attempt, next);
         assert_eq!(again.first_attempt_at, Some(first));
@@ -331,7 +331,7 @@ pub fn embedded_record(data: &[u8]) {
     };
     let again = Bytes::from(encode_fields(&fields));
     assert_eq!(decode_fields(&again).as_ref(), Some(&fields));
-    let delivery = Delivery::from_fields("7", fields, 0, "0:7".into());
+    let delivery = Delivery::from_fields("7", fields, 0, "0:7".into(), None);
     assert!(delivery.attempt >= 1);
 }
 

@@ -77,6 +77,7 @@ mod tests {
             vec![(Bytes::from_static(b"payload"), Bytes::from_static(b"{}"))],
             0,
             id.to_string(),
+            None,
         )
     }
 

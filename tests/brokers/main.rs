@@ -21,6 +21,7 @@ mod idle;
 mod kafka_security;
 mod kafka_settle;
 mod keep_alive;
+mod long_delays;
 mod nats_cluster;
 mod nats_settling;
 mod pubsub;

@@ -232,6 +232,7 @@ impl BrokerFixture for Redis {
         byte_bounded_reads: true,
         dead_letter_age: true,
         key_ordering: false,
+        shared_rate_limit: true,
     };
 
     fn fixture() -> Fixture {
@@ -285,6 +286,7 @@ impl BrokerFixture for RedisCluster {
         byte_bounded_reads: true,
         dead_letter_age: true,
         key_ordering: false,
+        shared_rate_limit: true,
     };
 
     fn fixture() -> Fixture {
@@ -419,6 +421,7 @@ impl BrokerFixture for Amqp {
         byte_bounded_reads: false,
         dead_letter_age: false,
         key_ordering: false,
+        shared_rate_limit: false,
     };
 
     fn fixture() -> Fixture {
@@ -522,6 +525,7 @@ impl BrokerFixture for Nats {
         byte_bounded_reads: true,
         dead_letter_age: true,
         key_ordering: false,
+        shared_rate_limit: false,
     };
 
     fn fixture() -> Fixture {
@@ -589,6 +593,7 @@ impl BrokerFixture for Embedded {
         byte_bounded_reads: true,
         dead_letter_age: true,
         key_ordering: false,
+        shared_rate_limit: false,
     };
 
     fn fixture() -> Fixture {
@@ -632,6 +637,7 @@ impl BrokerFixture for Kafka {
         byte_bounded_reads: false,
         dead_letter_age: false,
         key_ordering: true,
+        shared_rate_limit: false,
     };
 
     fn fixture() -> Fixture {
@@ -692,6 +698,7 @@ impl BrokerFixture for Sqs {
         byte_bounded_reads: false,
         dead_letter_age: false,
         key_ordering: false,
+        shared_rate_limit: false,
     };
 
     fn fixture() -> Fixture {
@@ -754,6 +761,7 @@ impl BrokerFixture for PubSub {
         byte_bounded_reads: false,
         dead_letter_age: true,
         key_ordering: false,
+        shared_rate_limit: false,
     };
 
     fn fixture() -> Fixture {

@@ -2,7 +2,7 @@
 //! sidecar running in this process against a real broker and a real HTTP
 //! app on loopback.
 
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::common::*;
 use bytes::Bytes;
@@ -550,5 +550,75 @@ pub async fn dead_letters_are_readable_with_the_brokers_own_client(fixture: Fixt
         fixture.dead_letters(&source).await.len(),
         1,
         "reading with the broker's client left the dead letter in place"
+    );
+}
+
+/// Every delivery knows when its message entered the queue
+/// (`Delivery::enqueued_at`): the broker's own time for the entry, and the
+/// same time again after a retry and after a give-back, which several
+/// brokers store as a new entry with a time of its own (the copy carries
+/// the first in `courier-enqueued-at`).
+pub async fn enqueued_at_survives_retries(fixture: Fixture) {
+    let source = fixture.open().await;
+    let sent_at = SystemTime::now();
+    fixture.send(&source, "enqueued").await;
+    let first = receive_within(&source, Duration::from_secs(30)).await;
+    let enqueued = first.enqueued_at.expect("the broker's time for the entry");
+    assert_near(enqueued, sent_at, Duration::from_secs(2), "as sent");
+    // Long enough that a copy's own time would show.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let first_attempt_at = SystemTime::now();
+    source
+        .retry(&first, 2, first_attempt_at, first_attempt_at)
+        .await
+        .expect("retry");
+    let retried = receive_within(&source, Duration::from_secs(30)).await;
+    assert_eq!(
+        (&retried.message.id, retried.attempt),
+        (&first.message.id, 2)
+    );
+    let again = retried.enqueued_at.expect("a time after the retry");
+    assert_near(again, enqueued, Duration::from_millis(5), "after a retry");
+    // A give-back: the attempt is not used up.
+    let now = SystemTime::now();
+    source
+        .retry(&retried, 2, first_attempt_at, now)
+        .await
+        .expect("give back");
+    let given_back = receive_within(&source, Duration::from_secs(30)).await;
+    assert_eq!(given_back.attempt, 2);
+    let again = given_back.enqueued_at.expect("a time after the give-back");
+    assert_near(
+        again,
+        enqueued,
+        Duration::from_millis(5),
+        "after a give-back",
+    );
+    source.ack(&given_back).await.expect("ack");
+}
+
+/// The next delivery of the queue, within `limit`.
+async fn receive_within(source: &Arc<dyn Source>, limit: Duration) -> courier::source::Delivery {
+    let deadline = Instant::now() + limit;
+    loop {
+        let mut got = source.receive(1).await.expect("receive");
+        if let Some(delivery) = got.pop() {
+            return delivery;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nothing received within {limit:?}"
+        );
+    }
+}
+
+/// `got` is within `within` of `want`, before or after.
+fn assert_near(got: SystemTime, want: SystemTime, within: Duration, what: &str) {
+    let off = got
+        .duration_since(want)
+        .unwrap_or_else(|early| early.duration());
+    assert!(
+        off <= within,
+        "enqueued_at {what} is {got:?}, {off:?} from {want:?} (at most {within:?})"
     );
 }

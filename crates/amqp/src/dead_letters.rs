@@ -267,6 +267,14 @@ impl DeadLetterStore for AmqpStore {
                 .map(str::to_string)
                 .unwrap_or_else(new_id);
             let (body, properties) = message_for(&fields, Some(&found.properties), &id);
+            // A replay enters the queue now: the letter's own `timestamp`
+            // is when it was dead-lettered, and would age the message.
+            let properties = properties.with_timestamp(
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs(),
+            );
             session.publish(&self.queue, &body, properties).await?;
             Ok(found)
         })

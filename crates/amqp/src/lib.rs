@@ -22,11 +22,15 @@
 //!   a queue with `x-message-ttl = d` whose dead letters go back to the work
 //!   queue through the default exchange; then the delivery is acked. Every
 //!   message in a tier has the same TTL, so they expire in order at the head
-//!   (per-message TTL would block behind a longer one). The tier is the
-//!   shortest one not shorter than the delay, so a retry is never early and
-//!   at most one tier step late. A delay longer than the longest tier (24h)
-//!   carries `courier-retry-at` and is sent round the longest tier again when
-//!   it comes back early. Tiers are declared on first use (`tiers.rs`).
+//!   (per-message TTL would block behind a longer one). A retry waits in the
+//!   shortest tier not shorter than the delay when that ends at most 10 ms
+//!   after its due time; otherwise in the longest tier not longer than the
+//!   delay, carrying `courier-retry-at`, and when it comes back before that
+//!   time it is sent round a tier again for what remains (a delay over the
+//!   longest tier, 24h, the same way). So a retry is never early and at
+//!   most 10 ms late plus the broker's latency; each hop more is one
+//!   confirmed publish and one ack (5 s: 4 s, then 1 s). Tiers are declared
+//!   on first use (`tiers.rs`).
 //! - A dead letter is published (with confirm) to `<queue>.dlq` (declared on
 //!   first use when missing), then the delivery is acked.
 //! - Settled atomically or not at all: the ack follows only a publish the
@@ -261,6 +265,7 @@ impl Consumer for AmqpSource {
             byte_bounded_reads: false,
             dead_letter_age: false,
             key_ordering: false,
+            shared_rate_limit: false,
         }
     }
 

@@ -83,6 +83,41 @@ pub fn parse_flag(text: &str) -> Result<Duration, String> {
     parse(text).map_err(|e| e.to_string())
 }
 
+/// A broker's limit as courier keeps to it: `limit`, or the duration in
+/// the environment variable `name`, from one second to `most`. It is an
+/// operations and testing knob, not a flag: a test sets SQS's 12 h
+/// visibility or Pub/Sub's 600 s ack deadline to a few seconds, and courier
+/// then does past it what it does past the real one (chains copies),
+/// without the test waiting that long. The error says what was wrong; the
+/// source does not open then.
+pub fn limit_from_env(name: &str, limit: Duration, most: Duration) -> Result<Duration, String> {
+    limit_from(name, std::env::var(name).ok().as_deref(), limit, most)
+}
+
+/// [`limit_from_env`] of the variable's value `text`, when it is set.
+fn limit_from(
+    name: &str,
+    text: Option<&str>,
+    limit: Duration,
+    most: Duration,
+) -> Result<Duration, String> {
+    let Some(text) = text else {
+        return Ok(limit);
+    };
+    let refused = |why: &str| {
+        format!(
+            "{name}={text:?} {why}; give a duration from 1s to {} (unset, it is {})",
+            format(most),
+            format(limit)
+        )
+    };
+    match parse(text) {
+        Ok(value) if (Duration::from_secs(1)..=most).contains(&value) => Ok(value),
+        Ok(_) => Err(refused("is out of bounds")),
+        Err(_) => Err(refused("is not a duration")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +157,19 @@ mod tests {
             Duration::from_secs(3725),
         ] {
             assert_eq!(parse(&format(d)), Ok(d));
+        }
+    }
+
+    #[test]
+    fn a_limit_is_lowered_only_within_bounds() {
+        let (limit, most) = (Duration::from_secs(600), Duration::from_secs(600));
+        let of = |text| limit_from("COURIER_X", text, limit, most);
+        assert_eq!(of(None).unwrap(), limit);
+        assert_eq!(of(Some("2s")).unwrap(), Duration::from_secs(2));
+        assert_eq!(of(Some("10m")).unwrap(), most);
+        for bad in ["0", "500ms", "11m", "soon", ""] {
+            let e = of(Some(bad)).unwrap_err();
+            assert!(e.starts_with("COURIER_X="), "{e}");
         }
     }
 }

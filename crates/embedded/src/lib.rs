@@ -267,6 +267,7 @@ impl Consumer for EmbeddedSource {
             byte_bounded_reads: true,
             dead_letter_age: true,
             key_ordering: false,
+            shared_rate_limit: false,
         }
     }
 

@@ -2,6 +2,7 @@
 //! delivery of a stored record is.
 
 use super::*;
+use courier_core::model::{F_ENQUEUED_AT, rfc3339};
 
 /// Takes back leases that ran out, oldest first, and leases them again
 /// until `now + visibility`: up to `lease.max` of them and
@@ -38,7 +39,9 @@ pub(super) fn retake(
         }
         leased.remove(key).map_err(store_error)?;
         overlay.extended.remove(&key.1);
-        match fate(key.1, &data, until, lease.terms.max_deliveries) {
+        // A lease's key is when it runs out: the record carries the time
+        // it was sent ([`LeaseRecord::encode`]).
+        match fate(key.1, &data, until, lease.terms.max_deliveries, None) {
             Fate::Deliver(delivery, record) => {
                 leased
                     .insert((until, key.1), record.encode().as_slice())
@@ -114,7 +117,15 @@ pub(super) fn hand_out(
         }
         overlay.cursor = Some(key);
         overlay.taken.insert(key);
-        match fate(key.1, data.value(), until, terms.max_deliveries) {
+        // A row of `ready` is keyed by when it is due, which for a message
+        // as sent is when it was sent (a retry carries the original's).
+        match fate(
+            key.1,
+            data.value(),
+            until,
+            terms.max_deliveries,
+            Some(key.0),
+        ) {
             Fate::Deliver(delivery, record) => {
                 overlay.held.insert(
                     key.1,
@@ -142,6 +153,10 @@ pub(super) fn hand_out(
 }
 
 /// What becomes of a stored record about to be handed out.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a fate is matched as soon as it is made; boxing the delivery would cost an allocation a message"
+)]
 pub(super) enum Fate {
     /// Handed out: the delivery, and the record its lease stores.
     Deliver(Delivery, LeaseRecord),
@@ -154,7 +169,15 @@ pub(super) enum Fate {
 /// when it is over [`RECORD_LIMIT`] (its body is never loaded into a
 /// delivery) or was handed out `max_deliveries` times without being
 /// settled (a poison pill: something about it stops courier settling it).
-pub(super) fn fate(seq: u64, stored: &[u8], until: u64, max_deliveries: u32) -> Fate {
+/// `due_ms`: the key of its row in `ready`, the time it was sent unless the
+/// record carries an earlier one.
+pub(super) fn fate(
+    seq: u64,
+    stored: &[u8],
+    until: u64,
+    max_deliveries: u32,
+    due_ms: Option<u64>,
+) -> Fate {
     if stored.len() > RECORD_LIMIT {
         return Fate::DeadLetter(format!(
             "the stored message is {} bytes, over the embedded queue's limit of {RECORD_LIMIT} bytes for one message",
@@ -170,7 +193,8 @@ pub(super) fn fate(seq: u64, stored: &[u8], until: u64, max_deliveries: u32) -> 
                     "handed out {earlier} times without being settled"
                 ));
             }
-            let (delivery, record) = deliver_fields(seq, stored, fields, earlier, until);
+            let sent = due_ms.map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+            let (delivery, record) = deliver_fields(seq, stored, fields, earlier, until, sent);
             Fate::Deliver(delivery, record)
         }
         None => {
@@ -232,6 +256,9 @@ pub(super) struct LeaseRecord {
     /// The deliveries of it, this one included; none for a record that
     /// cannot be read, which is stored as it was.
     deliveries: Option<u32>,
+    /// When the message was sent: a lease's key is not, so the record
+    /// carries it as `courier-enqueued-at`.
+    enqueued_at: Option<SystemTime>,
 }
 
 impl LeaseRecord {
@@ -241,6 +268,11 @@ impl LeaseRecord {
         };
         let mut fields = decode_fields(&self.stored).unwrap_or_default();
         take_deliveries(&mut fields);
+        if let Some(at) = self.enqueued_at
+            && shared::field(&fields, F_ENQUEUED_AT).is_none()
+        {
+            fields.push((F_ENQUEUED_AT.into(), Bytes::from(rfc3339(at))));
+        }
         fields.push((F_DELIVERIES.into(), Bytes::from(deliveries.to_string())));
         encode_fields(&fields)
     }
@@ -252,26 +284,29 @@ pub(super) fn deliver(seq: u64, stored: Bytes, until: u64) -> (Delivery, LeaseRe
     match decode_fields(&stored) {
         Some(mut fields) => {
             let earlier = take_deliveries(&mut fields);
-            deliver_fields(seq, stored, fields, earlier, until)
+            deliver_fields(seq, stored, fields, earlier, until, None)
         }
         None => deliver_unreadable(seq, stored, until),
     }
 }
 
 /// [`deliver`] of a record that was read: `earlier` deliveries of it were
-/// never settled.
+/// never settled; `sent` is when it was sent, unless the record says.
 fn deliver_fields(
     seq: u64,
     stored: Bytes,
     fields: Vec<(Bytes, Bytes)>,
     earlier: u32,
     until: u64,
+    sent: Option<SystemTime>,
 ) -> (Delivery, LeaseRecord) {
+    let receipt = receipt(until, seq);
+    let delivery = Delivery::from_fields(&seq.to_string(), fields, earlier, receipt, sent);
     let record = LeaseRecord {
         stored,
         deliveries: Some(earlier + 1),
+        enqueued_at: delivery.enqueued_at,
     };
-    let delivery = Delivery::from_fields(&seq.to_string(), fields, earlier, receipt(until, seq));
     (delivery, record)
 }
 
@@ -285,6 +320,7 @@ fn deliver_unreadable(seq: u64, stored: Bytes, until: u64) -> (Delivery, LeaseRe
         vec![(PAYLOAD.into(), stored.clone())],
         0,
         receipt(until, seq),
+        None,
     );
     delivery.problem = Some(format!(
         "message {seq} is stored in a form that cannot be read ({} bytes); its raw bytes are kept as the body",
@@ -293,6 +329,7 @@ fn deliver_unreadable(seq: u64, stored: Bytes, until: u64) -> (Delivery, LeaseRe
     let record = LeaseRecord {
         stored,
         deliveries: None,
+        enqueued_at: None,
     };
     (delivery, record)
 }

@@ -116,6 +116,10 @@ async fn a_lease_that_runs_out_is_handed_out_again_as_the_next_attempt() {
     let again = source.receive(1).await.unwrap();
     assert_eq!(again.len(), 1, "handed out again within the wait");
     assert_eq!(again[0].attempt, 2);
+    // When it was sent, as the first delivery had it: the lease's record
+    // carries it, since a lease's key is when the lease ends.
+    assert!(first.enqueued_at.is_some());
+    assert_eq!(again[0].enqueued_at, first.enqueued_at);
     // The first delivery's lease is gone: settling it changes nothing.
     source.ack(&first).await.unwrap();
     assert_eq!(source.depth().await.unwrap().pending, 1);

@@ -16,6 +16,7 @@ use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
 
+use courier_core::duration::limit_from_env;
 use courier_core::source::redact::redact;
 use courier_core::source::sasl::Mechanism;
 use courier_core::source::shared::{HELD_WAIT, Seal};
@@ -500,14 +501,38 @@ pub(super) fn group_id(group: &str, topic: &str) -> String {
 /// How long the group waits for a replica's heartbeat before it gives
 /// the replica's partitions to another: Kafka's long-time default. Not the
 /// visibility timeout: a Kafka group rebalances as a whole, and the group
-/// coordinator also waits about this long for members to rejoin.
+/// coordinator also waits about this long for members to rejoin. So after
+/// a replica was killed, its partitions (and the retry copies on them)
+/// wait this long for another.
 pub(super) const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The variable that sets another session timeout, an operations and
+/// testing knob (Kafka brokers take 6 s to 30 min unless configured
+/// otherwise; the mock cluster takes any).
+pub const SESSION_TIMEOUT_ENV: &str = "COURIER_KAFKA_SESSION_TIMEOUT";
+
+/// [`SESSION_TIMEOUT`], or the one of [`SESSION_TIMEOUT_ENV`].
+pub(super) fn session_timeout() -> Result<Duration, SourceError> {
+    limit_from_env(
+        SESSION_TIMEOUT_ENV,
+        SESSION_TIMEOUT,
+        Duration::from_secs(30 * 60),
+    )
+    .map_err(SourceError::invalid)
+}
+
+/// The heartbeat of a session of `session`: every 3 s, or a third of the
+/// session when that is shorter (librdkafka wants it well within).
+fn heartbeat(session: Duration) -> Duration {
+    (session / 3).min(Duration::from_secs(3))
+}
 
 /// The consumer of the group: nothing committed without courier (no
 /// auto-commit, no offset store), earliest offsets for a new group.
 pub(super) fn consumer(
     cluster: &Cluster,
     options: &SourceOptions,
+    session: Duration,
 ) -> Result<GroupConsumer, SourceError> {
     cluster
         .config(&options.consumer)
@@ -515,11 +540,11 @@ pub(super) fn consumer(
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", session.as_millis().to_string())
         .set(
-            "session.timeout.ms",
-            SESSION_TIMEOUT.as_millis().to_string(),
+            "heartbeat.interval.ms",
+            heartbeat(session).as_millis().to_string(),
         )
-        .set("heartbeat.interval.ms", "3000")
         // The dispatcher reads only when a slot is free; a slow app must
         // not make librdkafka leave the group.
         .set("max.poll.interval.ms", "3600000")

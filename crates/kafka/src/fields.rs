@@ -2,6 +2,8 @@
 //! field a header (Kafka headers are bytes, so nothing is lost either way);
 //! and the names of the topics courier derives from the work topic.
 
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use bytes::Bytes;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 
@@ -31,6 +33,14 @@ pub(super) fn record_id(partition: i32, offset: i64) -> String {
 pub(super) fn parse_record_id(id: &str) -> Option<(i32, i64)> {
     let (partition, offset) = id.split_once('-')?;
     Some((partition.parse().ok()?, offset.parse().ok()?))
+}
+
+/// When the record was written: its timestamp, the producer's
+/// (`CreateTime`) or the broker's (`LogAppendTime`) as the topic says,
+/// when it has one after the epoch.
+pub(super) fn record_time(message: &OwnedMessage) -> Option<SystemTime> {
+    let ms = message.timestamp().to_millis().filter(|ms| *ms > 0)?;
+    Some(UNIX_EPOCH + Duration::from_millis(ms as u64))
 }
 
 /// A record's value and headers as fields, the value first. A header
@@ -108,6 +118,21 @@ mod tests {
             Some(headers),
         );
         assert_eq!(from_record(&message), fields);
+    }
+
+    #[test]
+    fn a_record_time_is_its_timestamp_when_it_has_one() {
+        let record = |timestamp| OwnedMessage::new(None, None, "t".into(), timestamp, 0, 0, None);
+        let at = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        for (timestamp, want) in [
+            (Timestamp::CreateTime(1_700_000_000_123), Some(at)),
+            (Timestamp::LogAppendTime(1_700_000_000_123), Some(at)),
+            (Timestamp::CreateTime(-1), None),
+            (Timestamp::CreateTime(0), None),
+            (Timestamp::NotAvailable, None),
+        ] {
+            assert_eq!(record_time(&record(timestamp)), want, "{timestamp:?}");
+        }
     }
 
     #[test]

@@ -44,7 +44,10 @@
 //! - A replica that holds no partition for longer than the session
 //!   timeout plus the visibility timeout, while records wait and the
 //!   group commits nothing, says so (a warning, `/readyz` not ready) and
-//!   joins the group again with a new consumer (`stall`).
+//!   joins the group again with a new consumer (`stall`). The session
+//!   timeout is 10 s (`COURIER_KAFKA_SESSION_TIMEOUT` sets another): the
+//!   partitions of a replica that was killed, and the retry copies held on
+//!   them, wait that long for another.
 //! - Depth: per partition, the high watermark minus the committed offset,
 //!   less what the commit's metadata says is handed out or settled; the
 //!   oldest waiting message's age from the timestamp of the first waiting
@@ -89,7 +92,7 @@ use dead_letters::KafkaStore;
 use offsets::Ledger;
 use rdkafka::consumer::Consumer as _;
 
-pub use connection::check_url;
+pub use connection::{SESSION_TIMEOUT_ENV, check_url};
 
 /// How long a message whose retry copy or dead letter could not be written
 /// waits before it is handed out again: not at once, since the write that
@@ -188,6 +191,8 @@ pub struct KafkaSource {
     cluster: connection::Cluster,
     /// What `stall.rs` watches of the assignment.
     watch: Mutex<stall::Watch>,
+    /// The group's session timeout ([`connection::session_timeout`]).
+    session_timeout: Duration,
     producer: Producer,
     inspector: Arc<Inspector>,
     options: SourceOptions,
@@ -250,6 +255,7 @@ impl Consumer for KafkaSource {
             byte_bounded_reads: false,
             dead_letter_age: false,
             key_ordering: true,
+            shared_rate_limit: false,
         }
     }
 
@@ -347,6 +353,7 @@ impl KafkaSource {
         group_consumer(
             &self.cluster,
             &self.options,
+            self.session_timeout,
             &self.commits.reading,
             &self.closing,
             &self.retry_topic,
@@ -356,6 +363,7 @@ impl KafkaSource {
     pub(crate) async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let cluster = connection::Cluster::of(url, &options)?;
         connection::check_topic(&options.queue)?;
+        let session_timeout = connection::session_timeout()?;
         let producer = connection::producer(&cluster, &options)?;
         let inspector = Arc::new(connection::inspector(&cluster, &options)?);
         let retry_topic = fields::retry_topic(&options.queue);
@@ -389,7 +397,14 @@ impl KafkaSource {
         };
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
-        let consumer = group_consumer(&cluster, &options, &reading, &closing, &retry_topic)?;
+        let consumer = group_consumer(
+            &cluster,
+            &options,
+            session_timeout,
+            &reading,
+            &closing,
+            &retry_topic,
+        )?;
         let commits = Arc::new(Commits {
             consumer: Mutex::new(consumer),
             reading: reading.clone(),
@@ -413,6 +428,7 @@ impl KafkaSource {
             ),
             cluster,
             watch: Mutex::default(),
+            session_timeout,
             producer,
             inspector,
             live: Mutex::new(options.live.clone()),
@@ -431,11 +447,12 @@ impl KafkaSource {
 fn group_consumer(
     cluster: &connection::Cluster,
     options: &SourceOptions,
+    session_timeout: Duration,
     reading: &Arc<Mutex<Reading>>,
     closing: &Arc<AtomicBool>,
     retry_topic: &str,
 ) -> Result<Arc<GroupConsumer>, SourceError> {
-    let consumer = Arc::new(connection::consumer(cluster, options)?);
+    let consumer = Arc::new(connection::consumer(cluster, options, session_timeout)?);
     let _ = consumer.context().shared.set(rebalance::Shared {
         reading: reading.clone(),
         retry_topic: retry_topic.to_string(),

@@ -11,7 +11,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::time::Instant;
 
 use super::connection::{REQUEST, blocking, unavailable};
-use super::fields::{F_RETRY_AT, from_record, record_id};
+use super::fields::{F_RETRY_AT, from_record, record_id, record_time};
 use super::offsets::{Ledger, Read};
 use super::rebalance::of_topic;
 use super::{KafkaSource, Out, Partition};
@@ -388,7 +388,8 @@ impl KafkaSource {
         let fields = without(self.seal.open(from_record(message)), F_RETRY_AT);
         let receipt = receipt(topic, partition, offset, handed);
         let id = record_id(partition, offset);
-        let mut delivery = Delivery::from_fields(&id, fields, handed - 1, receipt.clone());
+        let written = record_time(message);
+        let mut delivery = Delivery::from_fields(&id, fields, handed - 1, receipt.clone(), written);
         self.check_deliveries(&mut delivery, handed);
         self.reading().out.insert(
             receipt,

@@ -28,7 +28,6 @@ use rdkafka::consumer::Consumer;
 use tokio::time::Instant;
 
 use super::KafkaSource;
-use super::connection::SESSION_TIMEOUT;
 
 /// What the source watches of its assignment.
 #[derive(Default)]
@@ -72,7 +71,10 @@ impl KafkaSource {
     /// while the app is down and nothing is committed, would otherwise make
     /// the group rebalance every 20 s), at most [`MAX_STALL_WAIT`].
     fn stall_after(&self, rejoins: u32) -> Duration {
-        stall_wait(SESSION_TIMEOUT + self.live().visibility_timeout, rejoins)
+        stall_wait(
+            self.session_timeout + self.live().visibility_timeout,
+            rejoins,
+        )
     }
 
     /// Checked before each read: cheap while partitions are held; while
@@ -96,8 +98,8 @@ impl KafkaSource {
             let since = *watch.unassigned_since.get_or_insert(now);
             let looked = watch
                 .sample
-                .is_some_and(|(at, _)| now - at < SESSION_TIMEOUT);
-            if now - since < SESSION_TIMEOUT || looked {
+                .is_some_and(|(at, _)| now - at < self.session_timeout);
+            if now - since < self.session_timeout || looked {
                 return;
             }
             since

@@ -167,6 +167,7 @@ impl Consumer for NatsSource {
             byte_bounded_reads: true,
             dead_letter_age: true,
             key_ordering: false,
+            shared_rate_limit: false,
         }
     }
 

@@ -529,7 +529,13 @@ impl NatsSource {
                 fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(at))));
             }
         }
-        let mut delivery = Delivery::from_fields(&sequence.to_string(), fields, extra, receipt);
+        let mut delivery = Delivery::from_fields(
+            &sequence.to_string(),
+            fields,
+            extra,
+            receipt,
+            Some(metadata.published),
+        );
         // A poison pill: every delivery of it ended without a settlement
         // (the sidecar crashed or hung on it). JetStream's own counter says
         // so; the dispatcher dead-letters it as undeliverable without

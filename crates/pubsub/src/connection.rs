@@ -23,6 +23,11 @@ use courier_core::source::shared::Seal;
 /// Pub/Sub's longest ack deadline: a copy is held at most this long.
 pub const MAX_HOLD_SECS: u64 = 600;
 
+/// The variable that lowers how long a copy is held at most
+/// ([`MAX_HOLD_SECS`]) for tests and trials
+/// ([`courier_core::duration::limit_from_env`]).
+pub const MAX_ACK_DEADLINE_ENV: &str = "COURIER_PUBSUB_MAX_ACK_DEADLINE";
+
 /// Pub/Sub's shortest ack deadline.
 pub(super) const MIN_LEASE_SECS: u64 = 10;
 

@@ -270,6 +270,7 @@ impl PubSubSource {
         };
         let pending_work = with_app.min(work.messages);
         let pending_copies = copies_with_app.min(retry.messages);
+        self.counted_copies(retry.messages - pending_copies);
         Ok(Depth {
             ready: Some(work.messages - pending_work),
             pending: pending_work + pending_copies,

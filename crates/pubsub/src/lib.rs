@@ -15,9 +15,20 @@
 //!   sealed copy published to the topic `<subscription>.retry` with the
 //!   attempts so far and the due time (`courier-retry-at`); the original is
 //!   acked only once the publish answered. A copy received before it is due
-//!   is held with `ModifyAckDeadline` (at most 600 s), at most once; still
-//!   not due when it comes back, it is published afresh and the old one
-//!   acked.
+//!   is held with `ModifyAckDeadline` for the whole seconds still to wait,
+//!   rounded down and at most 600 s, at most once; still a second or more
+//!   from due when it comes back, it is published afresh and the old one
+//!   acked, and held again; under a second, it is kept in the process until
+//!   due (so a retry is not late by a lease's rounding). The 600 s can be
+//!   lowered for tests and trials (`COURIER_PUBSUB_MAX_ACK_DEADLINE`).
+//! - The reader looks at the retry subscription when a copy it holds falls
+//!   due. Copies an earlier process held (it was killed) come back when
+//!   their lease ends, which no one here knows: until a new process's first
+//!   depth count, and after it while that count found copies in the retry
+//!   subscription that the process does not hold, it watches for them (for
+//!   at most the longest hold) with a held pull on the retry subscription
+//!   while idle (new work then waits up to a second) and a look every half
+//!   second while busy.
 //! - Attempts: the copy's `courier-attempt` (1 for a producer's message)
 //!   plus the deliveries Pub/Sub counted that courier did not settle
 //!   (`delivery_attempt` − 1, less the one hold of a copy). Pub/Sub counts
@@ -61,7 +72,8 @@ use courier_core::source::{
 };
 
 pub use connection::{
-    MAX_HOLD_SECS, RETRY_MAX_DELIVERY_ATTEMPTS, SEAL_LABEL, check_url, delivery_cap_warning,
+    MAX_ACK_DEADLINE_ENV, MAX_HOLD_SECS, RETRY_MAX_DELIVERY_ATTEMPTS, SEAL_LABEL, check_url,
+    delivery_cap_warning,
 };
 pub use fields::{MAX_KEY_BYTES, MAX_VALUE_BYTES, attribute_ok};
 
@@ -120,6 +132,16 @@ pub struct PubSubSource {
     counting: tokio::sync::Mutex<()>,
     /// Whether the reader rests, and when it looks at retries next.
     pace: Mutex<read::Pace>,
+    /// How long a copy is held at most, in seconds: Pub/Sub's 600, or less
+    /// with `COURIER_PUBSUB_MAX_ACK_DEADLINE`.
+    hold_limit: u64,
+    /// The copies this process holds, by Pub/Sub message id (at most
+    /// `read::MOST_DUE`): the retry backlog less these and those with the
+    /// app is what an earlier process left held.
+    holding: Mutex<HashSet<String>>,
+    /// Copies due in under a second, kept here until then with their due
+    /// time (`read::Waiting::Keep`).
+    kept: Mutex<Vec<(std::time::SystemTime, Delivery)>>,
     /// The dead letters and sends, on the same channel.
     store: PubSubStore,
 }
@@ -127,6 +149,16 @@ pub struct PubSubSource {
 impl PubSubSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let project = connection::project_of(url).map_err(SourceError::invalid)?;
+        let most = Duration::from_secs(MAX_HOLD_SECS);
+        let hold_limit = courier_core::duration::limit_from_env(MAX_ACK_DEADLINE_ENV, most, most)
+            .map_err(SourceError::invalid)?
+            .as_secs();
+        if hold_limit < MAX_HOLD_SECS {
+            tracing::warn!(
+                hold_limit_secs = hold_limit,
+                "a retry copy is held at most {hold_limit}s for this run ({MAX_ACK_DEADLINE_ENV} is set), not Pub/Sub's 600s: a longer wait is a chain of copies"
+            );
+        }
         let client = Client::connect().await?;
         let names = Names::new(&project, &options.queue);
         let lease_secs = read::lease_for(options.live.visibility_timeout);
@@ -165,7 +197,10 @@ impl PubSubSource {
             in_flight: Mutex::default(),
             known_dead_letter_topics: Mutex::new(HashSet::from([dead_letters])),
             counting: tokio::sync::Mutex::new(()),
-            pace: Mutex::default(),
+            pace: Mutex::new(read::Pace::new(Duration::from_secs(hold_limit))),
+            hold_limit,
+            holding: Mutex::default(),
+            kept: Mutex::default(),
         };
         if source.max_delivery_attempts.is_none() {
             tracing::warn!(
@@ -223,6 +258,7 @@ impl Consumer for PubSubSource {
             byte_bounded_reads: false,
             dead_letter_age: true,
             key_ordering: false,
+            shared_rate_limit: false,
         }
     }
 

@@ -33,9 +33,30 @@ const RETRY_LOOK: Duration = Duration::from_secs(10);
 const RETRY_GRACE: Duration = Duration::from_secs(5);
 /// Due times of copies the reader keeps, at most; one over it is found by
 /// the look every [`RETRY_LOOK`].
-const MOST_DUE: usize = 4096;
+pub(super) const MOST_DUE: usize = 4096;
 /// The shortest wait a held pull is asked for.
 const SHORTEST_HOLD: Duration = Duration::from_secs(1);
+/// How often a busy reader that watches for copies an earlier process held
+/// looks at the retry subscription ([`Watch`]); an idle one holds a pull on
+/// it instead.
+const WATCH_LOOK: Duration = Duration::from_millis(500);
+
+/// Whether the reader watches the retry subscription for copies an
+/// earlier process held: it was killed, and their leases end when it said,
+/// which no one here knows. Decided by the first depth count, which tells
+/// the copies in the retry subscription from those this process holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Watch {
+    /// No depth count yet: watched for, until this time at most (the
+    /// longest hold from the start), in case the count is slow to come.
+    Unknown(Instant),
+    /// Until this time at most (the longest hold from the count): copies
+    /// this process does not hold are there.
+    On(Instant),
+    /// None are, or the watch is over: copies of other processes are
+    /// theirs to look for, or found by the look every [`RETRY_LOOK`].
+    Off,
+}
 
 /// How the reader paces itself between receives.
 pub(super) struct Pace {
@@ -48,16 +69,22 @@ pub(super) struct Pace {
     found: bool,
     /// When copies this process stored or held fall due.
     due: std::collections::BTreeSet<Instant>,
+    /// Whether copies an earlier process held are watched for.
+    watch: Watch,
 }
 
-impl Default for Pace {
-    fn default() -> Self {
+impl Pace {
+    /// The pace of a new reader, whose copies are held `longest_hold` at
+    /// most.
+    pub(super) fn new(longest_hold: Duration) -> Self {
+        let now = Instant::now();
         Self {
             resting: false,
-            looked: Instant::now(),
+            looked: now,
             // A new reader looks at once: copies may wait from before.
             found: true,
             due: std::collections::BTreeSet::new(),
+            watch: Watch::Unknown(now + longest_hold),
         }
     }
 }
@@ -65,15 +92,40 @@ impl Default for Pace {
 impl Pace {
     /// When the retry subscription is looked at next: at once after a look
     /// that found copies, else when a known copy falls due or the
-    /// heartbeat comes.
-    fn next_look(&self) -> Instant {
+    /// heartbeat comes, or, while watching, every [`WATCH_LOOK`].
+    fn next_look(&self, now: Instant) -> Instant {
         if self.found {
             return self.looked;
         }
-        let heartbeat = self.looked + RETRY_LOOK;
+        let heartbeat = if self.watching(now) {
+            self.looked + WATCH_LOOK
+        } else {
+            self.looked + RETRY_LOOK
+        };
         self.due
             .first()
             .map_or(heartbeat, |due| heartbeat.min(*due))
+    }
+
+    /// Whether copies an earlier process held are watched for now.
+    fn watching(&self, now: Instant) -> bool {
+        matches!(self.watch, Watch::Unknown(until) | Watch::On(until) if now < until)
+    }
+
+    /// A depth count found `unknown` copies in the retry subscription that
+    /// this process neither holds nor has with the app: the first count
+    /// starts a watch when there are any (for `longest_hold` at most),
+    /// and a later one ends it when there are none left; no later count
+    /// starts one (another replica's held copies are its own). Whether a
+    /// watch started.
+    fn counted(&mut self, now: Instant, unknown: u64, longest_hold: Duration) -> bool {
+        let first = matches!(self.watch, Watch::Unknown(_));
+        self.watch = match self.watch {
+            Watch::Unknown(_) if unknown > 0 => Watch::On(now + longest_hold),
+            Watch::On(until) if unknown > 0 && now < until => Watch::On(until),
+            _ => Watch::Off,
+        };
+        first && self.watch != Watch::Off
     }
 
     /// How long a resting reader's held pull may wait: [`HELD_WAIT`], or
@@ -109,9 +161,40 @@ impl Pace {
     }
 }
 
+/// How long before its due time a copy is kept in the process rather than
+/// held by its lease: a lease counts whole seconds, and rounded up it made
+/// a retry up to a second late.
+const KEEP: Duration = Duration::from_secs(1);
+
+/// What a copy not yet due, and how long before its due time, becomes.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Waiting {
+    /// Kept in the process until due, then offered: under [`KEEP`] to go.
+    Keep,
+    /// Held by its lease for this many seconds: the whole seconds to go,
+    /// rounded down (never past its due time), at most the longest hold.
+    Hold(u64),
+    /// Published afresh and the old one acked: it was held once already.
+    Renew,
+}
+
+/// What a copy `left` before its due time becomes; `may_hold`: it was not
+/// held yet ([`holds`]).
+pub(super) fn waiting(left: Duration, hold_limit: u64, may_hold: bool) -> Waiting {
+    if left < KEEP {
+        Waiting::Keep
+    } else if may_hold {
+        Waiting::Hold(left.as_secs().min(hold_limit))
+    } else {
+        Waiting::Renew
+    }
+}
+
 /// What one pulled message becomes.
 enum Admitted {
     Deliver(Delivery),
+    /// A copy due in under [`KEEP`]: offered at that time.
+    Later(Delivery, SystemTime),
     /// A copy not yet due, received for the first time: leased until due.
     Hold {
         ack_id: String,
@@ -174,17 +257,23 @@ impl PubSubSource {
         loop {
             let now = Instant::now();
             let idle = lock(&self.in_flight).is_empty();
-            let (resting, next_look) = {
+            let (resting, next_look, watching) = {
                 let pace = lock(&self.pace);
-                (idle && pace.resting, pace.next_look())
+                let watching = pace.watching(now);
+                (
+                    idle && pace.resting && !watching,
+                    pace.next_look(now),
+                    watching,
+                )
             };
             let mut out = Vec::new();
+            self.hand_out_kept(max, &mut out);
             // Copies first: they were due before anything new. Each pull is
             // sized to what is still free, so nothing is pulled that would
             // have to be given back (a give-back of a copy is a delivery
             // Pub/Sub counts).
-            if next_look <= now {
-                let copies = self.client.pull(&self.names.retry, max).await?;
+            if next_look <= now && out.len() < max {
+                let copies = self.client.pull(&self.names.retry, max - out.len()).await?;
                 lock(&self.pace).looked_at(now, copies.len());
                 self.admit_all(Sub::Retry, copies, &mut out).await;
             }
@@ -196,19 +285,47 @@ impl PubSubSource {
                 lock(&self.pace).resting = false;
                 return Ok(out);
             }
-            if idle {
-                let hold = lock(&self.pace).hold(Instant::now());
-                if hold >= SHORTEST_HOLD {
-                    let work = self.client.pull_held(&self.names.work, max, hold).await?;
-                    self.admit_all(Sub::Work, work, &mut out).await;
-                    lock(&self.pace).resting = out.is_empty();
-                    return Ok(out);
-                }
+            let hold = lock(&self.pace).hold(Instant::now());
+            if idle && watching && hold >= SHORTEST_HOLD {
+                // Copies an earlier process held come back any moment: the
+                // held pull waits on the retry subscription, a second at
+                // most, and the next read asks the work subscription (new
+                // work waits that second at most while the watch lasts).
+                let copies = self
+                    .client
+                    .pull_held(&self.names.retry, max, SHORTEST_HOLD)
+                    .await?;
+                lock(&self.pace).looked_at(Instant::now(), copies.len());
+                self.admit_all(Sub::Retry, copies, &mut out).await;
+                return Ok(out);
+            }
+            if idle && !watching && hold >= SHORTEST_HOLD {
+                let work = self.client.pull_held(&self.names.work, max, hold).await?;
+                self.admit_all(Sub::Work, work, &mut out).await;
+                lock(&self.pace).resting = out.is_empty();
+                return Ok(out);
             }
             if Instant::now() >= deadline {
                 return Ok(out);
             }
             tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// A depth count found `copies` in the retry subscription that are not
+    /// with the app here; those this process does not hold were held by an
+    /// earlier process, or are another replica's ([`Watch`]).
+    pub(super) fn counted_copies(&self, copies: u64) {
+        let here = lock(&self.holding).len() + lock(&self.kept).len();
+        let unknown = copies.saturating_sub(here as u64);
+        let longest_hold = Duration::from_secs(self.hold_limit);
+        if lock(&self.pace).counted(Instant::now(), unknown, longest_hold) {
+            tracing::info!(
+                subscription = %self.names.retry,
+                copies = unknown,
+                "retry copies that this process does not hold are waiting (an earlier one held them and stopped): the retry subscription is watched for them for up to {}s",
+                self.hold_limit
+            );
         }
     }
 
@@ -231,13 +348,14 @@ impl PubSubSource {
             Sub::Retry => self.names.retry.clone(),
         };
         let max_deliveries = self.live().max_deliveries;
-        let mut lease = Vec::new();
+        let mut delivered = Vec::new();
         for received in pulled {
             match self.admit(from, received, max_deliveries) {
-                Admitted::Deliver(delivery) => {
-                    lease.push(delivery.receipt.clone());
-                    lock(&self.in_flight).insert(delivery.receipt.clone(), from);
-                    out.push(delivery);
+                Admitted::Deliver(delivery) => delivered.push(delivery),
+                Admitted::Later(delivery, at) => {
+                    let left = at.duration_since(SystemTime::now()).unwrap_or_default();
+                    self.retry_due(Instant::now() + left);
+                    lock(&self.kept).push((at, delivery));
                 }
                 Admitted::Hold { ack_id, secs } => {
                     self.retry_due(Instant::now() + Duration::from_secs(secs));
@@ -250,6 +368,48 @@ impl PubSubSource {
                     }
                 }
                 Admitted::Renew { ack_id, fields } => self.renew(&ack_id, fields).await,
+            }
+        }
+        self.hand_out(from, delivered, out);
+    }
+
+    /// Copies kept in the process ([`Waiting::Keep`]) that are due now,
+    /// handed out into `out` up to `max` in all.
+    fn hand_out_kept(&self, max: usize, out: &mut Vec<Delivery>) {
+        let now = SystemTime::now();
+        let due: Vec<Delivery> = {
+            let mut kept = lock(&self.kept);
+            let mut due = Vec::new();
+            let mut i = 0;
+            while i < kept.len() && out.len() + due.len() < max {
+                if kept[i].0 <= now {
+                    due.push(kept.swap_remove(i).1);
+                } else {
+                    i += 1;
+                }
+            }
+            due
+        };
+        self.hand_out(Sub::Retry, due, out);
+    }
+
+    /// Puts `deliveries` of `from` in flight, into `out`, and leases them
+    /// for the visibility timeout.
+    fn hand_out(&self, from: Sub, deliveries: Vec<Delivery>, out: &mut Vec<Delivery>) {
+        if deliveries.is_empty() {
+            return;
+        }
+        let subscription = match from {
+            Sub::Work => self.names.work.clone(),
+            Sub::Retry => self.names.retry.clone(),
+        };
+        let mut lease = Vec::new();
+        {
+            let mut in_flight = lock(&self.in_flight);
+            for delivery in deliveries {
+                lease.push(delivery.receipt.clone());
+                in_flight.insert(delivery.receipt.clone(), from);
+                out.push(delivery);
             }
         }
         // A pull leases for the subscription's ack deadline, which may be far
@@ -266,7 +426,7 @@ impl PubSubSource {
         // tenth of the emulator's work in a drain.
         let secs = self.lease_secs();
         let leased_by_the_pull = from == Sub::Work && secs == self.work_deadline_secs;
-        if lease.is_empty() || leased_by_the_pull {
+        if leased_by_the_pull {
             return;
         }
         let client = self.client.clone();
@@ -281,7 +441,11 @@ impl PubSubSource {
     /// to dead-letter without offering it), a hold, or a renewal.
     fn admit(&self, from: Sub, received: ReceivedMessage, max_deliveries: u32) -> Admitted {
         let message = received.message.unwrap_or_default();
-        let published = publish_time(&message).unwrap_or_else(SystemTime::now);
+        if from == Sub::Retry {
+            lock(&self.holding).remove(&message.message_id);
+        }
+        let publish = publish_time(&message);
+        let published = publish.unwrap_or_else(SystemTime::now);
         let delivery_attempt = received.delivery_attempt;
         let fields = self.seal.open(from_message(&message));
         let due = match from {
@@ -293,22 +457,32 @@ impl PubSubSource {
         let held = due.is_some_and(|at| at > published);
         let extra = uncounted_deliveries(delivery_attempt, held);
         let now = SystemTime::now();
-        if let Some(at) = due.filter(|at| *at > now) {
-            let remaining = ceil_secs(at.duration_since(now).unwrap_or_default());
-            if holds(delivery_attempt, held) {
-                return Admitted::Hold {
-                    ack_id: received.ack_id,
-                    secs: remaining.min(MAX_HOLD_SECS),
-                };
+        let later = due.filter(|at| *at > now);
+        if let Some(at) = later {
+            let left = at.duration_since(now).unwrap_or_default();
+            match waiting(left, self.hold_limit, holds(delivery_attempt, held)) {
+                Waiting::Keep => {}
+                Waiting::Hold(secs) => {
+                    let mut holding = lock(&self.holding);
+                    if holding.len() < MOST_DUE {
+                        holding.insert(message.message_id.clone());
+                    }
+                    return Admitted::Hold {
+                        ack_id: received.ack_id,
+                        secs,
+                    };
+                }
+                Waiting::Renew => {
+                    let attempt = field(&fields, F_ATTEMPT)
+                        .and_then(|a| a.parse::<u32>().ok())
+                        .unwrap_or(1)
+                        .saturating_add(extra);
+                    return Admitted::Renew {
+                        ack_id: received.ack_id,
+                        fields: replace(fields, F_ATTEMPT, attempt.to_string()),
+                    };
+                }
             }
-            let attempt = field(&fields, F_ATTEMPT)
-                .and_then(|a| a.parse::<u32>().ok())
-                .unwrap_or(1)
-                .saturating_add(extra);
-            return Admitted::Renew {
-                ack_id: received.ack_id,
-                fields: replace(fields, F_ATTEMPT, attempt.to_string()),
-            };
         }
         let mut fields = fields;
         if field(&fields, F_FIRST_ATTEMPT_AT).is_none() && extra > 0 {
@@ -317,7 +491,7 @@ impl PubSubSource {
             fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(published))));
         }
         let mut delivery =
-            Delivery::from_fields(&message.message_id, fields, extra, received.ack_id);
+            Delivery::from_fields(&message.message_id, fields, extra, received.ack_id, publish);
         // A poison pill: every delivery of it (but a copy's hold) ended
         // without a settlement. Pub/Sub's own counter says so.
         let handed_out = (delivery_attempt.max(0) as u32).saturating_sub(u32::from(held));
@@ -326,7 +500,10 @@ impl PubSubSource {
                 "delivered {handed_out} times without being settled (the limit is {max_deliveries}, maxAttempts + 2)"
             ));
         }
-        Admitted::Deliver(delivery)
+        match later {
+            Some(at) => Admitted::Later(delivery, at),
+            None => Admitted::Deliver(delivery),
+        }
     }
 
     /// Publishes a copy afresh (same due time) and acks the old one: it
@@ -358,6 +535,7 @@ mod tests {
             looked,
             found: false,
             due: Default::default(),
+            watch: Watch::Off,
         }
     }
 
@@ -368,28 +546,28 @@ mod tests {
     fn the_retry_look_follows_the_known_due_times() {
         let start = Instant::now();
         let mut pace = resting_since(start);
-        assert_eq!(pace.next_look(), start + RETRY_LOOK);
+        assert_eq!(pace.next_look(start), start + RETRY_LOOK);
         let due = start + Duration::from_secs(2);
         pace.due.insert(due);
         pace.due.insert(start + Duration::from_secs(30));
-        assert_eq!(pace.next_look(), due);
+        assert_eq!(pace.next_look(start), due);
         // Looked at when due, nothing back yet: still due, so asked again.
         pace.looked_at(due, 0);
-        assert_eq!(pace.next_look(), due);
+        assert_eq!(pace.next_look(start), due);
         // Past the grace, given up: the heartbeat from the last look.
         let late = due + RETRY_GRACE + Duration::from_millis(1);
         pace.looked_at(late, 0);
-        assert_eq!(pace.next_look(), late + RETRY_LOOK);
+        assert_eq!(pace.next_look(start), late + RETRY_LOOK);
         // A copy back accounts for everything due by then, and the next
         // read looks again: more may wait behind it.
         pace.due.insert(late);
         pace.looked_at(late, 1);
         assert_eq!(pace.due.len(), 1);
-        assert_eq!(pace.next_look(), late);
+        assert_eq!(pace.next_look(start), late);
         // Until a look finds none.
         let after = late + Duration::from_millis(5);
         pace.looked_at(after, 0);
-        assert_eq!(pace.next_look(), after + RETRY_LOOK);
+        assert_eq!(pace.next_look(start), after + RETRY_LOOK);
     }
 
     /// A resting reader's held pull lasts until a known copy falls due,
@@ -405,6 +583,52 @@ mod tests {
         assert_eq!(pace.hold(late), Duration::from_millis(100));
         pace.looked_at(late, 1);
         assert_eq!(pace.hold(late), Duration::ZERO);
+    }
+
+    /// The first depth count decides whether copies an earlier process
+    /// held are watched for; a later one only ends the watch.
+    #[test]
+    fn copies_of_an_earlier_process_are_watched_for_a_while() {
+        let start = Instant::now();
+        let hold = Duration::from_secs(2);
+        let mut pace = resting_since(start);
+        pace.watch = Watch::Unknown(start + hold);
+        // Watched for until the first count says.
+        assert!(pace.watching(start));
+        assert!(pace.counted(start, 1, hold));
+        assert!(pace.watching(start));
+        // A look every half second, not every ten.
+        assert_eq!(pace.next_look(start), start + WATCH_LOOK);
+        // Still some: on, but not past the longest hold.
+        assert!(!pace.counted(start + Duration::from_secs(1), 1, hold));
+        assert!(pace.watching(start + Duration::from_secs(1)));
+        assert!(!pace.watching(start + hold));
+        assert_eq!(pace.next_look(start + hold), start + RETRY_LOOK);
+        // None left: over, and no later count starts one again.
+        assert!(!pace.counted(start + Duration::from_secs(1), 0, hold));
+        assert!(!pace.watching(start));
+        assert!(!pace.counted(start, 3, hold));
+        assert_eq!(pace.watch, Watch::Off);
+        // None at the first count: no watch.
+        let mut pace = resting_since(start);
+        pace.watch = Watch::Unknown(start + hold);
+        assert!(!pace.counted(start, 0, hold));
+        assert_eq!(pace.watch, Watch::Off);
+    }
+
+    /// A copy waits by its lease in whole seconds, never past its due
+    /// time, and the last part of a second in the process.
+    #[test]
+    fn a_copy_waits_by_its_lease_then_in_the_process() {
+        let ms = Duration::from_millis;
+        assert_eq!(waiting(ms(999), 600, true), Waiting::Keep);
+        assert_eq!(waiting(ms(1), 600, false), Waiting::Keep);
+        assert_eq!(waiting(ms(1_000), 600, true), Waiting::Hold(1));
+        assert_eq!(waiting(ms(4_990), 600, true), Waiting::Hold(4));
+        assert_eq!(waiting(ms(4_990), 2, true), Waiting::Hold(2));
+        assert_eq!(waiting(ms(3_600_000), 600, true), Waiting::Hold(600));
+        // Held once already and still a second or more to go.
+        assert_eq!(waiting(ms(4_990), 600, false), Waiting::Renew);
     }
 
     #[test]

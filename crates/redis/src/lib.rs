@@ -35,6 +35,7 @@ mod depth;
 mod entries;
 mod mover;
 mod poison;
+mod rate;
 mod read;
 mod read_connection;
 mod reply;
@@ -292,6 +293,7 @@ impl Consumer for RedisSource {
             byte_bounded_reads: true,
             dead_letter_age: true,
             key_ordering: false,
+            shared_rate_limit: true,
         }
     }
 
@@ -309,6 +311,14 @@ impl Consumer for RedisSource {
         settlement: Settlement<'_>,
     ) -> Result<(), SourceError> {
         settle_by_parts(self, delivery, settlement).await
+    }
+
+    async fn take_shared_token(
+        &self,
+        per_second: f64,
+        burst: u32,
+    ) -> Result<Duration, SourceError> {
+        self.take_token(per_second, burst).await
     }
 
     async fn remember_ack(&self, key: &str, window: Duration) -> Result<(), SourceError> {

@@ -318,7 +318,8 @@ impl Mover {
     fn undecodable(&self, raw: Bytes, dead_letter_queue: &str) -> Vec<(Bytes, Bytes)> {
         let now = SystemTime::now();
         let id = format!("{}:{}", self.retry_key, now_ms());
-        let delivery = Delivery::from_fields(&id, vec![(PAYLOAD.into(), raw)], 0, String::new());
+        let delivery =
+            Delivery::from_fields(&id, vec![(PAYLOAD.into(), raw)], 0, String::new(), None);
         delivery.fields_for_dead_letter(&Failure {
             reason: DeadLetterReason::Undeliverable,
             status: None,

@@ -35,14 +35,14 @@ const WIDEST: usize = 7_800;
 const SHARED: &str = r"
 local skip = {
   ['courier-message-id'] = 1, ['courier-attempt'] = 1, ['courier-first-attempt-at'] = 1,
-  ['courier-deliveries'] = 1, ['courier-reason'] = 1, ['courier-status'] = 1,
-  ['courier-error'] = 1, ['courier-attempts'] = 1, ['courier-last-attempt-at'] = 1,
-  ['courier-queue'] = 1, ['courier-response-excerpt'] = 1, ['courier-policy'] = 1,
-  ['courier-seal'] = 1,
+  ['courier-enqueued-at'] = 1, ['courier-deliveries'] = 1, ['courier-reason'] = 1,
+  ['courier-status'] = 1, ['courier-error'] = 1, ['courier-attempts'] = 1,
+  ['courier-last-attempt-at'] = 1, ['courier-queue'] = 1, ['courier-response-excerpt'] = 1,
+  ['courier-policy'] = 1, ['courier-seal'] = 1,
 }
 local state = {
   'courier-message-id', 'courier-attempt', 'courier-first-attempt-at', 'courier-retry-at',
-  'courier-deliveries', 'courier-replays', 'courier-subject',
+  'courier-deliveries', 'courier-replays', 'courier-subject', 'courier-enqueued-at',
 }
 local function unhex(h)
   return (h:gsub('..', function(c) return string.char(tonumber(c, 16)) end))
@@ -305,6 +305,10 @@ mod tests {
                 Bytes::from("2026-01-01T00:00:00.000Z"),
             ),
             (Bytes::from("courier-replays"), Bytes::from("1")),
+            (
+                Bytes::from("courier-enqueued-at"),
+                Bytes::from("2025-12-31T23:59:59.000Z"),
+            ),
         ];
         let now = std::time::SystemTime::now();
         let hour = std::time::Duration::from_secs(3600);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::connection::{Connection, Endpoint};
 use redis::Value;
 
-use super::entries::{as_u64, parse_entries, parse_read_reply};
+use super::entries::{as_u64, id_time, parse_entries, parse_read_reply};
 use super::mover::Throttle;
 use super::poison::Pending;
 use super::read_connection::Node;
@@ -161,7 +161,10 @@ impl RedisSource {
         Ok(batch
             .entries
             .into_iter()
-            .map(|(id, fields)| Delivery::from_fields(&id, self.seal.open(fields), 0, id.clone()))
+            .map(|(id, fields)| {
+                let added = id_time(&id);
+                Delivery::from_fields(&id, self.seal.open(fields), 0, id.clone(), added)
+            })
             .collect())
     }
 
@@ -491,11 +494,13 @@ impl RedisSource {
             .into_iter()
             .zip(counts)
             .map(|((id, fields), count)| {
+                let added = id_time(&id);
                 let mut delivery = Delivery::from_fields(
                     &id,
                     self.seal.open(fields),
                     count.saturating_sub(1),
                     id.clone(),
+                    added,
                 );
                 // A pill the script could not dead-letter itself (the
                 // dead-letter key holds another type): the dispatcher

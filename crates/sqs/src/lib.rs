@@ -17,10 +17,17 @@
 //!   `ApproximateReceiveCount` is the attempt. SQS keeps a message invisible
 //!   at most 12 h after it was sent: a longer delay, and a retry that must
 //!   not use up an attempt (the app was unreachable), is a copy sent with
-//!   `DelaySeconds` (at most 15 min) and `courier-retry-at`, sealed; the
-//!   original is deleted only once SQS took the copy. The first receive of
-//!   such a copy is never offered: it is made invisible for the time still
-//!   to wait, or, when that is still over the 12 h, sent on as a new copy.
+//!   `DelaySeconds` (at most 15 min, whole seconds rounded down) and
+//!   `courier-retry-at`, sealed; the original is deleted only
+//!   once SQS took the copy. The first receive of such a copy is never
+//!   offered: it is made invisible for the time still to wait, or, when
+//!   that is still over the 12 h, sent on as a new copy; a later receive
+//!   before its due time (the reader of the first died) is sent on too.
+//!   SQS counts whole seconds: a retry this process made invisible it makes
+//!   visible itself at its due time (SQS's own timeout, at most a second
+//!   later, is the fallback when the process is gone). The 12 h and 15 min
+//!   can be lowered for tests and trials (`COURIER_SQS_MAX_VISIBILITY`,
+//!   `COURIER_SQS_MAX_DELAY`).
 //! - Attempts: `courier-attempt` of a sealed copy (1 for a producer's
 //!   message) plus the receives SQS counted, less the copy's waiting one.
 //!   A message received more than `max_deliveries` times is dead-lettered as
@@ -57,7 +64,7 @@ mod depth;
 mod read;
 mod settle;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -77,6 +84,7 @@ use dead_letters::{SqsStore, WorkQueue};
 pub use attributes::{ENCODING, HEADERS, MAX_ATTRIBUTES, RECORD, attribute_name_ok, is_sqs_text};
 pub use connection::{SEAL_TAG, check_url, redrive_warning};
 pub use dead_letters::dead_letter_queue_name;
+pub use settle::{MAX_DELAY_ENV, MAX_VISIBILITY_ENV};
 
 /// Amazon SQS: `sqs://REGION`.
 pub const BROKER: Broker = Broker {
@@ -156,6 +164,12 @@ pub struct SqsSource {
     /// place, by SQS id: SQS's count goes on with receives courier settled,
     /// so only a receive after one not settled here can make a poison pill.
     retried: Mutex<Recent<String, u32>>,
+    /// How long a message may wait in SQS, as courier keeps to it.
+    limits: settle::Limits,
+    /// Retries this process made invisible, by due time and receipt, and
+    /// when SQS makes each visible by itself (whole seconds later): this
+    /// process makes them visible at their due time.
+    surfacing: Mutex<BTreeMap<(SystemTime, String), std::time::Instant>>,
     deletes: mpsc::UnboundedSender<Delete>,
     deleter: tokio::task::JoinHandle<()>,
     /// The dead letters and sends, on the same client.
@@ -165,6 +179,16 @@ pub struct SqsSource {
 impl SqsSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let region = connection::region_of(url).map_err(SourceError::invalid)?;
+        let limits = settle::Limits::from_env()?;
+        if limits != settle::Limits::SQS {
+            tracing::warn!(
+                max_visibility_secs = limits.visibility,
+                max_delay_secs = limits.delay,
+                "SQS's limits on how long a message waits are lowered for this run ({} or {} is set): a retry past them is a chain of copies",
+                settle::MAX_VISIBILITY_ENV,
+                settle::MAX_DELAY_ENV
+            );
+        }
         let client = connection::client(&region).await;
         let name = connection::queue_name(&options.queue).to_string();
         let queue_url =
@@ -217,6 +241,8 @@ impl SqsSource {
             uncounted: Mutex::new(Recent::new(REMEMBERED)),
             due: Mutex::new(Recent::new(REMEMBERED)),
             retried: Mutex::new(Recent::new(REMEMBERED)),
+            limits,
+            surfacing: Mutex::default(),
             deletes,
             deleter,
         };
@@ -256,6 +282,7 @@ impl Consumer for SqsSource {
             byte_bounded_reads: false,
             dead_letter_age: false,
             key_ordering: false,
+            shared_rate_limit: false,
         }
     }
 

@@ -27,6 +27,8 @@ enum Admitted {
         sent_at: SystemTime,
         /// FIFO: the due time is the process's, not the message's.
         in_process: bool,
+        /// Its first receive, which its attempt count leaves out.
+        first: bool,
     },
 }
 
@@ -85,6 +87,9 @@ impl SqsSource {
             return Ok(out);
         }
         let want = max - out.len();
+        // Retries this process keeps invisible until their due time, due
+        // now: visible, so that this receive takes them.
+        self.surface_due().await;
         // A FIFO group's next message may be free to go at any moment (its
         // earlier one acked): no long poll while some wait here.
         let waiting = self.fifo && self.refresh_waiting().await;
@@ -93,9 +98,23 @@ impl SqsSource {
         } else {
             0
         };
+        // Not past the next due time of such a retry: the poll ends by then.
+        let surfacing = self.next_surfacing();
+        let wait = surfacing.map_or(wait, |due| wait.min(due.as_secs() as i32));
         let mut messages = self.receive_call(want, wait).await?;
         if messages.is_empty() && out.is_empty() && waiting {
             tokio::time::sleep(RECEIVE_WAIT / 10).await;
+        }
+        // Under a second to go, less than the poll's unit: waited out here,
+        // then the retry made visible and received.
+        if messages.is_empty()
+            && out.is_empty()
+            && let Some(due) = self.next_surfacing()
+            && due < Duration::from_secs(1)
+        {
+            tokio::time::sleep(due).await;
+            self.surface_due().await;
+            messages = self.receive_call(want, 0).await?;
         }
         if messages.len() == PER_CALL.min(want) && want > PER_CALL {
             // A backlog: the rest in parallel, without waiting.
@@ -123,8 +142,9 @@ impl SqsSource {
                     at,
                     sent_at,
                     in_process,
+                    first,
                 } => {
-                    self.wait_copy(&message, fields, at, sent_at, in_process)
+                    self.wait_copy(&message, fields, at, sent_at, in_process, first)
                         .await
                 }
             }
@@ -144,8 +164,8 @@ impl SqsSource {
         .and_then(|c| c.parse::<u32>().ok())
         .unwrap_or(1)
         .max(1);
-        let sent_at = millis(system(&message, &MessageSystemAttributeName::SentTimestamp))
-            .unwrap_or_else(SystemTime::now);
+        let sent = millis(system(&message, &MessageSystemAttributeName::SentTimestamp));
+        let sent_at = sent.unwrap_or_else(SystemTime::now);
         let group =
             system(&message, &MessageSystemAttributeName::MessageGroupId).map(str::to_string);
         let due = lock(&self.due)
@@ -159,13 +179,17 @@ impl SqsSource {
                 at,
                 sent_at,
                 in_process: true,
+                first: true,
             };
         }
         // Only a copy courier sealed carries courier's state.
         let fields = self.seal.open(from_message(&message));
         let waits = field(&fields, F_RETRY_AT).and_then(|t| parse_time(t.as_bytes()));
+        // A copy's first receive is never offered (its attempt count
+        // leaves it out), nor is a receive before its due time (the process
+        // that had the first one died before it was due).
         if let Some(at) = waits
-            && received == 1
+            && (received == 1 || at > SystemTime::now())
         {
             return Admitted::Wait {
                 message,
@@ -173,6 +197,7 @@ impl SqsSource {
                 at,
                 sent_at,
                 in_process: false,
+                first: received == 1,
             };
         }
         let uncounted = lock(&self.uncounted).get(&sqs_id).copied().unwrap_or(0);
@@ -190,7 +215,7 @@ impl SqsSource {
                 fields.push((F_FIRST_ATTEMPT_AT.into(), Bytes::from(rfc3339(at))));
             }
         }
-        let mut delivery = Delivery::from_fields(&sqs_id, fields, extra, receipt);
+        let mut delivery = Delivery::from_fields(&sqs_id, fields, extra, receipt, sent);
         // A poison pill: every receive of it ended without a settlement
         // (the sidecar crashed or hung on it). SQS's own counter says so,
         // unless the receive before this one was a retry settled here: then

@@ -3,7 +3,7 @@
 
 use async_trait::async_trait;
 use std::collections::{HashMap, HashSet};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::ProvideErrorMetadata;
@@ -17,6 +17,7 @@ use super::attributes::to_wire;
 use super::connection::{broker, error_code, sdk_error};
 use super::dead_letters::dead_letter_queue_name;
 use super::{Delete, SqsSource, lock};
+use courier_core::duration::limit_from_env;
 use courier_core::model::{Delivery, Failure, rfc3339};
 use courier_core::source::SettleParts;
 use courier_core::source::SourceError;
@@ -43,30 +44,92 @@ const AFTER_FAILED_SETTLE: u64 = 5;
 /// replay sends it again.
 pub(super) const F_GROUP: &str = "courier-group";
 
-/// How many more seconds a message sent at `sent_at` may be kept invisible.
-pub(super) fn visibility_room(sent_at: SystemTime, now: SystemTime) -> u64 {
-    let since = now.duration_since(sent_at).unwrap_or_default().as_secs();
-    MAX_VISIBILITY.saturating_sub(VISIBILITY_MARGIN + since)
+/// The variables that lower [`MAX_VISIBILITY`] and [`MAX_DELAY_SECONDS`]
+/// for tests and trials ([`limit_from_env`]).
+pub const MAX_VISIBILITY_ENV: &str = "COURIER_SQS_MAX_VISIBILITY";
+pub const MAX_DELAY_ENV: &str = "COURIER_SQS_MAX_DELAY";
+
+/// How long a message may still be made visible by this process after its
+/// due time: closer to the moment SQS makes it visible by itself, the
+/// receipt may already be someone else's.
+const SURFACE_GUARD: Duration = Duration::from_millis(100);
+
+/// Retries this process made invisible and makes visible at their due
+/// time, at most: one over it waits for SQS's own whole seconds.
+pub(super) const MOST_SURFACING: usize = 4096;
+
+/// How long a message may wait in SQS, as courier keeps to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Limits {
+    /// Seconds a message may be kept invisible, counted from its send.
+    pub(super) visibility: u64,
+    /// The longest `DelaySeconds` of a copy.
+    pub(super) delay: u64,
 }
 
-/// What the first receive of a copy that is not yet due does.
+impl Limits {
+    /// SQS's own.
+    pub(super) const SQS: Self = Self {
+        visibility: MAX_VISIBILITY,
+        delay: MAX_DELAY_SECONDS,
+    };
+
+    /// SQS's, or lower ones from [`MAX_VISIBILITY_ENV`] and
+    /// [`MAX_DELAY_ENV`] (whole seconds).
+    pub(super) fn from_env() -> Result<Self, SourceError> {
+        let secs = |name, most| {
+            let most = Duration::from_secs(most);
+            limit_from_env(name, most, most)
+                .map(|d| d.as_secs())
+                .map_err(SourceError::invalid)
+        };
+        Ok(Self {
+            visibility: secs(MAX_VISIBILITY_ENV, MAX_VISIBILITY)?,
+            delay: secs(MAX_DELAY_ENV, MAX_DELAY_SECONDS)?,
+        })
+    }
+
+    /// How many more seconds a message sent at `sent_at` may be kept
+    /// invisible.
+    pub(super) fn room(&self, sent_at: SystemTime, now: SystemTime) -> u64 {
+        let since = now.duration_since(sent_at).unwrap_or_default().as_secs();
+        let margin = VISIBILITY_MARGIN.min(self.visibility / 10);
+        self.visibility.saturating_sub(margin + since)
+    }
+
+    /// What a receive of a copy that is not yet due does. `remaining`: the
+    /// time until it is due; `room`: seconds SQS may still keep it invisible
+    /// ([`Limits::room`]); `first`: whether this is the copy's first receive,
+    /// the one its attempt count leaves out (a later one is sent on as a
+    /// new copy, so that the count stays exact).
+    pub(super) fn plan_wait(&self, remaining: Duration, room: u64, first: bool) -> Waiting {
+        let secs = ceil_secs(remaining);
+        if first && secs <= room {
+            Waiting::Invisible(secs)
+        } else {
+            Waiting::SendOn(self.copy_delay(remaining))
+        }
+    }
+
+    /// The `DelaySeconds` of a copy due in `remaining`: whole seconds
+    /// rounded down, so that it comes back before its due time (under a
+    /// second before) and the reader that receives it keeps it invisible
+    /// until then and makes it visible at that time itself, to the
+    /// millisecond; and at most the longest delay.
+    pub(super) fn copy_delay(&self, remaining: Duration) -> u64 {
+        remaining.as_secs().min(self.delay)
+    }
+}
+
+/// What a receive of a copy that is not yet due does.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Waiting {
     /// Invisible for this many seconds, then offered.
     Invisible(u64),
     /// Sent on as a new copy delayed this many seconds, this one deleted:
-    /// the time still to wait is more than SQS keeps this copy invisible.
+    /// the time still to wait is more than SQS keeps this copy invisible,
+    /// or the copy was received before.
     SendOn(u64),
-}
-
-/// `remaining`: seconds until the copy is due; `room`: seconds SQS may
-/// still keep it invisible ([`visibility_room`]).
-pub(super) fn plan_wait(remaining: u64, room: u64) -> Waiting {
-    if remaining <= room {
-        Waiting::Invisible(remaining)
-    } else {
-        Waiting::SendOn(remaining.min(MAX_DELAY_SECONDS))
-    }
 }
 
 /// Whole seconds, rounded up: a retry is never early.
@@ -175,7 +238,7 @@ impl SqsSource {
             .change_message_visibility()
             .queue_url(queue_url)
             .receipt_handle(receipt)
-            .visibility_timeout(secs.min(MAX_VISIBILITY) as i32)
+            .visibility_timeout(secs.min(self.limits.visibility) as i32)
             .send()
             .await
             .map(drop)
@@ -199,10 +262,12 @@ impl SqsSource {
         lock(&self.retried).remove(sqs_id);
     }
 
-    /// The first receive of a copy not yet due: invisible for the time
-    /// still to wait when SQS allows that long, else sent on as a new copy.
-    /// FIFO (`in_process`): invisible for as long as SQS allows, and the
-    /// receive is not counted.
+    /// A receive of a copy not yet due: its first, invisible for the time
+    /// still to wait when SQS allows that long (and made visible at its due
+    /// time by this process), else sent on as a new copy; a later receive
+    /// (the process that had the first one died) is sent on too. FIFO
+    /// (`in_process`): invisible for as long as SQS allows, and the receive
+    /// is not counted.
     pub(super) async fn wait_copy(
         &self,
         message: &aws_sdk_sqs::types::Message,
@@ -210,18 +275,21 @@ impl SqsSource {
         at: SystemTime,
         sent_at: SystemTime,
         in_process: bool,
+        first: bool,
     ) {
         let receipt = message.receipt_handle().unwrap_or_default();
         let now = SystemTime::now();
-        let secs = ceil_secs(at.duration_since(now).unwrap_or_default());
-        let room = visibility_room(sent_at, now);
+        let remaining = at.duration_since(now).unwrap_or_default();
+        let room = self.limits.room(sent_at, now);
         if in_process {
             let id = message.message_id().unwrap_or_default().to_string();
             *lock(&self.uncounted).get_or_insert_with(id, || 0) += 1;
         }
-        let send_on = match plan_wait(secs, room) {
+        let send_on = match self.limits.plan_wait(remaining, room, first || in_process) {
             Waiting::Invisible(secs) => {
-                self.put_back(receipt, secs).await;
+                if self.put_back(receipt, secs).await && !in_process {
+                    self.surface_at(at, receipt, secs);
+                }
                 return;
             }
             // FIFO has no copies: as long as SQS allows, the rest kept in
@@ -245,10 +313,62 @@ impl SqsSource {
         }
     }
 
-    /// A copy not yet due, invisible for `secs` more.
-    async fn put_back(&self, receipt: &str, secs: u64) {
-        if let Err(e) = self.change_visibility(&self.queue_url, receipt, secs).await {
-            tracing::warn!(error = %e, "a retry copy not yet due could not be put back; it is received again after its visibility timeout");
+    /// Makes the message with `receipt`, which this process made invisible
+    /// for `secs` (SQS's whole seconds, rounded up), visible at `at`, its
+    /// due time.
+    pub(super) fn surface_at(&self, at: SystemTime, receipt: &str, secs: u64) {
+        let sqs_shows_it = Instant::now() + Duration::from_secs(secs);
+        let mut surfacing = lock(&self.surfacing);
+        if surfacing.len() < MOST_SURFACING {
+            surfacing.insert((at, receipt.to_string()), sqs_shows_it);
+        }
+    }
+
+    /// How long until the earliest message this process makes visible is
+    /// due.
+    pub(super) fn next_surfacing(&self) -> Option<Duration> {
+        let surfacing = lock(&self.surfacing);
+        let ((at, _), _) = surfacing.first_key_value()?;
+        Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+    }
+
+    /// Makes visible the messages this process made invisible that are
+    /// due, but those SQS shows by itself any moment now.
+    pub(super) async fn surface_due(&self) {
+        let (now, instant) = (SystemTime::now(), Instant::now());
+        let due: Vec<String> = {
+            let mut surfacing = lock(&self.surfacing);
+            let later = surfacing.split_off(&(now, String::new()));
+            let due = std::mem::replace(&mut *surfacing, later);
+            due.into_iter()
+                .filter(|(_, sqs_shows_it)| instant + SURFACE_GUARD < *sqs_shows_it)
+                .map(|((_, receipt), _)| receipt)
+                .collect()
+        };
+        if due.is_empty() {
+            return;
+        }
+        if let Err(e) = set_visibility(
+            &self.client,
+            &self.queue_url,
+            due.iter().map(String::as_str),
+            0,
+            "making retries visible at their due time",
+        )
+        .await
+        {
+            tracing::debug!(error = %e, "a retry is made visible by SQS, at most a second after its due time");
+        }
+    }
+
+    /// A copy not yet due, invisible for `secs` more; whether SQS took it.
+    async fn put_back(&self, receipt: &str, secs: u64) -> bool {
+        match self.change_visibility(&self.queue_url, receipt, secs).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "a retry copy not yet due could not be put back; it is received again after its visibility timeout");
+                false
+            }
         }
     }
 
@@ -406,7 +526,8 @@ impl SettleParts for SqsSource {
     ) -> Result<(), SourceError> {
         let receipt = &delivery.receipt;
         let now = SystemTime::now();
-        let secs = ceil_secs(at.duration_since(now).unwrap_or_default());
+        let remaining = at.duration_since(now).unwrap_or_default();
+        let secs = ceil_secs(remaining);
         let Some(held) = lock(&self.in_flight).get(receipt).cloned() else {
             return Err(SourceError::invalid(format!(
                 "message {} is not in flight here",
@@ -414,7 +535,7 @@ impl SettleParts for SqsSource {
             )));
         };
         let uses_attempt = next_attempt > delivery.attempt;
-        let room = visibility_room(held.sent_at, now);
+        let room = self.limits.room(held.sent_at, now);
         if self.fifo || (uses_attempt && secs <= room) {
             if self.fifo {
                 if !uses_attempt {
@@ -429,6 +550,9 @@ impl SettleParts for SqsSource {
             let result = self
                 .change_visibility(&self.queue_url, receipt, secs.min(room))
                 .await;
+            if result.is_ok() && !self.fifo {
+                self.surface_at(at, receipt, secs);
+            }
             self.settled(receipt);
             // The later messages of its group go back to SQS, which holds
             // the group while this one is invisible and then hands them out
@@ -452,7 +576,7 @@ impl SettleParts for SqsSource {
             &self.queue_url,
             false,
             &fields,
-            secs.min(MAX_DELAY_SECONDS),
+            self.limits.copy_delay(remaining),
             None,
         )
         .await
@@ -530,22 +654,23 @@ mod tests {
 
     #[test]
     fn visibility_room_counts_from_the_send() {
+        let limits = Limits::SQS;
         let sent = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert_eq!(
-            visibility_room(sent, sent),
-            MAX_VISIBILITY - VISIBILITY_MARGIN
-        );
+        assert_eq!(limits.room(sent, sent), MAX_VISIBILITY - VISIBILITY_MARGIN);
         let later = sent + Duration::from_secs(3600);
         assert_eq!(
-            visibility_room(sent, later),
+            limits.room(sent, later),
             MAX_VISIBILITY - VISIBILITY_MARGIN - 3600
         );
-        assert_eq!(visibility_room(sent, sent + Duration::from_secs(50_000)), 0);
+        assert_eq!(limits.room(sent, sent + Duration::from_secs(50_000)), 0);
         // A clock behind the sender's counts as no time passed.
-        assert_eq!(
-            visibility_room(later, sent),
-            MAX_VISIBILITY - VISIBILITY_MARGIN
-        );
+        assert_eq!(limits.room(later, sent), MAX_VISIBILITY - VISIBILITY_MARGIN);
+        // A limit lowered for a test keeps a tenth of it as the margin.
+        let lowered = Limits {
+            visibility: 20,
+            delay: 2,
+        };
+        assert_eq!(lowered.room(sent, sent), 18);
         assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
         assert_eq!(ceil_secs(Duration::from_millis(2000)), 2);
         assert_eq!(ceil_secs(Duration::ZERO), 0);
@@ -553,20 +678,51 @@ mod tests {
 
     #[test]
     fn a_copy_not_yet_due_waits_or_is_sent_on() {
+        let limits = Limits::SQS;
         let room = MAX_VISIBILITY - VISIBILITY_MARGIN;
-        assert_eq!(plan_wait(0, room), Waiting::Invisible(0));
-        assert_eq!(plan_wait(5, room), Waiting::Invisible(5));
-        assert_eq!(plan_wait(room, room), Waiting::Invisible(room));
+        let secs = Duration::from_secs;
+        assert_eq!(limits.plan_wait(secs(0), room, true), Waiting::Invisible(0));
+        assert_eq!(limits.plan_wait(secs(5), room, true), Waiting::Invisible(5));
+        assert_eq!(
+            limits.plan_wait(Duration::from_millis(4_001), room, true),
+            Waiting::Invisible(5)
+        );
+        assert_eq!(
+            limits.plan_wait(secs(room), room, true),
+            Waiting::Invisible(room)
+        );
         // 13 h still to wait: on to a copy delayed the longest SQS takes.
         assert_eq!(
-            plan_wait(13 * 3600, room),
+            limits.plan_wait(secs(13 * 3600), room, true),
             Waiting::SendOn(MAX_DELAY_SECONDS)
         );
         assert_eq!(
-            plan_wait(room + 1, room),
+            limits.plan_wait(secs(room + 1), room, true),
             Waiting::SendOn(MAX_DELAY_SECONDS)
         );
-        // Little room left on an old copy: sent on with the time still to wait.
-        assert_eq!(plan_wait(10, 0), Waiting::SendOn(10));
+        // Little room left on an old copy: sent on, to come back before it
+        // is due.
+        assert_eq!(limits.plan_wait(secs(10), 0, true), Waiting::SendOn(10));
+        assert_eq!(
+            limits.plan_wait(Duration::from_millis(1_500), 0, true),
+            Waiting::SendOn(1)
+        );
+        // Received before (its first receive went to a process that died):
+        // sent on whatever the room, so that its attempt count stays exact.
+        assert_eq!(limits.plan_wait(secs(5), room, false), Waiting::SendOn(5));
+    }
+
+    #[test]
+    fn a_copy_comes_back_before_it_is_due_within_the_longest_delay() {
+        let limits = Limits {
+            visibility: 2,
+            delay: 2,
+        };
+        let ms = Duration::from_millis;
+        assert_eq!(limits.copy_delay(ms(4_990)), 2);
+        assert_eq!(limits.copy_delay(ms(1_990)), 1);
+        assert_eq!(limits.copy_delay(ms(500)), 0);
+        assert_eq!(Limits::SQS.copy_delay(ms(4_990)), 4);
+        assert_eq!(Limits::SQS.copy_delay(Duration::from_secs(86_400)), 900);
     }
 }

@@ -64,6 +64,8 @@ fn delivery(id: &str, body: &str) -> Delivery {
         )],
         0,
         id.to_string(),
+        // The memory queue's own time for the entry, as a broker's.
+        Some(SystemTime::now()),
     )
 }
 
@@ -151,6 +153,8 @@ impl Consumer for MemorySource {
                     delivery.fields_for_retry(next_attempt, first_attempt_at),
                     0,
                     id.clone(),
+                    // A new entry's time; the copy carries the original's.
+                    Some(SystemTime::now()),
                 );
                 let mut s = self.state();
                 s.retried.push((id, next_attempt, at));

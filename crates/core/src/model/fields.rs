@@ -9,6 +9,10 @@ pub const F_MESSAGE_ID: &str = "courier-message-id";
 /// The attempt number of the next delivery.
 pub const F_ATTEMPT: &str = "courier-attempt";
 pub const F_FIRST_ATTEMPT_AT: &str = "courier-first-attempt-at";
+/// When the message first entered the queue, kept in the copies courier
+/// stores (a retry, a give-back): a copy's own broker time is when it was
+/// stored again, not when the message was.
+pub const F_ENQUEUED_AT: &str = "courier-enqueued-at";
 pub const F_LAST_ATTEMPT_AT: &str = "courier-last-attempt-at";
 pub const F_REASON: &str = "courier-reason";
 pub const F_STATUS: &str = "courier-status";
@@ -56,6 +60,7 @@ pub fn is_transient_bookkeeping(name: &[u8]) -> bool {
         b"courier-message-id"
             | b"courier-attempt"
             | b"courier-first-attempt-at"
+            | b"courier-enqueued-at"
             | b"courier-deliveries"
             | b"courier-seal"
     )

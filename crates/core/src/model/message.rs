@@ -38,6 +38,10 @@ pub struct Delivery {
     pub attempt: u32,
     /// When the message was first offered to the app, if it has been.
     pub first_attempt_at: Option<SystemTime>,
+    /// When the message first entered the queue, as far as the broker or
+    /// courier knows it: the `courier-enqueued-at` a stored copy carries,
+    /// else the broker's own time for this entry, else none.
+    pub enqueued_at: Option<SystemTime>,
     /// Why this entry cannot be offered to the app at all (a Redis entry
     /// without `payload`, say); it is dead-lettered as `undeliverable`.
     pub problem: Option<String>,
@@ -51,16 +55,20 @@ impl Delivery {
     /// Reads a stored message: `payload` is the body, `courier-*` fields are
     /// bookkeeping, the rest are headers. `extra_attempts` counts deliveries
     /// the broker made that courier never settled (a crash mid-flight).
+    /// `broker_enqueued_at` is the broker's time for this entry, which a
+    /// copy's `courier-enqueued-at` (the original's) overrides.
     pub fn from_fields(
         fallback_id: &str,
         fields: Vec<(Bytes, Bytes)>,
         extra_attempts: u32,
         receipt: String,
+        broker_enqueued_at: Option<SystemTime>,
     ) -> Self {
         let mut body = None;
         let mut id = None;
         let mut attempt = 1u32;
         let mut first_attempt_at = None;
+        let mut enqueued_at = None;
         let mut headers = Vec::new();
         // Names are compared as bytes and only a header's is made text:
         // reading every name as text first cost a UTF-8 check per field.
@@ -68,7 +76,8 @@ impl Delivery {
         // (`shared::sealed_state`): every source writes its own `payload`
         // first, so a producer's header of that name (Kafka, SQS, Pub/Sub)
         // is offered as a header, never taken for the body.
-        let (mut seen_id, mut seen_attempt, mut seen_first) = (false, false, false);
+        let (mut seen_id, mut seen_attempt, mut seen_first, mut seen_enqueued) =
+            (false, false, false, false);
         for (name, value) in &fields {
             match name.as_ref() {
                 n if n == PAYLOAD.as_bytes() && body.is_none() => body = Some(value.clone()),
@@ -85,6 +94,11 @@ impl Delivery {
                 n if n == F_FIRST_ATTEMPT_AT.as_bytes() => {
                     if !std::mem::replace(&mut seen_first, true) {
                         first_attempt_at = parse_time(value);
+                    }
+                }
+                n if n == F_ENQUEUED_AT.as_bytes() => {
+                    if !std::mem::replace(&mut seen_enqueued, true) {
+                        enqueued_at = parse_time(value);
                     }
                 }
                 n if n
@@ -107,13 +121,16 @@ impl Delivery {
             },
             attempt: attempt.saturating_add(extra_attempts),
             first_attempt_at,
+            enqueued_at: enqueued_at.or(broker_enqueued_at),
             problem,
             receipt,
             fields,
         }
     }
 
-    /// The fields to store when this message is scheduled for `next_attempt`.
+    /// The fields to store when this message is scheduled for `next_attempt`:
+    /// the copy is a new broker entry, so it carries when the message
+    /// entered the queue (`courier-enqueued-at`) where that is known.
     pub fn fields_for_retry(
         &self,
         next_attempt: u32,
@@ -131,6 +148,9 @@ impl Delivery {
             F_FIRST_ATTEMPT_AT.into(),
             Bytes::from(rfc3339(first_attempt_at)),
         ));
+        if let Some(at) = self.enqueued_at {
+            out.push((F_ENQUEUED_AT.into(), Bytes::from(rfc3339(at))));
+        }
         out
     }
 
@@ -325,6 +345,7 @@ mod tests {
             ],
             0,
             "1-0".into(),
+            None,
         );
         assert_eq!(d.message.body, Bytes::from("the body"));
         assert_eq!(d.attempt, 2);
@@ -344,6 +365,7 @@ mod tests {
             vec![("content-type".into(), "text/plain".into())],
             0,
             "r".into(),
+            None,
         );
         assert!(d.problem.is_some());
         assert_eq!(d.message.id, "1-0");
@@ -359,14 +381,125 @@ mod tests {
             ],
             0,
             "r".into(),
+            None,
         );
         let fields = d.fields_for_retry(2, SystemTime::UNIX_EPOCH);
-        let again = Delivery::from_fields("9-0", fields, 0, "r2".into());
+        let again = Delivery::from_fields("9-0", fields, 0, "r2".into(), None);
         assert_eq!(again.message.id, "5-0");
         assert_eq!(again.attempt, 2);
         assert_eq!(again.message.body, Bytes::from("x"));
         assert_eq!(again.message.header("traceparent"), Some("00-a-b-01"));
         assert_eq!(again.first_attempt_at, Some(SystemTime::UNIX_EPOCH));
+    }
+
+    /// A copy courier stores again (a retry, a give-back) is a new broker
+    /// entry whose own time is the re-store's: the original's time rides
+    /// along in `courier-enqueued-at` and wins over the copy's, to the
+    /// millisecond, however often the message is stored again.
+    #[test]
+    fn the_enqueue_time_survives_a_retry_copy() {
+        let sent = SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(1_700_000_000_123);
+        let later = |s: u64| sent + std::time::Duration::from_secs(s);
+        let d = Delivery::from_fields(
+            "5-0",
+            vec![("payload".into(), "x".into())],
+            0,
+            "r".into(),
+            Some(sent),
+        );
+        assert_eq!(d.enqueued_at, Some(sent));
+        let copy = d.fields_for_retry(2, later(1));
+        let carried = copy
+            .iter()
+            .find(|(n, _)| n.as_ref() == F_ENQUEUED_AT.as_bytes())
+            .map(|(_, v)| v.clone());
+        assert_eq!(carried, Some(Bytes::from("2023-11-14T22:13:20.123Z")));
+        let again = Delivery::from_fields("9-0", copy, 0, "r2".into(), Some(later(2)));
+        assert_eq!(again.enqueued_at, Some(sent));
+        assert_eq!(again.message.header(F_ENQUEUED_AT), None);
+        let copy = again.fields_for_retry(3, later(1));
+        assert_eq!(
+            copy.iter()
+                .filter(|(n, _)| n.as_ref() == F_ENQUEUED_AT.as_bytes())
+                .count(),
+            1
+        );
+        let third = Delivery::from_fields("12-0", copy, 0, "r3".into(), Some(later(3)));
+        assert_eq!(third.enqueued_at, Some(sent));
+    }
+
+    /// Without a carried time the broker's own counts, and without either
+    /// there is none, and a copy carries none.
+    #[test]
+    fn the_enqueue_time_is_the_carried_one_else_the_brokers_else_none() {
+        let at = |ms: u64| SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+        let field = |n: &str, v: &str| (Bytes::from(n.to_string()), Bytes::from(v.to_string()));
+        let read = |fields: Vec<(Bytes, Bytes)>, broker| {
+            Delivery::from_fields("1-0", fields, 0, "r".into(), broker).enqueued_at
+        };
+        let body = field("payload", "x");
+        assert_eq!(read(vec![body.clone()], Some(at(7))), Some(at(7)));
+        assert_eq!(read(vec![body.clone()], None), None);
+        let carried = field(F_ENQUEUED_AT, "1970-01-01T00:00:01.500Z");
+        assert_eq!(
+            read(vec![body.clone(), carried.clone()], Some(at(9_000))),
+            Some(at(1_500))
+        );
+        assert_eq!(
+            read(vec![body.clone(), carried.clone()], None),
+            Some(at(1_500))
+        );
+        // The first occurrence counts, as for every courier field.
+        let second = field(F_ENQUEUED_AT, "1970-01-01T00:00:02Z");
+        assert_eq!(
+            read(vec![body.clone(), carried, second], None),
+            Some(at(1_500))
+        );
+        // One that cannot be read is no time: the broker's counts.
+        let bad = field(F_ENQUEUED_AT, "yesterday");
+        assert_eq!(read(vec![body.clone(), bad], Some(at(7))), Some(at(7)));
+        let none = Delivery::from_fields("1-0", vec![body], 0, "r".into(), None);
+        let copy = none.fields_for_retry(2, at(0));
+        assert!(
+            !copy
+                .iter()
+                .any(|(n, _)| n.as_ref() == F_ENQUEUED_AT.as_bytes())
+        );
+    }
+
+    /// A dead letter leaves it out, as it leaves out every field about one
+    /// stored copy: its record has the attempt times, and a replay is a new
+    /// message that enters the queue afresh.
+    #[test]
+    fn a_dead_letter_does_not_carry_the_enqueue_time() {
+        let d = Delivery::from_fields(
+            "5-0",
+            vec![
+                ("payload".into(), "x".into()),
+                (F_ENQUEUED_AT.into(), "2026-01-01T00:00:00.000Z".into()),
+            ],
+            0,
+            "r".into(),
+            None,
+        );
+        assert!(d.enqueued_at.is_some());
+        let failure = Failure {
+            reason: crate::model::DeadLetterReason::AttemptsExhausted,
+            status: Some(503),
+            error: None,
+            attempts: 3,
+            first_attempt_at: SystemTime::UNIX_EPOCH,
+            last_attempt_at: SystemTime::UNIX_EPOCH,
+            queue: "orders".into(),
+            message_id: "5-0".into(),
+            excerpt: Bytes::new(),
+            policy: "p@1".into(),
+            dead_letter_queue: "orders.dlq".into(),
+            app_directive: None,
+            cut: None,
+        };
+        let letter = DeadLetter::from_fields("1".into(), d.fields_for_dead_letter(&failure));
+        assert_eq!(letter.field(F_ENQUEUED_AT), None);
     }
 
     /// A letter that fits holds courier's record and the note, an empty
@@ -382,6 +515,7 @@ mod tests {
             ],
             0,
             "r".into(),
+            None,
         );
         let failure = Failure {
             reason: crate::model::DeadLetterReason::Undeliverable,

@@ -140,14 +140,17 @@ pub enum DeadLetterReason {
     Undeliverable,
     /// The app answered with `Courier-Dead-Letter: <reason>`.
     AppDeadLetter,
+    /// Older than the policy's `maxAge` when read; never offered to the app.
+    Expired,
 }
 
 impl DeadLetterReason {
-    pub const ALL: [DeadLetterReason; 4] = [
+    pub const ALL: [DeadLetterReason; 5] = [
         Self::PermanentStatus,
         Self::AttemptsExhausted,
         Self::Undeliverable,
         Self::AppDeadLetter,
+        Self::Expired,
     ];
 
     /// The `reason` labels of every reason.
@@ -161,6 +164,7 @@ impl DeadLetterReason {
             Self::AttemptsExhausted => "attempts-exhausted",
             Self::Undeliverable => "undeliverable",
             Self::AppDeadLetter => "app-dead-letter",
+            Self::Expired => "expired",
         }
     }
 }

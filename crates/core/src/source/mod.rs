@@ -87,6 +87,10 @@ pub struct Capabilities {
     /// Messages of one key can be delivered one at a time, in order
     /// ([`Ordering::Key`]); a source without it refuses `--ordering key`.
     pub key_ordering: bool,
+    /// A rate-limit bucket every replica on the queue shares can be kept
+    /// on the broker ([`Consumer::take_shared_token`],
+    /// `rateLimit.scope: queue`); without it each replica is limited alone.
+    pub shared_rate_limit: bool,
 }
 
 /// What kind of failure a [`SourceError`] is: what the caller does next
@@ -496,6 +500,20 @@ pub trait Consumer: Send + Sync + 'static {
     /// then come three times per this, not per visibility timeout.
     fn longest_claim(&self) -> Option<Duration> {
         None
+    }
+    /// With [`Capabilities::shared_rate_limit`]: takes one token from the
+    /// queue's bucket on the broker, refilled at
+    /// `per_second` up to `burst`, and says how long the delivery waits
+    /// before it may go: tokens are taken ahead, so waits are spaced.
+    async fn take_shared_token(
+        &self,
+        per_second: f64,
+        burst: u32,
+    ) -> Result<Duration, SourceError> {
+        let _ = (per_second, burst);
+        Err(SourceError::invalid(
+            "this source keeps no rate-limit bucket shared by the replicas",
+        ))
     }
     /// Remembers for `window` that the message with this idempotency key was
     /// acked.

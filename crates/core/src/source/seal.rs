@@ -1,6 +1,6 @@
 //! The seal on the copies courier stores: proof that a `courier-*` state
-//! (attempt, first attempt, deliveries, replays) was written by courier
-//! and not by a producer. Every broker that stores copies uses it.
+//! (attempt, first attempt, enqueue time, deliveries, replays) was written
+//! by courier and not by a producer. Every broker that stores copies uses it.
 
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -9,12 +9,16 @@ use bytes::Bytes;
 use ring::hmac;
 
 use super::shared::{F_RETRY_AT, F_SUBJECT, without};
-use crate::model::{F_ATTEMPT, F_DELIVERIES, F_FIRST_ATTEMPT_AT, F_MESSAGE_ID, F_REPLAYS, F_SEAL};
+use crate::model::{
+    F_ATTEMPT, F_DELIVERIES, F_ENQUEUED_AT, F_FIRST_ATTEMPT_AT, F_MESSAGE_ID, F_REPLAYS, F_SEAL,
+};
 
 /// The `courier-*` fields that are courier's state about a stored copy,
 /// in the order the seal covers them. Redis's scripts list them too
-/// (`redis/poison.rs`), in the same order.
-pub const STATE_FIELDS: [&str; 7] = [
+/// (`redis/poison.rs`), in the same order. A field is covered only where
+/// present, so a copy stored before `courier-enqueued-at` was added still
+/// opens.
+pub const STATE_FIELDS: [&str; 8] = [
     F_MESSAGE_ID,
     F_ATTEMPT,
     F_FIRST_ATTEMPT_AT,
@@ -22,6 +26,7 @@ pub const STATE_FIELDS: [&str; 7] = [
     F_DELIVERIES,
     F_REPLAYS,
     F_SUBJECT,
+    F_ENQUEUED_AT,
 ];
 
 /// The length of a seal key in bytes; at most one SHA-1 block (64), so
@@ -325,6 +330,10 @@ mod tests {
             (Bytes::from("traceparent"), Bytes::from("00-a-b-01")),
             (Bytes::from(F_MESSAGE_ID), Bytes::from("1-0")),
             (Bytes::from(F_ATTEMPT), Bytes::from("2")),
+            (
+                Bytes::from(F_ENQUEUED_AT),
+                Bytes::from("2026-01-01T00:00:00.000Z"),
+            ),
         ]
     }
 
@@ -348,6 +357,13 @@ mod tests {
         let forged = replace(sealed.clone(), F_ATTEMPT, "99".into());
         assert!(!seal.is_sealed(&forged));
         assert_eq!(seal.open(forged), without_state);
+        // An older enqueue time, which would expire the message at once.
+        let forged = replace(
+            sealed.clone(),
+            F_ENQUEUED_AT,
+            "2000-01-01T00:00:00.000Z".into(),
+        );
+        assert!(!seal.is_sealed(&forged));
         // A state field added after sealing.
         let mut added = sealed.clone();
         added.push((Bytes::from(F_REPLAYS), Bytes::from("7")));

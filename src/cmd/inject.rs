@@ -217,7 +217,30 @@ fn read_chart_values(path: &Path, defaults: &mut SidecarDefaults) -> Result<Valu
             path.display()
         ))
     })?;
+    check_default_policy(&values).map_err(|e| {
+        UsageError(format!(
+            "--values {}: defaultPolicy.{e}; the API server would refuse the RetryPolicy the chart creates",
+            path.display()
+        ))
+    })?;
     Ok(values)
+}
+
+/// The RetryPolicy the chart creates from `defaultPolicy.spec`, read as a
+/// sidecar reads it: an unknown field, a bad rate limit, pause or maximum
+/// age is named.
+fn check_default_policy(values: &Value) -> Result<(), String> {
+    let Some(spec) = values
+        .pointer("/defaultPolicy/spec")
+        .filter(|v| !v.is_null())
+    else {
+        return Ok(());
+    };
+    let spec: crate::policy::RetryPolicySpec =
+        serde_json::from_value(spec.clone()).map_err(|e| format!("spec: {e}"))?;
+    crate::policy::Policy::from_spec("default", &spec)
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 fn render(

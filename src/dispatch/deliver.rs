@@ -25,8 +25,17 @@ impl Shared {
         {
             return;
         }
-        let _in_flight = self.in_flight.register(&delivery);
         let policy = self.d.policy.current();
+        if let Some(age) = self.expired(&delivery, &policy) {
+            self.dead_letter_expired(&delivery, &policy, age).await;
+            return;
+        }
+        let _in_flight = self.in_flight.register(&delivery);
+        self.await_turn(&policy).await;
+        // A pause that came while this delivery waited for its turn.
+        if self.defer_if_held(&delivery).await {
+            return;
+        }
         let started_at = SystemTime::now();
         let clock = Instant::now();
         // Without the trace export, one check of an Option and no span.
@@ -300,6 +309,39 @@ impl Shared {
             },
         };
         self.settle(delivery, &outcome, &decision, &policy, SystemTime::now())
+            .await;
+    }
+
+    /// The message's age when it is older than the policy's `maxAge`: from
+    /// when it entered the queue (the broker's time, carried across
+    /// re-stores), else from its first attempt.
+    fn expired(&self, delivery: &Delivery, policy: &Policy) -> Option<Duration> {
+        let max_age = policy.max_age?;
+        let since = match (delivery.enqueued_at, delivery.first_attempt_at) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        let age = SystemTime::now().duration_since(since).ok()?;
+        (age > max_age).then_some(age)
+    }
+
+    /// Dead-letters a message older than `maxAge` as `expired`, unoffered.
+    async fn dead_letter_expired(&self, delivery: &Delivery, policy: &Policy, age: Duration) {
+        let max_age = policy.max_age.unwrap_or_default();
+        let outcome = Outcome::Undeliverable {
+            error: format!(
+                "the message is {} old, older than the policy's maxAge {}; it was not offered to the app",
+                crate::duration::format(Duration::from_secs(age.as_secs())),
+                crate::duration::format(max_age)
+            ),
+        };
+        let decision = Decision {
+            class: Class::Undeliverable,
+            verdict: Verdict::DeadLetter {
+                reason: DeadLetterReason::Expired,
+            },
+        };
+        self.settle(delivery, &outcome, &decision, policy, SystemTime::now())
             .await;
     }
 

@@ -16,11 +16,13 @@ pub mod hold;
 pub mod in_flight;
 pub mod limit;
 pub mod live;
+mod rate;
 #[cfg(test)]
 mod tests;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use futures::FutureExt;
@@ -216,6 +218,19 @@ impl Reader {
     }
 }
 
+/// Resolves when a change to the policy pauses the queue.
+async fn pause_begins(mut watch: LivePolicy) {
+    loop {
+        if !watch.changed().await {
+            // The policy can no longer change.
+            return std::future::pending().await;
+        }
+        if watch.current().paused_at(SystemTime::now()).is_some() {
+            return;
+        }
+    }
+}
+
 /// What the loop does next.
 enum Flow {
     Stop,
@@ -234,6 +249,13 @@ struct Shared {
     queue: QueueName,
     m: QueueMetrics,
     read_errors: Counter,
+    /// The `rateLimit` bucket of this replica.
+    rate: rate::Bucket,
+    /// Whether the loop is waiting out a pause (`spec.paused`).
+    paused: AtomicBool,
+    /// The policy generation last warned about for `scope: queue` on a
+    /// broker that keeps no shared bucket, so it is said once per edit.
+    unshared_warned: AtomicI64,
 }
 
 impl std::fmt::Display for DrainReport {
@@ -362,6 +384,9 @@ impl Shared {
             queue: QueueName::new(&d.queue),
             m,
             read_errors,
+            rate: rate::Bucket::default(),
+            paused: AtomicBool::new(false),
+            unshared_warned: AtomicI64::new(-1),
             d,
         };
         shared.show_limit();
@@ -375,6 +400,9 @@ impl Shared {
     async fn next(&self, reader: &mut Reader, shutdown: &CancellationToken) -> Flow {
         if shutdown.is_cancelled() {
             return Flow::Stop;
+        }
+        if let Some(flow) = self.wait_while_paused(reader, shutdown).await {
+            return flow;
         }
         if let Some(until) = self.hold.until() {
             self.give_back(&mut reader.ahead, until).await;
@@ -405,11 +433,18 @@ impl Shared {
     /// read costs a round trip and a wake-up whatever its size, and slots
     /// come free one by one.
     async fn read(&self, reader: &mut Reader, shutdown: &CancellationToken) -> Flow {
+        // A pause must not wait for a slot or for the broker's answer.
+        let pause = pause_begins(self.d.policy.watch());
+        tokio::pin!(pause);
         let slot = tokio::select! {
             _ = shutdown.cancelled() => return Flow::Stop,
+            _ = &mut pause => return Flow::Again,
             slot = self.limiter.acquire() => slot,
         };
-        let want = self.limiter.limit().clamp(1, MAX_BATCH);
+        let Some(room) = self.rate_room(shutdown).await else {
+            return Flow::Stop;
+        };
+        let want = self.limiter.limit().clamp(1, MAX_BATCH).min(room);
         // Not dropped at shutdown: a read the broker already answered must
         // reach a delivery task (or go back). The source is asked to end
         // its wait instead, where it can without losing a message.
@@ -419,6 +454,10 @@ impl Shared {
             tokio::select! {
                 received = &mut receive => received,
                 _ = shutdown.cancelled() => {
+                    self.d.source.interrupt().await;
+                    receive.await
+                }
+                _ = &mut pause => {
                     self.d.source.interrupt().await;
                     receive.await
                 }
@@ -440,11 +479,129 @@ impl Shared {
         }
     }
 
+    /// While the policy pauses the queue: gives back what was read ahead
+    /// and waits for an edit, the pause's end or shutdown. Deliveries in
+    /// flight go on and settle; readiness is untouched (a pause is not an
+    /// outage). `None` when not paused.
+    async fn wait_while_paused(
+        &self,
+        reader: &mut Reader,
+        shutdown: &CancellationToken,
+    ) -> Option<Flow> {
+        // Watched before it is read, so an edit after the read wakes it.
+        let mut watch = self.d.policy.watch();
+        let policy = watch.current();
+        self.m
+            .rate_limit
+            .set(policy.rate_limit.map_or(0.0, |limit| limit.per_second));
+        let now = SystemTime::now();
+        let Some(pause) = policy.paused_at(now) else {
+            if self.paused.swap(false, Ordering::Relaxed) {
+                self.m.paused.set(0);
+                tracing::info!(queue = %self.d.queue, policy = %policy.label(), "resumed: the RetryPolicy no longer pauses the queue");
+            }
+            return None;
+        };
+        if !self.paused.swap(true, Ordering::Relaxed) {
+            self.m.paused.set(1);
+            let until = pause.until.map(crate::model::rfc3339);
+            tracing::warn!(queue = %self.d.queue, policy = %policy.label(), reason = %pause.reason, until, "paused by the RetryPolicy: fetching nothing; deliveries in flight finish");
+        }
+        self.give_back(&mut reader.ahead, Instant::now()).await;
+        let ends = pause
+            .until
+            .map(|until| until.duration_since(now).unwrap_or_default());
+        tokio::select! {
+            _ = shutdown.cancelled() => Some(Flow::Stop),
+            // A policy that can no longer change (its source ended) waits
+            // for the pause's end or shutdown alone.
+            true = watch.changed() => Some(Flow::Again),
+            _ = async {
+                match ends {
+                    Some(ends) => tokio::time::sleep(ends).await,
+                    None => std::future::pending().await,
+                }
+            } => Some(Flow::Again),
+        }
+    }
+
+    /// How many messages the rate limit lets a read ask for, after waiting
+    /// until it lets one; `None` at shutdown.
+    async fn rate_room(&self, shutdown: &CancellationToken) -> Option<usize> {
+        loop {
+            let policy = self.d.policy.current();
+            let Some(limit) = policy.rate_limit else {
+                return Some(usize::MAX);
+            };
+            if self.shared_rate(&policy) {
+                return Some(rate::shared_room(&limit));
+            }
+            match self.rate.room(&limit) {
+                Ok(room) => return Some(room),
+                Err(wait) => tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(wait) => {}
+                },
+            }
+        }
+    }
+
+    /// Whether the rate limit is kept on the broker for every replica
+    /// (`scope: queue` where the broker can); where it cannot, each replica
+    /// is limited on its own, and that is said once per policy edit.
+    fn shared_rate(&self, policy: &crate::policy::Policy) -> bool {
+        let Some(limit) = policy.rate_limit else {
+            return false;
+        };
+        if limit.scope != crate::policy::RateScope::Queue {
+            return false;
+        }
+        if self.d.source.capabilities().shared_rate_limit {
+            return true;
+        }
+        if self
+            .unshared_warned
+            .swap(policy.generation, Ordering::Relaxed)
+            != policy.generation
+        {
+            tracing::warn!(queue = %self.d.queue, policy = %policy.label(), per_second = limit.per_second,
+                "rateLimit.scope queue: this broker keeps no bucket shared by the replicas, so each replica is limited to the rate on its own (docs/policy.md)");
+        }
+        false
+    }
+
+    /// Waits for this delivery's turn under the rate limit.
+    async fn await_turn(&self, policy: &crate::policy::Policy) {
+        let Some(limit) = policy.rate_limit else {
+            return;
+        };
+        let wait = if self.shared_rate(policy) {
+            match self
+                .d
+                .source
+                .take_shared_token(limit.per_second, limit.burst)
+                .await
+            {
+                Ok(wait) => wait,
+                Err(e) => {
+                    tracing::warn!(queue = %self.d.queue, error = %e, "the rate limit shared on the broker could not be read; this replica is limited on its own meanwhile");
+                    self.rate.take(&limit)
+                }
+            }
+        } else {
+            self.rate.take(&limit)
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
     /// Messages are waiting from the last read: the next free slot, or give
     /// them back when none comes free soon.
     async fn wait_for_slot(&self, reader: &mut Reader, shutdown: &CancellationToken) -> Flow {
         tokio::select! {
             _ = shutdown.cancelled() => Flow::Stop,
+            _ = pause_begins(self.d.policy.watch()) => Flow::Again,
             slot = self.limiter.acquire() => Flow::Launch(slot),
             _ = tokio::time::sleep_until(reader.read_at + READ_AHEAD_WAIT) => {
                 self.give_back(&mut reader.ahead, Instant::now()).await;
@@ -551,11 +708,25 @@ impl Shared {
     /// when the hold ends, with no attempt used. Stored rather than kept
     /// waiting here, so a long hold cannot outlast the visibility timeout.
     async fn defer_if_held(&self, delivery: &Delivery) -> bool {
+        if self.is_paused() {
+            self.defer(delivery, Instant::now()).await;
+            return true;
+        }
         let Some(until) = self.hold.until() else {
             return false;
         };
         self.defer(delivery, until).await;
         true
+    }
+
+    /// Whether the policy in force pauses the queue now: a message read
+    /// before the pause was seen goes back unoffered.
+    fn is_paused(&self) -> bool {
+        self.d
+            .policy
+            .current()
+            .paused_at(SystemTime::now())
+            .is_some()
     }
 
     /// Messages read ahead go back to the broker, due at `until`, with no

@@ -37,7 +37,7 @@ use kube::runtime::watcher::{self, Event, watcher};
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::watch as signal;
 
-use super::crd::ACCEPTED;
+use super::crd::{ACCEPTED, PAUSED};
 use super::{Policy, PolicyUpdate, Reload, RetryPolicy};
 
 /// Where Kubernetes puts the pod's namespace when no `POD_NAMESPACE` is set.
@@ -434,25 +434,57 @@ impl Follower {
             }
             Reload::Rejected(problem) => ("False", "Invalid", truncate(problem, 1000)),
         };
-        let unchanged = current.is_some_and(|s| {
-            s.observed_generation == generation
-                && s.conditions
+        // A refused change leaves the policy in force, and so its pause.
+        let paused = match reload {
+            Reload::Applied(policy) => Some(paused_condition(policy)),
+            Reload::Rejected(_) => current.and_then(|s| {
+                s.conditions
                     .iter()
-                    .any(|c| c.type_ == ACCEPTED && c.status == status && c.reason == reason)
+                    .find(|c| c.type_ == PAUSED)
+                    .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+            }),
+        };
+        let unchanged = current.is_some_and(|s| {
+            let has = |kind: &str, status: &str, reason: &str, message: Option<&str>| {
+                s.conditions.iter().any(|c| {
+                    c.type_ == kind
+                        && c.status == status
+                        && c.reason == reason
+                        && message.is_none_or(|m| c.message == m)
+                })
+            };
+            s.observed_generation == generation
+                && has(ACCEPTED, status, reason, None)
+                && paused
+                    .as_ref()
+                    .is_none_or(|(st, re, me)| has(PAUSED, st, re, Some(me)))
         });
         if unchanged {
             return;
         }
-        let condition = Condition {
-            type_: ACCEPTED.into(),
-            status: status.into(),
-            reason: reason.into(),
-            message,
-            observed_generation: generation,
-            last_transition_time: Time(Timestamp::now()),
+        // A condition's transition time moves only when its status does,
+        // so the Paused condition says when the pause began.
+        let now = Time(Timestamp::now());
+        let condition = |kind: &str, status: String, reason: String, message: String| {
+            let since = current
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == kind))
+                .filter(|c| c.status == status)
+                .map_or_else(|| now.clone(), |c| c.last_transition_time.clone());
+            Condition {
+                type_: kind.into(),
+                status,
+                reason,
+                message,
+                observed_generation: generation,
+                last_transition_time: since,
+            }
         };
+        let mut conditions = vec![condition(ACCEPTED, status.into(), reason.into(), message)];
+        if let Some((status, reason, message)) = paused {
+            conditions.push(condition(PAUSED, status, reason, message));
+        }
         let patch = serde_json::json!({
-            "status": { "observedGeneration": generation, "conditions": [condition] }
+            "status": { "observedGeneration": generation, "conditions": conditions }
         });
         let result = self
             .status_api
@@ -465,6 +497,37 @@ impl Follower {
         if let Err(error) = result {
             tracing::debug!(%error, "cannot write the RetryPolicy status");
         }
+    }
+}
+
+/// The `Paused` condition of a policy in force: status, reason, message.
+fn paused_condition(policy: &Policy) -> (String, String, String) {
+    let Some(pause) = &policy.pause else {
+        return (
+            "False".into(),
+            "Running".into(),
+            "fetching and delivering".into(),
+        );
+    };
+    let why = if pause.reason.is_empty() {
+        "no reason given (spec.pausedReason)".to_string()
+    } else {
+        truncate(&pause.reason, 900)
+    };
+    match pause.until {
+        Some(until) => (
+            "True".into(),
+            "PausedUntil".into(),
+            format!(
+                "fetching nothing until {}, then resuming by itself: {why}",
+                crate::model::rfc3339(until)
+            ),
+        ),
+        None => (
+            "True".into(),
+            "Paused".into(),
+            format!("fetching nothing until paused is set to false: {why}"),
+        ),
     }
 }
 

@@ -31,8 +31,16 @@ pub const BACKOFF_MAX_RULE: &str = "duration(has(self.max) ? self.max : '5m') >=
 /// No code in both lists, with the defaults for an omitted list.
 pub const NOT_IN_BOTH_LISTS_RULE: &str = "(has(self.retry) ? self.retry : ['408', '429', '5xx']).all(c, !(c in (has(self.deadLetter) ? self.deadLetter : ['501', '4xx'])))";
 
+/// A Go duration, or `""` for "none" (`maxAge`).
+pub const DURATION_OR_EMPTY_PATTERN: &str =
+    r"^(|0|(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h))+)$";
+/// An RFC 3339 time, or `""` (`pausedUntil`).
+pub const TIME_OR_EMPTY_PATTERN: &str = r"^(|[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2}))$";
+
 /// The condition type a sidecar writes after reading a change.
 pub const ACCEPTED: &str = "Accepted";
+/// The condition type that says whether the spec pauses the queue.
+pub const PAUSED: &str = "Paused";
 
 /// What the sidecars last made of the spec.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

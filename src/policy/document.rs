@@ -85,6 +85,12 @@ pub struct Metadata {
         description = "whether a sidecar could use the last change"
     ),
     printcolumn(
+        name = "Paused",
+        type_ = "boolean",
+        json_path = ".spec.paused",
+        description = "whether fetching is stopped (default false)"
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -117,6 +123,66 @@ pub struct RetryPolicySpec {
     /// final) count (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_directives: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimitSpec>,
+    /// true: every replica stops fetching; deliveries in flight finish and
+    /// settle, and nothing more reaches the app until this is false again
+    /// or `pausedUntil` passes (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<bool>,
+    /// With `paused: true`, the pause ends by itself at this time (RFC 3339,
+    /// e.g. `2026-12-06T18:00:00Z`); `""` (the default) pauses until edited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = crd::TIME_OR_EMPTY_PATTERN), length(max = 64))]
+    pub paused_until: Option<String>,
+    /// Why the queue is paused, for whoever finds it so; shown in the
+    /// `Paused` condition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub paused_reason: Option<String>,
+    /// A message older than this when it is read (from the broker's enqueue
+    /// time, else its first attempt) is dead-lettered with reason `expired`
+    /// instead of delivered, e.g. `24h`; `""` (the default) means no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = crd::DURATION_OR_EMPTY_PATTERN), length(max = 64))]
+    #[x_kube(validation = Rule::new("self == '' || duration(self) > duration('0s')").message("maxAge must be a duration greater than 0 such as 24h, or empty for no limit"))]
+    pub max_age: Option<String>,
+}
+
+/// A token bucket on deliveries to the app, apart from the concurrency
+/// limit: at most `burst` at once, then `perSecond`. Retries and replays
+/// count against it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RateLimitSpec {
+    /// Deliveries a second, e.g. `20` or `0.5`; greater than 0, at most 100000 (required).
+    #[schemars(range(max = 100000))]
+    #[x_kube(validation = Rule::new("double(self) > 0.0").message("rateLimit.perSecond must be greater than 0; to stop deliveries, set paused: true"))]
+    pub per_second: f64,
+    /// Deliveries that may go at once after a quiet spell; 1..100000 (default 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub burst: Option<i64>,
+    /// pod: each replica is limited on its own; queue: the total across
+    /// the replicas on the queue, kept on the broker where it can be
+    /// (Redis); elsewhere each replica is limited (default pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<RateScope>,
+}
+
+/// pod (default): each replica delivers at most the rate; queue: all
+/// replicas on the queue together, through a bucket on the broker where it
+/// keeps one (Redis), else each replica on its own.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum RateScope {
+    /// Each replica delivers at most the rate.
+    #[default]
+    Pod,
+    /// All replicas on the queue together deliver at most the rate.
+    Queue,
 }
 
 /// Backoff between attempts: min(max, initial x multiplier^(n-1)), jittered.

@@ -39,6 +39,14 @@ impl LivePolicy {
         self.rx.borrow().clone()
     }
 
+    /// A reader whose [`LivePolicy::changed`] resolves on the next change
+    /// from now on, not on one applied before.
+    pub fn watch(&self) -> Self {
+        let mut rx = self.rx.clone();
+        rx.mark_unchanged();
+        Self { rx }
+    }
+
     /// Resolves when a new policy has been applied.
     pub async fn changed(&mut self) -> bool {
         self.rx.changed().await.is_ok()

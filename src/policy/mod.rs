@@ -20,10 +20,10 @@ pub use document::*;
 pub use live::{LivePolicy, PolicyUpdate, Reload};
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use crate::duration;
-use crate::model::{Class, Outcome, default_dead_letter_queue};
+use crate::model::{Class, Outcome, default_dead_letter_queue, parse_time};
 
 // === The validated policy ===
 
@@ -77,6 +77,22 @@ pub struct RetryAfter {
     pub max: Duration,
 }
 
+/// A token bucket on deliveries to the app (`rateLimit`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimit {
+    pub per_second: f64,
+    pub burst: u32,
+    pub scope: RateScope,
+}
+
+/// `paused: true`: nothing is fetched until it is edited back, or until
+/// `until` when set.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pause {
+    pub until: Option<SystemTime>,
+    pub reason: String,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct StatusCodes {
     pub retry: Vec<CodeMatch>,
@@ -101,6 +117,10 @@ pub struct Policy {
     /// Whether the app's `Courier-Dead-Letter` and `Courier-Retry` answer
     /// headers count (`appDirectives`).
     pub app_directives: bool,
+    pub rate_limit: Option<RateLimit>,
+    pub pause: Option<Pause>,
+    /// Messages older than this are dead-lettered as `expired` (`maxAge`).
+    pub max_age: Option<Duration>,
 }
 
 /// The defaults of every field, in one place, as the design documents them.
@@ -131,6 +151,9 @@ impl Default for Policy {
             },
             dead_letter_queue: None,
             app_directives: true,
+            rate_limit: None,
+            pause: None,
+            max_age: None,
         }
     }
 }
@@ -289,7 +312,30 @@ impl Policy {
             status_codes,
             dead_letter_queue: spec.dead_letter_queue.clone().filter(|q| !q.is_empty()),
             app_directives: spec.app_directives.unwrap_or(defaults.app_directives),
+            rate_limit: rate_limit(spec.rate_limit.as_ref())?,
+            pause: pause(spec)?,
+            max_age: match spec.max_age.as_deref() {
+                None | Some("") => None,
+                Some(text) => match duration::parse(text) {
+                    Ok(age) if age.is_zero() => {
+                        return Err(PolicyError::new(
+                            "spec.maxAge",
+                            "must be greater than 0; leave it out (or \"\") for no limit",
+                        ));
+                    }
+                    Ok(age) => Some(age),
+                    Err(e) => return Err(PolicyError::new("spec.maxAge", e.to_string())),
+                },
+            },
         })
+    }
+
+    /// Whether the policy pauses the queue at `now`, and until when if it
+    /// ends by itself.
+    pub fn paused_at(&self, now: SystemTime) -> Option<&Pause> {
+        self.pause
+            .as_ref()
+            .filter(|pause| pause.until.is_none_or(|until| now < until))
     }
 
     /// What an answer means under this policy. Exact codes beat classes; an
@@ -378,6 +424,54 @@ impl Policy {
     }
 }
 
+/// `rateLimit`, validated: a rate above 0, a burst of at least 1.
+fn rate_limit(spec: Option<&RateLimitSpec>) -> Result<Option<RateLimit>, PolicyError> {
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    let per_second = spec.per_second;
+    if !(per_second.is_finite() && per_second > 0.0 && per_second <= 100_000.0) {
+        return Err(PolicyError::new(
+            "spec.rateLimit.perSecond",
+            format!(
+                "must be greater than 0 and at most 100000, got {per_second}; to stop deliveries, set paused: true"
+            ),
+        ));
+    }
+    let burst = match spec.burst {
+        None => 5,
+        Some(n @ 1..=100_000) => n as u32,
+        Some(n) => {
+            return Err(PolicyError::new(
+                "spec.rateLimit.burst",
+                format!("must be between 1 and 100000, got {n}"),
+            ));
+        }
+    };
+    Ok(Some(RateLimit {
+        per_second,
+        burst,
+        scope: spec.scope.unwrap_or_default(),
+    }))
+}
+
+/// `paused`, `pausedUntil` and `pausedReason`, validated.
+fn pause(spec: &RetryPolicySpec) -> Result<Option<Pause>, PolicyError> {
+    let until = match spec.paused_until.as_deref() {
+        None | Some("") => None,
+        Some(text) => Some(parse_time(text.as_bytes()).ok_or_else(|| {
+            PolicyError::new(
+                "spec.pausedUntil",
+                format!("{text:?} is not an RFC 3339 time; write it like 2026-12-06T18:00:00Z, or leave it empty"),
+            )
+        })?),
+    };
+    Ok(spec.paused.unwrap_or(false).then(|| Pause {
+        until,
+        reason: spec.paused_reason.clone().unwrap_or_default(),
+    }))
+}
+
 // === Test fixtures ===
 
 /// A builder for policies in tests: `Policy::test().max_attempts(3)`.
@@ -412,6 +506,15 @@ impl Policy {
 
     pub fn app_directives(mut self, on: bool) -> Self {
         self.app_directives = on;
+        self
+    }
+
+    pub fn rate_limited(mut self, per_second: f64, burst: u32, scope: RateScope) -> Self {
+        self.rate_limit = Some(RateLimit {
+            per_second,
+            burst,
+            scope,
+        });
         self
     }
 

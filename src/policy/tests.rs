@@ -545,6 +545,16 @@ fn validation_rejects_nonsense() {
         ),
         ("statusCodes: {retry: [\"2xx\"]}", "spec.statusCodes.retry"),
         ("statusCodes: {retry: [\"4xx\"]}", "spec.statusCodes"),
+        ("rateLimit: {perSecond: 0}", "spec.rateLimit.perSecond"),
+        ("rateLimit: {perSecond: -2}", "spec.rateLimit.perSecond"),
+        ("rateLimit: {perSecond: 200000}", "spec.rateLimit.perSecond"),
+        (
+            "rateLimit: {perSecond: 5, burst: 0}",
+            "spec.rateLimit.burst",
+        ),
+        ("paused: true\npausedUntil: tomorrow", "spec.pausedUntil"),
+        ("maxAge: 0s", "spec.maxAge"),
+        ("maxAge: 1d", "spec.maxAge"),
     ];
     assert!(
         serde_saphyr::from_str::<RetryPolicySpec>("appDirectives: sometimes").is_err(),
@@ -572,6 +582,65 @@ fn omitted_fields_take_the_defaults() {
         }
     );
     assert_eq!(policy.label(), "p@0");
+}
+
+#[test]
+fn flow_control_fields_are_read_with_their_defaults() {
+    let spec = |yaml: &str| -> RetryPolicySpec { serde_saphyr::from_str(yaml).unwrap() };
+    let policy = Policy::from_spec(
+        "p",
+        &spec("rateLimit: {perSecond: 20}\nmaxAge: 90m\npaused: true\npausedReason: incident 42"),
+    )
+    .unwrap();
+    assert_eq!(
+        policy.rate_limit,
+        Some(RateLimit {
+            per_second: 20.0,
+            burst: 5,
+            scope: RateScope::Pod,
+        })
+    );
+    assert_eq!(policy.max_age, Some(Duration::from_secs(5400)));
+    let now = SystemTime::now();
+    assert_eq!(
+        policy.paused_at(now).map(|p| p.reason.as_str()),
+        Some("incident 42")
+    );
+    let queue = Policy::from_spec(
+        "p",
+        &spec("rateLimit: {perSecond: 0.5, burst: 1, scope: queue}"),
+    )
+    .unwrap();
+    assert_eq!(
+        queue.rate_limit.map(|r| (r.burst, r.scope)),
+        Some((1, RateScope::Queue))
+    );
+    // Empty strings mean "none", as the design's document shows them.
+    let empty =
+        Policy::from_spec("p", &spec("maxAge: \"\"\npausedUntil: \"\"\npaused: false")).unwrap();
+    assert_eq!((empty.max_age, empty.pause), (None, None));
+    assert!(
+        serde_saphyr::from_str::<RetryPolicySpec>("rateLimit: {burst: 3}").is_err(),
+        "perSecond is required"
+    );
+    assert!(
+        serde_saphyr::from_str::<RetryPolicySpec>("rateLimit: {perSecond: 1, scope: cluster}")
+            .is_err()
+    );
+}
+
+#[test]
+fn a_pause_with_an_end_is_over_at_its_end() {
+    let spec: RetryPolicySpec =
+        serde_saphyr::from_str("paused: true\npausedUntil: 2026-12-06T18:00:00Z").unwrap();
+    let policy = Policy::from_spec("p", &spec).unwrap();
+    let until = parse_time(b"2026-12-06T18:00:00Z").unwrap();
+    assert!(policy.paused_at(until - Duration::from_secs(1)).is_some());
+    assert!(policy.paused_at(until).is_none());
+    // pausedUntil alone pauses nothing: paused says whether.
+    let spec: RetryPolicySpec =
+        serde_saphyr::from_str("pausedUntil: 2999-01-01T00:00:00Z").unwrap();
+    assert!(Policy::from_spec("p", &spec).unwrap().pause.is_none());
 }
 
 #[test]

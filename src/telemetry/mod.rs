@@ -86,6 +86,10 @@ pub struct Metrics {
     pub broker_read_errors: Family<QueueLabels, Counter>,
     pub concurrency_limit: Family<QueueLabels, Gauge>,
     pub dedup_hits: Family<QueueLabels, Counter>,
+    /// 1 while the queue's RetryPolicy pauses it.
+    pub paused: Family<QueueLabels, Gauge>,
+    /// `rateLimit.perSecond` in force; 0 without a rate limit.
+    pub rate_limit: Family<QueueLabels, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -122,6 +126,8 @@ impl Metrics {
             broker_read_errors: Family::default(),
             concurrency_limit: Family::default(),
             dedup_hits: Family::default(),
+            paused: Family::default(),
+            rate_limit: Family::default(),
             registry: Registry::default(),
         };
         let m = &metrics;
@@ -241,6 +247,16 @@ impl Metrics {
             "Redeliveries of messages acked within --dedup-window, acked without reaching the app",
             m.dedup_hits.clone(),
         );
+        registry.register(
+            "paused",
+            "1 while the queue's RetryPolicy pauses it (spec.paused): nothing is fetched",
+            m.paused.clone(),
+        );
+        registry.register(
+            "rate_limit",
+            "Deliveries a second the RetryPolicy allows (spec.rateLimit.perSecond); 0 for no limit",
+            m.rate_limit.clone(),
+        );
         let build_info = Family::<VersionLabels, Gauge>::default();
         build_info
             .get_or_create(&VersionLabels {
@@ -304,6 +320,8 @@ impl Metrics {
             dedup_hits: self.dedup_hits.get_or_create(&q).clone(),
             concurrency_limit: self.concurrency_limit.get_or_create(&q).clone(),
             app_up: self.app_up.clone(),
+            paused: self.paused.get_or_create(&q).clone(),
+            rate_limit: self.rate_limit.get_or_create(&q).clone(),
         }
     }
 
@@ -369,6 +387,8 @@ pub struct QueueMetrics {
     pub dedup_hits: Counter,
     pub concurrency_limit: Gauge,
     pub app_up: Gauge,
+    pub paused: Gauge,
+    pub rate_limit: Gauge<f64, AtomicU64>,
 }
 
 impl QueueMetrics {

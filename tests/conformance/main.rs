@@ -16,7 +16,8 @@
 //!
 //! - `delivery`: the classification table, Retry-After, headers, attempts,
 //!   bodies, an unreachable app, a policy file reload, dead letters read
-//!   with the broker's own client (in-process sidecar);
+//!   with the broker's own client (in-process sidecar); the enqueue time a
+//!   delivery carries, across a retry and a give-back (the source alone);
 //! - `process`: the built binary: `kill -9` mid-flight, a scheduled retry
 //!   across a restart, SIGTERM drains, `--drain-timeout`, attempts across
 //!   stops and crashes;
@@ -25,6 +26,8 @@
 //! - `dlq`: `courier dlq list/show/replay/purge`;
 //! - `depth`: the work queue's depth and oldest age on `/metrics`;
 //! - `seal`: a producer's `courier-*` fields are not courier's state;
+//! - `flow`: the policy's `rateLimit` (pacing, a live edit, `scope: queue`
+//!   across replicas), `paused` across a restart, and `maxAge`;
 //! - `only`: what holds for one broker alone.
 
 #[path = "../common/mod.rs"]
@@ -35,6 +38,7 @@ mod dedup;
 mod delivery;
 mod depth;
 mod dlq;
+mod flow;
 mod only;
 mod process;
 mod seal;
@@ -55,6 +59,8 @@ enum Needs {
     Dedup,
     /// No deduplication window (its fallback).
     NoDedup,
+    /// A rate-limit bucket on the broker that every replica shares.
+    SharedRateLimit,
 }
 
 impl Needs {
@@ -64,6 +70,7 @@ impl Needs {
             Self::DeadLetterBrowsing => capabilities.dead_letter_browsing,
             Self::Dedup => capabilities.dedup,
             Self::NoDedup => !capabilities.dedup,
+            Self::SharedRateLimit => capabilities.shared_rate_limit,
         }
     }
 }
@@ -163,6 +170,7 @@ suite!(
         delivery::policy_file_reload if DeadLetterBrowsing,
         delivery::a_live_lower_max_attempts_exhausts_attempts if DeadLetterBrowsing,
         delivery::dead_letters_are_readable_with_the_brokers_own_client if Nothing,
+        delivery::enqueued_at_survives_retries if Nothing,
         process::crash_mid_flight_loses_nothing if DeadLetterBrowsing,
         process::scheduled_retry_survives_restart if DeadLetterBrowsing,
         process::sigterm_drains_in_flight if DeadLetterBrowsing,
@@ -185,6 +193,10 @@ suite!(
         dlq::a_key_rotation_keeps_copies_sealed_within_the_window if DeadLetterBrowsing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
+        flow::rate_limit_paces_deliveries_and_follows_a_live_edit if Nothing,
+        flow::pause_stops_deliveries_and_survives_a_restart if Nothing,
+        flow::max_age_dead_letters_old_messages_as_expired if Nothing,
+        flow::queue_scope_holds_the_total_across_replicas if SharedRateLimit,
     ]
 );
 

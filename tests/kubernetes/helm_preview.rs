@@ -176,12 +176,7 @@ fn bad_values_are_refused_with_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("values.yaml");
     std::fs::write(&file, "sidecar:\n  resources:\n    memoryLimit: lots\n").unwrap();
-    let output = preview(&[
-        "--pod",
-        deployment().to_str().unwrap(),
-        "--values",
-        file.to_str().unwrap(),
-    ]);
+    let output = preview_with_values(&file);
     assert_eq!(output.status.code(), Some(2), "bad usage");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -190,6 +185,43 @@ fn bad_values_are_refused_with_the_key() {
     );
     let output = preview(&["--values", file.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(2), "--values needs --pod");
+    // The RetryPolicy the chart creates, its flow-control fields too.
+    for (spec, says) in [
+        (
+            "rateLimit: {perSecond: 0}",
+            "defaultPolicy.spec.rateLimit.perSecond: must be greater than 0",
+        ),
+        ("maxAge: 1d", "defaultPolicy.spec.maxAge"),
+        ("pausedUntil: soon", "defaultPolicy.spec.pausedUntil"),
+        ("pased: true", "unknown field `pased`"),
+    ] {
+        std::fs::write(
+            &file,
+            format!("defaultPolicy:\n  enabled: true\n  spec:\n    {spec}\n"),
+        )
+        .unwrap();
+        let output = preview_with_values(&file);
+        assert_eq!(output.status.code(), Some(2), "{spec}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(says), "{spec}: {stderr}");
+    }
+    std::fs::write(
+        &file,
+        "defaultPolicy:\n  enabled: true\n  spec:\n    rateLimit: {perSecond: 20, burst: 5, scope: queue}\n    paused: true\n    pausedReason: migration\n    maxAge: 24h\n",
+    )
+    .unwrap();
+    let output = preview_with_values(&file);
+    assert!(output.status.success(), "{output:?}");
+}
+
+/// The preview of the test deployment with the chart's values in `file`.
+fn preview_with_values(file: &Path) -> Output {
+    preview(&[
+        "--pod",
+        deployment().to_str().unwrap(),
+        "--values",
+        file.to_str().unwrap(),
+    ])
 }
 
 /// Found at 21da363, trying it as a new user would: `courier inject --pod

@@ -174,6 +174,32 @@ const INVALID: &[(&str, &str, &str)] = &[
     ("appDirectives: \"no\"", "openapi", "boolean"),
     ("appDirectives: 0", "openapi", "boolean"),
     ("maxAttemps: 3", "openapi", "maxAttemps"),
+    (
+        "rateLimit: {perSecond: 0}",
+        "cel",
+        "rateLimit.perSecond must be greater than 0",
+    ),
+    (
+        "rateLimit: {perSecond: -0.5}",
+        "cel",
+        "rateLimit.perSecond must be greater than 0",
+    ),
+    ("rateLimit: {perSecond: 200000}", "openapi", "maximum"),
+    ("rateLimit: {burst: 2}", "openapi", "perSecond"),
+    ("rateLimit: {perSecond: 5, burst: 0}", "openapi", "minimum"),
+    (
+        "rateLimit: {perSecond: 5, scope: cluster}",
+        "openapi",
+        "is not one of",
+    ),
+    ("paused: \"yes\"", "openapi", "boolean"),
+    ("pausedUntil: tomorrow", "openapi", "does not match"),
+    ("maxAge: 1d", "openapi", "does not match"),
+    (
+        "maxAge: 0s",
+        "cel",
+        "maxAge must be a duration greater than 0",
+    ),
 ];
 
 #[test]

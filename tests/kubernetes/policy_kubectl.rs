@@ -243,8 +243,10 @@ async fn kubectl_apply_edit_and_delete_steer_the_running_sidecar() {
     assert_eq!(
         rows,
         [
-            vec!["ATTEMPTS", "INITIAL", "MAX", "TIMEOUT", "ACCEPTED"],
-            vec!["1", "20ms", "50ms", "500ms", "True"]
+            vec![
+                "ATTEMPTS", "INITIAL", "MAX", "TIMEOUT", "ACCEPTED", "PAUSED"
+            ],
+            vec!["1", "20ms", "50ms", "500ms", "True", "<none>"]
         ],
         "{table}"
     );
@@ -328,6 +330,135 @@ async fn kubectl_apply_edit_and_delete_steer_the_running_sidecar() {
 }
 
 /// Both examples, applied with kubectl, each followed by a sidecar.
+const FLOW: &str = "apiVersion: courier.dev/v1alpha1
+kind: RetryPolicy
+metadata:
+  name: flow
+spec:
+  maxAttempts: 3
+  timeout: 5s
+";
+
+/// Each flow-control field edited with `kubectl edit` while the sidecar
+/// runs: `rateLimit` paces deliveries, `paused` stops them and shows in
+/// the status's `Paused` condition, `maxAge` dead-letters what waited
+/// through the pause, and `pausedUntil` resumes by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_edit_of_each_flow_control_field_steers_the_sidecar() {
+    let stub = KubeStub::start(NS);
+    stub.apply(FLOW);
+    let fixture = Fixture::redis();
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let sidecar = Sidecar::start(&stub, &fixture, &app, "flow");
+    sidecar.wait_ready().await;
+    let gauge = async |name: &str| series(&sidecar.metrics().await, name, &fixture.queue);
+    let paused_condition = || {
+        stub.kubectl_ok(&[
+            "get",
+            "rp",
+            "flow",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Paused\")].status} {.status.conditions[?(@.type==\"Paused\")].reason}",
+        ])
+    };
+
+    // rateLimit: 5 a second, a burst of 1: ten messages take about 1.8 s.
+    stub.edit(
+        "flow",
+        r"s/^spec:$/spec:\n  rateLimit:\n    perSecond: 5\n    burst: 1/",
+    );
+    wait_for("the rate limit", Duration::from_secs(5), async || {
+        gauge("courier_rate_limit").await == Some(5.0)
+    })
+    .await;
+    for i in 0..10 {
+        fixture.send(&source, format!("paced-{i}")).await;
+    }
+    wait_settled(&source, SETTLE).await;
+    let times: Vec<Instant> = app.received().iter().map(|r| r.at).collect();
+    assert_eq!(times.len(), 10);
+    let span = *times.iter().max().unwrap() - *times.iter().min().unwrap();
+    assert!(
+        span >= Duration::from_millis(1600),
+        "ten deliveries at 5 a second with a burst of 1 took {span:?}"
+    );
+
+    // paused: true, with a reason.
+    stub.edit(
+        "flow",
+        r"s/^spec:$/spec:\n  paused: true\n  pausedReason: payments incident/",
+    );
+    wait_for("the pause", Duration::from_secs(2), async || {
+        gauge("courier_paused").await == Some(1.0)
+    })
+    .await;
+    wait_for("the Paused condition", Duration::from_secs(5), async || {
+        paused_condition() == "True Paused"
+    })
+    .await;
+    let message = stub.kubectl_ok(&[
+        "get",
+        "rp",
+        "flow",
+        "-o",
+        "jsonpath={.status.conditions[?(@.type==\"Paused\")].message}",
+    ]);
+    assert!(message.contains("payments incident"), "{message}");
+    let held = fixture.send(&source, "waited-through-the-pause").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(app.received().len(), 10, "delivered while paused");
+    assert!(
+        get(sidecar.addr, "/readyz")
+            .await
+            .starts_with("HTTP/1.1 200"),
+        "a pause is not an outage"
+    );
+
+    // Resume with maxAge 1s: the message that waited through the pause is
+    // dead-lettered as expired, never offered.
+    stub.edit("flow", r"s/^  paused: true$/  paused: false\n  maxAge: 1s/");
+    wait_settled(&source, SETTLE).await;
+    assert_eq!(
+        dead_letter_field(&fixture, &held, "courier-reason")
+            .await
+            .as_deref(),
+        Some("expired")
+    );
+    assert!(app.received_body(b"waited-through-the-pause").is_empty());
+    assert_eq!(gauge("courier_paused").await, Some(0.0));
+    wait_for(
+        "the Paused condition to clear",
+        Duration::from_secs(5),
+        async || paused_condition() == "False Running",
+    )
+    .await;
+
+    // pausedUntil 3 s from now (maxAge taken out, or what waits for the
+    // end would expire): paused, then resumed by itself.
+    let until = courier::model::rfc3339(std::time::SystemTime::now() + Duration::from_secs(3));
+    stub.edit(
+        "flow",
+        &format!(r"s/^  paused: false$/  paused: true\n  pausedUntil: {until}/;/^  maxAge: 1s$/d"),
+    );
+    wait_for("the timed pause", Duration::from_secs(2), async || {
+        gauge("courier_paused").await == Some(1.0)
+    })
+    .await;
+    assert_eq!(paused_condition(), "True PausedUntil");
+    fixture.send(&source, "after-the-timed-pause").await;
+    wait_for(
+        "the pause to end by itself",
+        Duration::from_secs(8),
+        async || !app.received_body(b"after-the-timed-pause").is_empty(),
+    )
+    .await;
+    let resumed = app.received_body(b"after-the-timed-pause")[0].wall;
+    let until = courier::model::parse_time(until.as_bytes()).unwrap();
+    assert!(resumed >= until, "delivered before pausedUntil");
+    sidecar.stop();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_examples_applied_with_kubectl_do_what_they_say() {
     let stub = KubeStub::start(NS);

@@ -236,7 +236,10 @@ ALERTS = [
             "(max by (namespace, queue) (courier_queue_depth) "
             "unless on (namespace, queue) "
             "(sum by (namespace, queue) "
-            "(max by (namespace, queue, pod) (increase(courier_acks_total[10m]))) > 0))"
+            "(max by (namespace, queue, pod) (increase(courier_acks_total[10m]))) > 0) "
+            # A queue paused on purpose (spec.paused) acks nothing either;
+            # CourierQueuePaused speaks for it.
+            "unless on (namespace, queue) (max by (namespace, queue) (courier_paused) > 0))"
         ),
         "op": ">",
         "threshold": 0,
@@ -248,5 +251,27 @@ ALERTS = [
             "the app is not answering, answers only with failures, or no sidecar is pulling."
         ),
         "runbook": "couriernotconsuming",
+    },
+    {
+        "name": "CourierQueuePaused",
+        "severity": "warning",
+        # courier_paused is 1 while the queue's RetryPolicy pauses it, in
+        # every replica alike: max, as for the other queue gauges. A pause
+        # is deliberate, so it only warns, and only once it has outlasted
+        # the hold below; the chart's monitoring.prometheusRule.for changes
+        # that hold, which is why the texts do not name it.
+        "query": "max by (namespace, queue) (courier_paused)",
+        "op": ">",
+        "threshold": 0,
+        "for": "1h",
+        "summary": "Queue {{ $labels.queue }} is still paused by its RetryPolicy",
+        "description": (
+            "The RetryPolicy of {{ $labels.queue }} (namespace {{ $labels.namespace }}) has "
+            "paused its consumption for longer than this alert allows: no replica pulls from it "
+            "and its messages wait in the broker. If the incident it was paused for is over, "
+            "resume it: kubectl -n {{ $labels.namespace }} patch retrypolicy NAME --type merge "
+            """-p '{"spec":{"paused":false}}' (NAME is the pods' courier.dev/policy)."""
+        ),
+        "runbook": "courierqueuepaused",
     },
 ]

@@ -322,8 +322,8 @@ def check_monitoring(docs):
 
 
 def check_monitoring_tuned(docs):
-    """Thresholds by name, extra labels and the runbook base URL reach the
-    rules; everything else is the shipped rules'."""
+    """Thresholds and waits (`for`) by name, extra labels and the runbook
+    base URL reach the rules; everything else is the shipped rules'."""
     rule = one(docs, "PrometheusRule")
     with open(ROOT / "monitoring/prometheus/courier-prometheusrule.yaml") as f:
         shipped = {r["alert"]: r for g in yaml.safe_load(f)["spec"]["groups"] for r in g["rules"]}
@@ -337,6 +337,8 @@ def check_monitoring_tuned(docs):
             check(r["expr"] == f"{head} {tuned[name]}", f"{name}: threshold {tuned[name]}: {r['expr']}")
         else:
             check(r["expr"] == original["expr"], f"{name}: expr unchanged")
+        waits = {"CourierQueuePaused": "4h"}
+        check(r.get("for") == waits.get(name, original.get("for")), f"{name}: for {r.get('for')}")
         check(r["labels"] == {**original["labels"], "team": "payments"}, f"{name}: extra labels: {r['labels']}")
         anchor = original["annotations"]["runbook_url"].split("#")[1]
         check(

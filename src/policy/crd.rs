@@ -93,7 +93,9 @@ mod tests {
             .collect();
         assert_eq!(
             columns,
-            ["Attempts", "Initial", "Max", "Timeout", "Accepted", "Age"]
+            [
+                "Attempts", "Initial", "Max", "Timeout", "Accepted", "Paused", "Age"
+            ]
         );
     }
 }

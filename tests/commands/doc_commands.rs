@@ -43,6 +43,10 @@ const NEEDS_CLUSTER: &str = "installs into a real cluster with Helm (scripts/tes
 const NEEDS_CONTROLLER: &str =
     "waits for the deployment controller, which the stand-in API server does not run";
 const NEEDS_CHART: &str = "reads objects only a Helm install into a real cluster creates";
+/// KEDA's own switch.
+const NO_KEDA: &str = "KEDA's ScaledObject is not installed in the stand-in API server; tests/kubernetes/keda_examples.rs checks the examples' ScaledObjects";
+/// The runbook's look at a paused RetryPolicy.
+const PAUSED_BY_KUBECTL: &str = "pausing and resuming with kubectl, and a paused RetryPolicy's fields and Paused condition read with kubectl's own JSONPath, are checked by tests/kubernetes/policy_kubectl.rs (kubectl_edit_of_each_flow_control_field_steers_the_sidecar) against a running sidecar";
 const NEEDS_KUBELET: &str =
     "reads container logs or pods, which need a kubelet and the webhook in a real cluster";
 
@@ -182,6 +186,36 @@ const CLASSIFIED: &[(&str, How)] = &[
     (
         "kubectl -n NAMESPACE get retrypolicy NAME -o yaml",
         How::Run,
+    ),
+    (
+        "kubectl -n NAMESPACE get deployment APP -o jsonpath='{.spec.template.metadata.annotations.courier\\.dev/policy}'",
+        How::Skip(
+            "reads the annotation of the user's own Deployment, which the stand-in API server does not have; tests/kubernetes/inject.rs reads courier.dev/policy from pod templates",
+        ),
+    ),
+    (
+        "kubectl -n NAMESPACE patch retrypolicy NAME --type merge -p '{\"spec\":{\"paused\":false}}'",
+        How::Skip(PAUSED_BY_KUBECTL),
+    ),
+    (
+        "kubectl -n NAMESPACE annotate scaledobject NAME autoscaling.keda.sh/paused=\"true\"",
+        How::Skip(NO_KEDA),
+    ),
+    (
+        "kubectl -n NAMESPACE annotate scaledobject NAME autoscaling.keda.sh/paused-",
+        How::Skip(NO_KEDA),
+    ),
+    (
+        "kubectl -n NAMESPACE get retrypolicy NAME -o jsonpath='{.spec.pausedReason}'",
+        How::Skip(PAUSED_BY_KUBECTL),
+    ),
+    (
+        "kubectl -n NAMESPACE get retrypolicy NAME -o jsonpath='{.spec.pausedUntil}'",
+        How::Skip(PAUSED_BY_KUBECTL),
+    ),
+    (
+        "kubectl -n NAMESPACE get retrypolicy NAME -o jsonpath='{.status.conditions[?(@.type==\"Paused\")]}'",
+        How::Skip(PAUSED_BY_KUBECTL),
     ),
     (
         "kubectl -n NAMESPACE port-forward POD 9464:9464 &",

@@ -327,6 +327,25 @@ impl DeadLetter {
 mod tests {
     use super::*;
 
+    /// The record of message `5-0` of `orders`, dead-lettered for `reason`.
+    fn failure_of(reason: crate::model::DeadLetterReason, status: u16, attempts: u32) -> Failure {
+        Failure {
+            reason,
+            status: Some(status),
+            error: None,
+            attempts,
+            first_attempt_at: SystemTime::UNIX_EPOCH,
+            last_attempt_at: SystemTime::UNIX_EPOCH,
+            queue: "orders".into(),
+            message_id: "5-0".into(),
+            excerpt: Bytes::new(),
+            policy: "p@1".into(),
+            dead_letter_queue: "orders.dlq".into(),
+            app_directive: None,
+            cut: None,
+        }
+    }
+
     /// Found at 21da363: a producer's header, attribute or field named
     /// `payload` replaced the body on Kafka, SQS and Pub/Sub (each puts the
     /// body first, and the last occurrence won), and a second copy of a
@@ -483,21 +502,7 @@ mod tests {
             None,
         );
         assert!(d.enqueued_at.is_some());
-        let failure = Failure {
-            reason: crate::model::DeadLetterReason::AttemptsExhausted,
-            status: Some(503),
-            error: None,
-            attempts: 3,
-            first_attempt_at: SystemTime::UNIX_EPOCH,
-            last_attempt_at: SystemTime::UNIX_EPOCH,
-            queue: "orders".into(),
-            message_id: "5-0".into(),
-            excerpt: Bytes::new(),
-            policy: "p@1".into(),
-            dead_letter_queue: "orders.dlq".into(),
-            app_directive: None,
-            cut: None,
-        };
+        let failure = failure_of(crate::model::DeadLetterReason::AttemptsExhausted, 503, 3);
         let letter = DeadLetter::from_fields("1".into(), d.fields_for_dead_letter(&failure));
         assert_eq!(letter.field(F_ENQUEUED_AT), None);
     }
@@ -517,21 +522,7 @@ mod tests {
             "r".into(),
             None,
         );
-        let failure = Failure {
-            reason: crate::model::DeadLetterReason::Undeliverable,
-            status: Some(400),
-            error: None,
-            attempts: 1,
-            first_attempt_at: SystemTime::UNIX_EPOCH,
-            last_attempt_at: SystemTime::UNIX_EPOCH,
-            queue: "orders".into(),
-            message_id: "5-0".into(),
-            excerpt: Bytes::new(),
-            policy: "p@1".into(),
-            dead_letter_queue: "orders.dlq".into(),
-            app_directive: None,
-            cut: None,
-        };
+        let failure = failure_of(crate::model::DeadLetterReason::Undeliverable, 400, 1);
         let letter = |failure: &Failure| {
             let fields = d.fields_for_dead_letter(failure);
             DeadLetter::from_fields("1".into(), fields)

@@ -18,7 +18,8 @@ added here:
   and end after timeoutSeconds; a resourceVersion the server never issued
   (it restarted) is answered with 410 Gone, so clients relist;
 - applying a CustomResourceDefinition registers its resource (discovery,
-  short names) and its schema under /openapi/v3.
+  short names) and its schema under /openapi/v3;
+- a SelfSubjectReview names the caller by its token (see `whoami`).
 
 It does not validate objects against the CRD's schema: like a cluster with an
 older CRD installed, it lets through what courier itself must refuse.
@@ -65,6 +66,10 @@ BUILTIN = {
     'rbac.authorization.k8s.io/v1/rolebindings': dict(namespaced=True, kind='RoleBinding',
                                                       singular='rolebinding', shortnames=[],
                                                       verbs=VERBS),
+    # `kubectl auth whoami` and courier's audit trail ask who they are.
+    'authentication.k8s.io/v1/selfsubjectreviews': dict(
+        namespaced=False, kind='SelfSubjectReview', singular='selfsubjectreview', shortnames=[],
+        verbs=['create']),
 }
 SIDECAR_ROLE = 'courier-sidecar'
 
@@ -119,6 +124,8 @@ class Stub(kmock.KubernetesEmulator):
             return refused
         if request.action == kmock.action.WATCH:
             return await self.watch(request)
+        if request.resource.plural == 'selfsubjectreviews':
+            return self.whoami(request)
         if request.method.upper() in ('POST', 'PUT', 'PATCH', 'DELETE'):
             if 'protobuf' in request.headers.get('Content-Type', ''):
                 # kubectl's generators (create secret, create rolebinding)
@@ -129,6 +136,22 @@ class Stub(kmock.KubernetesEmulator):
             async with self._lock:
                 return await self.write(request)
         return await super()._handle(request)
+
+    def whoami(self, request):
+        """A SelfSubjectReview: the token `sa:NAMESPACE:NAME` is that service
+        account, `user:NAME` that user, no token the admin (as on kind)."""
+        token = request.headers.get('Authorization', '').removeprefix('Bearer ').strip()
+        if token.startswith('sa:'):
+            _, account_ns, account = token.split(':', 2)
+            user = {'username': f'system:serviceaccount:{account_ns}:{account}',
+                    'groups': ['system:serviceaccounts', 'system:authenticated']}
+        elif token.startswith('user:'):
+            user = {'username': token.removeprefix('user:'), 'groups': ['system:authenticated']}
+        else:
+            user = {'username': 'kubernetes-admin', 'groups': ['system:masters', 'system:authenticated']}
+        return aiohttp.web.json_response({
+            'apiVersion': 'authentication.k8s.io/v1', 'kind': 'SelfSubjectReview',
+            'metadata': {'creationTimestamp': None}, 'status': {'userInfo': user}}, status=201)
 
     def refused(self, request):
         """The 403 a service account gets reading RetryPolicies where no

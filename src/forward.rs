@@ -26,6 +26,7 @@ use pool::{Failure, Pool};
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 static MESSAGE_ID: HeaderName = HeaderName::from_static("courier-message-id");
 static ATTEMPT: HeaderName = HeaderName::from_static("courier-attempt");
+static REPLAY_COUNT: HeaderName = HeaderName::from_static("courier-replay-count");
 static QUEUE: HeaderName = HeaderName::from_static("courier-queue");
 static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
@@ -34,8 +35,9 @@ static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 static RETRY: HeaderName = HeaderName::from_static("courier-retry");
 static DEAD_LETTER: HeaderName = HeaderName::from_static("courier-dead-letter");
 /// What is added to a message's own headers: the host, courier's content
-/// type, key, id, attempt and queue, then hyper's content length.
-const ADDED_HEADERS: usize = 7;
+/// type, key, id, attempt, replay count and queue, then hyper's content
+/// length.
+const ADDED_HEADERS: usize = 8;
 /// The most headers (the message's own and a CloudEvent's attributes)
 /// offered to the app; a message with more is undeliverable. http's
 /// `HeaderMap` panics past about 24,000 entries, and HTTP servers refuse
@@ -112,6 +114,9 @@ pub struct Envelope<'a> {
     pub message: &'a Message,
     pub queue: &'a QueueName,
     pub attempt: u32,
+    /// How often the message was replayed from a dead-letter queue
+    /// (`Delivery::replay_count`): sent as `Courier-Replay-Count` when not 0.
+    pub replay_count: u32,
     /// Sent in place of the message's own `traceparent` and `tracestate`:
     /// the delivery span's, so that the app's span nests under it. `None`
     /// passes the message's own on unchanged.
@@ -371,6 +376,12 @@ impl Forwarder {
             .map_err(|_| format!("message id {:?} is not a valid header value", message.id))?;
         headers.insert(MESSAGE_ID.clone(), id);
         headers.insert(ATTEMPT.clone(), HeaderValue::from(envelope.attempt));
+        if envelope.replay_count > 0 {
+            headers.insert(
+                REPLAY_COUNT.clone(),
+                HeaderValue::from(envelope.replay_count),
+            );
+        }
         let queue = envelope.queue.header.clone().ok_or_else(|| {
             format!(
                 "queue {:?} is not a valid header value",
@@ -578,6 +589,7 @@ mod tests {
             message,
             queue,
             attempt: 1,
+            replay_count: 0,
             trace: None,
         }
     }
@@ -764,6 +776,35 @@ mod tests {
         };
         let request = forwarder.build(&traced).unwrap();
         assert_eq!(values(&request, "tracestate"), ["shop=producer"]);
+    }
+
+    /// A replayed message says how often it was replayed, on every
+    /// attempt; one never replayed has no such header, and a producer's
+    /// header of that name is never forwarded.
+    #[test]
+    fn a_replayed_message_carries_its_replay_count() {
+        let forwarder = Forwarder::new("http://127.0.0.1:8080/".parse().unwrap(), 1);
+        let queue = QueueName::new("orders");
+        let message = Message {
+            headers: vec![("Courier-Replay-Count".into(), "99".into())],
+            ..small_message()
+        };
+        let count = |envelope: &Envelope<'_>| -> Vec<String> {
+            let request = forwarder.build(envelope).unwrap();
+            request
+                .headers()
+                .get_all("courier-replay-count")
+                .iter()
+                .map(|v| v.to_str().unwrap().to_string())
+                .collect()
+        };
+        assert!(count(&envelope(&message, &queue)).is_empty());
+        let replayed = Envelope {
+            replay_count: 2,
+            attempt: 3,
+            ..envelope(&message, &queue)
+        };
+        assert_eq!(count(&replayed), ["2"]);
     }
 
     #[test]

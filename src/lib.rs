@@ -21,6 +21,8 @@
 //!   the pure decision [`policy::decide`].
 //! - [`dispatch`]: the one join: concurrency, the app-health gate, settling
 //!   and the graceful drain.
+//! - [`expr`]: the dead-letter expressions (CEL): which dead letters an
+//!   operator means, for `courier dlq --filter`.
 //! - [`telemetry`]: Prometheus metrics, `/metrics`, `/healthz`, `/readyz`,
 //!   logging set-up, OpenTelemetry traces ([`telemetry::traces`]). A leaf:
 //!   it takes labels, not courier's types.
@@ -34,6 +36,7 @@
 pub mod cmd;
 pub mod dispatch;
 pub use courier_core::duration;
+pub mod expr;
 pub mod forward;
 pub mod inject;
 pub use courier_core::model;

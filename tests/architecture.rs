@@ -21,6 +21,9 @@ fn allowed(from: &str) -> Option<&'static [&'static str]> {
         "policy" => &["model", "duration"],
         // The HTTP client knows messages, not brokers.
         "forward" => &["model"],
+        // The dead-letter expressions: a letter in, a verdict out; the
+        // CloudEvents binding says which headers are an event's.
+        "expr" => &["model", "forward"],
         // The trait and the broker table, and the shared broker helpers.
         "source" => &["model", "source/*"],
         // A broker knows the trait and the model, no HTTP, no policy.
@@ -293,6 +296,7 @@ fn the_rule_is_written_down() {
         "model",
         "policy",
         "forward",
+        "expr",
         "source",
         "dispatch",
         "telemetry",

@@ -58,7 +58,7 @@ pub enum Command {
     /// Everything on the embedded queue with a sample app; no broker needed.
     #[cfg(feature = "embedded")]
     Demo(demo::DemoArgs),
-    /// Inspect, replay and purge dead letters.
+    /// Inspect, replay, edit and purge dead letters.
     Dlq(dlq::DlqArgs),
     /// The admission webhook that adds the sidecar to pods that opt in.
     Inject(inject::InjectArgs),

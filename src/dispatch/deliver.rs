@@ -81,6 +81,7 @@ impl Shared {
             message: &delivery.message,
             queue: &self.queue,
             attempt: delivery.attempt,
+            replay_count: delivery.replay_count,
             trace: None,
         })
     }
@@ -111,6 +112,7 @@ impl Shared {
             message: &delivery.message,
             queue: &self.queue,
             attempt: delivery.attempt,
+            replay_count: delivery.replay_count,
             trace,
         };
         // A guard, so that a delivery that panics does not stay counted.

@@ -218,6 +218,74 @@ pub async fn follow(
     Ok((watch(client, target, update, status, on_reload), status_rx))
 }
 
+/// The Kubernetes side of the audit trail of an operator's command on a
+/// RetryPolicy's queue (a dead-letter replay or purge): who the API server
+/// says the caller is, and a Normal Event on the RetryPolicy, so `kubectl
+/// describe retrypolicy` and `kubectl get events` show what was done to
+/// its queue and by whom.
+pub struct AuditTrail {
+    client: Client,
+    target: PolicyRef,
+}
+
+impl AuditTrail {
+    /// Connects with the ambient configuration, as [`follow`] does.
+    pub async fn connect(target: PolicyRef) -> Result<Self, kube::Error> {
+        Ok(Self {
+            client: Client::try_default().await?,
+            target,
+        })
+    }
+
+    pub fn target(&self) -> &PolicyRef {
+        &self.target
+    }
+
+    /// The caller's user name, from a SelfSubjectReview (what `kubectl auth
+    /// whoami` asks): the name the API server authenticated, not one the
+    /// caller could pick.
+    pub async fn caller(&self) -> Result<String, kube::Error> {
+        use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+        let reviews: Api<SelfSubjectReview> = Api::all(self.client.clone());
+        let review = reviews
+            .create(&Default::default(), &SelfSubjectReview::default())
+            .await?;
+        Ok(review
+            .status
+            .and_then(|s| s.user_info)
+            .and_then(|u| u.username)
+            .unwrap_or_else(|| "unknown".into()))
+    }
+
+    /// A Normal Event on the RetryPolicy; `note` is cut to the 1 KiB the
+    /// API server keeps.
+    pub async fn record(&self, reason: &str, action: &str, note: &str) -> Result<(), kube::Error> {
+        let regarding = ObjectReference {
+            api_version: Some(RetryPolicy::api_version(&()).into_owned()),
+            kind: Some(RetryPolicy::kind(&()).into_owned()),
+            name: Some(self.target.name.clone()),
+            namespace: Some(self.target.namespace.clone()),
+            ..ObjectReference::default()
+        };
+        let event = KubeEvent {
+            type_: EventType::Normal,
+            reason: reason.into(),
+            note: Some(truncate(note, 1000)),
+            action: action.into(),
+            secondary: None,
+        };
+        Recorder::new(
+            self.client.clone(),
+            Reporter {
+                controller: MANAGER.into(),
+                instance: None,
+            },
+        )
+        .publish(&event, &regarding)
+        .await
+    }
+}
+
 /// Follows one RetryPolicy until the task is aborted. `status.read` turns
 /// true once the policy has been read (found or not): the sidecar is not
 /// ready before; `status.problem` holds a 403 or 404 until a list works.

@@ -134,7 +134,7 @@ async fn courier_dlq_lists_skips_and_purges_a_corrupt_dead_letter() {
     assert_eq!(left.len(), 1, "the good one was replayed: {out}");
     assert_eq!(left[0]["id"], bad_id.as_str());
 
-    let (code, _, err) = dlq(&["purge", "--all", "--yes"]);
+    let (code, _, err) = dlq(&["purge", "--all", "--yes", "--why", "test"]);
     assert_eq!(code, Some(0), "{err}");
     let (_, out, _) = dlq(&["list", "--output", "json"]);
     assert!(out.trim().is_empty(), "{out}");

@@ -409,7 +409,7 @@ async fn send_and_dlq_commands() {
     assert!(String::from_utf8_lossy(&shown.stdout).contains("courier-reason"));
     let replayed = dlq(&["replay", "--id", &of("sent")]);
     assert!(replayed.status.success(), "{replayed:?}");
-    let purge = dlq(&["purge", "--id", &of("purged"), "--yes"]);
+    let purge = dlq(&["purge", "--id", &of("purged"), "--yes", "--why", "test"]);
     assert!(purge.status.success(), "{purge:?}");
     wait_for("the replayed message acked", SETTLE, async || {
         app.received_body(b"script:422,200\nsent").len() == 2

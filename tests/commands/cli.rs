@@ -450,6 +450,48 @@ fn send_refuses_a_header_that_is_not_k_equals_v() {
     target.assert_untouched();
 }
 
+/// A `--filter` expression that does not parse, or names no variable, is
+/// refused with exit 2 before the dead-letter queue is read (`list` prints
+/// its header line even for an empty queue), saying where it is wrong and
+/// which variables there are; from the flag or `COURIER_FILTER`, for
+/// every `dlq` command that selects.
+#[test]
+fn a_bad_dlq_filter_is_refused_saying_where_and_the_variables() {
+    let rows: [(&str, &[&str]); 2] = [
+        (
+            r#"status >= 500 && tenant == "acme""#,
+            &["--filter", "at column 18", "\"tenant\" is not a variable"],
+        ),
+        ("status >=", &["--filter", "at column 10", "Syntax error"]),
+    ];
+    for target in Target::all() {
+        for (expression, words) in rows {
+            for verb in ["list", "replay", "purge"] {
+                let (source, queue) = (target.source(), target.queue());
+                let mut args = vec!["dlq", verb, "--source", &source, "--queue", &queue];
+                let from_env = verb == "purge";
+                if !from_env {
+                    args.extend(["--filter", expression]);
+                }
+                let envs: &[(&str, &str)] = if from_env {
+                    &[("COURIER_FILTER", expression)]
+                } else {
+                    &[]
+                };
+                let out = courier(&args, envs, None);
+                assert_eq!(out.status.code(), Some(2), "{args:?}: {}", out.stderr);
+                assert_mentions(&out.stderr, words);
+                assert_mentions(
+                    &out.stderr,
+                    &["the variables: reason, status, attempts", "headers, body"],
+                );
+                assert!(out.stdout.is_empty(), "{args:?}: nothing listed or moved");
+                target.assert_untouched();
+            }
+        }
+    }
+}
+
 // === Controls for the checks above ===
 
 /// The same flags, valid, do start courier and create the stream: the

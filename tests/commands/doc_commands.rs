@@ -166,17 +166,39 @@ const CLASSIFIED: &[(&str, How)] = &[
         How::Run,
     ),
     (
+        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq list --filter 'status == 422 && age < duration(\"24h\") && headers[\"x-tenant\"] == \"acme\"'",
+        How::Run,
+    ),
+    (
         "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq replay --all --rate 50",
         How::Run,
     ),
     (
-        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq purge --all --yes",
+        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq replay --filter 'status == 422 && headers[\"x-tenant\"] == \"acme\"' --rate 50",
+        How::Run,
+    ),
+    (
+        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq purge --all --yes --why 'INC-123: test orders'",
+        How::Run,
+    ),
+    (
+        "echo '[]' | kubectl -n NAMESPACE exec -i deploy/APP -c courier -- courier dlq edit ID --patch - --dry-run",
+        How::Run,
+    ),
+    (
+        "kubectl -n NAMESPACE exec -i deploy/APP -c courier -- courier dlq edit ID --patch - --why 'INC-123: tenant header' <<'EOF'",
         How::Run,
     ),
     (
         "kubectl -n NAMESPACE get events --sort-by=.lastTimestamp | grep -i policy",
         How::Skip(
             "the stand-in serves Events only as events.k8s.io/v1, without the core/v1 view and the server-side columns (REASON, MESSAGE) `kubectl get events` prints; tests/kubernetes/policy_kubectl.rs checks the Event a refused policy records",
+        ),
+    ),
+    (
+        "kubectl -n NAMESPACE get events --field-selector involvedObject.kind=RetryPolicy",
+        How::Skip(
+            "the stand-in serves Events only as events.k8s.io/v1, without the core/v1 view `kubectl get events` reads; tests/kubernetes/policy_kubectl.rs checks the Event a purge records on the RetryPolicy",
         ),
     ),
     (
@@ -645,6 +667,57 @@ async fn dead_letters_at_least(fixture: &Fixture, n: usize) -> Vec<String> {
     ids
 }
 
+/// The kinds of dead letter the runbook's `--filter` commands tell apart:
+/// the one they select (the app answered 422 for the tenant acme) and two
+/// that differ from it by the status or by the header.
+const FILTER_KINDS: [(&str, &str); 3] = [("422", "acme"), ("422", "globex"), ("400", "acme")];
+
+/// The ids of `fixture`'s dead letters of each of [`FILTER_KINDS`].
+async fn ids_by_filter_kind(fixture: &Fixture) -> [Vec<String>; 3] {
+    let source = fixture.open().await;
+    let letters = fixture.dead_letters(&source).await;
+    release(fixture, source).await;
+    FILTER_KINDS.map(|(status, tenant)| {
+        letters
+            .iter()
+            .filter(|l| l.field("courier-status") == Some(status))
+            .filter(|l| l.field("x-tenant") == Some(tenant))
+            .map(|l| l.id.clone())
+            .collect()
+    })
+}
+
+/// At least one dead letter of each of [`FILTER_KINDS`], made by a sidecar
+/// as [`dead_letters_at_least`] makes them.
+async fn dead_letters_of_each_filter_kind(fixture: &Fixture) {
+    let have = ids_by_filter_kind(fixture).await;
+    if have.iter().all(|ids| !ids.is_empty()) {
+        return;
+    }
+    let producer = fixture.producer().await;
+    for ((status, tenant), _) in FILTER_KINDS
+        .iter()
+        .zip(&have)
+        .filter(|(_, ids)| ids.is_empty())
+    {
+        producer
+            .send(
+                Bytes::from(format!("script:{status}\n{}", unique("doc"))),
+                &[("x-tenant".to_string(), tenant.to_string())],
+            )
+            .await;
+    }
+    producer.release(fixture).await;
+    let app = TestApp::start().await;
+    let source = fixture.open().await;
+    let running = Running::start(run_config(fixture, &app, fast_policy())).await;
+    wait_settled(&source, SETTLE).await;
+    running.stop().await;
+    release(fixture, source).await;
+    let have = ids_by_filter_kind(fixture).await;
+    assert!(have.iter().all(|ids| !ids.is_empty()), "{have:?}");
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -653,7 +726,9 @@ impl World {
     /// Prepares what `command` works on; returns the dead letter id for `ID`.
     async fn before(&self, command: &DocCommand, fixture: &Fixture) -> String {
         let text = &command.text;
-        if text.contains("courier dlq list") {
+        if text.contains("courier dlq") && text.contains("--filter") {
+            dead_letters_of_each_filter_kind(fixture).await;
+        } else if text.contains("courier dlq list") {
             dead_letters_at_least(fixture, 2).await;
         } else if text.contains("courier dlq") {
             return dead_letters_at_least(fixture, 1).await.remove(0);
@@ -683,7 +758,22 @@ impl World {
                 ["annotations"]["kubectl.kubernetes.io/restartedAt"]
                 .is_string()
         };
-        if text.contains("courier dlq list") {
+        if text.contains("courier dlq list") && text.contains("--filter") {
+            let [selected, ..] = ids_by_filter_kind(fixture).await;
+            let listed: Vec<&str> = stdout
+                .lines()
+                .skip(1)
+                .filter_map(|l| l.split_whitespace().next())
+                .collect();
+            assert_eq!(listed, selected, "{stdout}");
+        } else if text.contains("courier dlq replay") && text.contains("--filter") {
+            let [selected, other_tenant, other_status] = ids_by_filter_kind(fixture).await;
+            assert!(selected.is_empty(), "{selected:?} left: {stdout}");
+            assert!(
+                !other_tenant.is_empty() && !other_status.is_empty(),
+                "the filter replayed only what it says: {stdout}"
+            );
+        } else if text.contains("courier dlq list") {
             let letters = dead_letter_ids(fixture).await;
             assert_eq!(stdout.lines().count(), letters.len() + 1, "{stdout}");
             assert!(
@@ -695,6 +785,25 @@ impl World {
             assert!(
                 stdout.contains(id) && stdout.contains("permanent-status"),
                 "{stdout}"
+            );
+        } else if text.contains("courier dlq edit") && text.contains("--dry-run") {
+            let document: Value = serde_json::from_str(&stdout).expect("the document is JSON");
+            assert!(
+                document["headers"].is_object() && document.get("body").is_some(),
+                "{stdout}"
+            );
+            assert!(
+                dead_letter_ids(fixture).await.iter().any(|l| l == id),
+                "a dry run leaves the letter: {stdout}"
+            );
+        } else if text.contains("courier dlq edit") {
+            assert!(
+                stdout.contains(&format!("replayed {id} edited")),
+                "{stdout}"
+            );
+            assert!(
+                !dead_letter_ids(fixture).await.iter().any(|l| l == id),
+                "the edited letter was replayed: {stdout}"
             );
         } else if text.contains("courier dlq replay") || text.contains("courier dlq purge") {
             assert_eq!(

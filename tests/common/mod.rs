@@ -607,7 +607,7 @@ impl Running {
 }
 
 /// Polls `check` until it is true (true) or `limit` passes (false).
-async fn poll_until(limit: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
+pub async fn poll_until(limit: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         if check().await {

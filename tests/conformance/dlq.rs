@@ -29,7 +29,98 @@ pub(crate) fn courier(fixture: &Fixture, args: &[&str]) -> Output {
         .expect("run courier")
 }
 
-fn stdout(out: &Output) -> String {
+/// A sidecar running beside `courier dlq` commands, so that one run serves
+/// a whole scenario; on a queue one process opens at a time (the embedded
+/// queue) it stops for each command and starts again for the next wait.
+pub(crate) struct Beside<'a> {
+    fixture: &'a Fixture,
+    app_url: String,
+    running: Option<(Running, Arc<dyn courier::source::Source>)>,
+}
+
+impl<'a> Beside<'a> {
+    pub(crate) fn new(fixture: &'a Fixture, app_url: &str) -> Self {
+        Self {
+            fixture,
+            app_url: app_url.to_string(),
+            running: None,
+        }
+    }
+
+    pub(crate) async fn source(&mut self) -> Arc<dyn courier::source::Source> {
+        if self.running.is_none() {
+            let source = self.fixture.open().await;
+            let config = run_config_for(self.fixture, &self.app_url, fast_policy());
+            self.running = Some((Running::start(config).await, source));
+        }
+        self.running.as_ref().unwrap().1.clone()
+    }
+
+    pub(crate) async fn stop(&mut self) {
+        if let Some((running, source)) = self.running.take() {
+            running.stop().await;
+            drop(source);
+            release(self.fixture).await;
+        }
+    }
+
+    /// `courier <args>` against the fixture's queue, with `stdin` fed to it
+    /// when given.
+    pub(crate) async fn courier(&mut self, args: &[&str], stdin: Option<&str>) -> Output {
+        if self.fixture.dir().is_some() {
+            self.stop().await;
+        }
+        let Some(input) = stdin else {
+            return courier(self.fixture, args);
+        };
+        let mut child = Command::new(BIN)
+            .args(args)
+            .args(["--source", &self.fixture.source_arg()])
+            .args(["--queue", &self.fixture.queue])
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run courier");
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.as_bytes()).unwrap();
+        child.wait_with_output().expect("run courier")
+    }
+
+    /// The dead letter `wanted` picks, once the sidecar has written it.
+    pub(crate) async fn letter(
+        &mut self,
+        what: &str,
+        wanted: impl Fn(&courier::source::DeadLetter) -> bool,
+    ) -> courier::source::DeadLetter {
+        let source = self.source().await;
+        let dlq = self.fixture.dlq();
+        let find = async || {
+            source
+                .dead_letters(&dlq, 100)
+                .await
+                .ok()?
+                .into_iter()
+                .find(|l| wanted(l))
+        };
+        wait_for(what, SETTLE, async || find().await.is_some()).await;
+        find().await.unwrap()
+    }
+}
+
+/// The audit line a replay or purge writes on stderr.
+pub(crate) fn audit_line(out: &Output) -> serde_json::Value {
+    stderr(out)
+        .lines()
+        .find_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .filter(|v| v.get("audit").is_some())
+        })
+        .unwrap_or_else(|| panic!("no audit line: {}", stderr(out)))
+}
+
+pub(crate) fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -39,7 +130,7 @@ pub(crate) fn stderr(out: &Output) -> String {
 
 /// The embedded queue is one process's at a time: wait until this process
 /// has let go of it before the binary opens it.
-async fn release(fixture: &Fixture) {
+pub(crate) async fn release(fixture: &Fixture) {
     let Some(dir) = fixture.dir() else { return };
     let path = dir.join("courier.redb");
     wait_for(
@@ -286,18 +377,32 @@ pub async fn list_show_replay_purge(fixture: Fixture) {
         "replayed messages were delivered, not dead-lettered again"
     );
 
-    // purge refuses without --yes and says how many.
+    // purge refuses without --yes, or without --why for the audit trail,
+    // and says how many.
     let out = courier(&fixture, &["dlq", "purge", "--reason", "permanent-status"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("would delete 2"), "{}", stderr(&out));
+    let args = ["dlq", "purge", "--reason", "permanent-status", "--yes"];
+    let out = courier(&fixture, &args);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("add --why TEXT"), "{}", stderr(&out));
     assert_eq!(count(&[]), 3);
     let out = courier(
         &fixture,
-        &["dlq", "purge", "--reason", "permanent-status", "--yes"],
+        &[&args[..], &["--why", "INC-7 bad batch"]].concat(),
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(count(&[]), 1);
-    let out = courier(&fixture, &["dlq", "purge", "--all", "--yes"]);
+    let audit = audit_line(&out);
+    assert_eq!(audit["audit"], "purge");
+    assert_eq!(audit["selection"], "--reason permanent-status");
+    assert_eq!((&audit["selected"], &audit["done"]), (&2.into(), &2.into()));
+    assert_eq!(audit["why"], "INC-7 bad batch");
+    assert!(
+        audit["by"].as_str().unwrap().starts_with("local:"),
+        "no cluster: the local user, marked as such: {audit}"
+    );
+    let out = courier(&fixture, &["dlq", "purge", "--all", "--yes", "--why", "t"]);
     assert!(out.status.success());
     assert_eq!(count(&[]), 0);
 }
@@ -957,7 +1062,7 @@ pub async fn a_key_rotation_keeps_copies_sealed_within_the_window(fixture: Fixtu
             .iter()
             .find(|l| l.body.as_ref() == body.as_bytes())
             .unwrap_or_else(|| panic!("no dead letter of {body:?}: {letters:?}"))
-            .field("courier-replays")
+            .field("courier-replay-count")
             .map(str::to_string)
     };
     assert_eq!(replays(bodies[0]).as_deref(), Some("1"), "{letters:?}");

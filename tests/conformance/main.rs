@@ -24,6 +24,12 @@
 //! - `dedup`: `--dedup-window`;
 //! - `bad_inputs`: hostile producer headers and app answers;
 //! - `dlq`: `courier dlq list/show/replay/purge`;
+//! - `dlq_filter`: `courier dlq --filter` expressions;
+//! - `lineage`: a replay's `Courier-Replay-Count`, and the dead letter it
+//!   makes naming the letter it came from, with the history;
+//! - `snapshot`: a bulk command's set is fixed before it acts;
+//! - `edit`: `courier dlq edit`, a dead letter fixed with a JSON Patch and
+//!   replayed;
 //! - `depth`: the work queue's depth and oldest age on `/metrics`;
 //! - `seal`: a producer's `courier-*` fields are not courier's state;
 //! - `flow`: the policy's `rateLimit` (pacing, a live edit, `scope: queue`
@@ -38,10 +44,14 @@ mod dedup;
 mod delivery;
 mod depth;
 mod dlq;
+mod dlq_filter;
+mod edit;
 mod flow;
+mod lineage;
 mod only;
 mod process;
 mod seal;
+mod snapshot;
 
 use std::future::Future;
 
@@ -191,6 +201,10 @@ suite!(
         dlq::replay_killed_halfway_loses_nothing if DeadLetterBrowsing,
         dlq::read_only_commands_leave_the_broker_as_found if Nothing,
         dlq::a_key_rotation_keeps_copies_sealed_within_the_window if DeadLetterBrowsing,
+        dlq_filter::dlq_filter_selects_by_reason_status_header_and_body if DeadLetterBrowsing,
+        lineage::a_replay_carries_its_lineage if DeadLetterBrowsing,
+        snapshot::a_replay_leaves_letters_arriving_after_its_snapshot if DeadLetterBrowsing,
+        edit::edit_replays_the_patched_message if DeadLetterBrowsing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
         flow::rate_limit_paces_deliveries_and_follows_a_live_edit if Nothing,

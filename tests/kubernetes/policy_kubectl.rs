@@ -795,8 +795,72 @@ async fn dlq_list_with_the_sidecars_environment_finds_the_policys_dead_letters()
     );
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
     assert!(stdout.contains(&id), "{stdout}");
+    let listed: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let letter = listed["id"].as_str().unwrap().to_string();
     let default = format!("{}.dlq", fixture.queue);
     let out = list(&["--dlq", &default]);
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 0);
+
+    // The purge's audit trail: the caller as the API server names it (the
+    // stub reads the token `user:NAME` as that user), on stderr and as an
+    // Event on the RetryPolicy.
+    let alice = stub.dir.path().join("alice-kubeconfig");
+    let config = std::fs::read_to_string(stub.kubeconfig()).unwrap().replace(
+        "users: []\n",
+        "users:\n- name: alice\n  user:\n    token: user:alice\n",
+    );
+    let config = config.replace("    namespace:", "    user: alice\n    namespace:");
+    std::fs::write(&alice, config).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_courier"))
+        .args([
+            "dlq",
+            "purge",
+            "--id",
+            &letter,
+            "--yes",
+            "--why",
+            "INC-9 test data",
+        ])
+        .env("COURIER_SOURCE", fixture.source_arg())
+        .env("COURIER_QUEUE", &fixture.queue)
+        .env("COURIER_POLICY", "orders")
+        .env("KUBECONFIG", &alice)
+        .env("POD_NAMESPACE", NS)
+        .output()
+        .expect("run courier dlq purge");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let audit: serde_json::Value = stderr
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no audit line: {stderr}"));
+    assert_eq!(audit["by"], "alice", "{stderr}");
+    assert_eq!(audit["dead_letter_queue"], parked.as_str());
+    assert_eq!(audit["selection"], format!("--id {letter}"));
+    let events = stub.json(&["get", "events.v1.events.k8s.io", "-n", NS]);
+    let notes: Vec<&str> = events["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e["reason"] == "DeadLettersPurged"
+                && e["type"] == "Normal"
+                && e["regarding"]["kind"] == "RetryPolicy"
+                && e["regarding"]["name"] == "orders"
+        })
+        .filter_map(|e| e["note"].as_str())
+        .collect();
+    assert_eq!(
+        notes,
+        [format!(
+            "alice purged 1 of 1 dead letters in {parked} (--id {letter}); why: INC-9 test data"
+        )],
+        "{events}"
+    );
+    assert!(
+        dead_letter_field_in(&fixture, &parked, &id, "courier-reason")
+            .await
+            .is_none()
+    );
 }

@@ -261,7 +261,11 @@ impl DeadLetterStore for AmqpStore {
             .await?;
         self.take_dead_letter(dead_letter_queue, &letter.id, |found| async {
             let stored = dead_letter_of(&found);
-            let fields = seal.seal(stored.fields_for_replay());
+            let fields = seal.seal(
+                letter
+                    .fields_for_replay_of(&stored)
+                    .map_err(SourceError::invalid)?,
+            );
             let id = stored
                 .field(F_MESSAGE_ID)
                 .map(str::to_string)

@@ -70,11 +70,13 @@ fn has_table(tx: &WriteTransaction, name: &str) -> Result<bool, SourceError> {
         .any(|table| table.name() == name))
 }
 
-#[async_trait]
-impl DeadLetterStore for EmbeddedStore {
-    async fn dead_letters(
+impl EmbeddedStore {
+    /// The dead letters whose ids are in `ids`, at most `limit`, oldest
+    /// first.
+    async fn page(
         &self,
         dead_letter_queue: &str,
+        ids: std::ops::RangeInclusive<u64>,
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError> {
         let Some(file) = self.file()? else {
@@ -88,7 +90,7 @@ impl DeadLetterStore for EmbeddedStore {
                 Err(e) => return Err(store_error(e)),
             };
             let mut out = Vec::new();
-            for row in dlq.iter().map_err(store_error)?.take(limit) {
+            for row in dlq.range(ids).map_err(store_error)?.take(limit) {
                 let (id, data) = row.map_err(store_error)?;
                 let data = Bytes::copy_from_slice(data.value());
                 let letter = match decode_fields(&data) {
@@ -115,6 +117,38 @@ impl DeadLetterStore for EmbeddedStore {
             Ok(out)
         })
         .await
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for EmbeddedStore {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.page(dead_letter_queue, 0..=u64::MAX, limit).await
+    }
+
+    /// The table's keys are ordered: a page is a range read.
+    async fn dead_letters_after(
+        &self,
+        dead_letter_queue: &str,
+        after: Option<&str>,
+        through: Option<&str>,
+        limit: usize,
+    ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
+        let from = match after {
+            Some(id) => match parse_dead_letter_id(id)?.checked_add(1) {
+                Some(next) => next,
+                None => return Ok(Some(Vec::new())),
+            },
+            None => 0,
+        };
+        let through = through.map_or(Ok(u64::MAX), parse_dead_letter_id)?;
+        self.page(dead_letter_queue, from..=through, limit)
+            .await
+            .map(Some)
     }
 
     async fn replay(

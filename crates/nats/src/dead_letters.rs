@@ -145,11 +145,14 @@ impl NatsStore {
     }
 }
 
-#[async_trait]
-impl DeadLetterStore for NatsStore {
-    async fn dead_letters(
+impl NatsStore {
+    /// The dead letters with sequences from `from` through `through`, at
+    /// most `limit`, oldest first.
+    async fn page(
         &self,
         dead_letter_queue: &str,
+        from: u64,
+        through: u64,
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError> {
         let name = dead_letter_stream(dead_letter_queue);
@@ -159,9 +162,10 @@ impl DeadLetterStore for NatsStore {
             Err(e) => return Err(unavailable(e)),
         };
         let state = stream.cached_info().state.clone();
+        let last = state.last_sequence.min(through);
         let mut out = Vec::new();
-        let mut next = state.first_sequence;
-        while out.len() < limit && state.messages > 0 && next <= state.last_sequence {
+        let mut next = state.first_sequence.max(from);
+        while out.len() < limit && state.messages > 0 && next <= last {
             let got = stream
                 .raw_message_builder()
                 .sequence(next)
@@ -173,6 +177,10 @@ impl DeadLetterStore for NatsStore {
                 Err(e) if js_code(&e) == Some(ErrorCode::NO_MESSAGE_FOUND) => break,
                 Err(e) => return Err(unavailable(e)),
             };
+            // The next one by subject may lie past the page's end.
+            if message.sequence > last {
+                break;
+            }
             next = message.sequence + 1;
             out.push(DeadLetter::from_fields(
                 message.sequence.to_string(),
@@ -180,6 +188,39 @@ impl DeadLetterStore for NatsStore {
             ));
         }
         Ok(out)
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for NatsStore {
+    async fn dead_letters(
+        &self,
+        dead_letter_queue: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        self.page(dead_letter_queue, 0, u64::MAX, limit).await
+    }
+
+    /// Stream sequences are ordered: a page starts at the sequence after
+    /// `after`.
+    async fn dead_letters_after(
+        &self,
+        dead_letter_queue: &str,
+        after: Option<&str>,
+        through: Option<&str>,
+        limit: usize,
+    ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
+        let sequence = |id: Option<&str>, none: u64| {
+            id.map_or(Ok(none), |id| {
+                id.parse::<u64>()
+                    .map_err(|_| not_there(dead_letter_queue, id))
+            })
+        };
+        let from = sequence(after, 0)?.saturating_add(u64::from(after.is_some()));
+        let through = sequence(through, u64::MAX)?;
+        self.page(dead_letter_queue, from, through, limit)
+            .await
+            .map(Some)
     }
 
     async fn replay(
@@ -223,7 +264,11 @@ impl DeadLetterStore for NatsStore {
             &self.js,
             &subject,
             &self.queue,
-            &seal.seal(stored.fields_for_replay()),
+            &seal.seal(
+                letter
+                    .fields_for_replay_of(&stored)
+                    .map_err(SourceError::invalid)?,
+            ),
             Some(&replay_id),
         )
         .await?;

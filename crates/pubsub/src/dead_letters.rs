@@ -279,10 +279,10 @@ impl DeadLetterStore for PubSubStore {
         let (browsing, received) = self.find(dead_letter_queue, &letter.id).await?;
         let published = async {
             let topic = self.existing_work().await?.topic.clone();
-            let fields = self
-                .seal()
-                .await?
-                .seal(Self::letter(&received).fields_for_replay());
+            let fields = letter
+                .fields_for_replay_of(&Self::letter(&received))
+                .map_err(SourceError::invalid)?;
+            let fields = self.seal().await?.seal(fields);
             self.client.publish(&topic, &fields).await
         }
         .await;

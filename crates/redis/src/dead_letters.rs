@@ -94,6 +94,33 @@ impl DeadLetterStore for RedisStore {
             .collect())
     }
 
+    /// `XRANGE (after through COUNT limit`: entry ids are ordered, so a
+    /// page is one command whatever the stream's length.
+    async fn dead_letters_after(
+        &self,
+        dead_letter_queue: &str,
+        after: Option<&str>,
+        through: Option<&str>,
+        limit: usize,
+    ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
+        let mut con = self.commands.clone();
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(dead_letter_queue)
+            .arg(after.map_or_else(|| "-".to_string(), |id| format!("({id}")))
+            .arg(through.unwrap_or("+"))
+            .arg("COUNT")
+            .arg(limit.min(i64::MAX as usize))
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        Ok(Some(
+            parse_entries(reply)
+                .into_iter()
+                .map(|(id, fields)| DeadLetter::from_fields(id, fields))
+                .collect(),
+        ))
+    }
+
     async fn replay(
         &self,
         dead_letter_queue: &str,

@@ -43,6 +43,8 @@ local skip = {
 local state = {
   'courier-message-id', 'courier-attempt', 'courier-first-attempt-at', 'courier-retry-at',
   'courier-deliveries', 'courier-replays', 'courier-subject', 'courier-enqueued-at',
+  'courier-replay-count', 'courier-replayed-from', 'courier-history',
+  'courier-edited-from-digest',
 }
 local function unhex(h)
   return (h:gsub('..', function(c) return string.char(tonumber(c, 16)) end))
@@ -309,6 +311,18 @@ mod tests {
                 Bytes::from("courier-enqueued-at"),
                 Bytes::from("2025-12-31T23:59:59.000Z"),
             ),
+            (Bytes::from("courier-replay-count"), Bytes::from("2")),
+            (Bytes::from("courier-replayed-from"), Bytes::from("1-0")),
+            (
+                Bytes::from("courier-history"),
+                Bytes::from(
+                    r#"[{"id":"1-0","reason":"permanent-status","status":400,"attempts":1,"at":"t"}]"#,
+                ),
+            ),
+            (
+                Bytes::from("courier-edited-from-digest"),
+                Bytes::from("sha256:ab"),
+            ),
         ];
         let now = std::time::SystemTime::now();
         let hour = std::time::Duration::from_secs(3600);
@@ -333,6 +347,24 @@ mod tests {
                 ),
                 0,
             ),
+            (
+                &broker_kept,
+                replace(
+                    broker_kept.seal(fields.clone()),
+                    "courier-history",
+                    "[]".into(),
+                ),
+                0,
+            ),
+            (
+                &broker_kept,
+                replace(
+                    broker_kept.seal(fields.clone()),
+                    "courier-edited-from-digest",
+                    "sha256:cd".into(),
+                ),
+                0,
+            ),
             (&broker_kept, fields.clone(), 0),
             (&within, within.seal(fields.clone()), 1),
             (&within, old_copy.clone(), 1),
@@ -349,5 +381,23 @@ mod tests {
             let got: i64 = invocation.invoke_async(&mut con).await.unwrap();
             assert_eq!(got, want, "case {n} in the script: {fields:?}");
         }
+    }
+
+    /// The scripts' `state` list is the seal's `STATE_FIELDS`, in its
+    /// order: a script that covered other fields would take every copy
+    /// courier sealed with one of them for a producer's message.
+    #[test]
+    fn the_scripts_seal_covers_the_state_fields() {
+        let list = SHARED
+            .split("local state = {")
+            .nth(1)
+            .and_then(|rest| rest.split('}').next())
+            .expect("the state list in SHARED");
+        let names: Vec<&str> = list
+            .split(',')
+            .map(|name| name.trim().trim_matches('\''))
+            .filter(|name| !name.is_empty())
+            .collect();
+        assert_eq!(names, courier_core::source::seal::STATE_FIELDS);
     }
 }

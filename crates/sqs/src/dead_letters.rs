@@ -376,7 +376,11 @@ impl DeadLetterStore for SqsStore {
                 .seal
                 .get_or_try_init(|| async { seal_of(&self.client, &work.url).await.map(Arc::new) })
                 .await?;
-            let fields = seal.seal(stored.fields_for_replay());
+            let fields = seal.seal(
+                letter
+                    .fields_for_replay_of(&stored)
+                    .map_err(SourceError::invalid)?,
+            );
             send_fields(
                 &self.client,
                 &work.url,

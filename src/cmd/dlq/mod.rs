@@ -1,5 +1,5 @@
-//! `courier dlq`: inspect, replay and purge dead letters, the same words for
-//! every source.
+//! `courier dlq`: inspect, replay, edit and purge dead letters, the same
+//! words for every source.
 //!
 //! Exit codes: 0 done, 1 some dead letters failed (each failure is listed),
 //! 2 bad usage (including `purge` without `--yes`, which says how many it
@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
-use base64::Engine;
 use clap::{Args, Subcommand, ValueEnum};
 
 use super::args::{SealArgs, SourceArgs, UsageError};
@@ -19,12 +18,14 @@ use crate::duration;
 use crate::model::default_dead_letter_queue;
 use crate::source::{self, DeadLetterStore, SourceOptions};
 
+mod audit;
+mod edit;
 mod filter;
 mod show;
 
-use filter::{require_selection, select};
-use show::line;
+use filter::{Walk, require_selection, select};
 pub use show::to_json;
+use show::{line, text};
 
 #[derive(Debug, Clone, Args)]
 pub struct DlqArgs {
@@ -69,6 +70,36 @@ pub enum DlqAction {
         /// an app that just recovered.
         #[arg(long, env = "COURIER_RATE")]
         rate: Option<f64>,
+        /// Why, for the audit trail (the JSON line on stderr and the Event on
+        /// the RetryPolicy), e.g. an incident number.
+        #[arg(long, env = "COURIER_WHY")]
+        why: Option<String>,
+    },
+    /// Changes one dead letter with a JSON Patch (RFC 6902) and replays it as
+    /// replay does (attempt 1, the same Idempotency-Key, Courier-Replay-Count);
+    /// its record keeps the digest of the original (courier-edited-from-digest).
+    Edit {
+        #[command(flatten)]
+        target: Target,
+        /// The dead letter's id, as `list` prints it.
+        id: String,
+        /// The JSON Patch file, `-` for standard input. It applies to
+        /// {"headers": {"NAME": "VALUE", ...}, "body": BODY}: BODY is the body
+        /// parsed as JSON when it is a JSON object or array, else its text; a
+        /// body that is not UTF-8 is "body_base64" (its base64) instead of
+        /// "body". courier-* fields are not in it and cannot be patched. E.g.
+        /// [{"op":"replace","path":"/body/amount","value":5},
+        /// {"op":"add","path":"/headers/x-fixed","value":"1"}]; `[]` with
+        /// --dry-run prints the document as it is.
+        #[arg(long, env = "COURIER_PATCH", value_name = "FILE")]
+        patch: std::path::PathBuf,
+        /// Print the edited document, change nothing.
+        #[arg(long, env = "COURIER_DRY_RUN")]
+        dry_run: bool,
+        /// Why, for the audit trail (the JSON line on stderr and the Event on
+        /// the RetryPolicy), e.g. an incident number.
+        #[arg(long, env = "COURIER_WHY")]
+        why: Option<String>,
     },
     /// Deletes dead letters; refuses without --yes.
     Purge {
@@ -81,6 +112,10 @@ pub enum DlqAction {
         /// Really delete.
         #[arg(long, env = "COURIER_YES")]
         yes: bool,
+        /// Why, for the audit trail (the JSON line on stderr and the Event on
+        /// the RetryPolicy); required, since a purge cannot be undone.
+        #[arg(long, env = "COURIER_WHY")]
+        why: Option<String>,
     },
 }
 
@@ -116,6 +151,17 @@ pub struct Filter {
     /// Only dead letters whose last attempt is newer than this.
     #[arg(long, env = "COURIER_NEWER_THAN", value_parser = duration::parse_flag)]
     pub newer_than: Option<Duration>,
+    /// Only dead letters this expression (CEL) is true for, e.g. 'status >= 500 &&
+    /// headers["x-tenant"] == "acme"'; ANDed with the other filters. Variables: reason, status, attempts, error, queue, first_attempt_at, last_attempt_at, age,
+    /// headers, body (the JSON body), and of a CloudEvent type, source, subject, data
+    /// (docs/design.md, "Dead-letter expressions").
+    #[arg(
+        long = "filter",
+        env = "COURIER_FILTER",
+        value_name = "EXPR",
+        value_parser = crate::expr::Expr::parse
+    )]
+    pub expression: Option<crate::expr::Expr>,
     /// At most this many, oldest first.
     #[arg(long, env = "COURIER_LIMIT")]
     pub limit: Option<usize>,
@@ -197,7 +243,6 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             output,
         } => {
             let (source, dlq) = open(&target).await?;
-            let (letters, _) = select(&source, &dlq, &filter, &[]).await?;
             let now = SystemTime::now();
             if output == Output::Text {
                 writeln!(
@@ -206,12 +251,18 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                     "ID", "AGE", "REASON", "STATUS", "ATTEMPTS"
                 )?;
             }
-            for letter in &letters {
-                match output {
-                    Output::Text => writeln!(out, "{}", line(letter, now))?,
-                    Output::Json => writeln!(out, "{}", to_json(letter))?,
-                }
-            }
+            // Printed as read: a page at a time, so the first lines of a
+            // long queue come at once and nothing is gathered.
+            let limit = filter.limit.unwrap_or(usize::MAX);
+            Walk::new(&source, &dlq, &filter, &[])?
+                .each(None, limit, true, async |letter| {
+                    match output {
+                        Output::Text => writeln!(out, "{}", line(&letter, now))?,
+                        Output::Json => writeln!(out, "{}", to_json(&letter))?,
+                    }
+                    Ok(())
+                })
+                .await?;
             source.flush().await;
             Ok(ExitCode::SUCCESS)
         }
@@ -229,33 +280,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             };
             match output {
                 Output::Json => writeln!(out, "{}", to_json(letter))?,
-                Output::Text => {
-                    writeln!(out, "id: {}", letter.id)?;
-                    for (name, value) in letter
-                        .fields
-                        .iter()
-                        .filter(|(n, _)| n.starts_with("courier-"))
-                    {
-                        writeln!(out, "{name}: {value}")?;
-                    }
-                    writeln!(out, "headers:")?;
-                    for (name, value) in letter
-                        .fields
-                        .iter()
-                        .filter(|(n, _)| !n.starts_with("courier-"))
-                    {
-                        writeln!(out, "  {name}: {value}")?;
-                    }
-                    match std::str::from_utf8(&letter.body) {
-                        Ok(text) => writeln!(out, "body ({} bytes):\n{text}", letter.body.len())?,
-                        Err(_) => writeln!(
-                            out,
-                            "body ({} bytes, base64):\n{}",
-                            letter.body.len(),
-                            base64::engine::general_purpose::STANDARD.encode(&letter.body)
-                        )?,
-                    }
-                }
+                Output::Text => write!(out, "{}", text(letter))?,
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -265,6 +290,7 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             selection,
             dry_run,
             rate,
+            why,
         } => {
             require_selection("replay", &filter, &selection)?;
             if let Some(rate) = rate
@@ -276,17 +302,25 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                 .into());
             }
             let (source, dlq) = open(&target).await?;
-            let (letters, missing) = select(&source, &dlq, &filter, &selection.ids).await?;
             let now = SystemTime::now();
+            let limit = filter.limit.unwrap_or(usize::MAX);
+            let mut walk = Walk::new(&source, &dlq, &filter, &selection.ids)?;
+            // The snapshot: the count, and the last letter, past which
+            // nothing is touched (letters arriving later are not in it).
+            let snapshot = walk
+                .each(None, limit, true, async |letter| {
+                    if dry_run {
+                        writeln!(out, "would replay {}", line(&letter, now))?;
+                    }
+                    Ok(())
+                })
+                .await?;
+            let missing = snapshot.missing;
             if dry_run {
-                for letter in &letters {
-                    writeln!(out, "would replay {}", line(letter, now))?;
-                }
                 writeln!(
                     out,
                     "{} dead letters would be replayed to {}",
-                    letters.len(),
-                    target.source.queue
+                    snapshot.selected, target.source.queue
                 )?;
                 source.flush().await;
                 return Ok(report_missing(&missing));
@@ -295,25 +329,47 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             let mut failures = Vec::new();
             let mut moved = 0usize;
             let mut next = tokio::time::Instant::now();
-            for letter in &letters {
-                if let Some(pause) = pause {
-                    tokio::time::sleep_until(next).await;
-                    next += pause;
-                }
-                match source.replay(&dlq, letter).await {
-                    Ok(()) => {
-                        moved += 1;
-                        writeln!(out, "replayed {}", letter.id)?;
+            let mut progress = Progress::new("replayed", snapshot.selected);
+            walk.each(
+                snapshot.last.as_deref(),
+                snapshot.selected,
+                false,
+                async |letter| {
+                    if let Some(pause) = pause {
+                        tokio::time::sleep_until(next).await;
+                        next += pause;
                     }
-                    Err(e) => failures.push(format!("{}: {e}", letter.id)),
-                }
-            }
+                    match source.replay(&dlq, &letter).await {
+                        Ok(()) => {
+                            moved += 1;
+                            writeln!(out, "replayed {}", letter.id)?;
+                        }
+                        Err(e) => failures.push(format!("{}: {e}", letter.id)),
+                    }
+                    progress.show(moved + failures.len());
+                    Ok(())
+                },
+            )
+            .await?;
+            progress.end();
             source.flush().await;
             writeln!(
                 out,
                 "{moved} dead letters replayed to {}",
                 target.source.queue
             )?;
+            let record = audit::Record {
+                action: audit::Action::Replay,
+                queue: &target.source.queue,
+                dead_letter_queue: &dlq,
+                selection: audit::describe(&filter, &selection),
+                selected: snapshot.selected,
+                done: moved,
+                failed: failures.len() + missing.len(),
+                why: why.as_deref(),
+                rate,
+            };
+            audit::write(&target, &record).await;
             Ok(report_failures(&failures, &missing))
         }
         DlqAction::Purge {
@@ -321,29 +377,113 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             filter,
             selection,
             yes,
+            why,
         } => {
             require_selection("purge", &filter, &selection)?;
             let (source, dlq) = open(&target).await?;
-            let (letters, missing) = select(&source, &dlq, &filter, &selection.ids).await?;
-            if !yes {
+            let limit = filter.limit.unwrap_or(usize::MAX);
+            let mut walk = Walk::new(&source, &dlq, &filter, &selection.ids)?;
+            let snapshot = walk.each(None, limit, true, async |_| Ok(())).await?;
+            let missing = snapshot.missing;
+            let why = why.filter(|w| !w.trim().is_empty());
+            if !yes || why.is_none() {
                 source.flush().await;
+                let missing = match (yes, &why) {
+                    (false, None) => "--yes --why TEXT",
+                    (false, Some(_)) => "--yes",
+                    (true, _) => "--why TEXT (the reason the audit trail records)",
+                };
                 return Err(UsageError(format!(
-                    "purge would delete {} dead letters from {dlq}; add --yes to delete them",
-                    letters.len()
+                    "purge would delete {} dead letters from {dlq}; add {missing} to delete them",
+                    snapshot.selected
                 ))
                 .into());
             }
+            let why = why.unwrap_or_default();
             let mut failures = Vec::new();
             let mut deleted = 0usize;
-            for letter in &letters {
-                match source.purge(&dlq, letter).await {
-                    Ok(()) => deleted += 1,
-                    Err(e) => failures.push(format!("{}: {e}", letter.id)),
-                }
-            }
+            let mut progress = Progress::new("deleted", snapshot.selected);
+            walk.each(
+                snapshot.last.as_deref(),
+                snapshot.selected,
+                false,
+                async |letter| {
+                    match source.purge(&dlq, &letter).await {
+                        Ok(()) => deleted += 1,
+                        Err(e) => failures.push(format!("{}: {e}", letter.id)),
+                    }
+                    progress.show(deleted + failures.len());
+                    Ok(())
+                },
+            )
+            .await?;
+            progress.end();
             source.flush().await;
             writeln!(out, "{deleted} dead letters deleted from {dlq}")?;
+            let record = audit::Record {
+                action: audit::Action::Purge,
+                queue: &target.source.queue,
+                dead_letter_queue: &dlq,
+                selection: audit::describe(&filter, &selection),
+                selected: snapshot.selected,
+                done: deleted,
+                failed: failures.len() + missing.len(),
+                why: Some(&why),
+                rate: None,
+            };
+            audit::write(&target, &record).await;
             Ok(report_failures(&failures, &missing))
+        }
+        DlqAction::Edit {
+            target,
+            id,
+            patch,
+            dry_run,
+            why,
+        } => edit::run(&target, &id, &patch, dry_run, why.as_deref(), &mut out).await,
+    }
+}
+
+/// A bulk command's progress on a terminal: one line on stderr, redrawn at
+/// most a few times a second, so a replay of a million letters at a
+/// `--rate` says how far it is; nothing when stderr is not a terminal
+/// (a script, `kubectl exec` without `-t`).
+struct Progress {
+    verb: &'static str,
+    total: usize,
+    started: tokio::time::Instant,
+    shown: Option<tokio::time::Instant>,
+    on: bool,
+}
+
+impl Progress {
+    const EVERY: Duration = Duration::from_millis(250);
+
+    fn new(verb: &'static str, total: usize) -> Self {
+        use std::io::IsTerminal;
+        Self {
+            verb,
+            total,
+            started: tokio::time::Instant::now(),
+            shown: None,
+            on: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn show(&mut self, done: usize) {
+        let now = tokio::time::Instant::now();
+        if !self.on || self.shown.is_some_and(|at| now - at < Self::EVERY) && done < self.total {
+            return;
+        }
+        self.shown = Some(now);
+        let secs = (now - self.started).as_secs_f64();
+        let rate = if secs > 0.0 { done as f64 / secs } else { 0.0 };
+        eprint!("\r{} {done}/{} ({rate:.0}/s)\x1b[K", self.verb, self.total);
+    }
+
+    fn end(&self) {
+        if self.on && self.shown.is_some() {
+            eprintln!();
         }
     }
 }

@@ -29,14 +29,31 @@ pub const F_DELIVERIES: &str = "courier-deliveries";
 /// On a dead letter that did not fit the dead-letter queue whole: what
 /// was left out of it (the body, the producer headers) and why.
 pub const F_CUT: &str = "courier-cut";
-/// How often a message was sent back from the dead-letter queue.
-pub const F_REPLAYS: &str = "courier-replays";
+/// How often a message was sent back from the dead-letter queue: 1 on the
+/// copy the first replay writes, +1 on each later replay's. Read only from
+/// a sealed copy, like the rest of courier's state.
+pub const F_REPLAY_COUNT: &str = "courier-replay-count";
+/// What [`F_REPLAY_COUNT`] was called before it was renamed: read where it
+/// is not there, from the copies and dead letters an earlier release wrote,
+/// so an upgrade loses no count; never written.
+pub const F_LEGACY_REPLAYS: &str = "courier-replays";
+/// On a replayed message: the id, in its dead-letter queue, of the dead
+/// letter it was replayed from (`DeadLetter::id`).
+pub const F_REPLAYED_FROM: &str = "courier-replayed-from";
+/// On a replayed message: its earlier dead letters, oldest first, as a
+/// compact JSON array ([`super::History`]).
+pub const F_HISTORY: &str = "courier-history";
+/// On a message `courier dlq edit` replayed: the digest of the body and
+/// headers of the dead letter it was edited from
+/// ([`super::DeadLetter::digest`]), so its record says it is not what the
+/// producer sent and which message it was. Kept like the lineage; a later
+/// edit replaces it.
+pub const F_EDITED_FROM_DIGEST: &str = "courier-edited-from-digest";
 /// The proof that courier wrote the `courier-*` state of a stored copy:
 /// an HMAC over them with a key kept in the broker. A copy without a valid
 /// one is a new message whatever `courier-*` fields it carries.
 pub const F_SEAL: &str = "courier-seal";
 
-/// Bookkeeping that describes one stored copy and never outlives it.
 /// The age of a dead letter written at `dead_lettered_at` (its
 /// `courier-last-attempt-at`), as `courier_dlq_oldest_age_seconds` reports it
 /// on every broker: a clock that went backwards reads as zero.
@@ -54,6 +71,7 @@ pub fn default_dead_letter_queue(queue: &str) -> String {
     format!("{queue}.dlq")
 }
 
+/// Bookkeeping that describes one stored copy and never outlives it.
 pub fn is_transient_bookkeeping(name: &[u8]) -> bool {
     matches!(
         name,

@@ -5,6 +5,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 
 use super::fields::*;
+use super::lineage::{History, HistoryEntry};
 use super::outcome::DeadLetterReason;
 use super::time::{parse_time, rfc3339};
 
@@ -42,6 +43,10 @@ pub struct Delivery {
     /// courier knows it: the `courier-enqueued-at` a stored copy carries,
     /// else the broker's own time for this entry, else none.
     pub enqueued_at: Option<SystemTime>,
+    /// How often the message was replayed from a dead-letter queue, 0 when
+    /// never: `courier-replay-count` (or an earlier release's
+    /// `courier-replays`), which the app receives as `Courier-Replay-Count`.
+    pub replay_count: u32,
     /// Why this entry cannot be offered to the app at all (a Redis entry
     /// without `payload`, say); it is dead-lettered as `undeliverable`.
     pub problem: Option<String>,
@@ -69,6 +74,7 @@ impl Delivery {
         let mut attempt = 1u32;
         let mut first_attempt_at = None;
         let mut enqueued_at = None;
+        let (mut replay_count, mut legacy_replays) = (None, None);
         let mut headers = Vec::new();
         // Names are compared as bytes and only a header's is made text:
         // reading every name as text first cost a UTF-8 check per field.
@@ -101,6 +107,12 @@ impl Delivery {
                         enqueued_at = parse_time(value);
                     }
                 }
+                n if n == F_REPLAY_COUNT.as_bytes() => {
+                    replay_count = replay_count.or_else(|| Some(parse_text(value)));
+                }
+                n if n == F_LEGACY_REPLAYS.as_bytes() => {
+                    legacy_replays = legacy_replays.or_else(|| Some(parse_text(value)));
+                }
                 n if n
                     .get(..8)
                     .is_some_and(|p| p.eq_ignore_ascii_case(b"courier-")) => {}
@@ -122,6 +134,7 @@ impl Delivery {
             attempt: attempt.saturating_add(extra_attempts),
             first_attempt_at,
             enqueued_at: enqueued_at.or(broker_enqueued_at),
+            replay_count: replay_count.or(legacy_replays).flatten().unwrap_or(0),
             problem,
             receipt,
             fields,
@@ -177,6 +190,12 @@ impl Delivery {
         );
         out
     }
+}
+
+/// A `courier-*` name, in any case.
+fn is_courier_name(name: &str) -> bool {
+    name.get(..8)
+        .is_some_and(|p| p.eq_ignore_ascii_case("courier-"))
 }
 
 fn parse_text<T: std::str::FromStr>(value: &[u8]) -> Option<T> {
@@ -278,15 +297,50 @@ impl DeadLetter {
             .map(|(_, v)| v.as_str())
     }
 
+    /// How often the message was replayed before it became this dead
+    /// letter: its `courier-replay-count`, else an earlier release's
+    /// `courier-replays`, else 0.
+    pub fn replay_count(&self) -> u32 {
+        [F_REPLAY_COUNT, F_LEGACY_REPLAYS]
+            .into_iter()
+            .find_map(|name| self.field(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Its earlier dead letters (`courier-history`), oldest first; `None`
+    /// when it has none, or a value that is not one.
+    pub fn history(&self) -> Option<History> {
+        History::parse(self.field(F_HISTORY)?)
+    }
+
+    /// This dead letter as an entry of the history of its replay.
+    fn history_entry(&self) -> HistoryEntry {
+        HistoryEntry {
+            id: self.id.clone(),
+            reason: self.field(F_REASON).unwrap_or_default().to_string(),
+            status: self.field(F_STATUS).and_then(|s| s.trim().parse().ok()),
+            attempts: self
+                .field(F_ATTEMPTS)
+                .and_then(|a| a.trim().parse().ok())
+                .unwrap_or(0),
+            at: self
+                .field(F_LAST_ATTEMPT_AT)
+                .unwrap_or_default()
+                .to_string(),
+        }
+    }
+
     /// The fields of the fresh message a replay writes to the work queue:
     /// body and original headers, the original message id (so the app sees
-    /// the same Idempotency-Key), `courier-replays` + 1, and no failure
-    /// record, so the attempt count starts again at 1.
+    /// the same Idempotency-Key), and its lineage: the replay count one
+    /// more (`courier-replay-count`), this letter's id
+    /// (`courier-replayed-from`), and the history with this letter added
+    /// (`courier-history`, bounded: [`History`]).
+    /// No failure record, so the attempt count starts again at 1. The
+    /// lineage is courier's state like the attempt: the broker's replay
+    /// seals it, and retry copies and the next dead letter keep it.
     pub fn fields_for_replay(&self) -> Vec<(Bytes, Bytes)> {
-        let replays: u32 = self
-            .field(F_REPLAYS)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
         let mut out = vec![(Bytes::from_static(PAYLOAD.as_bytes()), self.body.clone())];
         out.extend(
             self.fields
@@ -297,8 +351,98 @@ impl DeadLetter {
         if let Some(id) = self.field(F_MESSAGE_ID) {
             out.push((F_MESSAGE_ID.into(), Bytes::from(id.to_string())));
         }
-        out.push((F_REPLAYS.into(), Bytes::from((replays + 1).to_string())));
+        let count = self.replay_count().saturating_add(1);
+        out.push((F_REPLAY_COUNT.into(), Bytes::from(count.to_string())));
+        out.push((F_REPLAYED_FROM.into(), Bytes::from(self.id.clone())));
+        let history = self
+            .history()
+            .unwrap_or_default()
+            .extended(self.history_entry());
+        if !history.is_empty() {
+            out.push((F_HISTORY.into(), Bytes::from(history.to_json())));
+        }
+        if let Some(digest) = self.field(F_EDITED_FROM_DIGEST) {
+            out.push((F_EDITED_FROM_DIGEST.into(), Bytes::from(digest.to_string())));
+        }
         out
+    }
+
+    /// The producer's part of this letter, the body and every field but
+    /// `courier-*` ones, as a digest: `sha256:` and the hex of the SHA-256
+    /// of the body as `<length>:<bytes>`, then each header as
+    /// `<length>:<name><length>:<value>`, names lower-cased, sorted by
+    /// name, then value (lengths in bytes, in decimal). Sorted because
+    /// Pub/Sub and SQS keep headers in a map, whose order a second read
+    /// need not repeat; lower-cased because HTTP names are. A body `{}`
+    /// with `Content-Type: application/json` is the SHA-256 of
+    /// `2:{}12:content-type16:application/json`.
+    pub fn digest(&self) -> String {
+        let mut headers: Vec<(String, &str)> = self
+            .fields
+            .iter()
+            .filter(|(n, _)| !is_courier_name(n))
+            .map(|(n, v)| (n.to_ascii_lowercase(), v.as_str()))
+            .collect();
+        headers.sort_unstable();
+        let mut canonical = Vec::with_capacity(self.body.len() + 64);
+        let mut part = |bytes: &[u8]| {
+            canonical.extend_from_slice(format!("{}:", bytes.len()).as_bytes());
+            canonical.extend_from_slice(bytes);
+        };
+        part(&self.body);
+        for (name, value) in &headers {
+            part(name.as_bytes());
+            part(value.as_bytes());
+        }
+        let hash = ring::digest::digest(&ring::digest::SHA256, &canonical);
+        let hex: String = hash.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        format!("sha256:{hex}")
+    }
+
+    /// This letter with `body` and the producer `headers` in place of its
+    /// own, as `courier dlq edit` replays it: the id, courier's record and
+    /// the lineage stay, so a replay removes this letter and counts as its
+    /// replay, and `courier-edited-from-digest` is this letter's
+    /// [`DeadLetter::digest`] (an earlier edit's replaced). `courier-*`
+    /// names among `headers` are left out: they are courier's state.
+    pub fn edited(&self, body: Bytes, headers: Vec<(String, String)>) -> DeadLetter {
+        let mut fields: Vec<(String, String)> = self
+            .fields
+            .iter()
+            .filter(|(n, _)| is_courier_name(n) && !n.eq_ignore_ascii_case(F_EDITED_FROM_DIGEST))
+            .cloned()
+            .collect();
+        fields.extend(headers.into_iter().filter(|(n, _)| !is_courier_name(n)));
+        fields.push((F_EDITED_FROM_DIGEST.into(), self.digest()));
+        DeadLetter {
+            id: self.id.clone(),
+            body,
+            fields,
+        }
+    }
+
+    /// What a replay of this letter writes, for a broker that reads the
+    /// letter again by its id before it writes (`stored`, as the broker
+    /// holds it): this letter when it is an edit of `stored`
+    /// ([`DeadLetter::edited`]: its `courier-edited-from-digest` is
+    /// `stored`'s digest), else `stored` as the broker holds it. An edit of
+    /// some other letter is refused rather than replayed unedited.
+    pub fn fields_for_replay_of(&self, stored: &DeadLetter) -> Result<Vec<(Bytes, Bytes)>, String> {
+        let Some(edited_from) = self.field(F_EDITED_FROM_DIGEST) else {
+            return Ok(stored.fields_for_replay());
+        };
+        let digest = stored.digest();
+        if edited_from == digest {
+            return Ok(self.fields_for_replay());
+        }
+        if stored.field(F_EDITED_FROM_DIGEST) == Some(edited_from) {
+            // The same letter as listed, carrying an earlier edit's digest.
+            return Ok(stored.fields_for_replay());
+        }
+        Err(format!(
+            "dead letter {} was edited from a letter with digest {edited_from}, but the one under that id has {digest}; nothing was replayed",
+            self.id
+        ))
     }
 
     pub fn from_fields(id: String, fields: Vec<(Bytes, Bytes)>) -> Self {
@@ -516,7 +660,11 @@ mod tests {
             vec![
                 ("payload".into(), "a large body".into()),
                 ("traceparent".into(), "00-a-b-01".into()),
-                ("courier-replays".into(), "1".into()),
+                (F_REPLAY_COUNT.into(), "1".into()),
+                (
+                    F_HISTORY.into(),
+                    r#"[{"id":"7","reason":"expired","attempts":1,"at":"t"}]"#.into(),
+                ),
             ],
             0,
             "r".into(),
@@ -537,9 +685,367 @@ mod tests {
         });
         assert_eq!(cut.body, Bytes::new());
         assert_eq!(cut.field("traceparent"), None);
-        assert_eq!(cut.field("courier-replays"), Some("1"));
+        assert_eq!(cut.field(F_REPLAY_COUNT), Some("1"));
+        assert_eq!(cut.history().map(|h| h.0.len()), Some(1));
         assert_eq!(cut.field(F_STATUS), Some("400"));
         assert_eq!(cut.field(F_REASON), Some("undeliverable"));
         assert!(cut.field(F_CUT).is_some_and(|c| c.contains("12 bytes")));
+    }
+
+    /// A stored copy as a broker reads it back: the fields, a new entry.
+    fn read(fields: Vec<(Bytes, Bytes)>) -> Delivery {
+        Delivery::from_fields("99-0", fields, 0, "r".into(), None)
+    }
+
+    /// The dead letter `id` of `delivery`, answered `status` on its first
+    /// attempt, as a dead-letter queue hands it back.
+    fn dead_letter_of(delivery: &Delivery, id: &str, status: u16) -> DeadLetter {
+        let failure = Failure {
+            last_attempt_at: SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(60),
+            ..failure_of(
+                crate::model::DeadLetterReason::PermanentStatus,
+                status,
+                delivery.attempt,
+            )
+        };
+        DeadLetter::from_fields(id.into(), delivery.fields_for_dead_letter(&failure))
+    }
+
+    /// A replay's copy counts the replay, names the letter it came from and
+    /// starts the history with it; a retry copy and the next dead letter
+    /// keep all three, and the next replay extends them.
+    #[test]
+    fn a_replay_carries_its_lineage_to_the_next_dead_letter() {
+        let original = read(vec![
+            ("payload".into(), "x".into()),
+            ("traceparent".into(), "00-a-b-01".into()),
+        ]);
+        assert_eq!(original.replay_count, 0);
+        let first = dead_letter_of(&original, "1700000000000-0", 400);
+        assert_eq!(first.replay_count(), 0);
+        assert_eq!(first.field(F_REPLAYED_FROM), None);
+        assert_eq!(first.history(), None);
+
+        let replayed = read(first.fields_for_replay());
+        assert_eq!(replayed.replay_count, 1);
+        assert_eq!(replayed.attempt, 1);
+        assert_eq!(replayed.message.id, "5-0", "the original id, for the key");
+        assert_eq!(replayed.message.header("traceparent"), Some("00-a-b-01"));
+        assert_eq!(replayed.message.header(F_REPLAY_COUNT), None);
+
+        // Retried once before it dies again: the copy keeps the lineage.
+        let retried = read(replayed.fields_for_retry(2, SystemTime::UNIX_EPOCH));
+        assert_eq!(retried.replay_count, 1);
+        let second = dead_letter_of(&retried, "1700000000001-0", 422);
+        assert_eq!(second.replay_count(), 1);
+        assert_eq!(second.field(F_REPLAYED_FROM), Some("1700000000000-0"));
+        assert_eq!(
+            second.field(F_HISTORY),
+            Some(
+                r#"[{"id":"1700000000000-0","reason":"permanent-status","status":400,"attempts":1,"at":"1970-01-01T00:01:00.000Z"}]"#
+            )
+        );
+
+        let again = read(second.fields_for_replay());
+        assert_eq!(again.replay_count, 2);
+        let third = dead_letter_of(&again, "1700000000002-0", 400);
+        assert_eq!(third.replay_count(), 2);
+        assert_eq!(third.field(F_REPLAYED_FROM), Some("1700000000001-0"));
+        let history = third.history().unwrap();
+        let rounds: Vec<(&str, Option<u16>, u32)> = history
+            .0
+            .iter()
+            .map(|e| (e.id.as_str(), e.status, e.attempts))
+            .collect();
+        assert_eq!(
+            rounds,
+            [
+                ("1700000000000-0", Some(400), 1),
+                ("1700000000001-0", Some(422), 2)
+            ],
+            "oldest first"
+        );
+        // Each name once: the letter's own lineage is replaced, not repeated.
+        let fields = third.fields_for_replay();
+        for name in [F_REPLAY_COUNT, F_REPLAYED_FROM, F_HISTORY, F_MESSAGE_ID] {
+            let count = fields
+                .iter()
+                .filter(|(n, _)| n.as_ref() == name.as_bytes())
+                .count();
+            assert_eq!(count, 1, "{name}");
+        }
+    }
+
+    /// A dead letter or a stored copy an earlier release wrote counts its
+    /// replays in `courier-replays`: the count goes on from it, and the new
+    /// name wins where both are.
+    #[test]
+    fn an_earlier_releases_replay_count_is_read() {
+        let letter = DeadLetter::from_fields(
+            "4-0".into(),
+            vec![
+                ("payload".into(), "x".into()),
+                (F_MESSAGE_ID.into(), "1-0".into()),
+                (F_LEGACY_REPLAYS.into(), "3".into()),
+            ],
+        );
+        assert_eq!(letter.replay_count(), 3);
+        let replayed = letter.fields_for_replay();
+        assert!(
+            !replayed
+                .iter()
+                .any(|(n, _)| n.as_ref() == F_LEGACY_REPLAYS.as_bytes())
+        );
+        assert_eq!(read(replayed).replay_count, 4);
+
+        let copy = |fields: &[(&str, &str)]| {
+            let mut all = vec![(Bytes::from("payload"), Bytes::from("x"))];
+            all.extend(
+                fields
+                    .iter()
+                    .map(|(n, v)| (Bytes::from(n.to_string()), Bytes::from(v.to_string()))),
+            );
+            read(all)
+        };
+        let old = copy(&[(F_LEGACY_REPLAYS, "2")]);
+        assert_eq!(old.replay_count, 2);
+        // It dies again: the dead letter keeps the old field, which the
+        // next replay reads.
+        let letter = dead_letter_of(&old, "8-0", 400);
+        assert_eq!(letter.replay_count(), 2);
+        assert_eq!(read(letter.fields_for_replay()).replay_count, 3);
+        assert_eq!(
+            copy(&[(F_LEGACY_REPLAYS, "2"), (F_REPLAY_COUNT, "5")]).replay_count,
+            5
+        );
+        assert_eq!(copy(&[(F_REPLAY_COUNT, "bad")]).replay_count, 0);
+    }
+
+    /// A message replayed and dead-lettered again and again carries the
+    /// newest ten rounds and its whole count.
+    #[test]
+    fn the_history_of_a_message_replayed_forever_is_bounded() {
+        let mut delivery = read(vec![("payload".into(), "x".into())]);
+        for round in 0..25u32 {
+            let letter = dead_letter_of(&delivery, &round.to_string(), 400);
+            delivery = read(letter.fields_for_replay());
+            assert_eq!(delivery.replay_count, round + 1);
+        }
+        let letter = dead_letter_of(&delivery, "last", 400);
+        let history = letter.history().unwrap();
+        assert_eq!(history.0.len(), crate::model::HISTORY_ENTRIES);
+        assert_eq!(history.0.first().unwrap().id, "15");
+        assert_eq!(history.0.last().unwrap().id, "24");
+        assert!(letter.field(F_HISTORY).unwrap().len() <= crate::model::HISTORY_BYTES);
+        assert_eq!(letter.replay_count(), 25);
+        assert_eq!(letter.field(F_REPLAYED_FROM), Some("24"));
+    }
+
+    /// A history that is not one (a letter edited by hand) starts again
+    /// from this letter rather than carrying the text on.
+    #[test]
+    fn an_unreadable_history_starts_again() {
+        let letter = DeadLetter::from_fields(
+            "9-0".into(),
+            vec![
+                ("payload".into(), "x".into()),
+                (F_REPLAY_COUNT.into(), "2".into()),
+                (F_HISTORY.into(), "[{not json".into()),
+            ],
+        );
+        assert_eq!(letter.history(), None);
+        let replayed = read(letter.fields_for_replay());
+        let again = dead_letter_of(&replayed, "10-0", 400);
+        let ids: Vec<String> = again
+            .history()
+            .unwrap()
+            .0
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(ids, ["9-0"]);
+        assert_eq!(again.replay_count(), 3);
+    }
+
+    fn letter_of(id: &str, body: &str, fields: &[(&str, &str)]) -> DeadLetter {
+        let mut all = vec![(Bytes::from("payload"), Bytes::from(body.to_string()))];
+        all.extend(
+            fields
+                .iter()
+                .map(|(n, v)| (Bytes::from(n.to_string()), Bytes::from(v.to_string()))),
+        );
+        DeadLetter::from_fields(id.into(), all)
+    }
+
+    /// The digest is of the canonical form the docs give (checked against
+    /// `printf '2:{}12:content-type16:application/json' | sha256sum`): the
+    /// body and the producer's headers, in any order and case of names,
+    /// without courier's fields.
+    #[test]
+    fn the_digest_is_of_the_body_and_headers_in_canonical_form() {
+        let letter = letter_of(
+            "1-0",
+            "{}",
+            &[
+                ("content-type", "application/json"),
+                (F_REASON, "permanent-status"),
+            ],
+        );
+        assert_eq!(
+            letter.digest(),
+            "sha256:6837ec66ac647fe850175f801e659377957bf4400ef22d2fbfdfa3884e8031f8"
+        );
+        let both = letter_of(
+            "2-0",
+            r#"{"amount":-5}"#,
+            &[("X-Trace", "a"), ("content-type", "application/json")],
+        );
+        assert_eq!(
+            both.digest(),
+            "sha256:3cef959a1ab6c89f386ed662a906854939613c8452af447ec848c54733efa0a5"
+        );
+        let reordered = letter_of(
+            "3-0",
+            r#"{"amount":-5}"#,
+            &[
+                (F_STATUS, "400"),
+                ("content-type", "application/json"),
+                ("x-trace", "a"),
+            ],
+        );
+        assert_eq!(reordered.digest(), both.digest());
+        for other in [
+            letter_of(
+                "2-0",
+                r#"{"amount":5}"#,
+                &[("X-Trace", "a"), ("content-type", "application/json")],
+            ),
+            letter_of(
+                "2-0",
+                r#"{"amount":-5}"#,
+                &[("X-Trace", "b"), ("content-type", "application/json")],
+            ),
+            letter_of(
+                "2-0",
+                r#"{"amount":-5}"#,
+                &[("content-type", "application/json")],
+            ),
+            // The lengths keep a name from running into its value.
+            letter_of(
+                "2-0",
+                r#"{"amount":-5}"#,
+                &[("X-Tracea", ""), ("content-type", "application/json")],
+            ),
+        ] {
+            assert_ne!(other.digest(), both.digest(), "{other:?}");
+        }
+    }
+
+    /// An edited letter replays the new body and headers with the letter's
+    /// lineage (replayed once, from this letter, the same message id) and
+    /// the digest of what it was; a retry copy, the next dead letter and a
+    /// plain replay of that keep the digest, and a second edit replaces it.
+    #[test]
+    fn an_edit_replays_the_new_message_and_keeps_the_digest_of_the_original() {
+        let original = read(vec![
+            ("payload".into(), r#"{"amount":-5}"#.into()),
+            ("content-type".into(), "application/json".into()),
+            ("x-old".into(), "1".into()),
+        ]);
+        let first = dead_letter_of(&original, "1700000000000-0", 400);
+        let edited = first.edited(
+            Bytes::from(r#"{"amount":5}"#),
+            vec![
+                ("content-type".into(), "application/json".into()),
+                ("x-fixed".into(), "1".into()),
+                ("Courier-Attempt".into(), "9".into()),
+            ],
+        );
+        assert_eq!(edited.id, first.id);
+        assert_eq!(
+            edited.field(F_EDITED_FROM_DIGEST),
+            Some(first.digest().as_str())
+        );
+        let replayed = read(edited.fields_for_replay());
+        assert_eq!(replayed.message.body, Bytes::from(r#"{"amount":5}"#));
+        assert_eq!(replayed.message.header("x-fixed"), Some("1"));
+        assert_eq!(replayed.message.header("x-old"), None);
+        assert_eq!(replayed.attempt, 1, "no header makes itself the attempt");
+        assert_eq!(replayed.replay_count, 1);
+        assert_eq!(replayed.message.id, "5-0", "the original id, for the key");
+
+        let retried = read(replayed.fields_for_retry(2, SystemTime::UNIX_EPOCH));
+        let second = dead_letter_of(&retried, "1700000000001-0", 422);
+        assert_eq!(
+            second.field(F_EDITED_FROM_DIGEST),
+            Some(first.digest().as_str())
+        );
+        assert_eq!(second.field(F_REPLAYED_FROM), Some("1700000000000-0"));
+        assert_eq!(second.field("x-fixed"), Some("1"));
+
+        let again = read(second.fields_for_replay());
+        let third = dead_letter_of(&again, "1700000000002-0", 400);
+        assert_eq!(
+            third.field(F_EDITED_FROM_DIGEST),
+            Some(first.digest().as_str())
+        );
+        assert_eq!(third.replay_count(), 2);
+
+        let twice = third.edited(third.body.clone(), Vec::new());
+        let fields = twice.fields_for_replay();
+        let digests: Vec<&Bytes> = fields
+            .iter()
+            .filter(|(n, _)| n.as_ref() == F_EDITED_FROM_DIGEST.as_bytes())
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(digests, [&Bytes::from(third.digest())]);
+    }
+
+    /// A broker that reads the letter again before it writes (RabbitMQ,
+    /// NATS, SQS, Pub/Sub) writes an edit of what it holds as edited, a
+    /// letter as listed or known by its id alone as it holds it, and
+    /// refuses an edit of another letter.
+    #[test]
+    fn a_replay_over_the_stored_letter_writes_the_edit_or_the_stored_letter() {
+        let stored = letter_of(
+            "7",
+            r#"{"amount":-5}"#,
+            &[(F_MESSAGE_ID, "5-0"), ("content-type", "application/json")],
+        );
+        let body = |fields: Vec<(Bytes, Bytes)>| read(fields).message.body;
+        let edit = stored.edited(Bytes::from(r#"{"amount":5}"#), Vec::new());
+        assert_eq!(
+            body(edit.fields_for_replay_of(&stored).unwrap()),
+            Bytes::from(r#"{"amount":5}"#)
+        );
+        let by_id = DeadLetter::from_fields("7".into(), Vec::new());
+        assert_eq!(
+            by_id.fields_for_replay_of(&stored),
+            Ok(stored.fields_for_replay())
+        );
+        assert_eq!(
+            stored.fields_for_replay_of(&stored),
+            Ok(stored.fields_for_replay())
+        );
+
+        // A letter an earlier edit made carries that edit's digest: as
+        // listed, it is replayed as the broker holds it.
+        let earlier = letter_of(
+            "8",
+            r#"{"amount":0}"#,
+            &[(F_EDITED_FROM_DIGEST, "sha256:00"), (F_MESSAGE_ID, "5-0")],
+        );
+        assert_eq!(
+            earlier.fields_for_replay_of(&earlier),
+            Ok(earlier.fields_for_replay())
+        );
+        let edit_of_earlier = earlier.edited(Bytes::from(r#"{"amount":1}"#), Vec::new());
+        assert_eq!(
+            body(edit_of_earlier.fields_for_replay_of(&earlier).unwrap()),
+            Bytes::from(r#"{"amount":1}"#)
+        );
+
+        let err = edit.fields_for_replay_of(&earlier).unwrap_err();
+        assert!(err.contains("nothing was replayed"), "{err}");
     }
 }

@@ -5,11 +5,13 @@
 //! of the same things without knowing each other.
 
 mod fields;
+mod lineage;
 mod message;
 mod outcome;
 mod time;
 
 pub use fields::*;
+pub use lineage::{HISTORY_BYTES, HISTORY_ENTRIES, History, HistoryEntry};
 pub use message::{DeadLetter, Delivery, Failure, Message};
 pub use outcome::{Class, DeadLetterReason, Directives, EXCERPT_LIMIT, Outcome};
 pub use time::{parse_time, rfc3339};

@@ -393,10 +393,30 @@ pub trait DeadLetterStore: Send + Sync + 'static {
         dead_letter_queue: &str,
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError>;
+    /// A page of dead letters, oldest first: at most `limit`, those after
+    /// the letter `after` (from the oldest when `None`) and up to and
+    /// including the letter `through` (to the newest when `None`; a
+    /// snapshot's last letter, so that letters arriving later are not in
+    /// it). Where the broker's ids are ordered (a Redis entry id, a stream
+    /// sequence, a key), this reads one page, and a bulk command over a
+    /// million letters holds one page at a time. `None` where they are not:
+    /// the caller lists with [`Self::dead_letters`] instead.
+    async fn dead_letters_after(
+        &self,
+        _dead_letter_queue: &str,
+        _after: Option<&str>,
+        _through: Option<&str>,
+        _limit: usize,
+    ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
+        Ok(None)
+    }
     /// Writes a dead letter back to the work queue
     /// ([`DeadLetter::fields_for_replay`]), then removes it from the
     /// dead-letter queue: a replay cut short leaves the message in both
-    /// queues, never in neither.
+    /// queues, never in neither. `letter` may be an edit
+    /// ([`DeadLetter::edited`]): the letter is removed by its id, and a
+    /// broker that reads it again before writing writes
+    /// [`DeadLetter::fields_for_replay_of`] what it read.
     async fn replay(&self, dead_letter_queue: &str, letter: &DeadLetter)
     -> Result<(), SourceError>;
     /// Deletes a dead letter.
@@ -423,6 +443,18 @@ impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError> {
         self.store().dead_letters(dead_letter_queue, limit).await
+    }
+
+    async fn dead_letters_after(
+        &self,
+        dead_letter_queue: &str,
+        after: Option<&str>,
+        through: Option<&str>,
+        limit: usize,
+    ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
+        self.store()
+            .dead_letters_after(dead_letter_queue, after, through, limit)
+            .await
     }
 
     async fn replay(

@@ -1,6 +1,6 @@
 //! The seal on the copies courier stores: proof that a `courier-*` state
-//! (attempt, first attempt, enqueue time, deliveries, replays) was written
-//! by courier and not by a producer. Every broker that stores copies uses it.
+//! (attempt, first attempt, enqueue time, deliveries, the lineage of a
+//! replay, the digest an edit keeps) was written by courier and not by a producer. Every broker that stores copies uses it.
 
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -10,23 +10,30 @@ use ring::hmac;
 
 use super::shared::{F_RETRY_AT, F_SUBJECT, without};
 use crate::model::{
-    F_ATTEMPT, F_DELIVERIES, F_ENQUEUED_AT, F_FIRST_ATTEMPT_AT, F_MESSAGE_ID, F_REPLAYS, F_SEAL,
+    F_ATTEMPT, F_DELIVERIES, F_EDITED_FROM_DIGEST, F_ENQUEUED_AT, F_FIRST_ATTEMPT_AT, F_HISTORY,
+    F_LEGACY_REPLAYS, F_MESSAGE_ID, F_REPLAY_COUNT, F_REPLAYED_FROM, F_SEAL,
 };
 
 /// The `courier-*` fields that are courier's state about a stored copy,
 /// in the order the seal covers them. Redis's scripts list them too
 /// (`redis/poison.rs`), in the same order. A field is covered only where
-/// present, so a copy stored before `courier-enqueued-at` was added still
-/// opens.
-pub const STATE_FIELDS: [&str; 8] = [
+/// present, so a copy stored before `courier-enqueued-at` or the lineage
+/// fields were added still opens; new fields go at the end. The old
+/// `courier-replays` stays covered so that a copy an earlier release
+/// sealed with it keeps its count.
+pub const STATE_FIELDS: [&str; 12] = [
     F_MESSAGE_ID,
     F_ATTEMPT,
     F_FIRST_ATTEMPT_AT,
     F_RETRY_AT,
     F_DELIVERIES,
-    F_REPLAYS,
+    F_LEGACY_REPLAYS,
     F_SUBJECT,
     F_ENQUEUED_AT,
+    F_REPLAY_COUNT,
+    F_REPLAYED_FROM,
+    F_HISTORY,
+    F_EDITED_FROM_DIGEST,
 ];
 
 /// The length of a seal key in bytes; at most one SHA-1 block (64), so
@@ -322,6 +329,7 @@ fn unhex(text: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{Delivery, Failure};
     use crate::source::shared::replace;
 
     fn stored() -> Vec<(Bytes, Bytes)> {
@@ -366,7 +374,7 @@ mod tests {
         assert!(!seal.is_sealed(&forged));
         // A state field added after sealing.
         let mut added = sealed.clone();
-        added.push((Bytes::from(F_REPLAYS), Bytes::from("7")));
+        added.push((Bytes::from(F_REPLAY_COUNT), Bytes::from("7")));
         assert!(!seal.is_sealed(&added));
         // The seal itself altered, or not hex.
         for tag in ["00", "zz", ""] {
@@ -515,5 +523,123 @@ mod tests {
         let mut first_bad = vec![(Bytes::from(F_SEAL), Bytes::from("a:00"))];
         first_bad.extend(sealed);
         assert!(!seal.is_sealed(&first_bad));
+    }
+
+    /// A replayed copy as a replay seals it: its lineage is state.
+    fn replayed() -> Vec<(Bytes, Bytes)> {
+        let letter = crate::model::DeadLetter::from_fields(
+            "1700000000000-0".into(),
+            vec![
+                (Bytes::from("payload"), Bytes::from("x")),
+                (Bytes::from("traceparent"), Bytes::from("00-a-b-01")),
+                (Bytes::from(F_MESSAGE_ID), Bytes::from("1-0")),
+                (Bytes::from(F_REPLAY_COUNT), Bytes::from("1")),
+                (
+                    Bytes::from("courier-reason"),
+                    Bytes::from("permanent-status"),
+                ),
+                (Bytes::from("courier-status"), Bytes::from("400")),
+            ],
+        );
+        letter.fields_for_replay()
+    }
+
+    /// The lineage a replay writes opens as written under courier's seal;
+    /// changed after sealing (a higher count, another letter, a shorter
+    /// history) the copy is a new message and all of it is dropped.
+    #[test]
+    fn the_lineage_of_a_replay_is_sealed() {
+        let seal = Seal::new(b"k1").unwrap();
+        let sealed = seal.seal(replayed());
+        assert_eq!(seal.open(sealed.clone()), replayed());
+        let read = |fields| Delivery::from_fields("2-0", seal.open(fields), 0, "r".into(), None);
+        let delivery = read(sealed.clone());
+        assert_eq!(delivery.replay_count, 2);
+        assert_eq!(delivery.message.id, "1-0");
+        for (name, forged) in [
+            (F_REPLAY_COUNT, "9"),
+            (F_REPLAYED_FROM, "1-0"),
+            (F_HISTORY, "[]"),
+        ] {
+            let forged = replace(sealed.clone(), name, forged.into());
+            assert!(!seal.is_sealed(&forged), "{name}");
+            let delivery = read(forged);
+            assert_eq!(delivery.replay_count, 0, "{name}");
+            assert_eq!(delivery.message.id, "2-0", "{name}");
+        }
+    }
+
+    /// A producer's `courier-replay-count`, `courier-replayed-from` and
+    /// `courier-history` (a replayed copy re-published by hand, say) are
+    /// not trusted: the app sees a message never replayed, its dead letter
+    /// carries none of them, and a replay of that letter counts 1.
+    #[test]
+    fn a_producers_lineage_is_not_trusted() {
+        let seal = Seal::new(b"k1").unwrap();
+        let mut forged = without(seal.seal(replayed()), F_SEAL);
+        forged.push((Bytes::from(F_REPLAY_COUNT), Bytes::from("41")));
+        let delivery = Delivery::from_fields("2-0", seal.open(forged), 0, "r".into(), None);
+        assert_eq!(delivery.replay_count, 0);
+        let failure = Failure {
+            reason: crate::model::DeadLetterReason::PermanentStatus,
+            status: Some(400),
+            error: None,
+            attempts: 1,
+            first_attempt_at: SystemTime::UNIX_EPOCH,
+            last_attempt_at: SystemTime::UNIX_EPOCH,
+            queue: "orders".into(),
+            message_id: delivery.message.id.clone(),
+            excerpt: Bytes::new(),
+            policy: "p@1".into(),
+            dead_letter_queue: "orders.dlq".into(),
+            app_directive: None,
+            cut: None,
+        };
+        let letter = crate::model::DeadLetter::from_fields(
+            "3-0".into(),
+            delivery.fields_for_dead_letter(&failure),
+        );
+        for name in [F_REPLAY_COUNT, F_REPLAYED_FROM, F_HISTORY, F_LEGACY_REPLAYS] {
+            assert_eq!(letter.field(name), None, "{name}");
+        }
+        let again = Delivery::from_fields("4-0", letter.fields_for_replay(), 0, "r".into(), None);
+        assert_eq!(again.replay_count, 1);
+        assert_eq!(
+            crate::model::DeadLetter::from_fields(
+                "5-0".into(),
+                again.fields_for_dead_letter(&failure)
+            )
+            .history()
+            .map(|h| h.0.into_iter().map(|e| e.id).collect::<Vec<_>>()),
+            Some(vec!["3-0".to_string()])
+        );
+    }
+
+    /// The digest an edit keeps is sealed state: changed after sealing, the
+    /// copy is a new message; a producer's is dropped.
+    #[test]
+    fn the_digest_of_an_edit_is_sealed() {
+        let seal = Seal::new(b"k1").unwrap();
+        let letter = crate::model::DeadLetter::from_fields(
+            "1700000000000-0".into(),
+            vec![
+                (Bytes::from("payload"), Bytes::from("x")),
+                (Bytes::from(F_MESSAGE_ID), Bytes::from("1-0")),
+            ],
+        );
+        let edited = letter
+            .edited(Bytes::from("y"), Vec::new())
+            .fields_for_replay();
+        let sealed = seal.seal(edited.clone());
+        assert_eq!(seal.open(sealed.clone()), edited);
+        let forged = replace(sealed, F_EDITED_FROM_DIGEST, "sha256:00".into());
+        assert!(!seal.is_sealed(&forged));
+        let opened = seal.open(forged);
+        assert!(
+            !opened
+                .iter()
+                .any(|(n, _)| n.as_ref() == F_EDITED_FROM_DIGEST.as_bytes()),
+            "{opened:?}"
+        );
     }
 }

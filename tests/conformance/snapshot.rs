@@ -1,0 +1,118 @@
+//! A bulk command's set is fixed before it acts: letters dead-lettered
+//! while a paced replay runs are not in it, and stay in the dead-letter
+//! queue.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use crate::common::*;
+use crate::dlq::{courier, json_lines, release};
+
+const BIN: &str = env!("CARGO_BIN_EXE_courier");
+
+/// Four dead letters are replayed at 1 a second by the built binary while
+/// the sidecar runs; once the first is replayed (the snapshot is taken),
+/// two new messages are answered 400 and dead-lettered. The replay moves
+/// its four and says so; the two new letters are the dead-letter queue's
+/// only ones afterwards, and the four reach the app again.
+pub async fn a_replay_leaves_letters_arriving_after_its_snapshot(fixture: Fixture) {
+    if fixture.dir().is_some() {
+        // The embedded queue is one process's at a time: while the replay
+        // holds it, no sidecar can dead-letter anything into it.
+        return;
+    }
+    let app = TestApp::start().await;
+    // Opened first, as a deployed sidecar has (see `dlq::send_all`).
+    drop(fixture.open().await);
+    release(&fixture).await;
+    let producer = fixture.producer().await;
+    let old: Vec<String> = (0..4).map(|i| format!("script:400,200\nold {i}")).collect();
+    for body in &old {
+        producer.send(body.clone(), &[]).await;
+    }
+    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let listed = || json_lines(&courier(&fixture, &["dlq", "list", "--output", "json"]));
+    wait_for("the four dead letters", SETTLE, async || {
+        listed().len() == 4
+    })
+    .await;
+
+    let mut child = Command::new(BIN)
+        .args(["dlq", "replay", "--all", "--rate", "1", "--source"])
+        .arg(fixture.source_arg())
+        .args(["--queue", &fixture.queue])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+    let reader = {
+        let stdout = child.stdout.take().unwrap();
+        let lines = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        })
+    };
+    wait_for("the first replay", SETTLE, async || {
+        lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with("replayed "))
+    })
+    .await;
+    let new: Vec<String> = (0..2).map(|i| format!("script:400\nnew {i}")).collect();
+    for body in &new {
+        producer.send(body.clone(), &[]).await;
+    }
+    wait_for("the new messages answered", SETTLE, async || {
+        new.iter()
+            .all(|b| !app.received_body(b.as_bytes()).is_empty())
+    })
+    .await;
+    // Four at 1 a second take 3 s; a replay that took in the new letters
+    // would go on replaying them as the sidecar dead-letters them again.
+    let mut status = None;
+    poll_until(SETTLE, async || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    })
+    .await;
+    let Some(status) = status else {
+        child.kill().unwrap();
+        child.wait().unwrap();
+        panic!(
+            "the replay did not end: it took in letters that came after its snapshot: {}",
+            lines.lock().unwrap().join("\n")
+        );
+    };
+    reader.join().unwrap();
+    let stdout = lines.lock().unwrap().join("\n");
+    assert!(status.success(), "{stdout}");
+    assert!(
+        stdout.contains(&format!("4 dead letters replayed to {}", fixture.queue)),
+        "{stdout}"
+    );
+    let bodies = |letters: Vec<serde_json::Value>| -> Vec<String> {
+        let mut bodies: Vec<String> = letters
+            .iter()
+            .map(|l| l["body"].as_str().unwrap_or_default().to_string())
+            .collect();
+        bodies.sort();
+        bodies
+    };
+    wait_for("the new letters in the queue", SETTLE, async || {
+        bodies(listed()) == new
+    })
+    .await;
+    wait_for("the replayed messages acked", SETTLE, async || {
+        old.iter()
+            .all(|b| app.received_body(b.as_bytes()).len() == 2)
+    })
+    .await;
+    running.stop().await;
+    producer.release(&fixture).await;
+}

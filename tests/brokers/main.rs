@@ -13,6 +13,7 @@ mod amqp_quorum;
 mod amqp_settle;
 mod brokers;
 mod chaos;
+mod dlq_pages;
 mod embedded;
 mod embedded_dead_letters;
 mod embedded_durability;

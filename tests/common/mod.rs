@@ -846,6 +846,12 @@ pub fn write_policy(dir: &Path, spec: &str) -> PathBuf {
 /// same directory shares one handle in a process, so drop every clone).
 pub async fn release(fixture: &Fixture, source: Arc<dyn Source>) {
     drop(source);
+    wait_released(fixture).await;
+}
+
+/// For the embedded queue, waits until no handle in this process holds its
+/// file (see [`release`]); nothing for the other brokers.
+pub async fn wait_released(fixture: &Fixture) {
     if let Some(dir) = fixture.dir() {
         let path = dir.join("courier.redb");
         wait_for(

@@ -60,7 +60,7 @@ impl<'a> Beside<'a> {
         if let Some((running, source)) = self.running.take() {
             running.stop().await;
             drop(source);
-            release(self.fixture).await;
+            wait_released(self.fixture).await;
         }
     }
 
@@ -128,19 +128,6 @@ pub(crate) fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// The embedded queue is one process's at a time: wait until this process
-/// has let go of it before the binary opens it.
-pub(crate) async fn release(fixture: &Fixture) {
-    let Some(dir) = fixture.dir() else { return };
-    let path = dir.join("courier.redb");
-    wait_for(
-        "the embedded queue to be released",
-        Duration::from_secs(10),
-        async || redb::Database::create(&path).is_ok(),
-    )
-    .await;
-}
-
 /// Runs a sidecar against `app` until the queue is settled.
 async fn drain(fixture: &Fixture, app: &TestApp) {
     let source = fixture.open().await;
@@ -157,7 +144,7 @@ async fn drain(fixture: &Fixture, app: &TestApp) {
         }
     }
     drop(source);
-    release(fixture).await;
+    wait_released(fixture).await;
 }
 
 /// Sends `bodies` to a queue courier has opened before, as a deployed
@@ -168,7 +155,7 @@ async fn drain(fixture: &Fixture, app: &TestApp) {
 /// loses_nothing` once the reader's pace changed).
 async fn send_all(fixture: &Fixture, bodies: &[Bytes]) -> Vec<String> {
     drop(fixture.open().await);
-    release(fixture).await;
+    wait_released(fixture).await;
     let producer = fixture.producer().await;
     let mut ids = Vec::new();
     for body in bodies {
@@ -220,7 +207,7 @@ pub async fn list_show_replay_purge(fixture: Fixture) {
         wait_settled(&source, SETTLE).await;
         running.stop().await;
     }
-    release(&fixture).await;
+    wait_released(&fixture).await;
 
     // list: a header and one line per dead letter, oldest first.
     let out = courier(&fixture, &["dlq", "list"]);
@@ -1020,7 +1007,7 @@ pub async fn a_key_rotation_keeps_copies_sealed_within_the_window(fixture: Fixtu
     };
     let (by_old, by_older) = (letter_of(&ids[0]), letter_of(&ids[1]));
     drop(source);
-    release(&fixture).await;
+    wait_released(&fixture).await;
     for (letter, keys) in [(&by_old, &old_file), (&by_older, &older_file)] {
         let out = courier(
             &fixture,
@@ -1073,7 +1060,7 @@ pub async fn a_key_rotation_keeps_copies_sealed_within_the_window(fixture: Fixtu
         "the copy sealed by \"older\", replaced 48 h ago, is a new message (but on the embedded queue, which needs no seal): {letters:?}"
     );
     drop(source);
-    release(&fixture).await;
+    wait_released(&fixture).await;
     let kept: Vec<String> = inventory(&fixture)
         .await
         .into_iter()

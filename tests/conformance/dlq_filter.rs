@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::process::Output;
 
 use crate::common::*;
-use crate::dlq::{courier, json_lines, release, stderr, stdout};
+use crate::dlq::{courier, json_lines, stderr, stdout};
 use bytes::Bytes;
 use http_body_util::Full;
 use tokio_util::sync::CancellationToken;
@@ -93,7 +93,7 @@ pub async fn dlq_filter_selects_by_reason_status_header_and_body(fixture: Fixtur
     ];
     // Opened first, as a deployed sidecar has (see dlq::send_all).
     drop(fixture.open().await);
-    release(&fixture).await;
+    wait_released(&fixture).await;
     let producer = fixture.producer().await;
     for (body, headers) in &letters {
         let mut headers: Vec<(String, String)> = headers
@@ -120,7 +120,7 @@ pub async fn dlq_filter_selects_by_reason_status_header_and_body(fixture: Fixtur
         .await;
         running.stop().await;
     }
-    release(&fixture).await;
+    wait_released(&fixture).await;
 
     let list = |args: &[&str]| {
         let mut all = vec!["dlq", "list", "--output", "json"];

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
 use crate::common::*;
-use crate::dlq::{Beside, audit_line, courier, json_lines, release, stderr, stdout};
+use crate::dlq::{Beside, audit_line, courier, json_lines, stderr, stdout};
 use bytes::Bytes;
 use courier::source::DeadLetter;
 use http_body_util::{BodyExt, Full};
@@ -120,7 +120,7 @@ pub async fn edit_replays_the_patched_message(fixture: Fixture) {
     // Opened first, as a deployed sidecar has: Pub/Sub counts and browses
     // through subscriptions made at the first open (see `dlq::send_all`).
     drop(fixture.open().await);
-    release(&fixture).await;
+    wait_released(&fixture).await;
     let producer = fixture.producer().await;
     let id = producer.send(refused, &json).await;
     let other_id = producer.send(still_refused, &json).await;

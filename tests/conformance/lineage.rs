@@ -5,7 +5,7 @@
 //! history; a producer's lineage fields count for nothing.
 
 use crate::common::*;
-use crate::dlq::{Beside, courier, json_lines, release, stderr, stdout};
+use crate::dlq::{Beside, courier, json_lines, stderr, stdout};
 use courier::source::DeadLetter;
 
 /// The dead letter of `body` whose `courier-replay-count` is
@@ -45,7 +45,7 @@ pub async fn a_replay_carries_its_lineage(fixture: Fixture) {
     // Opened first, as a deployed sidecar has: Pub/Sub counts and browses
     // through subscriptions made at the first open (see `dlq::send_all`).
     drop(fixture.open().await);
-    release(&fixture).await;
+    wait_released(&fixture).await;
     let producer = fixture.producer().await;
     let id = producer.send(body, &[]).await;
     producer.send(forged_body, &forged).await;

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use crate::common::*;
-use crate::dlq::{courier, json_lines, release};
+use crate::dlq::{courier, json_lines};
 
 const BIN: &str = env!("CARGO_BIN_EXE_courier");
 
@@ -25,7 +25,7 @@ pub async fn a_replay_leaves_letters_arriving_after_its_snapshot(fixture: Fixtur
     let app = TestApp::start().await;
     // Opened first, as a deployed sidecar has (see `dlq::send_all`).
     drop(fixture.open().await);
-    release(&fixture).await;
+    wait_released(&fixture).await;
     let producer = fixture.producer().await;
     let old: Vec<String> = (0..4).map(|i| format!("script:400,200\nold {i}")).collect();
     for body in &old {

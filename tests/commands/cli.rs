@@ -450,6 +450,24 @@ fn send_refuses_a_header_that_is_not_k_equals_v() {
     target.assert_untouched();
 }
 
+/// A `--rate` that is no rate (not positive, or per an unknown unit) is
+/// refused with exit 2 before anything is replayed, saying how to write one.
+#[test]
+fn a_bad_replay_rate_is_refused_saying_how_to_write_one() {
+    let target = Target::all().into_iter().next().unwrap();
+    for rate in ["0", "fast", "50/d"] {
+        let (source, queue) = (target.source(), target.queue());
+        let args = [
+            "dlq", "replay", "--all", "--rate", rate, "--source", &source, "--queue", &queue,
+        ];
+        let out = courier(&args, &[], None);
+        assert_eq!(out.status.code(), Some(2), "{rate}: {}", out.stderr);
+        assert_mentions(&out.stderr, &["--rate", "50/s, 600/m or 3600/h"]);
+        assert!(out.stdout.is_empty(), "{rate}: nothing replayed");
+        target.assert_untouched();
+    }
+}
+
 /// A `--filter` expression that does not parse, or names no variable, is
 /// refused with exit 2 before the dead-letter queue is read (`list` prints
 /// its header line even for an empty queue), saying where it is wrong and

@@ -28,6 +28,7 @@
 //! - `lineage`: a replay's `Courier-Replay-Count`, and the dead letter it
 //!   makes naming the letter it came from, with the history;
 //! - `snapshot`: a bulk command's set is fixed before it acts;
+//! - `replay_rate`: `dlq replay --rate` keeps its rate;
 //! - `edit`: `courier dlq edit`, a dead letter fixed with a JSON Patch and
 //!   replayed;
 //! - `depth`: the work queue's depth and oldest age on `/metrics`;
@@ -50,6 +51,7 @@ mod flow;
 mod lineage;
 mod only;
 mod process;
+mod replay_rate;
 mod seal;
 mod snapshot;
 
@@ -204,6 +206,7 @@ suite!(
         dlq_filter::dlq_filter_selects_by_reason_status_header_and_body if DeadLetterBrowsing,
         lineage::a_replay_carries_its_lineage if DeadLetterBrowsing,
         snapshot::a_replay_leaves_letters_arriving_after_its_snapshot if DeadLetterBrowsing,
+        replay_rate::a_replay_keeps_its_rate if DeadLetterBrowsing,
         edit::edit_replays_the_patched_message if DeadLetterBrowsing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,

@@ -66,9 +66,9 @@ pub enum DlqAction {
         /// List what would move, move nothing.
         #[arg(long, env = "COURIER_DRY_RUN")]
         dry_run: bool,
-        /// At most this many messages per second, so a replay does not flatten
-        /// an app that just recovered.
-        #[arg(long, env = "COURIER_RATE")]
+        /// At most this many messages a second (50, 50/s, 600/m, 3600/h), so a
+        /// replay does not flatten an app that just recovered.
+        #[arg(long, env = "COURIER_RATE", value_parser = parse_rate)]
         rate: Option<f64>,
         /// Why, for the audit trail (the JSON line on stderr and the Event on
         /// the RetryPolicy), e.g. an incident number.
@@ -293,14 +293,6 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             why,
         } => {
             require_selection("replay", &filter, &selection)?;
-            if let Some(rate) = rate
-                && !(rate.is_finite() && rate > 0.0)
-            {
-                return Err(UsageError(format!(
-                    "--rate {rate} must be a positive number of messages per second"
-                ))
-                .into());
-            }
             let (source, dlq) = open(&target).await?;
             let now = SystemTime::now();
             let limit = filter.limit.unwrap_or(usize::MAX);
@@ -444,6 +436,30 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// `--rate`: messages a second, from `N`, `N/s`, `N/m` or `N/h`.
+fn parse_rate(text: &str) -> Result<f64, String> {
+    let (number, per) = match text.trim().split_once('/') {
+        Some((n, unit)) => (n, unit.trim()),
+        None => (text.trim(), "s"),
+    };
+    let seconds = match per {
+        "s" | "sec" | "second" => 1.0,
+        "m" | "min" | "minute" => 60.0,
+        "h" | "hour" => 3600.0,
+        _ => {
+            return Err(format!(
+                "{per:?} is not a unit: write 50, 50/s, 600/m or 3600/h"
+            ));
+        }
+    };
+    match number.trim().parse::<f64>() {
+        Ok(n) if n.is_finite() && n > 0.0 => Ok(n / seconds),
+        _ => Err(format!(
+            "{number:?} is not a positive number of messages: write 50, 50/s, 600/m or 3600/h"
+        )),
+    }
+}
+
 /// A bulk command's progress on a terminal: one line on stderr, redrawn at
 /// most a few times a second, so a replay of a million letters at a
 /// `--rate` says how far it is; nothing when stderr is not a terminal
@@ -503,5 +519,28 @@ fn report_failures(failures: &[String], missing: &[String]) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_rate;
+
+    #[test]
+    fn rates_read_per_second() {
+        for (text, per_second) in [
+            ("50", 50.0),
+            ("50/s", 50.0),
+            ("0.5", 0.5),
+            ("600/m", 10.0),
+            ("3600/h", 1.0),
+            (" 120 / min ", 2.0),
+        ] {
+            assert_eq!(parse_rate(text), Ok(per_second), "{text}");
+        }
+        for text in ["0", "-3", "fast", "50/d", "NaN", "inf/s", ""] {
+            let err = parse_rate(text).expect_err(text);
+            assert!(err.contains("50/s, 600/m or 3600/h"), "{text}: {err}");
+        }
     }
 }

@@ -16,11 +16,15 @@
 //! - [`runs`]: drain, latency, two replicas, the Celery peer, the retry
 //!   backlog.
 //! - [`report`]: the table, `BENCHMARKS.md` and the targets.
+//! - [`dead_letters`]: `courier-bench dlq`, `courier dlq list` and `replay
+//!   --dry-run` over a million dead letters on Redis (issue 29), with a
+//!   part of `BENCHMARKS.md` of its own.
 //!
 //! `cargo run --profile dist -p courier-bench -- all` runs everything and
 //! rewrites the generated part of `BENCHMARKS.md` (it refuses a tree with
 //! uncommitted changes unless `--allow-dirty`, which marks every row);
-//! `--smoke` is the tiny run the test suite makes.
+//! `--smoke` is the tiny run the test suite makes. `-- dlq` is the
+//! dead-letter run, apart: it needs nothing but Redis.
 #![deny(rust_2018_idioms)]
 
 mod app;
@@ -28,6 +32,7 @@ mod bare;
 mod celery;
 mod child;
 mod counts;
+mod dead_letters;
 mod idle;
 mod load;
 mod report;
@@ -77,6 +82,15 @@ enum Cmd {
     /// The torture run's app (the harness starts it as a child).
     #[command(hide = true)]
     TortureApp(torture_app::AppArgs),
+    /// `courier dlq list` (the first 50, and a --filter over all) and
+    /// `replay --dry-run` over --letters dead letters on Redis, timed with
+    /// their peak RSS against issue 29's targets; writes its own part of
+    /// BENCHMARKS.md.
+    Dlq(dead_letters::DlqArgs),
+    /// One command of the dlq run, and what it cost (the harness starts it
+    /// as a child).
+    #[command(hide = true)]
+    DlqLaunch(dead_letters::LaunchArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -359,6 +373,20 @@ fn loadavg() -> String {
         .unwrap_or_default()
 }
 
+/// The commit a report is to describe and whether the tree has
+/// uncommitted changes, which only `allow_dirty` accepts: a generated table
+/// must describe a commit that exists.
+fn report_commit(allow_dirty: bool) -> anyhow::Result<(String, bool)> {
+    let (head, dirty) = commit()?;
+    if dirty && !allow_dirty {
+        bail!(
+            "the working tree has uncommitted changes, and a report must describe a commit that exists: \
+             commit them (or stash them), or pass --allow-dirty to mark every row \"uncommitted\""
+        );
+    }
+    Ok((head, dirty))
+}
+
 /// The commit the tree is at, and whether it has uncommitted changes.
 fn commit() -> anyhow::Result<(String, bool)> {
     let git = |args: &[&str]| -> anyhow::Result<String> {
@@ -424,9 +452,9 @@ fn machine(courier: &Path) -> Machine {
 /// together with the `kafka-mock` beside it, which the Kafka runs start
 /// when no --kafka-mock is given: `cargo run -p courier-bench` builds only
 /// the harness, and a report made so had no Kafka rows.
-fn courier_binary(options: &Options) -> anyhow::Result<PathBuf> {
-    if let Some(path) = &options.courier {
-        return Ok(path.clone());
+fn courier_binary(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(path) = given {
+        return Ok(path.to_path_buf());
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!(
@@ -539,13 +567,7 @@ async fn timed_baselines(
 
 async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<Results> {
     let kinds = parse_kinds(&options.sources())?;
-    let (head, dirty) = commit()?;
-    if dirty && !options.allow_dirty {
-        bail!(
-            "the working tree has uncommitted changes, and a report must describe a commit that exists: \
-             commit them (or stash them), or pass --allow-dirty to mark every row \"uncommitted\""
-        );
-    }
+    let (head, dirty) = report_commit(options.allow_dirty)?;
     let idle_kinds = if options.no_idle {
         Vec::new()
     } else {
@@ -556,7 +578,7 @@ async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<R
     } else {
         parse_kinds(&options.count_sources)?
     };
-    let courier = courier_binary(options)?;
+    let courier = courier_binary(options.courier.as_deref())?;
     if !courier.exists() {
         bail!("no courier binary at {}", courier.display());
     }
@@ -858,6 +880,26 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("courier-bench bare: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        // Before anything else: the less this process has touched, the
+        // lower the floor under the command's peak RSS.
+        Cmd::DlqLaunch(args) => {
+            return match dead_letters::launch(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("courier-bench dlq-launch: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Cmd::Dlq(args) => {
+            return match dead_letters::main(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("courier-bench dlq: {e:#}");
                     ExitCode::FAILURE
                 }
             };

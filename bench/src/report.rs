@@ -80,7 +80,7 @@ pub struct Side {
     pub wake: Option<Result<Wake, String>>,
 }
 
-fn median(mut values: Vec<f64>) -> Option<f64> {
+pub fn median(mut values: Vec<f64>) -> Option<f64> {
     if values.is_empty() {
         return None;
     }
@@ -242,7 +242,7 @@ fn ms(d: Duration) -> String {
     format!("{:.3}", d.as_secs_f64() * 1000.0)
 }
 
-fn mb(kib: u64) -> String {
+pub fn mb(kib: u64) -> String {
     format!("{:.1}", kib as f64 * 1024.0 / 1e6)
 }
 
@@ -1086,18 +1086,35 @@ fn idle_note(kind: Kind) -> Option<&'static str> {
 /// Replaces the generated part of `path`, keeping what is written around
 /// it; a missing file gets a short frame.
 pub fn write_markdown(path: &Path, generated: &str) -> std::io::Result<()> {
+    splice(path, BEGIN, END, generated, |_| {
+        format!(
+            "# Benchmarks\n\nRun with `cargo run --profile dist -p courier-bench -- all`.\n\n{}\n",
+            generated.trim_end()
+        )
+    })
+}
+
+/// Replaces the part of `path` from `begin` through `end` with
+/// `generated` (which holds both markers), keeping what is written around
+/// it. Where the file lacks them, `absent` makes the whole text from what
+/// is there (empty for a missing file): each generated part (`all`'s,
+/// `dlq`'s) says where it goes the first time.
+pub fn splice(
+    path: &Path,
+    begin: &str,
+    end: &str,
+    generated: &str,
+    absent: impl FnOnce(&str) -> String,
+) -> std::io::Result<()> {
     let existing = std::fs::read_to_string(path).unwrap_or_default();
-    let text = match (existing.find(BEGIN), existing.find(END)) {
+    let text = match (existing.find(begin), existing.find(end)) {
         (Some(b), Some(e)) if e > b => format!(
             "{}{}{}",
             &existing[..b],
             generated.trim_end(),
-            &existing[e + END.len()..]
+            &existing[e + end.len()..]
         ),
-        _ => format!(
-            "# Benchmarks\n\nRun with `cargo run --profile dist -p courier-bench -- all`.\n\n{}\n",
-            generated.trim_end()
-        ),
+        _ => absent(&existing),
     };
     std::fs::write(path, text)
 }

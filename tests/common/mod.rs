@@ -429,6 +429,26 @@ impl Fixture {
         }
     }
 
+    /// Another queue on the same broker, named after this one (so on a
+    /// Redis Cluster it shares this one's hash tag, and on the embedded
+    /// queue its file), cleaned up like it.
+    pub fn sibling(&self, suffix: &str) -> Self {
+        let queue = format!("{}-{suffix}", self.queue);
+        Self {
+            url: self.url.clone(),
+            broker: self.broker,
+            _dir: self._dir.clone(),
+            _cleanup: self._cleanup.as_ref().map(|_| {
+                Arc::new(BrokerCleanup {
+                    kind: self.broker,
+                    url: self.url.as_str().to_string(),
+                    queue: queue.clone(),
+                })
+            }),
+            queue,
+        }
+    }
+
     /// The `--source` text.
     pub fn source_arg(&self) -> String {
         self.url.as_str().to_string()

@@ -29,6 +29,7 @@
 //!   makes naming the letter it came from, with the history;
 //! - `snapshot`: a bulk command's set is fixed before it acts;
 //! - `replay_rate`: `dlq replay --rate` keeps its rate;
+//! - `replay_to`: `dlq replay --to` another queue;
 //! - `edit`: `courier dlq edit`, a dead letter fixed with a JSON Patch and
 //!   replayed;
 //! - `depth`: the work queue's depth and oldest age on `/metrics`;
@@ -52,6 +53,7 @@ mod lineage;
 mod only;
 mod process;
 mod replay_rate;
+mod replay_to;
 mod seal;
 mod snapshot;
 
@@ -207,6 +209,7 @@ suite!(
         lineage::a_replay_carries_its_lineage if DeadLetterBrowsing,
         snapshot::a_replay_leaves_letters_arriving_after_its_snapshot if DeadLetterBrowsing,
         replay_rate::a_replay_keeps_its_rate if DeadLetterBrowsing,
+        replay_to::a_replay_goes_to_the_queue_named if DeadLetterBrowsing,
         edit::edit_replays_the_patched_message if DeadLetterBrowsing,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,

@@ -18,7 +18,7 @@ use tokio::sync::OnceCell;
 use super::connection::{WorkStream, check_stream_name, connect_client, js_code, unavailable};
 use super::fields::{F_SUBJECT, from_headers, seal_of};
 use super::settle::publish_once;
-use courier_core::model::{DeadLetter, PAYLOAD};
+use courier_core::model::{DeadLetter, F_QUEUE, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
 use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
 
@@ -238,8 +238,12 @@ impl DeadLetterStore for NatsStore {
             from_headers(&stored.payload, Some(&stored.headers)),
         );
         let work = self.work().await?;
+        // The recorded subject belongs to the stream the letter came from;
+        // replayed into another stream (`dlq replay --to`), it goes to that
+        // stream's own subject.
         let subject = stored
             .field(F_SUBJECT)
+            .filter(|_| stored.field(F_QUEUE).is_none_or(|queue| queue == self.queue))
             .map(str::to_string)
             .or_else(|| work.send_subject.clone())
             .ok_or_else(|| {

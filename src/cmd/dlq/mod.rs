@@ -70,6 +70,10 @@ pub enum DlqAction {
         /// replay does not flatten an app that just recovered.
         #[arg(long, env = "COURIER_RATE", value_parser = parse_rate)]
         rate: Option<f64>,
+        /// Replay into this queue instead of --queue (whose dead letters they
+        /// are), on the same --source; it must exist.
+        #[arg(long, env = "COURIER_TO", value_name = "QUEUE")]
+        to: Option<String>,
         /// Why, for the audit trail (the JSON line on stderr and the Event on
         /// the RetryPolicy), e.g. an incident number.
         #[arg(long, env = "COURIER_WHY")]
@@ -290,10 +294,23 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             selection,
             dry_run,
             rate,
+            to,
             why,
         } => {
             require_selection("replay", &filter, &selection)?;
             let (source, dlq) = open(&target).await?;
+            // Another queue's store writes the replays there, and reads and
+            // removes the letters from this queue's dead-letter queue, which
+            // every store takes by name.
+            let (source, into) = match to {
+                Some(to) if to != target.source.queue => {
+                    let mut into = target.clone();
+                    into.source.queue = to.clone();
+                    into.dlq = Some(dlq.clone());
+                    (open(&into).await?.0, to)
+                }
+                _ => (source, target.source.queue.clone()),
+            };
             let now = SystemTime::now();
             let limit = filter.limit.unwrap_or(usize::MAX);
             let mut walk = Walk::new(&source, &dlq, &filter, &selection.ids)?;
@@ -311,8 +328,8 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             if dry_run {
                 writeln!(
                     out,
-                    "{} dead letters would be replayed to {}",
-                    snapshot.selected, target.source.queue
+                    "{} dead letters would be replayed to {into}",
+                    snapshot.selected
                 )?;
                 source.flush().await;
                 return Ok(report_missing(&missing));
@@ -345,14 +362,10 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             .await?;
             progress.end();
             source.flush().await;
-            writeln!(
-                out,
-                "{moved} dead letters replayed to {}",
-                target.source.queue
-            )?;
+            writeln!(out, "{moved} dead letters replayed to {into}")?;
             let record = audit::Record {
                 action: audit::Action::Replay,
-                queue: &target.source.queue,
+                queue: &into,
                 dead_letter_queue: &dlq,
                 selection: audit::describe(&filter, &selection),
                 selected: snapshot.selected,

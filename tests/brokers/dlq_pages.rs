@@ -1,8 +1,9 @@
 //! Paging through a dead-letter queue longer than a page, on the brokers
 //! whose ids are ordered (Redis, NATS, the embedded queue): every letter
 //! once, in queue order, across page boundaries; a `through` bound stops
-//! at its letter; and the built binary lists, counts and limits across
-//! its own 256-letter pages as it did when it read the queue whole.
+//! at its letter; a letter is found by its id alone; and the built binary
+//! lists, counts, limits and shows across its own 256-letter pages as it
+//! did when it read the queue whole.
 
 use std::process::Command;
 
@@ -59,6 +60,16 @@ async fn pages_cover_the_queue_once_in_order(fixture: Fixture) {
         whole[..200],
         "a page ends at its bound"
     );
+    let found = source
+        .dead_letter_by_id(&dlq, &whole[250])
+        .await
+        .unwrap()
+        .expect("this broker finds a letter by its id");
+    assert_eq!(found.map(|l| l.id).as_ref(), Some(&whole[250]));
+    for absent in ["99999999999999-0", "99999999999999", "not an id"] {
+        let found = source.dead_letter_by_id(&dlq, absent).await.unwrap();
+        assert!(matches!(found, Some(None)), "{absent}: {found:?}");
+    }
     drop(source);
     wait_released(&fixture).await;
 
@@ -88,6 +99,8 @@ async fn pages_cover_the_queue_once_in_order(fixture: Fixture) {
         .filter(|l| l.starts_with("would replay "))
         .count();
     assert_eq!(lines, 260);
+    let shown = courier(&["dlq", "show", &whole[290], "--output", "json"]);
+    assert!(shown.contains(&whole[290]), "{shown}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -130,6 +130,18 @@ impl DeadLetterStore for EmbeddedStore {
         self.page(dead_letter_queue, 0..=u64::MAX, limit).await
     }
 
+    async fn dead_letter_by_id(
+        &self,
+        dead_letter_queue: &str,
+        id: &str,
+    ) -> Result<Option<Option<DeadLetter>>, SourceError> {
+        let Ok(key) = parse_dead_letter_id(id) else {
+            return Ok(Some(None));
+        };
+        let page = self.page(dead_letter_queue, key..=key, 1).await?;
+        Ok(Some(page.into_iter().next()))
+    }
+
     /// The table's keys are ordered: a page is a range read.
     async fn dead_letters_after(
         &self,

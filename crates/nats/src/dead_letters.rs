@@ -201,6 +201,18 @@ impl DeadLetterStore for NatsStore {
         self.page(dead_letter_queue, 0, u64::MAX, limit).await
     }
 
+    async fn dead_letter_by_id(
+        &self,
+        dead_letter_queue: &str,
+        id: &str,
+    ) -> Result<Option<Option<DeadLetter>>, SourceError> {
+        let Ok(sequence) = id.parse::<u64>() else {
+            return Ok(Some(None));
+        };
+        let page = self.page(dead_letter_queue, sequence, sequence, 1).await?;
+        Ok(Some(page.into_iter().next()))
+    }
+
     /// Stream sequences are ordered: a page starts at the sequence after
     /// `after`.
     async fn dead_letters_after(

@@ -94,6 +94,37 @@ impl DeadLetterStore for RedisStore {
             .collect())
     }
 
+    /// `XRANGE id id`. Text that is not an entry id (`<ms>-<seq>`) names
+    /// no letter, rather than an error from Redis.
+    async fn dead_letter_by_id(
+        &self,
+        dead_letter_queue: &str,
+        id: &str,
+    ) -> Result<Option<Option<DeadLetter>>, SourceError> {
+        let number = |part: &str| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit());
+        let entry_id = match id.split_once('-') {
+            Some((ms, seq)) => number(ms) && number(seq),
+            None => false,
+        };
+        if !entry_id {
+            return Ok(Some(None));
+        }
+        let mut con = self.commands.clone();
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(dead_letter_queue)
+            .arg(id)
+            .arg(id)
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        Ok(Some(
+            parse_entries(reply)
+                .into_iter()
+                .next()
+                .map(|(id, fields)| DeadLetter::from_fields(id, fields)),
+        ))
+    }
+
     /// `XRANGE (after through COUNT limit`: entry ids are ordered, so a
     /// page is one command whatever the stream's length.
     async fn dead_letters_after(

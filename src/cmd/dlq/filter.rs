@@ -205,6 +205,21 @@ impl<'a> Walk<'a> {
         let mut walked = Walked::default();
         let mut found = vec![false; self.ids.len()];
         let mut unevaluated = Unevaluated::default();
+        if let Some(letters) = self.look_up().await? {
+            for (i, letter) in letters.into_iter().enumerate() {
+                let Some(letter) = letter else { continue };
+                found[i] = true;
+                if walked.selected < limit
+                    && unevaluated
+                        .tally(&letter, self.filter.matches(&letter, self.status, self.now))
+                {
+                    walked.selected += 1;
+                    walked.last = Some(letter.id.clone());
+                    each(letter).await?;
+                }
+            }
+            return Ok(self.finish(walked, found, unevaluated, report));
+        }
         let mut after: Option<String> = None;
         let mut listed_at = 0;
         'pages: while walked.selected < limit {
@@ -257,6 +272,34 @@ impl<'a> Walk<'a> {
                 }
             }
         }
+        Ok(self.finish(walked, found, unevaluated, report))
+    }
+
+    /// The letters of the ids given, each read alone, where the broker
+    /// can (`DeadLetterStore::dead_letter_by_id`): `show ID` or `replay
+    /// --id` on a queue of a million letters reads one. `None` when no ids
+    /// were given or the broker cannot.
+    async fn look_up(&self) -> anyhow::Result<Option<Vec<Option<DeadLetter>>>> {
+        if self.ids.is_empty() || self.listed.is_some() {
+            return Ok(None);
+        }
+        let mut letters = Vec::with_capacity(self.ids.len());
+        for id in self.ids {
+            match self.source.dead_letter_by_id(self.dlq, id).await? {
+                Some(letter) => letters.push(letter),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(letters))
+    }
+
+    fn finish(
+        &self,
+        mut walked: Walked,
+        found: Vec<bool>,
+        unevaluated: Unevaluated,
+        report: bool,
+    ) -> Walked {
         walked.missing = self
             .ids
             .iter()
@@ -267,7 +310,7 @@ impl<'a> Walk<'a> {
         if report && let Some(warning) = unevaluated.warning() {
             eprintln!("{warning}");
         }
-        Ok(walked)
+        walked
     }
 }
 

@@ -410,6 +410,17 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
         Ok(None)
     }
+    /// The dead letter `id` alone, where the broker finds one by its id
+    /// without reading the others (the brokers that page): `Some` of what
+    /// it found (`None` inside: no such letter). `None` where it cannot;
+    /// the caller walks the queue instead.
+    async fn dead_letter_by_id(
+        &self,
+        _dead_letter_queue: &str,
+        _id: &str,
+    ) -> Result<Option<Option<DeadLetter>>, SourceError> {
+        Ok(None)
+    }
     /// Writes a dead letter back to the work queue
     /// ([`DeadLetter::fields_for_replay`]), then removes it from the
     /// dead-letter queue: a replay cut short leaves the message in both
@@ -455,6 +466,14 @@ impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
         self.store()
             .dead_letters_after(dead_letter_queue, after, through, limit)
             .await
+    }
+
+    async fn dead_letter_by_id(
+        &self,
+        dead_letter_queue: &str,
+        id: &str,
+    ) -> Result<Option<Option<DeadLetter>>, SourceError> {
+        self.store().dead_letter_by_id(dead_letter_queue, id).await
     }
 
     async fn replay(

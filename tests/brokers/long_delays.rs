@@ -26,6 +26,12 @@ const KAFKA_RETRY_AFTER: Duration = Duration::from_secs(20);
 const KILLED_AFTER: Duration = Duration::from_secs(1);
 /// How late the retry may come after its due time.
 const LATE_BY_AT_MOST: Duration = Duration::from_secs(1);
+/// SQS's, on moto: the last copy, received 0.9 s before its due time, is
+/// made invisible for the whole second SQS allows, and moto's long poll
+/// saw it visible again only about a second after that (a debug log: made
+/// invisible at :26.22, received at :28.14, due at :27.1). Every run on
+/// 2026-12-06 came 1.017 to 1.022 s late, idle or busy.
+const SQS_LATE_BY_AT_MOST: Duration = Duration::from_millis(1500);
 /// Due times are stored in whole milliseconds.
 const ROUNDING: Duration = Duration::from_millis(5);
 /// The limits lowered for the run: 2 s, under the 5 s.
@@ -141,8 +147,12 @@ async fn a_retry_after_past_the_brokers_limit_survives_a_kill_and_fires_on_time(
         killed - answered.at,
         running - answered.at
     );
+    let bound = match fixture.broker {
+        BrokerKind::Sqs => SQS_LATE_BY_AT_MOST,
+        _ => LATE_BY_AT_MOST,
+    };
     assert!(
-        late <= LATE_BY_AT_MOST,
+        late <= bound,
         "the retry came {late:?} after its due time; log of the restarted courier:\n{}",
         second.log()
     );

@@ -27,9 +27,11 @@ const KILLED_AFTER: Duration = Duration::from_secs(1);
 /// How late the retry may come after its due time.
 const LATE_BY_AT_MOST: Duration = Duration::from_secs(1);
 /// SQS's, on moto: the last copy, received 0.9 s before its due time, is
-/// made invisible for the whole second SQS allows, and moto's long poll
-/// saw it visible again only about a second after that (a debug log: made
-/// invisible at :26.22, received at :28.14, due at :27.1). Every run on
+/// made invisible for the whole second SQS allows (until :27.22, due at
+/// :27.10, in a debug log). At :27.14 courier leaves it to SQS, whose own
+/// timer is under `SURFACE_GUARD` (100 ms) away (crates/sqs/src/settle.rs:
+/// a receipt may be someone else's by then); moto showed it to the long
+/// poll only at :28.14, about a second after its timer. Every run on
 /// 2026-12-06 came 1.017 to 1.022 s late, idle or busy.
 const SQS_LATE_BY_AT_MOST: Duration = Duration::from_millis(1500);
 /// Due times are stored in whole milliseconds.

@@ -828,14 +828,7 @@ impl Results {
             );
         }
         let _ = writeln!(md, "\n| target (issue 29) | figure | |\n|---|---|---|");
-        for v in self.verdicts() {
-            let met = match v.met {
-                Some(true) => "met",
-                Some(false) => "**missed**",
-                None => "not measured",
-            };
-            let _ = writeln!(md, "| {} | {} | {met} |", v.target, v.figure);
-        }
+        report::verdict_rows(&mut md, &self.verdicts());
         let _ = writeln!(md, "\n{END}");
         md
     }
@@ -856,20 +849,8 @@ fn write(path: &Path, generated: &str) -> std::io::Result<()> {
 }
 
 pub fn main(args: DlqArgs) -> anyhow::Result<()> {
-    let (head, dirty) = crate::report_commit(args.allow_dirty)?;
-    let courier = crate::courier_binary(args.courier.as_deref())?;
-    if !courier.exists() {
-        bail!("no courier binary at {}", courier.display());
-    }
-    let mut machine = crate::machine(&courier);
-    machine.commit = head;
-    machine.dirty = dirty;
-    if report::loaded(&machine.load_before) {
-        eprintln!(
-            "warning: the 1-minute load average is {} (above 1.0): the times will be noisy",
-            machine.load_before
-        );
-    }
+    let commit = crate::report_commit(args.allow_dirty)?;
+    let (courier, mut machine) = crate::measured(args.courier.as_deref(), commit)?;
     let out = args
         .out
         .clone()

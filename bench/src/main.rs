@@ -409,6 +409,25 @@ fn commit() -> anyhow::Result<(String, bool)> {
     Ok((head, !status.is_empty()))
 }
 
+/// The courier binary a report measures (it must exist) and the machine
+/// it runs on, marked with `commit` (the head, and whether the tree was
+/// dirty); warns when the machine is busy.
+fn measured(courier: Option<&Path>, commit: (String, bool)) -> anyhow::Result<(PathBuf, Machine)> {
+    let courier = courier_binary(courier)?;
+    if !courier.exists() {
+        bail!("no courier binary at {}", courier.display());
+    }
+    let mut machine = machine(&courier);
+    (machine.commit, machine.dirty) = commit;
+    if report::loaded(&machine.load_before) {
+        eprintln!(
+            "warning: the 1-minute load average is {} (above 1.0): timed figures will be noisy",
+            machine.load_before
+        );
+    }
+    Ok((courier, machine))
+}
+
 fn machine(courier: &Path) -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
@@ -578,21 +597,9 @@ async fn all(options: &Options, reserved: servers::Reserved) -> anyhow::Result<R
     } else {
         parse_kinds(&options.count_sources)?
     };
-    let courier = courier_binary(options.courier.as_deref())?;
-    if !courier.exists() {
-        bail!("no courier binary at {}", courier.display());
-    }
+    let (courier, machine) = measured(options.courier.as_deref(), (head, dirty))?;
     let work_dir = repo_root().join("target/bench");
     std::fs::create_dir_all(&work_dir)?;
-    let mut machine = machine(&courier);
-    machine.commit = head;
-    machine.dirty = dirty;
-    if report::loaded(&machine.load_before) {
-        eprintln!(
-            "warning: the 1-minute load average is {} (above 1.0): timed figures will be noisy",
-            machine.load_before
-        );
-    }
     // Built beside courier when courier was.
     let kafka_mock = options.kafka_mock.clone().or_else(|| {
         options

@@ -968,16 +968,21 @@ impl Results {
             md,
             "\n### Targets (issue 15)\n\n| target | figure | |\n|---|---|---|"
         );
-        for v in self.verdicts() {
-            let met = match v.met {
-                Some(true) => "met",
-                Some(false) => "**missed**",
-                None => "not measured",
-            };
-            let _ = writeln!(md, "| {} | {} | {met} |", v.target, v.figure);
-        }
+        verdict_rows(&mut md, &self.verdicts());
         let _ = writeln!(md, "\n{END}");
         md
+    }
+}
+
+/// A row of a targets table per verdict: met, missed or not measured.
+pub fn verdict_rows(md: &mut String, verdicts: &[Verdict]) {
+    for v in verdicts {
+        let met = match v.met {
+            Some(true) => "met",
+            Some(false) => "**missed**",
+            None => "not measured",
+        };
+        let _ = writeln!(md, "| {} | {} | {met} |", v.target, v.figure);
     }
 }
 

@@ -123,6 +123,17 @@ impl PolicyRef {
     pub fn label(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
+
+    /// The RetryPolicy, as an Event's `regarding`.
+    fn reference(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some(RetryPolicy::api_version(&()).into_owned()),
+            kind: Some(RetryPolicy::kind(&()).into_owned()),
+            name: Some(self.name.clone()),
+            namespace: Some(self.namespace.clone()),
+            ..ObjectReference::default()
+        }
+    }
 }
 
 /// The `sub` claim of a service account token (a JWT), without checking
@@ -260,13 +271,7 @@ impl AuditTrail {
     /// A Normal Event on the RetryPolicy; `note` is cut to the 1 KiB the
     /// API server keeps.
     pub async fn record(&self, reason: &str, action: &str, note: &str) -> Result<(), kube::Error> {
-        let regarding = ObjectReference {
-            api_version: Some(RetryPolicy::api_version(&()).into_owned()),
-            kind: Some(RetryPolicy::kind(&()).into_owned()),
-            name: Some(self.target.name.clone()),
-            namespace: Some(self.target.namespace.clone()),
-            ..ObjectReference::default()
-        };
+        let regarding = self.target.reference();
         let event = KubeEvent {
             type_: EventType::Normal,
             reason: reason.into(),
@@ -456,13 +461,7 @@ impl Follower {
                 namespace: Some(self.target.namespace.clone()),
                 ..ObjectReference::default()
             },
-            None => ObjectReference {
-                api_version: Some(RetryPolicy::api_version(&()).into_owned()),
-                kind: Some(RetryPolicy::kind(&()).into_owned()),
-                name: Some(self.target.name.clone()),
-                namespace: Some(self.target.namespace.clone()),
-                ..ObjectReference::default()
-            },
+            None => self.target.reference(),
         };
         let event = KubeEvent {
             type_: EventType::Warning,

@@ -59,6 +59,30 @@ impl RedisStore {
         })
     }
 
+    /// `XRANGE dlq start end COUNT limit`, as dead letters.
+    async fn range(
+        &self,
+        dead_letter_queue: &str,
+        start: &str,
+        end: &str,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>, SourceError> {
+        let mut con = self.commands.clone();
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(dead_letter_queue)
+            .arg(start)
+            .arg(end)
+            .arg("COUNT")
+            .arg(limit.min(i64::MAX as usize))
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        Ok(parse_entries(reply)
+            .into_iter()
+            .map(|(id, fields)| DeadLetter::from_fields(id, fields))
+            .collect())
+    }
+
     async fn seal(&self) -> Result<&Seal, SourceError> {
         let seal = self
             .seal
@@ -78,20 +102,7 @@ impl DeadLetterStore for RedisStore {
         dead_letter_queue: &str,
         limit: usize,
     ) -> Result<Vec<DeadLetter>, SourceError> {
-        let mut con = self.commands.clone();
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(dead_letter_queue)
-            .arg("-")
-            .arg("+")
-            .arg("COUNT")
-            .arg(limit.min(i64::MAX as usize))
-            .query_async(&mut con)
-            .await
-            .map_err(broker_error)?;
-        Ok(parse_entries(reply)
-            .into_iter()
-            .map(|(id, fields)| DeadLetter::from_fields(id, fields))
-            .collect())
+        self.range(dead_letter_queue, "-", "+", limit).await
     }
 
     /// `XRANGE id id`. Text that is not an entry id (`<ms>-<seq>`) names
@@ -109,20 +120,8 @@ impl DeadLetterStore for RedisStore {
         if !entry_id {
             return Ok(Some(None));
         }
-        let mut con = self.commands.clone();
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(dead_letter_queue)
-            .arg(id)
-            .arg(id)
-            .query_async(&mut con)
-            .await
-            .map_err(broker_error)?;
-        Ok(Some(
-            parse_entries(reply)
-                .into_iter()
-                .next()
-                .map(|(id, fields)| DeadLetter::from_fields(id, fields)),
-        ))
+        let found = self.range(dead_letter_queue, id, id, 1).await?;
+        Ok(Some(found.into_iter().next()))
     }
 
     /// `XRANGE (after through COUNT limit`: entry ids are ordered, so a
@@ -134,22 +133,10 @@ impl DeadLetterStore for RedisStore {
         through: Option<&str>,
         limit: usize,
     ) -> Result<Option<Vec<DeadLetter>>, SourceError> {
-        let mut con = self.commands.clone();
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(dead_letter_queue)
-            .arg(after.map_or_else(|| "-".to_string(), |id| format!("({id}")))
-            .arg(through.unwrap_or("+"))
-            .arg("COUNT")
-            .arg(limit.min(i64::MAX as usize))
-            .query_async(&mut con)
+        let start = after.map_or_else(|| "-".to_string(), |id| format!("({id}"));
+        self.range(dead_letter_queue, &start, through.unwrap_or("+"), limit)
             .await
-            .map_err(broker_error)?;
-        Ok(Some(
-            parse_entries(reply)
-                .into_iter()
-                .map(|(id, fields)| DeadLetter::from_fields(id, fields))
-                .collect(),
-        ))
+            .map(Some)
     }
 
     async fn replay(

@@ -4,9 +4,9 @@
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::common::*;
 use base64::Engine;
@@ -105,6 +105,72 @@ impl<'a> Beside<'a> {
         };
         wait_for(what, SETTLE, async || find().await.is_some()).await;
         find().await.unwrap()
+    }
+}
+
+/// `courier <args>` against the fixture's queue, running in the
+/// background; the lines of its stdout are gathered as they come, each
+/// with the moment it came.
+pub(crate) struct Spawned {
+    pub(crate) child: Child,
+    lines: Arc<Mutex<Vec<(String, Instant)>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Spawned {
+    pub(crate) fn start(fixture: &Fixture, args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .args(["--source", &fixture.source_arg(), "--queue", &fixture.queue])
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run courier");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let reader = {
+            let stdout = child.stdout.take().unwrap();
+            let lines = lines.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push((line, Instant::now()));
+                }
+            })
+        };
+        Self {
+            child,
+            lines,
+            reader: Some(reader),
+        }
+    }
+
+    /// The moments of the lines so far that start with `prefix`.
+    pub(crate) fn lines_starting(&self, prefix: &str) -> Vec<Instant> {
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .filter(|(l, _)| l.starts_with(prefix))
+            .map(|(_, at)| *at)
+            .collect()
+    }
+
+    /// Its stdout so far.
+    pub(crate) fn stdout(&self) -> String {
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .map(|(l, _)| l.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Waits for it to exit and for the last of its output.
+    pub(crate) fn wait(&mut self) -> std::process::ExitStatus {
+        let status = self.child.wait().unwrap();
+        if let Some(reader) = self.reader.take() {
+            reader.join().unwrap();
+        }
+        status
     }
 }
 
@@ -412,47 +478,15 @@ pub async fn replay_killed_halfway_loses_nothing(fixture: Fixture) {
         n
     );
 
-    let mut child = Command::new(BIN)
-        .args([
-            "dlq",
-            "replay",
-            "--all",
-            "--rate",
-            "30",
-            "--source",
-            &fixture.source_arg(),
-            "--queue",
-            &fixture.queue,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut replay = Spawned::start(&fixture, &["dlq", "replay", "--all", "--rate", "30"]);
     // Each replayed letter is one line; kill once a few are done.
-    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
-    let reader = {
-        let stdout = child.stdout.take().unwrap();
-        let lines = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                lines.lock().unwrap().push(line);
-            }
-        })
-    };
-    let replayed = || {
-        lines
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|l| l.starts_with("replayed "))
-            .count()
-    };
-    wait_for("a few replays", SETTLE, async || replayed() >= 5).await;
-    child.kill().unwrap();
-    child.wait().unwrap();
-    reader.join().unwrap();
-    let replayed = replayed();
+    wait_for("a few replays", SETTLE, async || {
+        replay.lines_starting("replayed ").len() >= 5
+    })
+    .await;
+    replay.child.kill().unwrap();
+    replay.wait();
+    let replayed = replay.lines_starting("replayed ").len();
     assert!(
         replayed > 0 && replayed < n,
         "killed halfway: {replayed} of {n} replayed"

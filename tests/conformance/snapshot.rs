@@ -2,14 +2,8 @@
 //! while a paced replay runs are not in it, and stay in the dead-letter
 //! queue.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
-
 use crate::common::*;
-use crate::dlq::{courier, json_lines};
-
-const BIN: &str = env!("CARGO_BIN_EXE_courier");
+use crate::dlq::{Spawned, courier, json_lines};
 
 /// Four dead letters are replayed at 1 a second by the built binary while
 /// the sidecar runs; once the first is replayed (the snapshot is taken),
@@ -38,30 +32,9 @@ pub async fn a_replay_leaves_letters_arriving_after_its_snapshot(fixture: Fixtur
     })
     .await;
 
-    let mut child = Command::new(BIN)
-        .args(["dlq", "replay", "--all", "--rate", "1", "--source"])
-        .arg(fixture.source_arg())
-        .args(["--queue", &fixture.queue])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
-    let reader = {
-        let stdout = child.stdout.take().unwrap();
-        let lines = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                lines.lock().unwrap().push(line);
-            }
-        })
-    };
+    let mut replay = Spawned::start(&fixture, &["dlq", "replay", "--all", "--rate", "1"]);
     wait_for("the first replay", SETTLE, async || {
-        lines
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|l| l.starts_with("replayed "))
+        !replay.lines_starting("replayed ").is_empty()
     })
     .await;
     let new: Vec<String> = (0..2).map(|i| format!("script:400\nnew {i}")).collect();
@@ -77,20 +50,20 @@ pub async fn a_replay_leaves_letters_arriving_after_its_snapshot(fixture: Fixtur
     // would go on replaying them as the sidecar dead-letters them again.
     let mut status = None;
     poll_until(SETTLE, async || {
-        status = child.try_wait().unwrap();
+        status = replay.child.try_wait().unwrap();
         status.is_some()
     })
     .await;
-    let Some(status) = status else {
-        child.kill().unwrap();
-        child.wait().unwrap();
+    if status.is_none() {
+        replay.child.kill().unwrap();
+        replay.wait();
         panic!(
             "the replay did not end: it took in letters that came after its snapshot: {}",
-            lines.lock().unwrap().join("\n")
+            replay.stdout()
         );
-    };
-    reader.join().unwrap();
-    let stdout = lines.lock().unwrap().join("\n");
+    }
+    let status = replay.wait();
+    let stdout = replay.stdout();
     assert!(status.success(), "{stdout}");
     assert!(
         stdout.contains(&format!("4 dead letters replayed to {}", fixture.queue)),

@@ -67,7 +67,7 @@ pub enum Command {
 /// Parses the command line, runs the command, and maps the result to an
 /// exit code.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(dlq::with_jobs_list(std::env::args_os()));
     // The demo's own progress line is the output; its per-message warnings
     // (the dead letters it makes on purpose) would only bury it.
     let level = match cli.command {

@@ -233,6 +233,8 @@ impl BrokerFixture for Redis {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: true,
+        dead_letter_jobs: true,
+        exact_replay: true,
     };
 
     fn fixture() -> Fixture {
@@ -287,6 +289,8 @@ impl BrokerFixture for RedisCluster {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: true,
+        dead_letter_jobs: true,
+        exact_replay: true,
     };
 
     fn fixture() -> Fixture {
@@ -422,6 +426,8 @@ impl BrokerFixture for Amqp {
         dead_letter_age: false,
         key_ordering: false,
         shared_rate_limit: false,
+        dead_letter_jobs: false,
+        exact_replay: false,
     };
 
     fn fixture() -> Fixture {
@@ -526,6 +532,8 @@ impl BrokerFixture for Nats {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: false,
+        dead_letter_jobs: false,
+        exact_replay: true,
     };
 
     fn fixture() -> Fixture {
@@ -594,6 +602,8 @@ impl BrokerFixture for Embedded {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: false,
+        dead_letter_jobs: false,
+        exact_replay: true,
     };
 
     fn fixture() -> Fixture {
@@ -638,6 +648,8 @@ impl BrokerFixture for Kafka {
         dead_letter_age: false,
         key_ordering: true,
         shared_rate_limit: false,
+        dead_letter_jobs: false,
+        exact_replay: false,
     };
 
     fn fixture() -> Fixture {
@@ -699,6 +711,8 @@ impl BrokerFixture for Sqs {
         dead_letter_age: false,
         key_ordering: false,
         shared_rate_limit: false,
+        dead_letter_jobs: false,
+        exact_replay: false,
     };
 
     fn fixture() -> Fixture {
@@ -762,6 +776,8 @@ impl BrokerFixture for PubSub {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: false,
+        dead_letter_jobs: false,
+        exact_replay: false,
     };
 
     fn fixture() -> Fixture {

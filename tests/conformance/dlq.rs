@@ -195,7 +195,7 @@ pub(crate) fn stderr(out: &Output) -> String {
 }
 
 /// Runs a sidecar against `app` until the queue is settled.
-async fn drain(fixture: &Fixture, app: &TestApp) {
+pub(crate) async fn drain(fixture: &Fixture, app: &TestApp) {
     let source = fixture.open().await;
     // RabbitMQ counts only ready messages: the queue reads settled while
     // courier still holds what it prefetched, and the stop gives those
@@ -219,7 +219,7 @@ async fn drain(fixture: &Fixture, app: &TestApp) {
 /// (docs/sources.md). Sent first, a drain could count 0 and stop before its
 /// first pull (1 of 6 runs of `pubsub_a_replay_stopped_at_the_publish_
 /// loses_nothing` once the reader's pace changed).
-async fn send_all(fixture: &Fixture, bodies: &[Bytes]) -> Vec<String> {
+pub(crate) async fn send_all(fixture: &Fixture, bodies: &[Bytes]) -> Vec<String> {
     drop(fixture.open().await);
     wait_released(fixture).await;
     let producer = fixture.producer().await;

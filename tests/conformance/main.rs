@@ -30,6 +30,8 @@
 //! - `snapshot`: a bulk command's set is fixed before it acts;
 //! - `replay_rate`: `dlq replay --rate` keeps its rate;
 //! - `replay_to`: `dlq replay --to` another queue;
+//! - `jobs`: `courier dlq jobs`: a replay's or purge's record on the
+//!   broker, resumed after a kill, cancelled;
 //! - `edit`: `courier dlq edit`, a dead letter fixed with a JSON Patch and
 //!   replayed;
 //! - `depth`: the work queue's depth and oldest age on `/metrics`;
@@ -49,6 +51,7 @@ mod dlq;
 mod dlq_filter;
 mod edit;
 mod flow;
+mod jobs;
 mod lineage;
 mod only;
 mod process;
@@ -75,6 +78,8 @@ enum Needs {
     NoDedup,
     /// A rate-limit bucket on the broker that every replica shares.
     SharedRateLimit,
+    /// `courier dlq` job records kept on the broker.
+    DeadLetterJobs,
 }
 
 impl Needs {
@@ -85,6 +90,7 @@ impl Needs {
             Self::Dedup => capabilities.dedup,
             Self::NoDedup => !capabilities.dedup,
             Self::SharedRateLimit => capabilities.shared_rate_limit,
+            Self::DeadLetterJobs => capabilities.dead_letter_jobs,
         }
     }
 }
@@ -211,6 +217,9 @@ suite!(
         replay_rate::a_replay_keeps_its_rate if DeadLetterBrowsing,
         replay_to::a_replay_goes_to_the_queue_named if DeadLetterBrowsing,
         edit::edit_replays_the_patched_message if DeadLetterBrowsing,
+        jobs::job_records_are_kept if DeadLetterJobs,
+        jobs::a_killed_replay_job_resumes if DeadLetterJobs,
+        jobs::a_replay_job_is_cancelled if DeadLetterJobs,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
         flow::rate_limit_paces_deliveries_and_follows_a_live_edit if Nothing,

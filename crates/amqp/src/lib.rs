@@ -266,6 +266,8 @@ impl Consumer for AmqpSource {
             dead_letter_age: false,
             key_ordering: false,
             shared_rate_limit: false,
+            dead_letter_jobs: false,
+            exact_replay: false,
         }
     }
 

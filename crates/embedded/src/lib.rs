@@ -268,6 +268,8 @@ impl Consumer for EmbeddedSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: false,
+            dead_letter_jobs: false,
+            exact_replay: true,
         }
     }
 

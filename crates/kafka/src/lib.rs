@@ -256,6 +256,8 @@ impl Consumer for KafkaSource {
             dead_letter_age: false,
             key_ordering: true,
             shared_rate_limit: false,
+            dead_letter_jobs: false,
+            exact_replay: false,
         }
     }
 

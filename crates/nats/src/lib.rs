@@ -168,6 +168,8 @@ impl Consumer for NatsSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: false,
+            dead_letter_jobs: false,
+            exact_replay: true,
         }
     }
 

@@ -259,6 +259,8 @@ impl Consumer for PubSubSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: false,
+            dead_letter_jobs: false,
+            exact_replay: false,
         }
     }
 

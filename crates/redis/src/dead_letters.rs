@@ -37,6 +37,13 @@ if newest[1] then redis.call('XDEL', KEYS[1], newest[1][1]) end
 return 0
 ";
 
+/// The hash of a dead-letter stream's `courier dlq` job records, one field
+/// per job key. Named after the stream, so on a Cluster it shares the
+/// stream's hash tag when the stream's name has one.
+fn jobs_key(dead_letter_queue: &str) -> String {
+    format!("{dead_letter_queue}:courier-jobs")
+}
+
 /// The work stream's dead letters, on the command connection.
 pub(super) struct RedisStore {
     pub(super) queue: String,
@@ -177,6 +184,52 @@ impl DeadLetterStore for RedisStore {
             return Err(not_there(dead_letter_queue, &letter.id));
         }
         Ok(())
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        let mut con = self.commands.clone();
+        let records: Vec<(String, Vec<u8>)> = redis::cmd("HGETALL")
+            .arg(jobs_key(dead_letter_queue))
+            .query_async(&mut con)
+            .await
+            .map_err(broker_error)?;
+        Ok(records
+            .into_iter()
+            .map(|(key, record)| (key, Bytes::from(record)))
+            .collect())
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        let mut con = self.commands.clone();
+        redis::cmd("HSET")
+            .arg(jobs_key(dead_letter_queue))
+            .arg(key)
+            .arg(record.as_ref())
+            .query_async::<()>(&mut con)
+            .await
+            .map_err(broker_error)
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        let mut con = self.commands.clone();
+        redis::cmd("HDEL")
+            .arg(jobs_key(dead_letter_queue))
+            .arg(key)
+            .query_async::<()>(&mut con)
+            .await
+            .map_err(broker_error)
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

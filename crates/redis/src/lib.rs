@@ -294,6 +294,8 @@ impl Consumer for RedisSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: true,
+            dead_letter_jobs: true,
+            exact_replay: true,
         }
     }
 

@@ -283,6 +283,8 @@ impl Consumer for SqsSource {
             dead_letter_age: false,
             key_ordering: false,
             shared_rate_limit: false,
+            dead_letter_jobs: false,
+            exact_replay: false,
         }
     }
 

@@ -25,6 +25,8 @@ pub(super) enum Action {
     Replay,
     Edit,
     Purge,
+    /// A replay or purge job cancelled (`dlq jobs cancel`).
+    Cancel,
 }
 
 impl Action {
@@ -33,6 +35,7 @@ impl Action {
             Action::Replay => "replay",
             Action::Edit => "edit",
             Action::Purge => "purge",
+            Action::Cancel => "cancel",
         }
     }
 
@@ -42,6 +45,7 @@ impl Action {
             Action::Replay => "DeadLettersReplayed",
             Action::Edit => "DeadLetterEdited",
             Action::Purge => "DeadLettersPurged",
+            Action::Cancel => "DeadLetterJobCancelled",
         }
     }
 
@@ -50,6 +54,7 @@ impl Action {
             Action::Replay => "replayed",
             Action::Edit => "edited and replayed",
             Action::Purge => "purged",
+            Action::Cancel => "cancelled",
         }
     }
 }
@@ -70,6 +75,8 @@ pub(super) struct Record<'a> {
     pub why: Option<&'a str>,
     /// Messages per second, for a replay with `--rate`.
     pub rate: Option<f64>,
+    /// The job it was (`courier dlq jobs`), for a replay or purge.
+    pub job: Option<&'a str>,
 }
 
 /// What an edit changed, which its audit line records beside the counts:
@@ -132,63 +139,79 @@ fn quote(text: &str) -> String {
     }
 }
 
-/// Writes the audit line and, where it can, the Event. Problems reaching
-/// the API server are warnings: the operation is done, and the line says
-/// what it did either way.
-pub(super) async fn write(target: &Target, record: &Record<'_>) {
-    write_with(target, record, None).await;
-}
-
-/// [`write`] for an edit, whose line also has the patch and the digest.
+/// Writes an edit's audit line, which also has the patch and the digest,
+/// and, where it can, the Event. Problems reaching the API server are
+/// warnings: the edit is done, and the line says what it did either way.
 pub(super) async fn write_edit(target: &Target, record: &Record<'_>, edit: &EditNote<'_>) {
-    write_with(target, record, Some(edit)).await;
+    Auditor::connect(target)
+        .await
+        .write(record, Some(edit))
+        .await;
 }
 
-async fn write_with(target: &Target, record: &Record<'_>, edit: Option<&EditNote<'_>>) {
-    let trail = match &target.policy {
-        Some(name) => match PolicyRef::from_env(name) {
-            Ok(policy) => match tokio::time::timeout(API_WAIT, AuditTrail::connect(policy)).await {
-                Ok(Ok(trail)) => Some(trail),
+/// Who runs the command and where its Events go, learnt once: a job
+/// records its caller when it starts, and its audit line when it ends.
+pub(super) struct Auditor {
+    trail: Option<AuditTrail>,
+    /// The caller, as the audit line and a job's record name them.
+    pub by: String,
+}
+
+impl Auditor {
+    pub(super) async fn connect(target: &Target) -> Self {
+        let trail = match &target.policy {
+            Some(name) => match PolicyRef::from_env(name) {
+                Ok(policy) => {
+                    match tokio::time::timeout(API_WAIT, AuditTrail::connect(policy)).await {
+                        Ok(Ok(trail)) => Some(trail),
+                        Ok(Err(e)) => {
+                            eprintln!(
+                                "warning: audit: no Kubernetes API client: {e}; no Event is recorded"
+                            );
+                            None
+                        }
+                        Err(_) => {
+                            eprintln!(
+                                "warning: audit: no Kubernetes API client within {API_WAIT:?}; no Event is recorded"
+                            );
+                            None
+                        }
+                    }
+                }
+                Err(e) => {
+                    eprintln!("warning: audit: {e}; no Event is recorded");
+                    None
+                }
+            },
+            None => None,
+        };
+        let caller = match &trail {
+            Some(trail) => match tokio::time::timeout(API_WAIT, trail.caller()).await {
+                Ok(Ok(name)) => Some(name),
                 Ok(Err(e)) => {
-                    eprintln!(
-                        "warning: audit: no Kubernetes API client: {e}; no Event is recorded"
-                    );
+                    eprintln!("warning: audit: the API server did not say who this is: {e}");
                     None
                 }
                 Err(_) => {
                     eprintln!(
-                        "warning: audit: no Kubernetes API client within {API_WAIT:?}; no Event is recorded"
+                        "warning: audit: the API server did not say who this is within {API_WAIT:?}"
                     );
                     None
                 }
             },
-            Err(e) => {
-                eprintln!("warning: audit: {e}; no Event is recorded");
-                None
-            }
-        },
-        None => None,
-    };
-    let caller = match &trail {
-        Some(trail) => match tokio::time::timeout(API_WAIT, trail.caller()).await {
-            Ok(Ok(name)) => Some(name),
-            Ok(Err(e)) => {
-                eprintln!("warning: audit: the API server did not say who this is: {e}");
-                None
-            }
-            Err(_) => {
-                eprintln!(
-                    "warning: audit: the API server did not say who this is within {API_WAIT:?}"
-                );
-                None
-            }
-        },
-        None => None,
-    };
-    let by = caller.unwrap_or_else(local_caller);
-    eprintln!("{}", line(record, edit, &by, SystemTime::now()));
-    if let Some(trail) = trail {
-        let note = note(record, edit, &by);
+            None => None,
+        };
+        Self {
+            trail,
+            by: caller.unwrap_or_else(local_caller),
+        }
+    }
+
+    pub(super) async fn write(&self, record: &Record<'_>, edit: Option<&EditNote<'_>>) {
+        let by = &self.by;
+        eprintln!("{}", line(record, edit, by, SystemTime::now()));
+        let Some(trail) = &self.trail else { return };
+        let note = note(record, edit, by);
         let recorded = tokio::time::timeout(
             API_WAIT,
             trail.record(record.action.event_reason(), record.action.verb(), &note),
@@ -231,6 +254,7 @@ fn line(record: &Record<'_>, edit: Option<&EditNote<'_>>, by: &str, now: SystemT
         "failed": record.failed,
         "why": record.why,
         "rate": record.rate,
+        "job": record.job,
         "by": by,
     });
     if let Some(edit) = edit {
@@ -242,13 +266,19 @@ fn line(record: &Record<'_>, edit: Option<&EditNote<'_>>, by: &str, now: SystemT
 
 /// The Event's note, one sentence.
 fn note(record: &Record<'_>, edit: Option<&EditNote<'_>>, by: &str) -> String {
-    let mut note = format!(
-        "{by} {} {} of {} dead letters in {}",
-        record.action.past(),
-        record.done,
-        record.selected,
-        record.dead_letter_queue,
-    );
+    let mut note = match (record.action, record.job) {
+        (Action::Cancel, Some(job)) => format!(
+            "{by} cancelled job {job} after {} of {} dead letters in {}",
+            record.done, record.selected, record.dead_letter_queue,
+        ),
+        _ => format!(
+            "{by} {} {} of {} dead letters in {}",
+            record.action.past(),
+            record.done,
+            record.selected,
+            record.dead_letter_queue,
+        ),
+    };
     if matches!(record.action, Action::Replay | Action::Edit) {
         note.push_str(&format!(" to {}", record.queue));
         if let Some(rate) = record.rate {
@@ -283,6 +313,7 @@ mod tests {
             failed: 1,
             why: Some("INC-42 fixed"),
             rate: Some(50.0),
+            job: None,
         }
     }
 

@@ -96,6 +96,7 @@ pub(super) async fn run(
         failed: usize::from(replayed.is_err()),
         why,
         rate: None,
+        job: None,
     };
     let note = audit::EditNote {
         patch: &patch_json,

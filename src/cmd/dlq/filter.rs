@@ -160,6 +160,10 @@ pub(super) struct Walk<'a> {
     now: SystemTime,
     /// The whole queue, where the broker cannot page.
     listed: Option<Vec<DeadLetter>>,
+    /// Letters dead-lettered after this are left out where the broker
+    /// cannot page: a resumed job's bound, when the snapshot's last letter
+    /// may be gone from a queue listed anew ([`Walk::born_by`]).
+    born_by: Option<SystemTime>,
 }
 
 /// What a walk selected.
@@ -188,7 +192,32 @@ impl<'a> Walk<'a> {
             ids,
             now: SystemTime::now(),
             listed: None,
+            born_by: None,
         })
+    }
+
+    /// The walk of a snapshot taken earlier: ages are judged at its
+    /// instant, and where the broker cannot page (so a letter's id does
+    /// not bound the set), letters dead-lettered after it are left out.
+    /// A letter whose time is unknown stays in: it cannot be newer than a
+    /// record written by this release.
+    pub(super) fn of_snapshot(mut self, at: SystemTime) -> Self {
+        self.now = at;
+        self.born_by = Some(at);
+        self
+    }
+
+    /// The instant ages are judged at, which a job records.
+    pub(super) fn now(&self) -> SystemTime {
+        self.now
+    }
+
+    fn after_snapshot(&self, letter: &DeadLetter) -> bool {
+        self.listed.is_some()
+            && self
+                .born_by
+                .zip(letter.dead_lettered_at())
+                .is_some_and(|(bound, at)| at > bound)
     }
 
     /// Calls `each` on every selected letter, oldest first, up to and
@@ -259,6 +288,7 @@ impl<'a> Walk<'a> {
                     None => self.ids.is_empty(),
                 };
                 let matched = wanted
+                    && !self.after_snapshot(&letter)
                     && unevaluated
                         .tally(&letter, self.filter.matches(&letter, self.status, self.now));
                 if matched {

@@ -5,6 +5,7 @@
 //! 2 bad usage (including `purge` without `--yes`, which says how many it
 //! would delete).
 
+use std::ffi::OsString;
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use crate::source::{self, DeadLetterStore, SourceOptions};
 mod audit;
 mod edit;
 mod filter;
+mod jobs;
 mod show;
 
 use filter::{Walk, require_selection, select};
@@ -105,6 +107,12 @@ pub enum DlqAction {
         #[arg(long, env = "COURIER_WHY")]
         why: Option<String>,
     },
+    /// The replay and purge jobs: list them (the default), resume one that
+    /// was interrupted, cancel one.
+    Jobs {
+        #[command(subcommand)]
+        action: JobsAction,
+    },
     /// Deletes dead letters; refuses without --yes.
     Purge {
         #[command(flatten)]
@@ -118,6 +126,40 @@ pub enum DlqAction {
         yes: bool,
         /// Why, for the audit trail (the JSON line on stderr and the Event on
         /// the RetryPolicy); required, since a purge cannot be undone.
+        #[arg(long, env = "COURIER_WHY")]
+        why: Option<String>,
+    },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum JobsAction {
+    /// The replay and purge jobs on the dead-letter queue, oldest first:
+    /// state (running, interrupted, done, cancelled), done/total, letters a
+    /// second, when and by whom started, and why (the default).
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, env = "COURIER_OUTPUT", value_enum, default_value = "text")]
+        output: Output,
+    },
+    /// Resumes an interrupted job (its process killed or gone): it acts on
+    /// the letters of its snapshot still in the dead-letter queue, at its
+    /// rate. Running the same replay or purge again resumes it too.
+    Resume {
+        #[command(flatten)]
+        target: Target,
+        /// The job's id, as `dlq jobs` lists it.
+        id: String,
+    },
+    /// Stops a running job at its next letter (an interrupted one is marked
+    /// cancelled, so nothing resumes it); the letters it did not reach stay
+    /// in the dead-letter queue.
+    Cancel {
+        #[command(flatten)]
+        target: Target,
+        /// The job's id, as `dlq jobs` lists it.
+        id: String,
+        /// Why, for the audit trail.
         #[arg(long, env = "COURIER_WHY")]
         why: Option<String>,
     },
@@ -311,71 +353,38 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                 }
                 _ => (source, target.source.queue.clone()),
             };
-            let now = SystemTime::now();
-            let limit = filter.limit.unwrap_or(usize::MAX);
-            let mut walk = Walk::new(&source, &dlq, &filter, &selection.ids)?;
-            // The snapshot: the count, and the last letter, past which
-            // nothing is touched (letters arriving later are not in it).
-            let snapshot = walk
-                .each(None, limit, true, async |letter| {
-                    if dry_run {
-                        writeln!(out, "would replay {}", line(&letter, now))?;
-                    }
-                    Ok(())
-                })
-                .await?;
-            let missing = snapshot.missing;
             if dry_run {
+                let now = SystemTime::now();
+                let limit = filter.limit.unwrap_or(usize::MAX);
+                let snapshot = Walk::new(&source, &dlq, &filter, &selection.ids)?
+                    .each(None, limit, true, async |letter| {
+                        writeln!(out, "would replay {}", line(&letter, now))?;
+                        Ok(())
+                    })
+                    .await?;
                 writeln!(
                     out,
                     "{} dead letters would be replayed to {into}",
                     snapshot.selected
                 )?;
                 source.flush().await;
-                return Ok(report_missing(&missing));
+                return Ok(report_missing(&snapshot.missing));
             }
-            let pause = rate.map(|r| Duration::from_secs_f64(1.0 / r));
-            let mut failures = Vec::new();
-            let mut moved = 0usize;
-            let mut next = tokio::time::Instant::now();
-            let mut progress = Progress::new("replayed", snapshot.selected);
-            walk.each(
-                snapshot.last.as_deref(),
-                snapshot.selected,
-                false,
-                async |letter| {
-                    if let Some(pause) = pause {
-                        tokio::time::sleep_until(next).await;
-                        next += pause;
-                    }
-                    match source.replay(&dlq, &letter).await {
-                        Ok(()) => {
-                            moved += 1;
-                            writeln!(out, "replayed {}", letter.id)?;
-                        }
-                        Err(e) => failures.push(format!("{}: {e}", letter.id)),
-                    }
-                    progress.show(moved + failures.len());
-                    Ok(())
+            jobs::start(
+                jobs::Bulk {
+                    kind: jobs::Kind::Replay,
+                    target: &target,
+                    source,
+                    dlq,
+                    into,
+                    filter,
+                    selection,
+                    rate,
+                    why,
                 },
+                &mut out,
             )
-            .await?;
-            progress.end();
-            source.flush().await;
-            writeln!(out, "{moved} dead letters replayed to {into}")?;
-            let record = audit::Record {
-                action: audit::Action::Replay,
-                queue: &into,
-                dead_letter_queue: &dlq,
-                selection: audit::describe(&filter, &selection),
-                selected: snapshot.selected,
-                done: moved,
-                failed: failures.len() + missing.len(),
-                why: why.as_deref(),
-                rate,
-            };
-            audit::write(&target, &record).await;
-            Ok(report_failures(&failures, &missing))
+            .await
         }
         DlqAction::Purge {
             target,
@@ -386,12 +395,12 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
         } => {
             require_selection("purge", &filter, &selection)?;
             let (source, dlq) = open(&target).await?;
-            let limit = filter.limit.unwrap_or(usize::MAX);
-            let mut walk = Walk::new(&source, &dlq, &filter, &selection.ids)?;
-            let snapshot = walk.each(None, limit, true, async |_| Ok(())).await?;
-            let missing = snapshot.missing;
             let why = why.filter(|w| !w.trim().is_empty());
             if !yes || why.is_none() {
+                let limit = filter.limit.unwrap_or(usize::MAX);
+                let snapshot = Walk::new(&source, &dlq, &filter, &selection.ids)?
+                    .each(None, limit, true, async |_| Ok(()))
+                    .await?;
                 source.flush().await;
                 let missing = match (yes, &why) {
                     (false, None) => "--yes --why TEXT",
@@ -404,40 +413,21 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
                 ))
                 .into());
             }
-            let why = why.unwrap_or_default();
-            let mut failures = Vec::new();
-            let mut deleted = 0usize;
-            let mut progress = Progress::new("deleted", snapshot.selected);
-            walk.each(
-                snapshot.last.as_deref(),
-                snapshot.selected,
-                false,
-                async |letter| {
-                    match source.purge(&dlq, &letter).await {
-                        Ok(()) => deleted += 1,
-                        Err(e) => failures.push(format!("{}: {e}", letter.id)),
-                    }
-                    progress.show(deleted + failures.len());
-                    Ok(())
+            jobs::start(
+                jobs::Bulk {
+                    kind: jobs::Kind::Purge,
+                    target: &target,
+                    source,
+                    dlq,
+                    into: target.source.queue.clone(),
+                    filter,
+                    selection,
+                    rate: None,
+                    why,
                 },
+                &mut out,
             )
-            .await?;
-            progress.end();
-            source.flush().await;
-            writeln!(out, "{deleted} dead letters deleted from {dlq}")?;
-            let record = audit::Record {
-                action: audit::Action::Purge,
-                queue: &target.source.queue,
-                dead_letter_queue: &dlq,
-                selection: audit::describe(&filter, &selection),
-                selected: snapshot.selected,
-                done: deleted,
-                failed: failures.len() + missing.len(),
-                why: Some(&why),
-                rate: None,
-            };
-            audit::write(&target, &record).await;
-            Ok(report_failures(&failures, &missing))
+            .await
         }
         DlqAction::Edit {
             target,
@@ -446,7 +436,37 @@ pub async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
             dry_run,
             why,
         } => edit::run(&target, &id, &patch, dry_run, why.as_deref(), &mut out).await,
+        DlqAction::Jobs { action } => match action {
+            JobsAction::List { target, output } => jobs::list(&target, output, &mut out).await,
+            JobsAction::Resume { target, id } => jobs::resume(&target, &id, &mut out).await,
+            JobsAction::Cancel { target, id, why } => {
+                jobs::cancel(&target, &id, why, &mut out).await
+            }
+        },
     }
+}
+
+/// The command line with `list` put after `dlq jobs` when no subcommand
+/// follows (`courier dlq jobs --queue q` lists): clap has no default
+/// subcommand, and a list flattened beside the subcommands would make
+/// `--source` and `--queue` required before them.
+pub fn with_jobs_list(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    let mut args: Vec<OsString> = args.into_iter().collect();
+    let at = args
+        .windows(2)
+        .position(|w| w[0] == "dlq" && w[1] == "jobs")
+        .map(|i| i + 2);
+    if let Some(at) = at {
+        let bare = match args.get(at).and_then(|a| a.to_str()) {
+            None => true,
+            Some("-h" | "--help") => false,
+            Some(next) => next.starts_with('-'),
+        };
+        if bare {
+            args.insert(at, "list".into());
+        }
+    }
+    args
 }
 
 /// `--rate`: messages a second, from `N`, `N/s`, `N/m` or `N/h`.
@@ -537,7 +557,39 @@ fn report_failures(failures: &[String], missing: &[String]) -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_rate;
+    use std::ffi::OsString;
+
+    use super::{parse_rate, with_jobs_list};
+
+    #[test]
+    fn a_bare_jobs_lists() {
+        let run = |line: &str| -> String {
+            with_jobs_list(line.split(' ').map(OsString::from))
+                .iter()
+                .map(|a| a.to_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        for (given, parsed) in [
+            ("courier dlq jobs", "courier dlq jobs list"),
+            (
+                "courier dlq jobs --queue q",
+                "courier dlq jobs list --queue q",
+            ),
+            (
+                "courier --log-level debug dlq jobs",
+                "courier --log-level debug dlq jobs list",
+            ),
+            ("courier dlq jobs cancel x", "courier dlq jobs cancel x"),
+            ("courier dlq jobs --help", "courier dlq jobs --help"),
+            (
+                "courier dlq list --queue jobs",
+                "courier dlq list --queue jobs",
+            ),
+        ] {
+            assert_eq!(run(given), parsed, "{given}");
+        }
+    }
 
     #[test]
     fn rates_read_per_second() {

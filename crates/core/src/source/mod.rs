@@ -91,6 +91,19 @@ pub struct Capabilities {
     /// on the broker ([`Consumer::take_shared_token`],
     /// `rateLimit.scope: queue`); without it each replica is limited alone.
     pub shared_rate_limit: bool,
+    /// The records of `courier dlq` jobs can be kept on the broker, beside
+    /// the dead-letter queue ([`DeadLetterStore::job_records`]), so that a
+    /// killed replay or purge is resumed and a job is cancelled from
+    /// another process.
+    pub dead_letter_jobs: bool,
+    /// A replay killed halfway and resumed leaves every letter in exactly
+    /// one place, the queue or the dead-letter queue: its write and its
+    /// removal are one change (a script, a transaction), or the write made
+    /// again on resume is dropped by the broker as a duplicate (NATS, by
+    /// the message id, within the stream's duplicate window). Without it,
+    /// the one letter in flight at the kill may end in both; never in
+    /// neither.
+    pub exact_replay: bool,
 }
 
 /// What kind of failure a [`SourceError`] is: what the caller does next
@@ -438,6 +451,57 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// Waits until what was written is on the broker (a producer's queue
     /// flushed); call it before the process exits.
     async fn flush(&self) {}
+    /// The records of the `courier dlq` jobs on `dead_letter_queue`: for
+    /// each key, the last record put, in no particular order; none when
+    /// nothing was ever put. The records are opaque here (the command's
+    /// JSON, at most [`JOB_RECORD_MAX`] bytes); keys are
+    /// [`is_job_key`]. Where the broker keeps none
+    /// ([`Capabilities::dead_letter_jobs`] false) this and the two below
+    /// are an [`ErrorKind::Invalid`] error saying so.
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        Err(no_job_records(dead_letter_queue))
+    }
+    /// Stores `record` under `key` beside `dead_letter_queue`, in place of
+    /// the one before: once it returns, [`Self::job_records`] in any process
+    /// returns it. Makes what it needs on the broker on the first call.
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        _key: &str,
+        _record: Bytes,
+    ) -> Result<(), SourceError> {
+        Err(no_job_records(dead_letter_queue))
+    }
+    /// Removes `key`'s record; removing one that is not there is no error.
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        _key: &str,
+    ) -> Result<(), SourceError> {
+        Err(no_job_records(dead_letter_queue))
+    }
+}
+
+/// The largest job record `courier dlq` puts; a store may refuse larger.
+pub const JOB_RECORD_MAX: usize = 16 * 1024;
+
+/// A job record's key: 1 to 64 of `a-z`, `0-9` and `-`, so that every
+/// broker can carry it in a name, a header or a KV key as it is.
+pub fn is_job_key(key: &str) -> bool {
+    (1..=64).contains(&key.len())
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+fn no_job_records(dead_letter_queue: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "this broker keeps no dlq job records beside {dead_letter_queue}, so a replay or purge \
+         on it cannot be resumed or cancelled from another process (docs/sources.md)"
+    ))
 }
 
 /// A consumer's dead letters are those of the store on its connection:
@@ -494,6 +558,34 @@ impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
 
     async fn flush(&self) {
         self.store().flush().await
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        self.store().job_records(dead_letter_queue).await
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        self.store()
+            .put_job_record(dead_letter_queue, key, record)
+            .await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        self.store()
+            .remove_job_record(dead_letter_queue, key)
+            .await
     }
 }
 

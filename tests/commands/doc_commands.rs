@@ -50,6 +50,9 @@ const PAUSED_BY_KUBECTL: &str = "pausing and resuming with kubectl, and a paused
 const NEEDS_KUBELET: &str =
     "reads container logs or pods, which need a kubelet and the webhook in a real cluster";
 
+/// The runbook's cancel and resume of a job.
+const JOB_ID: &str = "names a job a running or killed replay made; tests/conformance/jobs.rs cancels a running replay and resumes a killed one, on every broker, through the same commands";
+
 /// Every command of the docs, by its first line, and how it is treated.
 const CLASSIFIED: &[(&str, How)] = &[
     // docs/kubernetes.md
@@ -188,6 +191,18 @@ const CLASSIFIED: &[(&str, How)] = &[
     (
         "kubectl -n NAMESPACE exec -i deploy/APP -c courier -- courier dlq edit ID --patch - --why 'INC-123: tenant header' <<'EOF'",
         How::Run,
+    ),
+    (
+        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq jobs",
+        How::Run,
+    ),
+    (
+        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq jobs cancel replay-3f9a0c1d --why 'INC-123: wrong filter'",
+        How::Skip(JOB_ID),
+    ),
+    (
+        "kubectl -n NAMESPACE exec deploy/APP -c courier -- courier dlq jobs resume replay-3f9a0c1d",
+        How::Skip(JOB_ID),
     ),
     (
         "kubectl -n NAMESPACE get events --sort-by=.lastTimestamp | grep -i policy",
@@ -804,6 +819,19 @@ impl World {
             assert!(
                 !dead_letter_ids(fixture).await.iter().any(|l| l == id),
                 "the edited letter was replayed: {stdout}"
+            );
+        } else if text.ends_with("courier dlq jobs") {
+            // The runbook's replays and purge ran before, each a job.
+            assert!(
+                stdout.lines().next().is_some_and(|l| l.contains("STATE")),
+                "{stdout}"
+            );
+            assert!(
+                stdout
+                    .lines()
+                    .skip(1)
+                    .any(|l| l.starts_with("purge-") && l.contains(" done ")),
+                "{stdout}"
             );
         } else if text.contains("courier dlq replay") || text.contains("courier dlq purge") {
             assert_eq!(

@@ -235,6 +235,7 @@ impl BrokerFixture for Redis {
         shared_rate_limit: true,
         dead_letter_jobs: true,
         exact_replay: true,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {
@@ -291,6 +292,7 @@ impl BrokerFixture for RedisCluster {
         shared_rate_limit: true,
         dead_letter_jobs: true,
         exact_replay: true,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {
@@ -428,6 +430,7 @@ impl BrokerFixture for Amqp {
         shared_rate_limit: false,
         dead_letter_jobs: false,
         exact_replay: false,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {
@@ -532,8 +535,9 @@ impl BrokerFixture for Nats {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: false,
-        dead_letter_jobs: false,
+        dead_letter_jobs: true,
         exact_replay: true,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {
@@ -588,6 +592,14 @@ impl BrokerFixture for Nats {
         let js = async_nats::jetstream::new(client);
         let _ = js.delete_stream(queue).await;
         let _ = js.delete_stream(format!("{queue}_dlq")).await;
+        // The `courier dlq` job records of the queue, in the bucket every
+        // queue shares.
+        if let Ok(jobs) = js.get_stream_no_info("KV_courier-jobs").await {
+            let _ = jobs
+                .purge()
+                .filter(format!("$KV.courier-jobs.{queue}_dlq.*"))
+                .await;
+        }
     }
 }
 
@@ -602,8 +614,9 @@ impl BrokerFixture for Embedded {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: false,
-        dead_letter_jobs: false,
+        dead_letter_jobs: true,
         exact_replay: true,
+        multi_process: false,
     };
 
     fn fixture() -> Fixture {
@@ -650,6 +663,7 @@ impl BrokerFixture for Kafka {
         shared_rate_limit: false,
         dead_letter_jobs: false,
         exact_replay: false,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {
@@ -713,6 +727,7 @@ impl BrokerFixture for Sqs {
         shared_rate_limit: false,
         dead_letter_jobs: false,
         exact_replay: false,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {
@@ -778,6 +793,7 @@ impl BrokerFixture for PubSub {
         shared_rate_limit: false,
         dead_letter_jobs: false,
         exact_replay: false,
+        multi_process: true,
     };
 
     fn fixture() -> Fixture {

@@ -80,6 +80,11 @@ enum Needs {
     SharedRateLimit,
     /// `courier dlq` job records kept on the broker.
     DeadLetterJobs,
+    /// Job records, and a second process beside a running job.
+    JobsFromAnotherProcess,
+    /// Dead-letter browsing, and a sidecar beside a running `courier dlq`
+    /// (the embedded queue is one process's at a time).
+    BrowsingFromAnotherProcess,
 }
 
 impl Needs {
@@ -91,6 +96,12 @@ impl Needs {
             Self::NoDedup => !capabilities.dedup,
             Self::SharedRateLimit => capabilities.shared_rate_limit,
             Self::DeadLetterJobs => capabilities.dead_letter_jobs,
+            Self::BrowsingFromAnotherProcess => {
+                capabilities.dead_letter_browsing && capabilities.multi_process
+            }
+            Self::JobsFromAnotherProcess => {
+                capabilities.dead_letter_jobs && capabilities.multi_process
+            }
         }
     }
 }
@@ -213,13 +224,13 @@ suite!(
         dlq::a_key_rotation_keeps_copies_sealed_within_the_window if DeadLetterBrowsing,
         dlq_filter::dlq_filter_selects_by_reason_status_header_and_body if DeadLetterBrowsing,
         lineage::a_replay_carries_its_lineage if DeadLetterBrowsing,
-        snapshot::a_replay_leaves_letters_arriving_after_its_snapshot if DeadLetterBrowsing,
+        snapshot::a_replay_leaves_letters_arriving_after_its_snapshot if BrowsingFromAnotherProcess,
         replay_rate::a_replay_keeps_its_rate if DeadLetterBrowsing,
         replay_to::a_replay_goes_to_the_queue_named if DeadLetterBrowsing,
         edit::edit_replays_the_patched_message if DeadLetterBrowsing,
         jobs::job_records_are_kept if DeadLetterJobs,
         jobs::a_killed_replay_job_resumes if DeadLetterJobs,
-        jobs::a_replay_job_is_cancelled if DeadLetterJobs,
+        jobs::a_replay_job_is_cancelled if JobsFromAnotherProcess,
         depth::waiting_messages_show_as_depth_and_age if Nothing,
         seal::forged_courier_fields_are_not_state if DeadLetterBrowsing,
         flow::rate_limit_paces_deliveries_and_follows_a_live_edit if Nothing,

@@ -268,6 +268,7 @@ impl Consumer for AmqpSource {
             shared_rate_limit: false,
             dead_letter_jobs: false,
             exact_replay: false,
+            multi_process: true,
         }
     }
 

@@ -6,11 +6,18 @@
 //! are transactions of its own, or the writer's next one while a consumer
 //! of this process runs the writer. A send makes the file and the work
 //! table when they are missing, as the first message of a local queue
-//! must; replay and purge write only where the letter is.
+//! must; replay and purge write only where the letter is. The records of
+//! `courier dlq` jobs are in [`jobs`]: the first put makes the file and
+//! their table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::*;
+
+mod jobs;
+
+#[cfg(test)]
+pub(super) use jobs::RECORDS_PER_QUEUE;
 
 /// The dead letters of one queue's file, and sends to it.
 pub(super) struct EmbeddedStore {
@@ -293,6 +300,30 @@ impl DeadLetterStore for EmbeddedStore {
         {
             tracing::warn!(error = %e, "embedded queue: the last commit failed; unsettled messages will be delivered again");
         }
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        self.read_job_records(dead_letter_queue).await
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        self.write_job_record(dead_letter_queue, key, record).await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        self.delete_job_record(dead_letter_queue, key).await
     }
 }
 

@@ -8,6 +8,8 @@
 //!   not yet settled. A lease that runs out makes the message deliverable
 //!   again (the visibility timeout), counting one more attempt.
 //! - `dlq/<name>`: `seq -> fields` of dead letters.
+//! - `jobs/<name>`: `job key -> record` of the `courier dlq` jobs on the
+//!   dead letters of `<name>`, made by the first put.
 //!
 //! A redb file is held by one process at a time. Inside a process every
 //! source opened on the same directory shares one handle, and one writer
@@ -268,8 +270,9 @@ impl Consumer for EmbeddedSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: false,
-            dead_letter_jobs: false,
+            dead_letter_jobs: true,
             exact_replay: true,
+            multi_process: false,
         }
     }
 

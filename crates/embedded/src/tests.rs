@@ -1,6 +1,8 @@
 use super::*;
 use courier_core::source::SettleBy;
 
+use crate::dead_letters::RECORDS_PER_QUEUE;
+
 fn open(dir: &Path) -> EmbeddedSource {
     let mut options = SourceOptions::new("q");
     options.live.visibility_timeout = Duration::from_secs(30);
@@ -408,4 +410,100 @@ async fn wait_until(mut done: impl FnMut() -> bool) {
         assert!(start.elapsed() < Duration::from_secs(5), "timed out");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// The table names of the file in `dir`, read without writing to it.
+fn table_names(dir: &Path) -> Vec<String> {
+    let db = redb::ReadOnlyDatabase::open(dir.join("courier.redb")).unwrap();
+    let tx = db.begin_read().unwrap();
+    let mut tables: Vec<String> = tx
+        .list_tables()
+        .unwrap()
+        .map(|t| t.name().to_string())
+        .collect();
+    tables.sort();
+    tables
+}
+
+/// An admin handle lists and removes job records without making the
+/// directory, the file or the table; the first put makes the file and
+/// that queue's table only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_records_make_nothing_until_the_first_put() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("queue");
+    let store = admin(&dir);
+    assert!(store.job_records("q.dlq").await.unwrap().is_empty());
+    store.remove_job_record("q.dlq", "job-a").await.unwrap();
+    assert!(!dir.exists(), "a read or a removal made the directory");
+    store
+        .put_job_record("q.dlq", "job-a", Bytes::from("{}"))
+        .await
+        .unwrap();
+    assert!(store.job_records("other.dlq").await.unwrap().is_empty());
+    store.remove_job_record("other.dlq", "job-a").await.unwrap();
+    drop(store);
+    assert_eq!(table_names(&dir), ["jobs/q.dlq"]);
+}
+
+/// While a consumer of this process runs the writer, job records go
+/// through it; a put refused (a bad key, a record too large, a new key
+/// beyond the bound) fails alone, and the sends that share its
+/// transaction are stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_records_go_through_the_writer_and_are_bounded() {
+    use courier_core::source::{ErrorKind, JOB_RECORD_MAX};
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(open(dir.path()));
+    let store = Arc::new(admin(dir.path()));
+    let mut calls = Vec::new();
+    for i in 0..RECORDS_PER_QUEUE {
+        let (source, store) = (source.clone(), store.clone());
+        calls.push(tokio::spawn(async move {
+            let key = format!("job-{i}");
+            store
+                .put_job_record("q.dlq", &key, Bytes::from(key.clone()))
+                .await
+                .unwrap();
+            if i % 8 == 0 {
+                source.send(Bytes::from(key), &[]).await.unwrap();
+            }
+        }));
+    }
+    for call in calls {
+        call.await.unwrap();
+    }
+    let refused = [
+        ("job-new", Bytes::from("{}")),
+        ("Job-A", Bytes::from("{}")),
+        ("job-0", Bytes::from(vec![b' '; JOB_RECORD_MAX + 1])),
+    ];
+    for (key, record) in refused {
+        let err = store
+            .put_job_record("q.dlq", key, record)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Invalid, "{key}: {err}");
+    }
+    let mut records = source.job_records("q.dlq").await.unwrap();
+    assert_eq!(records.len(), RECORDS_PER_QUEUE);
+    records.sort();
+    assert_eq!(records[0], ("job-0".into(), Bytes::from("job-0")));
+    // A key already there is rewritten at the bound, and a removal makes
+    // room for another.
+    store
+        .put_job_record("q.dlq", "job-0", Bytes::from("again"))
+        .await
+        .unwrap();
+    store.remove_job_record("q.dlq", "job-1").await.unwrap();
+    store
+        .put_job_record("q.dlq", "job-new", Bytes::from("{}"))
+        .await
+        .unwrap();
+    let records = store.job_records("q.dlq").await.unwrap();
+    assert!(records.contains(&("job-0".into(), Bytes::from("again"))));
+    assert!(records.contains(&("job-new".into(), Bytes::from("{}"))));
+    assert!(!records.iter().any(|(key, _)| key == "job-1"));
+    let sent = source.receive(1000).await.unwrap();
+    assert_eq!(sent.len(), RECORDS_PER_QUEUE / 8);
 }

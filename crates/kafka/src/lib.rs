@@ -258,6 +258,7 @@ impl Consumer for KafkaSource {
             shared_rate_limit: false,
             dead_letter_jobs: false,
             exact_replay: false,
+            multi_process: true,
         }
     }
 

@@ -15,12 +15,13 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::context::Context;
 use async_nats::jetstream::context::{
     ConsumerInfoError, ConsumerInfoErrorKind, CreateStreamError, CreateStreamErrorKind,
-    GetStreamError, GetStreamErrorKind,
+    GetStreamError, GetStreamErrorKind, RequestError,
 };
 use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::stream::{
     Config as StreamConfig, ConsumerError, ConsumerErrorKind, DeleteMessageError,
-    DeleteMessageErrorKind, RawMessageError, RawMessageErrorKind, RetentionPolicy, StorageType,
+    DeleteMessageErrorKind, PurgeError, PurgeErrorKind, RawMessageError, RawMessageErrorKind,
+    RetentionPolicy, StorageType,
 };
 use async_nats::{ConnectErrorKind, ConnectOptions, ServerAddr};
 
@@ -139,6 +140,25 @@ impl JsCode for DeleteMessageError {
             DeleteMessageErrorKind::JetStream(e) => Some(e.error_code()),
             _ => None,
         }
+    }
+}
+
+impl JsCode for PurgeError {
+    fn code(&self) -> Option<ErrorCode> {
+        match self.kind() {
+            PurgeErrorKind::JetStream(e) => Some(e.error_code()),
+            _ => None,
+        }
+    }
+}
+
+/// A request's answer (a stream's info) carries the server's error as its
+/// cause.
+impl JsCode for RequestError {
+    fn code(&self) -> Option<ErrorCode> {
+        std::error::Error::source(self)?
+            .downcast_ref::<async_nats::jetstream::Error>()
+            .map(|e| e.error_code())
     }
 }
 

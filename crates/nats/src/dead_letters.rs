@@ -3,7 +3,9 @@
 //! stream. Opened alone (`courier dlq`, `courier send`), the store connects
 //! and creates nothing: no stream, no durable consumer, no seal key. It
 //! reads the work stream's subjects when a send or replay first needs
-//! them, and the seal key (made when missing) on the first replay.
+//! them, and the seal key (made when missing) on the first replay. The
+//! records of `courier dlq` jobs are in [`jobs`], whose bucket the first
+//! put makes.
 
 use std::sync::Arc;
 
@@ -21,6 +23,8 @@ use super::settle::publish_once;
 use courier_core::model::{DeadLetter, F_QUEUE, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
 use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+
+mod jobs;
 
 /// The stream that holds a dead-letter subject: stream names cannot hold
 /// `.`, `*`, `>`, `/`, `\` or whitespace, so each becomes `_`.
@@ -346,6 +350,31 @@ impl DeadLetterStore for NatsStore {
 
     async fn flush(&self) {
         let _ = self.client.flush().await;
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        self.read_job_records(dead_letter_queue).await
+    }
+
+    /// Stored once the bucket acknowledged it.
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        self.write_job_record(dead_letter_queue, key, record).await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        self.delete_job_record(dead_letter_queue, key).await
     }
 }
 

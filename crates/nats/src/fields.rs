@@ -136,7 +136,7 @@ pub(super) async fn seal_of(
                 })?
         }
     };
-    let key = seal_key_name(queue);
+    let key = stream_key(queue);
     match store.create(&key, Seal::new_secret().into()).await {
         Ok(_) => {}
         Err(e) if e.kind() == CreateErrorKind::AlreadyExists => {}
@@ -154,10 +154,11 @@ pub(super) async fn seal_of(
     })
 }
 
-/// A stream's key in [`SEAL_BUCKET`]: its name when that is a valid key,
-/// else `hex.<its name in hex>` (a stream name has no `.`, so the two
-/// forms never meet).
-fn seal_key_name(queue: &str) -> String {
+/// A stream as a key of courier's buckets: its key in [`SEAL_BUCKET`],
+/// and the first token of its keys in the job bucket. Its name when that
+/// is a valid key, else `hex.<its name in hex>` (a stream name has no `.`,
+/// so the two forms never meet).
+pub(super) fn stream_key(queue: &str) -> String {
     let plain = queue
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b"-_=/".contains(&b));
@@ -225,9 +226,9 @@ mod tests {
 
     #[test]
     fn every_stream_name_is_a_seal_key() {
-        assert_eq!(seal_key_name("orders"), "orders");
-        assert_eq!(seal_key_name("order-s_1"), "order-s_1");
-        assert_eq!(seal_key_name("zamówienia"), "hex.7a616dc3b37769656e6961");
-        assert_eq!(seal_key_name("a b"), "hex.612062");
+        assert_eq!(stream_key("orders"), "orders");
+        assert_eq!(stream_key("order-s_1"), "order-s_1");
+        assert_eq!(stream_key("zamówienia"), "hex.7a616dc3b37769656e6961");
+        assert_eq!(stream_key("a b"), "hex.612062");
     }
 }

@@ -58,11 +58,16 @@
 //!   consumer's pending count minus what the sources of this process hold.
 //!   The oldest dead letter's age is the time since its
 //!   `courier-last-attempt-at`.
+//! - The records of `courier dlq` jobs are keys of the key-value bucket
+//!   `courier-jobs` (stream `KV_courier-jobs`), `<dead-letter stream>.<job
+//!   key>`, one revision each; the first put makes the bucket, bounded to
+//!   64 MiB, with the work stream's replicas. A removal purges the key.
 //!
 //! Files: `connection` (connecting, the durable consumer, in-progress
 //! ticker), `pull` (pull requests and admitting a delivery), `fields`
 //! (fields ↔ headers), `settle` (ack, retry, dead letter, publish),
-//! `dead_letters` (the dead-letter streams and browsing them), `depth`.
+//! `dead_letters` (the dead-letter streams and browsing them; its `jobs`,
+//! the job records), `depth`.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -168,8 +173,9 @@ impl Consumer for NatsSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: false,
-            dead_letter_jobs: false,
+            dead_letter_jobs: true,
             exact_replay: true,
+            multi_process: true,
         }
     }
 

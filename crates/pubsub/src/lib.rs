@@ -261,6 +261,7 @@ impl Consumer for PubSubSource {
             shared_rate_limit: false,
             dead_letter_jobs: false,
             exact_replay: false,
+            multi_process: true,
         }
     }
 

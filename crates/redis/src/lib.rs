@@ -296,6 +296,7 @@ impl Consumer for RedisSource {
             shared_rate_limit: true,
             dead_letter_jobs: true,
             exact_replay: true,
+            multi_process: true,
         }
     }
 

@@ -285,6 +285,7 @@ impl Consumer for SqsSource {
             shared_rate_limit: false,
             dead_letter_jobs: false,
             exact_replay: false,
+            multi_process: true,
         }
     }
 

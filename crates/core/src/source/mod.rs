@@ -104,6 +104,11 @@ pub struct Capabilities {
     /// the one letter in flight at the kill may end in both; never in
     /// neither.
     pub exact_replay: bool,
+    /// Several processes can open the queue at once: a `courier dlq`
+    /// command beside a running sidecar, or beside another command (to
+    /// list or cancel a running job). The embedded queue's file is held by
+    /// one process at a time.
+    pub multi_process: bool,
 }
 
 /// What kind of failure a [`SourceError`] is: what the caller does next

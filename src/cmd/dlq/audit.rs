@@ -355,6 +355,29 @@ mod tests {
     }
 
     #[test]
+    fn a_cancel_names_its_job() {
+        let cancel = Record {
+            job: Some("replay-0000abcd"),
+            why: Some("wrong filter"),
+            failed: 0,
+            ..record(Action::Cancel)
+        };
+        assert_eq!(Action::Cancel.event_reason(), "DeadLetterJobCancelled");
+        assert_eq!(
+            note(&cancel, None, "bob"),
+            "bob cancelled job replay-0000abcd after 9 of 10 dead letters in orders.dlq \
+             (--filter 'status >= 500' --limit 10); why: wrong filter"
+        );
+        let at = SystemTime::UNIX_EPOCH;
+        let line: serde_json::Value =
+            serde_json::from_str(&line(&cancel, None, "bob", at)).unwrap();
+        assert_eq!(
+            (&line["audit"], &line["job"]),
+            (&"cancel".into(), &"replay-0000abcd".into())
+        );
+    }
+
+    #[test]
     fn the_selection_reads_as_flags() {
         let filter = Filter {
             reason: Some("permanent-status".into()),

@@ -200,7 +200,10 @@ fn host_name() -> String {
 /// A process's start time, in clock ticks after boot (`/proc/PID/stat`,
 /// field 22): with the pid, it names one process across pid reuse.
 fn process_started(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    start_in_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+fn start_in_stat(stat: &str) -> Option<u64> {
     // The command name (field 2) may hold spaces and parentheses; the
     // fields after it start after its last ')'.
     let rest = &stat[stat.rfind(')')? + 1..];
@@ -787,4 +790,114 @@ pub(super) async fn cancel(
     )?;
     auditor.write(&record(&job, why.as_deref()), None).await;
     Ok(ExitCode::FAILURE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(state: State) -> Job {
+        let now = millis(SystemTime::now());
+        Job {
+            id: "replay-0000abcd".into(),
+            kind: Kind::Replay,
+            queue: "orders".into(),
+            into: "orders".into(),
+            dead_letter_queue: "orders.dlq".into(),
+            selection: "--all".into(),
+            spec: Spec::of(&Filter::default(), &Selection::default()),
+            snapshot_at_ms: now,
+            total: 10,
+            through: Some("9-0".into()),
+            done: 4,
+            failed: 0,
+            rate: Some(2.0),
+            state,
+            started_at_ms: now - 2000,
+            heard_at_ms: now,
+            finished_at_ms: None,
+            by: "alice".into(),
+            why: None,
+            host: host_name(),
+            pid: std::process::id(),
+            pid_started: process_started(std::process::id()),
+            cancelled_by: None,
+            resumed: 0,
+        }
+    }
+
+    #[test]
+    fn a_job_of_a_live_process_runs_and_of_a_gone_one_is_interrupted() {
+        let now = SystemTime::now();
+        let running = job(State::Running);
+        assert!(
+            running.pid_started.is_some(),
+            "this process's start is read"
+        );
+        assert_eq!(running.shown_state(now), "running");
+        // The same pid with another start time is another process: the
+        // job's own is gone.
+        let reused = Job {
+            pid_started: running.pid_started.map(|s| s + 1),
+            ..running.clone()
+        };
+        assert_eq!(reused.shown_state(now), "interrupted");
+        // On another host only the heartbeat tells.
+        let elsewhere = Job {
+            host: "another-host".into(),
+            ..running.clone()
+        };
+        assert_eq!(elsewhere.shown_state(now), "running");
+        assert_eq!(elsewhere.shown_state(now + STALE), "interrupted");
+        assert_eq!(job(State::Done).shown_state(now), "done");
+        assert_eq!(job(State::Cancelled).shown_state(now), "cancelled");
+    }
+
+    #[test]
+    fn a_record_reads_back_with_its_selection() {
+        let filter = Filter {
+            reason: Some("permanent-status".into()),
+            status: Some("4xx".into()),
+            older_than: Some(Duration::from_secs(3600)),
+            expression: Some(crate::expr::Expr::parse("status >= 500").unwrap()),
+            ..Filter::default()
+        };
+        let selection = Selection {
+            ids: vec!["1-0".into()],
+            all: false,
+        };
+        let mut written = job(State::Running);
+        written.spec = Spec::of(&filter, &selection);
+        let read: Job = serde_json::from_slice(&serde_json::to_vec(&written).unwrap()).unwrap();
+        assert_eq!(read.spec, written.spec);
+        let again = read.spec.filter().unwrap();
+        assert_eq!(
+            audit::describe(&again, &selection),
+            audit::describe(&filter, &selection),
+            "a resume selects with the same flags"
+        );
+    }
+
+    #[test]
+    fn a_cancel_is_not_read_as_a_job() {
+        let cancel = Cancel {
+            job: "replay-0000abcd".into(),
+            by: "bob".into(),
+            at_ms: 0,
+            why: None,
+        };
+        let record = serde_json::to_vec(&cancel).unwrap();
+        assert!(serde_json::from_slice::<Job>(&record).is_err());
+        assert_eq!(cancel_key(&cancel.job), "replay-0000abcd-cancel");
+        assert!(crate::source::is_job_key(&cancel_key(&cancel.job)));
+    }
+
+    #[test]
+    fn a_pid_start_is_read_past_a_name_with_spaces() {
+        let stat =
+            "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 1000 200";
+        assert_eq!(start_in_stat(stat), Some(987654));
+        assert_eq!(start_in_stat("4242 (cut"), None);
+        assert_eq!(process_started(u32::MAX), None, "no such process");
+    }
 }

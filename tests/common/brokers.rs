@@ -428,8 +428,8 @@ impl BrokerFixture for Amqp {
         dead_letter_age: false,
         key_ordering: false,
         shared_rate_limit: false,
-        dead_letter_jobs: false,
-        exact_replay: false,
+        dead_letter_jobs: true,
+        exact_replay: true,
         multi_process: true,
     };
 
@@ -508,7 +508,12 @@ impl BrokerFixture for Amqp {
         let Ok(channel) = connection.create_channel().await else {
             return;
         };
-        let mut names = vec![queue.to_string(), format!("{queue}.dlq")];
+        let mut names = vec![
+            queue.to_string(),
+            format!("{queue}.dlq"),
+            format!("{queue}.dlq.courier-jobs"),
+            format!("{queue}.dlq.courier-jobs.lock"),
+        ];
         for tier in [
             "10ms", "20ms", "50ms", "100ms", "200ms", "500ms", "1s", "2s", "4s", "8s", "15s",
             "30s", "1m", "2m", "4m", "8m", "15m", "30m", "1h", "2h", "4h", "8h", "12h", "24h",
@@ -662,6 +667,8 @@ impl BrokerFixture for Kafka {
         key_ordering: true,
         shared_rate_limit: false,
         dead_letter_jobs: false,
+        // A transaction would make it exact, but the mock does not apply
+        // one, and its commit markers would read as depth (docs/sources.md).
         exact_replay: false,
         multi_process: true,
     };

@@ -11,26 +11,33 @@
 //! others until it is closed: when it holds nothing, when a listing
 //! starts, when a lookup fails and when the store is flushed.
 //!
+//! The cursor's channel is in transaction mode: a replay publishes the
+//! message to the work queue on it and acks the letter, then commits both
+//! at once. A replay killed before the commit leaves the letter in the
+//! dead-letter queue only, one killed after it in the work queue only.
+//!
 //! Opened alone (`courier dlq`, `courier send`), the store has a connection
 //! of its own and declares nothing: only passive declares and `basic.get`,
 //! which on a missing queue answer "not found". A send needs the work queue
-//! to exist; the seal key's queue is read (and made) by the first replay.
+//! to exist; the seal key's queue is read (and made) by the first replay;
+//! the queues of the `courier dlq` job records by the first record put
+//! (`jobs.rs`).
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use lapin::Channel;
 use lapin::message::Delivery as AmqpDelivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions};
 use lapin::protocol::AMQPSoftError;
+use lapin::{BasicProperties, Channel};
 use tokio::sync::{Mutex, OnceCell};
 
 use super::connection::Link;
 use super::convert::{dead_letter_of, message_for};
-use super::errors::{broker_error, is_soft, short};
+use super::errors::{Timed, broker_error, is_soft, short, timed};
+use super::jobs;
 use super::seal::read_seal;
 use super::session::Session;
 use super::{AmqpSource, new_id};
@@ -46,7 +53,32 @@ struct Cursor {
     held: Vec<(String, AmqpDelivery)>,
 }
 
+/// A dead letter's copy for the work queue.
+struct Replay {
+    /// Writes the letter back when the copy did not arrive.
+    session: Arc<Session>,
+    queue: String,
+    body: Bytes,
+    properties: BasicProperties,
+}
+
 impl Cursor {
+    /// A cursor on a channel of its own, in transaction mode. Not the
+    /// session's publisher channel: that one is in confirm mode, which
+    /// RabbitMQ does not combine with transactions. A commit is answered
+    /// once the broker holds what it commits, as a confirm would be.
+    async fn open(queue: &str, channel: Channel) -> Result<Self, SourceError> {
+        if let Err(e) = timed(channel.tx_select()).await {
+            let _ = channel.close(200, "no transactions".into()).await;
+            return Err(e.into());
+        }
+        Ok(Self {
+            queue: queue.to_string(),
+            channel,
+            held: Vec::new(),
+        })
+    }
+
     /// The letter `id`: from what is held, else read on until it comes.
     async fn find(&mut self, id: &str) -> Result<Option<AmqpDelivery>, SourceError> {
         if let Some(i) = self.held.iter().position(|(held, _)| held == id) {
@@ -72,7 +104,91 @@ impl Cursor {
         }
     }
 
-    /// Puts back everything held.
+    /// Acks `letter` and publishes its `replay`, if any, as one transaction
+    /// on the channel that holds the letter.
+    async fn settle(
+        &self,
+        letter: &AmqpDelivery,
+        replay: Option<&Replay>,
+    ) -> Result<(), SourceError> {
+        if let Some(replay) = replay {
+            self.publish(&replay.queue, &replay.body, replay.properties.clone())
+                .await?;
+        }
+        self.channel
+            .basic_ack(letter.delivery_tag, BasicAckOptions { multiple: false })
+            .await
+            .map_err(broker_error)?;
+        let committed = timed(self.channel.tx_commit()).await;
+        let Some(replay) = replay else {
+            return committed.map_err(SourceError::from);
+        };
+        // RabbitMQ applies a commit's ack whatever becomes of its publish:
+        // a work queue that is gone returns the copy (before it answers the
+        // commit, so lapin has it by now), and one that refuses it (full,
+        // with overflow reject-publish; a quorum queue without a majority)
+        // fails the commit as "partial". Either way the letter has left the
+        // dead-letter queue without arriving, so it is written back there.
+        let failed = match committed {
+            Ok(()) if !self.returned().await => return Ok(()),
+            Ok(()) => format!("queue {:?} does not exist any more", replay.queue),
+            Err(Timed::Broker(e)) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => {
+                format!(
+                    "queue {:?} refused the message: it is full (with overflow reject-publish), or a quorum queue without a majority ({})",
+                    replay.queue,
+                    broker_error(e)
+                )
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let id = dead_letter_of(letter).id;
+        let put_back = replay
+            .session
+            .publish(&self.queue, &letter.data, letter.properties.clone())
+            .await;
+        Err(match put_back {
+            Ok(()) => SourceError::broker(format!(
+                "{failed}: dead letter {id} was not replayed, and is back at the end of {:?}",
+                self.queue
+            )),
+            Err(e) => SourceError::broker(format!(
+                "{failed}: dead letter {id} was not replayed, and writing it back to {:?} failed too ({e}); it is lost",
+                self.queue
+            )),
+        })
+    }
+
+    /// Publishes through the default exchange, in the open transaction.
+    async fn publish(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), SourceError> {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        self.channel
+            .basic_publish("".into(), short(queue)?, options, body, properties)
+            .await
+            .map_err(broker_error)?
+            .await
+            .map(drop)
+            .map_err(broker_error)
+    }
+
+    /// Whether the last commit returned a publish as unroutable: RabbitMQ
+    /// returns it before it answers the commit, so lapin has it by then.
+    async fn returned(&self) -> bool {
+        // Outside confirm mode this waits for nothing; it only drains.
+        self.channel
+            .wait_for_confirms()
+            .await
+            .is_ok_and(|returned| !returned.is_empty())
+    }
+
+    /// Puts back everything held, and drops a transaction not committed.
     async fn close(self) {
         let _ = self.channel.close(200, "done".into()).await;
     }
@@ -185,16 +301,16 @@ impl AmqpStore {
         }
     }
 
-    /// Finds a dead letter by id, lets `then` act on it, and acks it.
-    async fn take_dead_letter<F, Fut>(
+    /// Finds a dead letter by id and acks it, with the copy `then` makes
+    /// of it, if any, published in the same transaction.
+    async fn take_dead_letter<F>(
         &self,
         dead_letter_queue: &str,
         id: &str,
         then: F,
     ) -> Result<(), SourceError>
     where
-        F: FnOnce(AmqpDelivery) -> Fut,
-        Fut: Future<Output = Result<AmqpDelivery, SourceError>>,
+        F: FnOnce(&AmqpDelivery) -> Result<Option<Replay>, SourceError>,
     {
         let mut slot = self.cursor.lock().await;
         if let Some(cursor) =
@@ -204,20 +320,11 @@ impl AmqpStore {
         }
         let cursor = match slot.as_mut() {
             Some(cursor) => cursor,
-            None => slot.insert(Cursor {
-                queue: dead_letter_queue.to_string(),
-                channel: self.open_channel().await?,
-                held: Vec::new(),
-            }),
+            None => slot.insert(Cursor::open(dead_letter_queue, self.open_channel().await?).await?),
         };
         let result = match cursor.find(id).await {
-            Ok(Some(letter)) => match then(letter).await {
-                Ok(letter) => letter
-                    .acker
-                    .ack(BasicAckOptions { multiple: false })
-                    .await
-                    .map(drop)
-                    .map_err(broker_error),
+            Ok(Some(letter)) => match then(&letter) {
+                Ok(replay) => cursor.settle(&letter, replay.as_ref()).await,
                 Err(e) => Err(e),
             },
             Ok(None) => Err(not_there(dead_letter_queue, id)),
@@ -259,34 +366,46 @@ impl DeadLetterStore for AmqpStore {
             .seal
             .get_or_try_init(|| async { read_seal(&session, &self.queue).await.map(Arc::new) })
             .await?;
-        self.take_dead_letter(dead_letter_queue, &letter.id, |found| async {
-            let stored = dead_letter_of(&found);
-            let fields = seal.seal(
-                letter
-                    .fields_for_replay_of(&stored)
-                    .map_err(SourceError::invalid)?,
-            );
-            let id = stored
-                .field(F_MESSAGE_ID)
-                .map(str::to_string)
-                .unwrap_or_else(new_id);
-            let (body, properties) = message_for(&fields, Some(&found.properties), &id);
-            // A replay enters the queue now: the letter's own `timestamp`
-            // is when it was dead-lettered, and would age the message.
-            let properties = properties.with_timestamp(
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs(),
-            );
-            session.publish(&self.queue, &body, properties).await?;
-            Ok(found)
-        })
-        .await
+        let replayed = self
+            .take_dead_letter(dead_letter_queue, &letter.id, |found| {
+                let stored = dead_letter_of(found);
+                let fields = seal.seal(
+                    letter
+                        .fields_for_replay_of(&stored)
+                        .map_err(SourceError::invalid)?,
+                );
+                let id = stored
+                    .field(F_MESSAGE_ID)
+                    .map(str::to_string)
+                    .unwrap_or_else(new_id);
+                let (body, properties) = message_for(&fields, Some(&found.properties), &id);
+                // A replay enters the queue now: the letter's own
+                // `timestamp` is when it was dead-lettered, and would age
+                // the message.
+                let properties = properties.with_timestamp(
+                    SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap_or_default()
+                        .as_secs(),
+                );
+                Ok(Some(Replay {
+                    session: session.clone(),
+                    queue: self.queue.clone(),
+                    body,
+                    properties,
+                }))
+            })
+            .await;
+        // The work queue may be what went missing: the next replay looks
+        // for it again, and says so before it takes a letter.
+        if replayed.is_err() {
+            session.forget(&self.queue);
+        }
+        replayed
     }
 
     async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
-        self.take_dead_letter(dead_letter_queue, &letter.id, |found| async { Ok(found) })
+        self.take_dead_letter(dead_letter_queue, &letter.id, |_| Ok(None))
             .await
     }
 
@@ -312,6 +431,36 @@ impl DeadLetterStore for AmqpStore {
 
     async fn flush(&self) {
         self.close().await
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        jobs::list(&*self.session().await?, dead_letter_queue).await
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        jobs::change(
+            &*self.session().await?,
+            dead_letter_queue,
+            key,
+            Some(record),
+        )
+        .await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        jobs::change(&*self.session().await?, dead_letter_queue, key, None).await
     }
 }
 

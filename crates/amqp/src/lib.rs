@@ -55,7 +55,14 @@
 //!   closes it, which puts them back where they were; replay and purge read
 //!   through a cursor, so each letter is read once per run
 //!   (`dead_letters.rs`). A dead letter's id is the `message_id` courier
-//!   gave it.
+//!   gave it. The cursor's channel is transactional: a replay's publish to
+//!   the work queue and the ack of its letter are committed together, so a
+//!   replay killed at any point leaves the letter in one queue only.
+//! - The records of `courier dlq` jobs are messages of
+//!   `<dead-letter queue>.courier-jobs`, one per job, read and rewritten
+//!   under a lock, the exclusive consumer of
+//!   `<dead-letter queue>.courier-jobs.lock`; both are declared by the
+//!   first record put (`jobs.rs`).
 //! - Depth: passive declares only (ready messages of the work queue, the
 //!   dead-letter queue, each tier). The retry backlog counts every tier
 //!   that exists, also those an earlier process declared: a process's
@@ -81,6 +88,7 @@ mod convert;
 mod dead_letters;
 mod depth;
 mod errors;
+mod jobs;
 mod queues;
 mod seal;
 mod session;
@@ -266,8 +274,8 @@ impl Consumer for AmqpSource {
             dead_letter_age: false,
             key_ordering: false,
             shared_rate_limit: false,
-            dead_letter_jobs: false,
-            exact_replay: false,
+            dead_letter_jobs: true,
+            exact_replay: true,
             multi_process: true,
         }
     }

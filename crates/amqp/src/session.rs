@@ -147,6 +147,14 @@ impl Session {
             .insert(queue.to_string());
     }
 
+    /// A queue that was found missing after all: the next use looks again.
+    pub(super) fn forget(&self, queue: &str) {
+        self.declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(queue);
+    }
+
     pub(super) fn is_known(&self, queue: &str) -> bool {
         self.declared
             .lock()
@@ -244,10 +252,7 @@ impl Session {
         match confirm {
             Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
             Confirmation::Ack(Some(returned)) => {
-                self.declared
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(queue);
+                self.forget(queue);
                 Err(SourceError::broker(format!(
                     "RabbitMQ could not route the message to queue {queue:?} ({} {})",
                     returned.reply_code, returned.reply_text

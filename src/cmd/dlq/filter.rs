@@ -279,7 +279,12 @@ impl<'a> Walk<'a> {
             }
             after = page.last().map(|l| l.id.clone());
             for letter in page {
-                let at_bound = through == Some(letter.id.as_str());
+                // A queue listed anew for a resumed job may not be in its
+                // snapshot's order (RabbitMQ puts back what a listing held
+                // in another order): there the snapshot's instant bounds
+                // the set, not its last letter's place.
+                let at_bound = through == Some(letter.id.as_str())
+                    && !(self.listed.is_some() && self.born_by.is_some());
                 let wanted = match self.ids.iter().position(|id| *id == letter.id) {
                     Some(i) => {
                         found[i] = true;

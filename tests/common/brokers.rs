@@ -666,7 +666,7 @@ impl BrokerFixture for Kafka {
         dead_letter_age: false,
         key_ordering: true,
         shared_rate_limit: false,
-        dead_letter_jobs: false,
+        dead_letter_jobs: true,
         // A transaction would make it exact, but the mock does not apply
         // one, and its commit markers would read as depth (docs/sources.md).
         exact_replay: false,

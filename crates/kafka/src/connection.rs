@@ -204,6 +204,13 @@ impl Cluster {
         config
     }
 
+    /// An admin client of the cluster (CreateTopics), for the one request
+    /// that needs it: made and dropped around it.
+    pub(super) fn admin(&self, client_id: &str) -> KafkaResult<rdkafka::admin::AdminClient<Quiet>> {
+        self.config(&format!("{client_id}-admin"))
+            .create_with_context(self.quiet())
+    }
+
     /// The context of an inspector or producer of this cluster.
     pub(super) fn quiet(&self) -> Quiet {
         Quiet {
@@ -811,7 +818,13 @@ pub(super) async fn seal_of(
     }
     let secret = Seal::new_secret();
     producer
-        .send(SEAL_TOPIC, Some(topic.as_bytes()), secret.as_bytes(), None, REQUEST)
+        .send(
+            SEAL_TOPIC,
+            Some(topic.as_bytes()),
+            Some(secret.as_bytes()),
+            None,
+            REQUEST,
+        )
         .await
         .map_err(|e| {
             SourceError::broker(format!(

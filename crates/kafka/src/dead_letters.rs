@@ -1,7 +1,16 @@
 //! Dead-letter topics and the dead-letter store: browsing them, and
 //! replaying and purging letters, which Kafka cannot delete one by one: the
 //! ids of removed letters are recorded in `<dlq>.removed` and left out when
-//! browsing; and sending to the work topic.
+//! browsing; sending to the work topic; and the records of `courier dlq`
+//! jobs (`jobs.rs`).
+//!
+//! A replay writes the letter to the work topic, then its id to
+//! `<dlq>.removed`: one cut short between the two leaves the letter in
+//! both, never in neither. It is not one transaction because the commit
+//! markers would leave the group's committed offset one short of each
+//! partition's end, which depth and stall detection would read as a
+//! waiting record, and librdkafka's mock cluster, the only Kafka courier is
+//! tested on, writes none, so the exactness could not be tested.
 //!
 //! Opened alone (`courier dlq`, `courier send`), the store has a producer
 //! and an inspector that never joins the group nor commits for it, and
@@ -9,7 +18,8 @@
 //! that does not exist lists nothing; a send or replay first asks the
 //! metadata whether the work topic exists (the producer would have the
 //! cluster create it) and says how to create it when it does not; the seal
-//! key is read, or recorded, by the first replay.
+//! key is read, or recorded, by the first replay; the topic of job records
+//! is made by the first record put.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -20,10 +30,11 @@ use rdkafka::message::{Message, OwnedMessage};
 use tokio::sync::OnceCell;
 
 use super::connection::{
-    self, Inspector, Marks, Producer, REQUEST, blocking, partitions, read_topic, seal_of,
+    self, Cluster, Inspector, Marks, Producer, REQUEST, blocking, partitions, read_topic, seal_of,
     unavailable,
 };
 use super::fields::{from_record, parse_record_id, record_id, removed_topic, retry_topic};
+use super::jobs::Jobs;
 use super::settle::produce;
 use courier_core::model::{DeadLetter, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
@@ -53,6 +64,7 @@ pub(super) struct KafkaStore {
     topic: String,
     producer: Producer,
     inspector: Arc<Inspector>,
+    jobs: Jobs,
     /// Known once the work topic was found to exist.
     work_topic: OnceCell<()>,
     /// The topic's seal: the consumer's, or read (and recorded if missing)
@@ -64,13 +76,15 @@ impl KafkaStore {
     /// A consumer's store, on its clients, its seal and its work topic,
     /// which it found at start.
     pub(super) fn new(
-        topic: &str,
+        cluster: &Cluster,
+        options: &SourceOptions,
         producer: Producer,
         inspector: Arc<Inspector>,
         seal: Arc<Seal>,
     ) -> Self {
         Self {
-            topic: topic.to_string(),
+            topic: options.queue.clone(),
+            jobs: Jobs::new(cluster, options, producer.clone(), inspector.clone()),
             producer,
             inspector,
             work_topic: OnceCell::new_with(Some(())),
@@ -87,9 +101,11 @@ impl KafkaStore {
         // an untrusted certificate ends the command with what to fix.
         let (reached, topic, at) = (inspector.clone(), options.queue.clone(), cluster.clone());
         blocking(move || at.reach(&reached, &topic)).await?;
+        let producer = connection::producer(&cluster, &options)?;
         Ok(Self {
             topic: options.queue.clone(),
-            producer: connection::producer(&cluster, &options)?,
+            jobs: Jobs::new(&cluster, &options, producer.clone(), inspector.clone()),
+            producer,
             inspector,
             work_topic: OnceCell::new(),
             seal: OnceCell::new_with(options.seal.clone()),
@@ -229,6 +245,30 @@ impl DeadLetterStore for KafkaStore {
     async fn flush(&self) {
         let producer = self.producer.clone();
         let _ = blocking(move || producer.flush(REQUEST).map_err(unavailable)).await;
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        self.jobs.records(dead_letter_queue).await
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        self.jobs.put(dead_letter_queue, key, record).await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        self.jobs.remove(dead_letter_queue, key).await
     }
 }
 

@@ -23,6 +23,12 @@ pub(super) fn removed_topic(dead_letter_topic: &str) -> String {
     format!("{dead_letter_topic}.removed")
 }
 
+/// Where the records of the `courier dlq` jobs on `dead_letter_topic` are
+/// kept (`jobs.rs`).
+pub(super) fn jobs_topic(dead_letter_topic: &str) -> String {
+    format!("{dead_letter_topic}.courier-jobs")
+}
+
 /// The id courier gives a record: `<partition>-<offset>`, as the
 /// producer's delivery report tells it.
 pub(super) fn record_id(partition: i32, offset: i64) -> String {

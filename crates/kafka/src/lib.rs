@@ -38,9 +38,17 @@
 //! - Dead letters are browsed by reading the dead-letter topic; Kafka
 //!   cannot delete one record, so replay and purge record the letter's id
 //!   in `<dlq>.removed`, and browsing leaves out what is recorded there.
-//!   `courier dlq` and `courier send` open the dead-letter store alone
-//!   (`KafkaStore`): a producer and the inspector, no group, nothing
-//!   created.
+//!   A replay writes the letter to the work topic, then its id to
+//!   `<dlq>.removed`: one cut short between the two leaves the letter in
+//!   both, never in neither. It is not one transaction because the commit
+//!   markers would leave the group's committed offset one short of each
+//!   partition's end, which depth and stall detection would read as a
+//!   waiting record (and the mock cluster writes none, so it could not be
+//!   tested here). `courier dlq` and `courier send` open the dead-letter
+//!   store alone (`KafkaStore`): a producer and the inspector, no group,
+//!   nothing created. The records of `courier dlq` jobs are kept in
+//!   `<dlq>.courier-jobs`, made (compacted where the cluster takes
+//!   CreateTopics) by the first put.
 //! - A replica that holds no partition for longer than the session
 //!   timeout plus the visibility timeout, while records wait and the
 //!   group commits nothing, says so (a warning, `/readyz` not ready) and
@@ -57,8 +65,9 @@
 //! topic), `offsets` (the per-partition ledger and its metadata), `read`
 //! (receiving, holding retries until due), `settle` (ack, retry, dead
 //! letter, commits, produce), `dead_letters` (the dead-letter store:
-//! browse, replay, purge, send), `depth`, `fields`, `rebalance` (giving
-//! partitions up), `stall` (a replica left without partitions).
+//! browse, replay, purge, send), `jobs` (the records of `courier dlq`
+//! jobs), `depth`, `fields`, `rebalance` (giving partitions up), `stall`
+//! (a replica left without partitions).
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -66,6 +75,7 @@ mod connection;
 mod dead_letters;
 mod depth;
 mod fields;
+mod jobs;
 mod offsets;
 mod producer;
 mod read;
@@ -256,7 +266,7 @@ impl Consumer for KafkaSource {
             dead_letter_age: false,
             key_ordering: true,
             shared_rate_limit: false,
-            dead_letter_jobs: false,
+            dead_letter_jobs: true,
             exact_replay: false,
             multi_process: true,
         }
@@ -424,7 +434,8 @@ impl KafkaSource {
             changed,
             hand_over,
             store: KafkaStore::new(
-                &options.queue,
+                &cluster,
+                &options,
                 producer.clone(),
                 inspector.clone(),
                 seal.clone(),

@@ -171,19 +171,23 @@ impl Producer {
 
     /// Produces a record to `topic` and waits for its delivery report. A
     /// full local queue is waited out for up to `queue_timeout`, as rdkafka's
-    /// `FutureProducer::send` does.
+    /// `FutureProducer::send` does. A `payload` of `None` is a null value:
+    /// a tombstone, which compaction takes as the key's removal.
     pub(super) async fn send(
         &self,
         topic: &str,
         key: Option<&[u8]>,
-        payload: &[u8],
+        payload: Option<&[u8]>,
         headers: Option<OwnedHeaders>,
         queue_timeout: Duration,
     ) -> Report {
         let using = self.take()?;
         let started = Instant::now();
         let (tx, rx) = oneshot::channel();
-        let mut record = BaseRecord::with_opaque_to(topic, Box::new(tx)).payload(payload);
+        let mut record = BaseRecord::with_opaque_to(topic, Box::new(tx));
+        if let Some(payload) = payload {
+            record = record.payload(payload);
+        }
         if let Some(key) = key {
             record = record.key(key);
         }
@@ -281,7 +285,7 @@ mod tests {
             let producer = producer.clone();
             async move {
                 producer
-                    .send("lazy", None, body, None, Duration::from_secs(5))
+                    .send("lazy", None, Some(body), None, Duration::from_secs(5))
                     .await
             }
         };

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use rdkafka::consumer::{CommitMode, Consumer};
-use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::Notify;
 
@@ -290,21 +290,31 @@ pub(super) async fn produce(
     fields: &[(Bytes, Bytes)],
 ) -> Result<(i32, i64), SourceError> {
     let (body, headers) = to_record(fields);
-    let (partition, offset) = producer
-        .send(topic, key, &body, Some(headers), Duration::from_secs(5))
+    let size = fields.iter().map(|(n, v)| n.len() + v.len()).sum();
+    producer
+        .send(
+            topic,
+            key,
+            Some(&body),
+            Some(headers),
+            Duration::from_secs(5),
+        )
         .await
-        .map_err(|e| {
-            let text = format!("Kafka did not store the record for {topic:?}: {e}");
-            match e.rdkafka_error_code() {
-                Some(RDKafkaErrorCode::MessageSizeTooLarge) => SourceError::too_large(format!(
-                    "{text}; the record ({} bytes with its headers) is over the topic's max.message.bytes",
-                    fields.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()
-                )),
-                _ => SourceError::broker(text),
-            }
-            .caused_by(e)
-        })?;
-    Ok((partition, offset))
+        .map_err(|e| not_stored(&format!("the record for {topic:?}"), size, e))
+}
+
+/// A write the cluster did not take, as the caller sees it: `what` was not
+/// stored; `size` (bytes, headers included) says how far over the limit a
+/// record too large is.
+pub(super) fn not_stored(what: &str, size: usize, e: KafkaError) -> SourceError {
+    let text = format!("Kafka did not store {what}: {e}");
+    match e.rdkafka_error_code() {
+        Some(RDKafkaErrorCode::MessageSizeTooLarge) => SourceError::too_large(format!(
+            "{text}; the record ({size} bytes with its headers) is over the topic's max.message.bytes"
+        )),
+        _ => SourceError::broker(text),
+    }
+    .caused_by(e)
 }
 
 #[async_trait]

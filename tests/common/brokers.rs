@@ -732,7 +732,7 @@ impl BrokerFixture for Sqs {
         dead_letter_age: false,
         key_ordering: false,
         shared_rate_limit: false,
-        dead_letter_jobs: false,
+        dead_letter_jobs: true,
         exact_replay: false,
         multi_process: true,
     };
@@ -775,6 +775,7 @@ impl BrokerFixture for Sqs {
         for name in [
             queue.to_string(),
             courier::source::sqs::dead_letter_queue_name(&format!("{queue}.dlq")),
+            courier::source::sqs::jobs_queue_name(&format!("{queue}.dlq")),
         ] {
             if let Some(url) = super::sqs_queue_url(&client, &name).await {
                 let _ = client.delete_queue().queue_url(url).send().await;
@@ -798,7 +799,7 @@ impl BrokerFixture for PubSub {
         dead_letter_age: true,
         key_ordering: false,
         shared_rate_limit: false,
-        dead_letter_jobs: false,
+        dead_letter_jobs: true,
         exact_replay: false,
         multi_process: true,
     };

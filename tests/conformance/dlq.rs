@@ -545,6 +545,8 @@ pub async fn read_only_commands_leave_the_broker_as_found(fixture: Fixture) {
         &["dlq", "list", "--output", "json"],
         &["dlq", "show", "1-0"],
         &["dlq", "replay", "--all", "--dry-run"],
+        &["dlq", "jobs"],
+        &["dlq", "jobs", "--output", "json"],
     ] {
         let out = courier(&absent, args);
         assert_eq!(

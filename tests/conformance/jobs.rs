@@ -12,8 +12,8 @@ use crate::dlq::{Spawned, audit_line, courier, drain, json_lines, send_all, stde
 /// open: a fresh dead-letter queue has none; a record put is read back by
 /// another handle, the last one put under a key is the one kept, a removal
 /// takes one key's record only (and removing a missing one is no error),
-/// a record of the largest size comes back byte for byte, and another
-/// queue's records are its own.
+/// a record of the largest size and of every byte value comes back byte
+/// for byte, and another queue's records are its own.
 pub async fn job_records_are_kept(fixture: Fixture) {
     let other = fixture.sibling("other");
     let admin = |queue: &Fixture| {
@@ -35,9 +35,10 @@ pub async fn job_records_are_kept(fixture: Fixture) {
         vec![],
         "no records on a fresh dead-letter queue"
     );
+    // Every byte value, not only text: a store must not assume UTF-8.
     let big = Bytes::from(
         (0..courier::source::JOB_RECORD_MAX)
-            .map(|i| b"{}\"x:0123456789abcdef"[i % 21])
+            .map(|i| (i % 256) as u8)
             .collect::<Vec<u8>>(),
     );
     writer

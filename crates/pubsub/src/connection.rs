@@ -9,8 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
     AcknowledgeRequest, DeadLetterPolicy, DeleteSubscriptionRequest, GetSubscriptionRequest,
-    GetTopicRequest, ModifyAckDeadlineRequest, PublishRequest, PullRequest, ReceivedMessage,
-    Subscription, Topic, UpdateTopicRequest, publisher_client::PublisherClient,
+    GetTopicRequest, ModifyAckDeadlineRequest, PublishRequest, PubsubMessage, PullRequest,
+    ReceivedMessage, Subscription, Topic, UpdateTopicRequest, publisher_client::PublisherClient,
     subscriber_client::SubscriberClient,
 };
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
@@ -267,7 +267,15 @@ impl Client {
         topic: &str,
         fields: &[(Bytes, Bytes)],
     ) -> Result<String, SourceError> {
-        let message = to_message(fields);
+        self.publish_message(topic, to_message(fields)).await
+    }
+
+    /// Publishes one message as it is to `topic`; Pub/Sub's id of it.
+    pub async fn publish_message(
+        &self,
+        topic: &str,
+        message: PubsubMessage,
+    ) -> Result<String, SourceError> {
         fits(topic, &message)?;
         let request = self
             .request(PublishRequest {
@@ -441,7 +449,7 @@ impl Names {
 }
 
 /// A subscription of courier's on `topic`.
-fn subscription_of(name: &str, topic: &str, lease_secs: u64) -> Subscription {
+pub(super) fn subscription_of(name: &str, topic: &str, lease_secs: u64) -> Subscription {
     Subscription {
         name: name.to_string(),
         topic: topic.to_string(),

@@ -16,7 +16,7 @@
 //! the seal key is read, or made, by the first replay.
 
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -90,7 +90,7 @@ impl Work {
 
 /// The dead letters of one work subscription, and sends to its topic.
 pub(super) struct PubSubStore {
-    client: Client,
+    pub(super) client: Client,
     names: Names,
     /// The work subscription as the consumer found it, or as read on first
     /// use (`None`: there is none).
@@ -98,6 +98,9 @@ pub(super) struct PubSubStore {
     /// The seal: the consumer's, or read (and made if missing) when an
     /// admin handle first replays.
     seal: OnceCell<Arc<Seal>>,
+    /// The subscriptions of job records this store found or made, on the
+    /// topic they should read ([`super::jobs`]).
+    pub(super) known_jobs: Mutex<HashSet<String>>,
 }
 
 impl PubSubStore {
@@ -108,6 +111,7 @@ impl PubSubStore {
             names,
             work: OnceCell::new_with(Some(Some(work))),
             seal: OnceCell::new_with(Some(seal)),
+            known_jobs: Mutex::default(),
         }
     }
 
@@ -119,6 +123,7 @@ impl PubSubStore {
             names: Names::new(&project, &options.queue),
             work: OnceCell::new(),
             seal: OnceCell::new_with(options.seal.clone()),
+            known_jobs: Mutex::default(),
         })
     }
 
@@ -140,13 +145,19 @@ impl PubSubStore {
             .ok_or_else(|| missing_subscription(&self.names.work))
     }
 
+    /// The topic a dead-letter queue names, as the consumer resolves it:
+    /// the work subscription's dead-letter topic stands for the default.
+    pub(super) async fn topic_of(&self, dead_letter_queue: &str) -> Result<String, SourceError> {
+        let subscriptions = self.work().await?.and_then(|w| w.dead_letter_topic.clone());
+        Ok(self
+            .names
+            .dead_letter_topic(dead_letter_queue, subscriptions.as_deref()))
+    }
+
     /// The browsing subscription of a dead-letter queue; `None` when its
     /// topic does not exist, so no letter was ever kept.
     async fn browsing_of(&self, dead_letter_queue: &str) -> Result<Option<String>, SourceError> {
-        let subscriptions = self.work().await?.and_then(|w| w.dead_letter_topic.clone());
-        let topic = self
-            .names
-            .dead_letter_topic(dead_letter_queue, subscriptions.as_deref());
+        let topic = self.topic_of(dead_letter_queue).await?;
         let browsing = Names::browsing(&topic);
         if self.client.get_subscription(&browsing).await?.is_some() {
             return Ok(Some(browsing));
@@ -303,6 +314,30 @@ impl DeadLetterStore for PubSubStore {
         self.client
             .acknowledge(&browsing, vec![received.ack_id.clone()])
             .await
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        self.job_records_of(dead_letter_queue).await
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        self.put_job_record_of(dead_letter_queue, key, record).await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        self.remove_job_record_of(dead_letter_queue, key).await
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

@@ -41,13 +41,19 @@
 //!   open the dead-letter store alone (`PubSubStore`): it creates no topic
 //!   and no subscription, and reads letters only through a browsing
 //!   subscription that exists.
+//! - The records of `courier dlq` jobs are messages of a topic beside the
+//!   dead-letter topic, `<topic>.courier-jobs`, read through a
+//!   subscription of the same name, one per job with the newest version
+//!   winning; both made by the first record written (`jobs`). A replay is
+//!   not exact: its publish and its ack cannot be one change in Pub/Sub.
 //! - Depth: Pub/Sub counts no backlog; a snapshot of each subscription,
 //!   sought by a shadow subscription of courier's, is counted.
 //!
 //! Files: `connection` (URL, channel, names, what courier creates, the
 //! seal key), `fields` (fields ↔ a Pub/Sub message), `read` (pull, admit,
 //! holding copies), `settle` (ack, retry, dead letter), `dead_letters` (the
-//! dead-letter store: browse, replay, purge, send), `depth`.
+//! dead-letter store: browse, replay, purge, send), `jobs` (the records of
+//! `courier dlq` jobs), `depth`.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -55,6 +61,7 @@ mod connection;
 mod dead_letters;
 mod depth;
 mod fields;
+mod jobs;
 mod read;
 mod settle;
 
@@ -76,6 +83,7 @@ pub use connection::{
     delivery_cap_warning,
 };
 pub use fields::{MAX_KEY_BYTES, MAX_VALUE_BYTES, attribute_ok};
+pub use jobs::jobs_topic;
 
 use connection::{Client, Names};
 use dead_letters::{PubSubStore, Work};
@@ -259,7 +267,7 @@ impl Consumer for PubSubSource {
             dead_letter_age: true,
             key_ordering: false,
             shared_rate_limit: false,
-            dead_letter_jobs: false,
+            dead_letter_jobs: true,
             exact_replay: false,
             multi_process: true,
         }

@@ -57,7 +57,7 @@ pub fn is_sqs_text(text: &str) -> bool {
     })
 }
 
-fn string(value: String) -> Result<MessageAttributeValue, SourceError> {
+pub(super) fn string(value: String) -> Result<MessageAttributeValue, SourceError> {
     MessageAttributeValue::builder()
         .data_type("String")
         .string_value(value)

@@ -73,7 +73,7 @@ pub(super) fn check_dead_letter_queue(dead_letter_queue: &str, work: &str) -> Re
     Ok(())
 }
 
-fn sent_millis(message: &Message) -> u64 {
+pub(super) fn sent_millis(message: &Message) -> u64 {
     message
         .attributes()
         .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
@@ -110,16 +110,43 @@ impl WorkQueue {
     }
 }
 
+/// What [`SqsStore::receive_all`] receives, and what it names in a log.
+pub(super) struct Listing<'a> {
+    /// At most this many messages.
+    pub limit: usize,
+    /// Stop once the message with this SQS id is received.
+    pub looking_for: Option<&'a str>,
+    /// Go on while SQS counts visible messages that no receive returned: a
+    /// receive that answers at once asks a sample of SQS's servers, which
+    /// may miss a few messages of a small queue, and a message another
+    /// listing gave back since is visible again.
+    pub count_visible: bool,
+    /// What the messages are, for the operator: "dead letters".
+    pub what: &'a str,
+}
+
+impl Listing<'_> {
+    /// A listing of dead letters, as browsing has always made it.
+    fn dead_letters(limit: usize, looking_for: Option<&str>) -> Listing<'_> {
+        Listing {
+            limit,
+            looking_for,
+            count_visible: false,
+            what: "dead letters",
+        }
+    }
+}
+
 /// The dead letters of one work queue, and sends to it.
 pub(super) struct SqsStore {
-    client: Client,
+    pub(super) client: Client,
     /// `--queue`: a name or a queue URL.
     queue: String,
     region: String,
     /// Looked up on first use (by an admin handle), never created.
     work: OnceCell<WorkQueue>,
-    /// Dead-letter queue URLs by name, once found.
-    dead_letter_urls: Mutex<HashMap<String, String>>,
+    /// Queue URLs by name (dead-letter and jobs queues), once found.
+    pub(super) dead_letter_urls: Mutex<HashMap<String, String>>,
     /// The queue's seal: the consumer's, or read (and written if missing)
     /// when an admin handle first replays.
     seal: OnceCell<Arc<Seal>>,
@@ -187,18 +214,24 @@ impl SqsStore {
         Ok(url)
     }
 
-    /// Up to `limit` messages of the queue at `url`, each once, oldest
-    /// first, with their receipts; they stay invisible until given back.
+    /// Up to `listing.limit` messages of the queue at `url`, each once,
+    /// oldest first, with their receipts; they stay invisible until given
+    /// back.
     /// A listing that runs long (a large queue, a slow endpoint) doubles
     /// the hold on all it has received before the first of them could show
     /// again; ending when a letter came back as seen listed only what one
     /// hold's time could receive (finding 9: 230 of 389 letters).
-    async fn receive_all(
+    pub(super) async fn receive_all(
         &self,
         url: &str,
-        limit: usize,
-        looking_for: Option<&str>,
+        listing: Listing<'_>,
     ) -> Result<Vec<Message>, SourceError> {
+        let Listing {
+            limit,
+            looking_for,
+            count_visible,
+            what,
+        } = listing;
         let mut at: HashMap<String, usize> = HashMap::new();
         let mut out: Vec<Message> = Vec::new();
         let mut hold = BROWSE_VISIBILITY;
@@ -216,13 +249,13 @@ impl SqsStore {
                     url,
                     receipts,
                     hold,
-                    "keeping listed dead letters invisible",
+                    &format!("keeping listed {what} invisible"),
                 )
                 .await
                 {
                     // Those that show again are received again, with the
                     // newer receipt kept.
-                    tracing::debug!(error = %e, "some listed dead letters may show again");
+                    tracing::debug!(error = %e, "some listed {what} may show again");
                 }
                 held_until = Some(Instant::now() + Duration::from_secs(hold as u64));
             }
@@ -237,7 +270,7 @@ impl SqsStore {
                 .message_attribute_names("All")
                 .send()
                 .await
-                .map_err(|e| sdk_error("receiving dead letters", e))?
+                .map_err(|e| sdk_error(&format!("receiving {what}"), e))?
                 .messages
                 .unwrap_or_default();
             if !got.is_empty() && held_until.is_none() {
@@ -269,7 +302,9 @@ impl SqsStore {
             // Letters another listing or replay holds (one killed halfway)
             // are invisible for a while yet: wait for them a while, then
             // say that they are not in this list.
-            let elsewhere = self.invisible(url).await?.saturating_sub(out.len() as u64);
+            let (visible, invisible) = self.counts(url).await?;
+            let elsewhere = invisible.saturating_sub(out.len() as u64)
+                + if count_visible { visible } else { 0 };
             if elsewhere == 0 {
                 break;
             }
@@ -277,7 +312,7 @@ impl SqsStore {
             if since.elapsed() > Duration::from_secs(BROWSE_VISIBILITY as u64 + 2) {
                 tracing::warn!(
                     held_elsewhere = elsewhere,
-                    "about {elsewhere} dead letters are held by another listing or replay (or one that was stopped halfway) and are not in this list; run it again once they show again"
+                    "about {elsewhere} {what} are held by another listing or replay (or one that was stopped halfway) and are not in this list; run it again once they show again"
                 );
                 break;
             }
@@ -287,17 +322,24 @@ impl SqsStore {
         Ok(out)
     }
 
-    /// How many messages of the queue at `url` are invisible.
-    async fn invisible(&self, url: &str) -> Result<u64, SourceError> {
+    /// How many messages of the queue at `url` are visible, and how many
+    /// invisible.
+    async fn counts(&self, url: &str) -> Result<(u64, u64), SourceError> {
         let attributes = queue_attributes(&self.client, url).await?;
-        Ok(attributes
-            .get(&QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0))
+        let count = |name: QueueAttributeName| {
+            attributes
+                .get(&name)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        Ok((
+            count(QueueAttributeName::ApproximateNumberOfMessages),
+            count(QueueAttributeName::ApproximateNumberOfMessagesNotVisible),
+        ))
     }
 
     /// Makes received messages visible again.
-    async fn give_back(&self, url: &str, messages: &[Message]) {
+    pub(super) async fn give_back(&self, url: &str, messages: &[Message]) {
         let receipts = messages
             .iter()
             .map(|m| m.receipt_handle().unwrap_or_default());
@@ -325,7 +367,9 @@ impl SqsStore {
         let Some(url) = self.dead_letter_url(&name, false).await? else {
             return Err(not_there(dead_letter_queue, id));
         };
-        let mut messages = self.receive_all(&url, usize::MAX, Some(id)).await?;
+        let mut messages = self
+            .receive_all(&url, Listing::dead_letters(usize::MAX, Some(id)))
+            .await?;
         let at = messages.iter().position(|m| m.message_id() == Some(id));
         let found = at.map(|at| messages.swap_remove(at));
         self.give_back(&url, &messages).await;
@@ -357,7 +401,9 @@ impl DeadLetterStore for SqsStore {
         let Some(url) = self.dead_letter_url(&name, false).await? else {
             return Ok(Vec::new());
         };
-        let messages = self.receive_all(&url, limit, None).await?;
+        let messages = self
+            .receive_all(&url, Listing::dead_letters(limit, None))
+            .await?;
         self.give_back(&url, &messages).await;
         Ok(messages.iter().map(Self::letter).collect())
     }
@@ -404,6 +450,30 @@ impl DeadLetterStore for SqsStore {
     async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
         let (url, message) = self.find(dead_letter_queue, &letter.id).await?;
         self.delete_letter(&url, &message).await
+    }
+
+    async fn job_records(
+        &self,
+        dead_letter_queue: &str,
+    ) -> Result<Vec<(String, Bytes)>, SourceError> {
+        self.job_records_of(dead_letter_queue).await
+    }
+
+    async fn put_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+        record: Bytes,
+    ) -> Result<(), SourceError> {
+        self.put_job_record_of(dead_letter_queue, key, record).await
+    }
+
+    async fn remove_job_record(
+        &self,
+        dead_letter_queue: &str,
+        key: &str,
+    ) -> Result<(), SourceError> {
+        self.remove_job_record_of(dead_letter_queue, key).await
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

@@ -47,13 +47,19 @@
 //! - `courier dlq` and `courier send` open the dead-letter store alone
 //!   (`SqsStore`): queues found with `GetQueueUrl`, never created, no tag
 //!   written but the seal key by a first replay that needs it.
+//! - The records of `courier dlq` jobs are messages of a standard queue
+//!   beside the dead-letter queue, `<its name>-courier-jobs`, one per job
+//!   with the newest version winning; made by the first record written,
+//!   with SQS's longest retention (`jobs`). A replay is not exact: its
+//!   send and its delete cannot be one change in SQS.
 //! - A native `RedrivePolicy` whose `maxReceiveCount` is below the policy's
 //!   `maxAttempts` is warned about at start and on every policy change.
 //!
 //! Files: `connection` (URL, client, queues, seal, redrive), `attributes`
 //! (fields ↔ body and message attributes), `read` (receive, admit, FIFO
 //! groups), `settle` (ack, retry, dead letter), `dead_letters` (the
-//! dead-letter store: browse, replay, purge, send), `depth`.
+//! dead-letter store: browse, replay, purge, send), `jobs` (the records of
+//! `courier dlq` jobs), `depth`.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
@@ -61,6 +67,7 @@ mod attributes;
 mod connection;
 mod dead_letters;
 mod depth;
+mod jobs;
 mod read;
 mod settle;
 
@@ -84,6 +91,7 @@ use dead_letters::{SqsStore, WorkQueue};
 pub use attributes::{ENCODING, HEADERS, MAX_ATTRIBUTES, RECORD, attribute_name_ok, is_sqs_text};
 pub use connection::{SEAL_TAG, check_url, redrive_warning};
 pub use dead_letters::dead_letter_queue_name;
+pub use jobs::jobs_queue_name;
 pub use settle::{MAX_DELAY_ENV, MAX_VISIBILITY_ENV};
 
 /// Amazon SQS: `sqs://REGION`.
@@ -283,7 +291,7 @@ impl Consumer for SqsSource {
             dead_letter_age: false,
             key_ordering: false,
             shared_rate_limit: false,
-            dead_letter_jobs: false,
+            dead_letter_jobs: true,
             exact_replay: false,
             multi_process: true,
         }

@@ -10,11 +10,12 @@
 //! listing pulls them all. Each pull gives back at once (deadline 0) what
 //! it does not ack, so that a record is leased to a read for the moment of
 //! a pull only, and a write cut short leaves two versions, never none.
-//! Versions only grow, so the newer wins wherever two are found. Pub/Sub
-//! says nothing of messages another read has leased: a read ends after
-//! pulls that bring nothing new, some 100 ms, which a lease for the moment
-//! of a pull rarely outlasts; a record a killed command had leased shows
-//! again after its lease, 10 s.
+//! Versions only grow, so the newer wins wherever two are found
+//! ([`courier_core::source::jobs`]). Pub/Sub says nothing of messages
+//! another read has leased: a read ends after pulls that bring nothing
+//! new, some 100 ms, which a lease for the moment of a pull rarely
+//! outlasts; a record a killed command had leased shows again after its
+//! lease, 10 s.
 //!
 //! The topic and subscription are made by the first write only (a listing
 //! or a removal where there is none finds nothing and makes nothing); the
@@ -37,14 +38,8 @@ use super::connection::{Names, check_dead_letter_queue, subscription_of};
 use super::dead_letters::PubSubStore;
 use super::fields::publish_time;
 use super::lock;
-use courier_core::source::{ErrorKind, JOB_RECORD_MAX, SourceError, is_job_key};
-
-/// The attribute with a record's job key.
-const KEY: &str = "courier-job-key";
-/// The attribute with a record's version: nanoseconds since the epoch at
-/// its write, and always above the versions of the key that write found,
-/// so that a clock behind another process's still makes it newer.
-const VERSION: &str = "courier-job-version";
+use courier_core::source::jobs::{self, Fate, Held, Writing};
+use courier_core::source::{ErrorKind, SourceError};
 
 /// What a jobs topic's name adds to its dead-letter topic's.
 const SUFFIX: &str = ".courier-jobs";
@@ -52,9 +47,9 @@ const SUFFIX: &str = ".courier-jobs";
 const MAX_ID: usize = 255;
 
 /// The most messages a jobs subscription is read to. Each is a record of
-/// at most [`JOB_RECORD_MAX`] bytes, so a read holds some 16 MB at most;
-/// more than this is not one message per job any more, and the command
-/// says so instead of reading on.
+/// at most [`jobs::JOB_RECORD_MAX`] bytes, so a read holds some 16 MB at
+/// most; more than this is not one message per job any more, and the
+/// command says so instead of reading on.
 const MOST_MESSAGES: usize = 1000;
 
 /// The jobs subscription's retention, Pub/Sub's longest (the emulator's is
@@ -86,27 +81,7 @@ pub fn jobs_topic(dead_letter_topic: &str) -> String {
         Some((project, id)) => (format!("{project}/topics/"), id),
         None => (String::new(), dead_letter_topic),
     };
-    if id.len() + SUFFIX.len() <= MAX_ID {
-        return format!("{prefix}{id}{SUFFIX}");
-    }
-    let hash = format!("-{:016x}", fnv1a(id));
-    let keep = floor_char_boundary(id, MAX_ID - SUFFIX.len() - hash.len());
-    format!("{prefix}{}{hash}{SUFFIX}", &id[..keep])
-}
-
-/// FNV-1a: a hash that stays the same across builds and Rust releases,
-/// since topic names made from it must.
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
-        (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-fn floor_char_boundary(text: &str, at: usize) -> usize {
-    (0..=at.min(text.len()))
-        .rev()
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(0)
+    format!("{prefix}{}", jobs::name_within(id, SUFFIX, MAX_ID))
 }
 
 /// Where the records of one dead-letter topic are.
@@ -116,86 +91,16 @@ struct Place {
 }
 
 /// A message of a jobs subscription, as read.
-#[derive(Debug, Clone, PartialEq)]
-struct Held {
-    /// `None`: not a record courier wrote; left where it is.
-    key: Option<String>,
-    version: u128,
-    record: Bytes,
-    sent: SystemTime,
-}
-
-impl Held {
-    fn of(received: &ReceivedMessage) -> Self {
-        let message = received.message.clone().unwrap_or_default();
-        let text = |name: &str| message.attributes.get(name).map(String::as_str);
-        Self {
-            key: text(KEY).filter(|k| is_job_key(k)).map(str::to_string),
-            version: text(VERSION).and_then(|v| v.parse().ok()).unwrap_or(0),
-            sent: publish_time(&message).unwrap_or(UNIX_EPOCH),
-            record: message.data,
-        }
-    }
-}
-
-/// Where each key's newest record is in `held`: the highest version, the
-/// first of equal ones (a refresh cut short leaves two alike).
-fn newest(held: &[Held]) -> HashMap<&str, usize> {
-    let mut newest: HashMap<&str, usize> = HashMap::new();
-    for (i, h) in held.iter().enumerate() {
-        let Some(key) = h.key.as_deref() else {
-            continue;
-        };
-        match newest.get(key) {
-            Some(&j) if held[j].version >= h.version => {}
-            _ => {
-                newest.insert(key, i);
-            }
-        }
-    }
-    newest
-}
-
-/// What a write or a removal does with the records of its key.
-struct Writing<'a> {
-    key: &'a str,
-    /// The versions below this are acked: all for a removal, and for a
-    /// write those before its own.
-    below: u128,
-    /// The message id of the write's own record, which stays.
-    own: Option<&'a str>,
-}
-
-/// What a read does with a message it pulled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fate {
-    /// Deliverable again at once.
-    GiveBack,
-    /// A version of the key written before the write, or of the key
-    /// removed: kept leased and acked.
-    Ack,
-    /// A record nearing its retention, seen by a write: published afresh
-    /// with the same key and version, then acked. Which version of its key
-    /// it is does not matter: an older one stays outranked.
-    Refresh,
-}
-
-fn fate(held: &Held, id: &str, writing: Option<&Writing<'_>>, now: SystemTime) -> Fate {
-    let (Some(key), Some(writing)) = (held.key.as_deref(), writing) else {
-        return Fate::GiveBack;
-    };
-    if key == writing.key {
-        return if writing.own != Some(id) && held.version < writing.below {
-            Fate::Ack
-        } else {
-            Fate::GiveBack
-        };
-    }
-    if now.duration_since(held.sent).unwrap_or_default() >= REFRESH_AFTER {
-        Fate::Refresh
-    } else {
-        Fate::GiveBack
-    }
+fn held_of(received: &ReceivedMessage) -> Held {
+    let message = received.message.clone().unwrap_or_default();
+    let text = |name: &str| message.attributes.get(name).map(String::as_str);
+    Held::new(
+        message.message_id.clone(),
+        text(jobs::KEY),
+        text(jobs::VERSION),
+        Some(message.data.clone()),
+        publish_time(&message).unwrap_or(UNIX_EPOCH),
+    )
 }
 
 /// What a read saw: every record courier wrote, each once, and the
@@ -205,22 +110,12 @@ struct Read {
     kept: Vec<(ReceivedMessage, Fate)>,
 }
 
-fn check_key(key: &str) -> Result<(), SourceError> {
-    if is_job_key(key) {
-        Ok(())
-    } else {
-        Err(SourceError::invalid(format!(
-            "{key:?} is not a dlq job key: 1 to 64 of a-z, 0-9 and -"
-        )))
-    }
-}
-
 fn record_message(key: &str, version: u128, record: Bytes) -> PubsubMessage {
     PubsubMessage {
         data: record,
         attributes: HashMap::from([
-            (KEY.to_string(), key.to_string()),
-            (VERSION.to_string(), version.to_string()),
+            (jobs::KEY.to_string(), key.to_string()),
+            (jobs::VERSION.to_string(), version.to_string()),
         ]),
         ..PubsubMessage::default()
     }
@@ -239,10 +134,7 @@ impl PubSubStore {
             return Ok(Vec::new());
         };
         let read = self.read(&place, None).await?;
-        Ok(newest(&read.held)
-            .into_iter()
-            .map(|(key, i)| (key.to_string(), read.held[i].record.clone()))
-            .collect())
+        Ok(jobs::newest_records(&read.held))
     }
 
     /// Publishes the new version first, so that a listing in another
@@ -254,13 +146,8 @@ impl PubSubStore {
         key: &str,
         record: Bytes,
     ) -> Result<(), SourceError> {
-        check_key(key)?;
-        if record.len() > JOB_RECORD_MAX {
-            return Err(SourceError::too_large(format!(
-                "a dlq job record of {} bytes is over the {JOB_RECORD_MAX} bytes a record may have",
-                record.len()
-            )));
-        }
+        jobs::check_key(key)?;
+        jobs::check_size(&record)?;
         let place = self
             .jobs_place(dead_letter_queue, true)
             .await?
@@ -273,21 +160,18 @@ impl PubSubStore {
             .await?;
         let writing = Writing {
             key,
-            below: version,
+            below: Some(version),
             own: Some(&own),
+            refresh_after: REFRESH_AFTER,
         };
         let read = self.read(&place, Some(&writing)).await?;
-        // A version at or above this write's: a clock ahead of this one
-        // wrote it, or another write of the key at the same moment. This
-        // record goes out again above it, as the last one put.
-        let above = read
-            .held
-            .iter()
-            .filter(|h| h.key.as_deref() == Some(key) && h.version >= version)
-            .map(|h| h.version)
-            .max();
-        if let Some(above) = above {
-            let again = record_message(key, above + 1, record);
+        // The version this record needs to be the newest read: above this
+        // write's where one at or above it was found (a clock ahead of this
+        // one wrote it, or another write of the key at the same moment).
+        // The record then goes out again with it, as the last one put.
+        let newest = jobs::next_version(&read.held, key, now);
+        if newest > version {
+            let again = record_message(key, newest, record);
             if let Err(e) = self.client.publish_message(&place.topic, again).await {
                 self.give_back_kept(&place, &read.kept).await;
                 return Err(e);
@@ -306,14 +190,15 @@ impl PubSubStore {
         dead_letter_queue: &str,
         key: &str,
     ) -> Result<(), SourceError> {
-        check_key(key)?;
+        jobs::check_key(key)?;
         let Some(place) = self.jobs_place(dead_letter_queue, false).await? else {
             return Ok(());
         };
         let writing = Writing {
             key,
-            below: u128::MAX,
+            below: None,
             own: None,
+            refresh_after: REFRESH_AFTER,
         };
         let read = self.read(&place, Some(&writing)).await?;
         self.settle(&place, read.kept).await
@@ -411,17 +296,15 @@ impl PubSubStore {
             let mut back = Vec::new();
             let mut new = 0;
             for received in got {
-                let held = Held::of(&received);
-                let id = received
-                    .message
-                    .as_ref()
-                    .map(|m| m.message_id.clone())
-                    .unwrap_or_default();
-                match fate(&held, &id, writing, now) {
+                let held = held_of(&received);
+                // Decided as each pull comes, before all are seen: an
+                // outranked record is not known as such here.
+                let fate = writing.map_or(Fate::GiveBack, |w| w.fate(&held, false, now));
+                match fate {
                     Fate::GiveBack => back.push(received.ack_id.clone()),
                     fate => read.kept.push((received, fate)),
                 }
-                if ids.insert(id) {
+                if ids.insert(held.id.clone()) {
                     new += 1;
                     if held.key.is_some() {
                         read.held.push(held);
@@ -477,8 +360,9 @@ impl PubSubStore {
         place: &Place,
         kept: Vec<(ReceivedMessage, Fate)>,
     ) -> Result<(), SourceError> {
-        let (acks, refreshes): (Vec<_>, Vec<_>) =
-            kept.into_iter().partition(|(_, fate)| *fate == Fate::Ack);
+        let (acks, refreshes): (Vec<_>, Vec<_>) = kept
+            .into_iter()
+            .partition(|(_, fate)| *fate == Fate::Remove);
         let acks: Vec<String> = acks.into_iter().map(|(m, _)| m.ack_id).collect();
         let acked = if acks.is_empty() {
             Ok(())
@@ -486,7 +370,7 @@ impl PubSubStore {
             self.client.acknowledge(&place.subscription, acks).await
         };
         for (received, fate) in refreshes {
-            let h = Held::of(&received);
+            let h = held_of(&received);
             let key = h.key.as_deref().unwrap_or_default();
             let copy = record_message(key, h.version, h.record.clone());
             let refreshed = match self.client.publish_message(&place.topic, copy).await {
@@ -512,15 +396,6 @@ impl PubSubStore {
 mod tests {
     use super::*;
 
-    fn held(key: Option<&str>, version: u128, age_days: u64, now: SystemTime) -> Held {
-        Held {
-            key: key.map(str::to_string),
-            version,
-            record: Bytes::from(format!("{key:?}@{version}")),
-            sent: now - Duration::from_secs(age_days * 24 * 3600),
-        }
-    }
-
     #[test]
     fn jobs_topic_names() {
         assert_eq!(
@@ -536,6 +411,11 @@ mod tests {
         let id = name.strip_prefix("projects/p/topics/").unwrap();
         assert_eq!(id.len(), 255, "{name}");
         assert!(id.starts_with("ttt") && id.ends_with(SUFFIX), "{name}");
+        // Pinned: topics with such names exist already.
+        assert_eq!(
+            id,
+            format!("{}-c30d0da030fd73b3.courier-jobs", "t".repeat(225))
+        );
         assert_ne!(
             name,
             jobs_topic(&format!("projects/p/topics/{}x", "t".repeat(254)))
@@ -545,67 +425,22 @@ mod tests {
     }
 
     #[test]
-    fn fate_rows() {
-        let now = SystemTime::now();
-        let put = Writing {
-            key: "job-a",
-            below: 10,
-            own: Some("own"),
-        };
-        let remove = Writing {
-            key: "job-a",
-            below: u128::MAX,
-            own: None,
-        };
-        use Fate::*;
-        let rows = [
-            // (record, its message id, the write, the fate)
-            (held(Some("job-a"), 5, 0, now), "m1", Some(&put), Ack),
-            (held(Some("job-a"), 10, 0, now), "own", Some(&put), GiveBack),
-            (held(Some("job-a"), 12, 0, now), "m2", Some(&put), GiveBack),
-            (held(Some("job-a"), 12, 0, now), "m2", Some(&remove), Ack),
-            (held(Some("job-a"), 5, 0, now), "m1", None, GiveBack),
-            (held(Some("job-b"), 3, 0, now), "m3", Some(&put), GiveBack),
-            (held(Some("job-b"), 3, 3, now), "m3", Some(&remove), Refresh),
-            (held(Some("job-b"), 3, 3, now), "m3", None, GiveBack),
-            (held(Some("job-a"), 3, 3, now), "m1", Some(&put), Ack),
-            (held(None, 3, 30, now), "m4", Some(&put), GiveBack),
-        ];
-        for (i, (held, id, writing, expected)) in rows.iter().enumerate() {
-            assert_eq!(fate(held, id, *writing, now), *expected, "row {i}");
-        }
-    }
-
-    #[test]
-    fn the_newest_of_each_key_is_listed() {
-        let now = SystemTime::now();
-        let held = [
-            held(Some("job-a"), 2, 0, now),
-            held(Some("job-a"), 3, 0, now),
-            held(Some("job-b"), 1, 0, now),
-            held(Some("job-b"), 1, 0, now),
-        ];
-        let newest = newest(&held);
-        assert_eq!(newest.len(), 2);
-        assert_eq!(newest["job-a"], 1);
-        assert_eq!(newest["job-b"], 2, "the first of equal versions");
-    }
-
-    #[test]
     fn a_record_reads_back_from_its_message() {
-        let message = record_message("job-a", 42, Bytes::from_static(b"{}"));
+        let mut message = record_message("job-a", 42, Bytes::from_static(b"{}"));
+        message.message_id = "m1".into();
         let received = ReceivedMessage {
             message: Some(message),
             ..ReceivedMessage::default()
         };
-        let back = Held::of(&received);
+        let back = held_of(&received);
+        assert_eq!(back.id, "m1");
         assert_eq!(back.key.as_deref(), Some("job-a"));
         assert_eq!(back.version, 42);
         assert_eq!(back.record, Bytes::from_static(b"{}"));
         let mut foreign = received.clone();
         if let Some(m) = foreign.message.as_mut() {
-            m.attributes.insert(KEY.into(), "Not A Key".into());
+            m.attributes.insert(jobs::KEY.into(), "Not A Key".into());
         }
-        assert_eq!(Held::of(&foreign).key, None);
+        assert_eq!(held_of(&foreign).key, None);
     }
 }

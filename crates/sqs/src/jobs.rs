@@ -8,9 +8,10 @@
 //! A write receives every message of that queue (each once, invisible
 //! meanwhile), sends the new version, gives back at once what it keeps and
 //! deletes the older versions of the key (and any outranked version of
-//! another key); a listing receives them all and gives them all back. The new version goes out before the old is
-//! deleted, so a write cut short leaves two versions, never none; versions
-//! only grow, so the newer wins wherever two are found. A listing that
+//! another key); a listing receives them all and gives them all back. The
+//! new version goes out before the old is deleted, so a write cut short
+//! leaves two versions, never none; versions only grow, so the newer wins
+//! wherever two are found ([`courier_core::source::jobs`]). A listing that
 //! meets messages another command holds waits for them a while (as a
 //! dead-letter listing does) and then leaves them out, with a warning.
 //!
@@ -21,7 +22,6 @@
 //!
 //! [`DeadLetterStore::job_records`]: courier_core::source::DeadLetterStore::job_records
 
-use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_sqs::types::{Message, QueueAttributeName};
@@ -35,14 +35,8 @@ use super::dead_letters::{
     Listing, SqsStore, check_dead_letter_queue, dead_letter_queue_name, sent_millis,
 };
 use super::lock;
-use courier_core::source::{JOB_RECORD_MAX, SourceError, is_job_key};
-
-/// The message attribute with a record's job key.
-const KEY: &str = "courier-job-key";
-/// The message attribute with a record's version: nanoseconds since the
-/// epoch at its write, and always above the versions of the key that write
-/// found, so that a clock behind another process's still makes it newer.
-const VERSION: &str = "courier-job-version";
+use courier_core::source::SourceError;
+use courier_core::source::jobs::{self, Fate, Held, Writing};
 
 /// What a jobs queue's name adds to its dead-letter queue's.
 const SUFFIX: &str = "-courier-jobs";
@@ -50,9 +44,9 @@ const SUFFIX: &str = "-courier-jobs";
 const MAX_NAME: usize = 80;
 
 /// The most messages a jobs queue is read to. Each is a record of at most
-/// [`JOB_RECORD_MAX`] bytes (a third more in base64), so a read holds some
-/// 22 MB at most; more than this is not one message per job any more, and
-/// the command says so instead of reading on.
+/// [`jobs::JOB_RECORD_MAX`] bytes (a third more in base64), so a read holds
+/// some 22 MB at most; more than this is not one message per job any more,
+/// and the command says so instead of reading on.
 const MOST_MESSAGES: usize = 1000;
 
 /// SQS's longest retention, given to the jobs queue at its creation.
@@ -72,27 +66,7 @@ pub fn jobs_queue_name(dead_letter_queue: &str) -> String {
         Some(base) => format!("{base}-fifo"),
         None => name,
     };
-    if base.len() + SUFFIX.len() <= MAX_NAME {
-        return format!("{base}{SUFFIX}");
-    }
-    let hash = format!("-{:016x}", fnv1a(&base));
-    let keep = floor_char_boundary(&base, MAX_NAME - SUFFIX.len() - hash.len());
-    format!("{}{hash}{SUFFIX}", &base[..keep])
-}
-
-/// FNV-1a: a hash that stays the same across builds and Rust releases,
-/// since queue names made from it must.
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
-        (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-fn floor_char_boundary(text: &str, at: usize) -> usize {
-    (0..=at.min(text.len()))
-        .rev()
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(0)
+    jobs::name_within(&base, SUFFIX, MAX_NAME)
 }
 
 /// The jobs queue's name, once the dead-letter queue is one SQS can name.
@@ -102,108 +76,38 @@ fn checked_name(dead_letter_queue: &str) -> Result<String, SourceError> {
     Ok(jobs_queue_name(dead_letter_queue))
 }
 
-/// A message of a jobs queue, as read.
-#[derive(Debug, Clone, PartialEq)]
-struct Held {
-    /// `None`: not a record courier wrote (no key, or a body that does
-    /// not decode); left where it is.
-    key: Option<String>,
-    version: u128,
-    record: Bytes,
-    sent: SystemTime,
+/// A message of a jobs queue, as read. A body SQS could not carry as text
+/// was sent in base64, which the encoding attribute says; one that does
+/// not decode is no record of courier's.
+fn held_of(message: &Message) -> Held {
+    let text = |name: &str| {
+        message
+            .message_attributes()
+            .and_then(|a| a.get(name))
+            .and_then(|v| v.string_value())
+    };
+    let body = message.body().unwrap_or_default();
+    let record = match text(ENCODING) {
+        Some("base64") => BASE64.decode(body).ok().map(Bytes::from),
+        _ => Some(Bytes::copy_from_slice(body.as_bytes())),
+    };
+    Held::new(
+        message.message_id().unwrap_or_default().to_string(),
+        text(jobs::KEY),
+        text(jobs::VERSION),
+        record,
+        UNIX_EPOCH + Duration::from_millis(sent_millis(message)),
+    )
 }
 
-impl Held {
-    fn of(message: &Message) -> Self {
-        let text = |name: &str| {
-            message
-                .message_attributes()
-                .and_then(|a| a.get(name))
-                .and_then(|v| v.string_value())
-        };
-        let body = message.body().unwrap_or_default();
-        let record = match text(ENCODING) {
-            Some("base64") => BASE64.decode(body).ok().map(Bytes::from),
-            _ => Some(Bytes::copy_from_slice(body.as_bytes())),
-        };
-        let key = text(KEY).filter(|k| is_job_key(k)).map(str::to_string);
-        Self {
-            key: key.filter(|_| record.is_some()),
-            version: text(VERSION).and_then(|v| v.parse().ok()).unwrap_or(0),
-            record: record.unwrap_or_default(),
-            sent: UNIX_EPOCH + Duration::from_millis(sent_millis(message)),
-        }
-    }
-}
-
-/// Where each key's newest record is in `held`: the highest version, the
-/// first of equal ones (a refresh cut short leaves two alike).
-fn newest(held: &[Held]) -> HashMap<&str, usize> {
-    let mut newest: HashMap<&str, usize> = HashMap::new();
-    for (i, h) in held.iter().enumerate() {
-        let Some(key) = h.key.as_deref() else {
-            continue;
-        };
-        match newest.get(key) {
-            Some(&j) if held[j].version >= h.version => {}
-            _ => {
-                newest.insert(key, i);
-            }
-        }
-    }
-    newest
-}
-
-/// What a write does with a message it holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fate {
-    /// Visible again at once.
-    GiveBack,
-    /// A version of the key written or removed, or an older version of
-    /// another key: no listing would return it.
-    Delete,
-    /// The newest of its key, near SQS's retention: sent afresh with the
-    /// same key and version, then deleted.
-    Refresh,
-}
-
-/// The fate of each held message, in order, in a write of `key`'s record
-/// or its removal.
-fn fates(held: &[Held], key: &str, now: SystemTime) -> Vec<Fate> {
-    let newest = newest(held);
-    held.iter()
-        .enumerate()
-        .map(|(i, h)| match h.key.as_deref() {
-            None => Fate::GiveBack,
-            Some(k) if k == key || newest.get(k) != Some(&i) => Fate::Delete,
-            Some(_) if now.duration_since(h.sent).unwrap_or_default() >= REFRESH_AFTER => {
-                Fate::Refresh
-            }
-            Some(_) => Fate::GiveBack,
-        })
-        .collect()
-}
-
-/// The version of a new record of `key`: now, or just above the newest
-/// version of it held when the clock is behind that.
-fn next_version(held: &[Held], key: &str, now: SystemTime) -> u128 {
-    let now = now
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    held.iter()
-        .filter(|h| h.key.as_deref() == Some(key))
-        .map(|h| h.version + 1)
-        .fold(now, u128::max)
-}
-
-fn check_key(key: &str) -> Result<(), SourceError> {
-    if is_job_key(key) {
-        Ok(())
-    } else {
-        Err(SourceError::invalid(format!(
-            "{key:?} is not a dlq job key: 1 to 64 of a-z, 0-9 and -"
-        )))
+/// A write or removal of `key`'s record. It holds the whole queue before
+/// it sends, so every version of `key` held is older than its own.
+fn writing(key: &str) -> Writing<'_> {
+    Writing {
+        key,
+        below: None,
+        own: None,
+        refresh_after: REFRESH_AFTER,
     }
 }
 
@@ -218,11 +122,8 @@ impl SqsStore {
         };
         let messages = self.hold_all(&url, &name).await?;
         self.give_back(&url, &messages).await;
-        let held: Vec<Held> = messages.iter().map(Held::of).collect();
-        Ok(newest(&held)
-            .into_iter()
-            .map(|(key, i)| (key.to_string(), held[i].record.clone()))
-            .collect())
+        let held: Vec<Held> = messages.iter().map(held_of).collect();
+        Ok(jobs::newest_records(&held))
     }
 
     pub(super) async fn put_job_record_of(
@@ -231,34 +132,30 @@ impl SqsStore {
         key: &str,
         record: Bytes,
     ) -> Result<(), SourceError> {
-        check_key(key)?;
+        jobs::check_key(key)?;
         if record.is_empty() {
             return Err(SourceError::invalid(
                 "a dlq job record is never empty (SQS takes no empty message body)",
             ));
         }
-        if record.len() > JOB_RECORD_MAX {
-            return Err(SourceError::too_large(format!(
-                "a dlq job record of {} bytes is over the {JOB_RECORD_MAX} bytes a record may have",
-                record.len()
-            )));
-        }
+        jobs::check_size(&record)?;
         let name = checked_name(dead_letter_queue)?;
         let url = self.jobs_url(&name, true).await?.ok_or_else(|| {
             SourceError::broker(format!("SQS made the queue {name} but gave no URL for it"))
         })?;
         let messages = self.hold_all(&url, &name).await?;
-        let held: Vec<Held> = messages.iter().map(Held::of).collect();
+        let held: Vec<Held> = messages.iter().map(held_of).collect();
         let now = SystemTime::now();
-        let version = next_version(&held, key, now);
+        let version = jobs::next_version(&held, key, now);
         if let Err(e) = self.send_record(&url, &name, key, version, &record).await {
             self.give_back(&url, &messages).await;
             return Err(e);
         }
         // The new version is there: an older one left by a failed delete is
         // outranked, and taken by the next write.
+        let fates = writing(key).fates(&held, now);
         if let Err(e) = self
-            .settle_held(&url, &name, &messages, &held, &fates(&held, key, now))
+            .settle_held(&url, &name, &messages, &held, &fates)
             .await
         {
             tracing::debug!(error = %e, queue = %name, "an older dlq job record stays until the next write");
@@ -271,15 +168,16 @@ impl SqsStore {
         dead_letter_queue: &str,
         key: &str,
     ) -> Result<(), SourceError> {
-        check_key(key)?;
+        jobs::check_key(key)?;
         let name = checked_name(dead_letter_queue)?;
         let Some(url) = self.jobs_url(&name, false).await? else {
             return Ok(());
         };
         let messages = self.hold_all(&url, &name).await?;
-        let held: Vec<Held> = messages.iter().map(Held::of).collect();
+        let held: Vec<Held> = messages.iter().map(held_of).collect();
         let now = SystemTime::now();
-        self.settle_held(&url, &name, &messages, &held, &fates(&held, key, now))
+        let fates = writing(key).fates(&held, now);
+        self.settle_held(&url, &name, &messages, &held, &fates)
             .await
     }
 
@@ -358,8 +256,8 @@ impl SqsStore {
             .client
             .send_message()
             .queue_url(url)
-            .message_attributes(KEY, string(key.to_string())?)
-            .message_attributes(VERSION, string(version.to_string())?);
+            .message_attributes(jobs::KEY, string(key.to_string())?)
+            .message_attributes(jobs::VERSION, string(version.to_string())?);
         request = match text {
             Some(text) => request.message_body(text),
             None => request
@@ -396,7 +294,7 @@ impl SqsStore {
         let back: Vec<Message> = of(Fate::GiveBack).map(|(m, _)| m.clone()).collect();
         self.give_back(url, &back).await;
         let mut failed = None;
-        for (message, _) in of(Fate::Delete) {
+        for (message, _) in of(Fate::Remove) {
             if let Err(e) = self.delete(url, name, message).await {
                 failed = Some(e);
             }
@@ -433,15 +331,6 @@ impl SqsStore {
 mod tests {
     use super::*;
 
-    fn held(key: Option<&str>, version: u128, age_days: u64, now: SystemTime) -> Held {
-        Held {
-            key: key.map(str::to_string),
-            version,
-            record: Bytes::from(format!("{key:?}@{version}")),
-            sent: now - Duration::from_secs(age_days * 24 * 3600),
-        }
-    }
-
     #[test]
     fn jobs_queue_names() {
         assert_eq!(jobs_queue_name("orders.dlq"), "orders-dlq-courier-jobs");
@@ -458,6 +347,11 @@ mod tests {
         let name = jobs_queue_name(&long);
         assert_eq!(name.len(), 80, "{name}");
         assert!(name.starts_with("qqq") && name.ends_with(SUFFIX), "{name}");
+        // Pinned: queues with such names exist already.
+        assert_eq!(
+            name,
+            format!("{}-9ab3204404945995-courier-jobs", "q".repeat(50))
+        );
         assert_ne!(name, jobs_queue_name(&format!("{}x", "q".repeat(79))));
         assert_eq!(name, jobs_queue_name(&long), "the same name every time");
         assert_eq!(jobs_queue_name(&"q".repeat(67)).len(), 80);
@@ -465,60 +359,24 @@ mod tests {
     }
 
     #[test]
-    fn fate_rows() {
-        let now = SystemTime::now();
-        let held = [
-            held(Some("job-a"), 5, 0, now),
-            held(Some("job-b"), 3, 0, now),
-            held(Some("job-b"), 4, 0, now),
-            held(None, 9, 30, now),
-            held(Some("job-c"), 1, 8, now),
-            held(Some("job-c"), 1, 8, now),
-            held(Some("job-d"), 2, 6, now),
-        ];
-        use Fate::*;
+    fn a_record_reads_back_from_its_message() {
+        let message = |body: &str| {
+            let attribute = |value: &str| string(value.to_string()).unwrap();
+            Message::builder()
+                .message_id("m1")
+                .body(body)
+                .message_attributes(jobs::KEY, attribute("job-a"))
+                .message_attributes(jobs::VERSION, attribute("42"))
+                .message_attributes(ENCODING, attribute("base64"))
+                .build()
+        };
+        let held = held_of(&message(&BASE64.encode(b"\x00{}")));
         assert_eq!(
-            fates(&held, "job-a", now),
-            [
-                Delete,   // the key written
-                Delete,   // an older version
-                GiveBack, // the newest of job-b
-                GiveBack, // not a record of courier's
-                Refresh,  // a week old
-                Delete,   // the same version twice: one is kept
-                GiveBack, // not a week old yet
-            ]
+            (held.id.as_str(), held.key.as_deref()),
+            ("m1", Some("job-a"))
         );
-        assert_eq!(fates(&held, "job-x", now)[0], GiveBack);
-        assert_eq!(fates(&held, "job-b", now)[1..3], [Delete, Delete]);
-    }
-
-    #[test]
-    fn versions_only_grow() {
-        let now = SystemTime::now();
-        let nanos = now.duration_since(UNIX_EPOCH).unwrap().as_nanos();
-        let ahead = nanos + 1_000_000_000;
-        let held = [
-            held(Some("job-a"), ahead, 0, now),
-            held(Some("job-b"), ahead + 7, 0, now),
-        ];
-        assert_eq!(next_version(&held, "job-a", now), ahead + 1);
-        assert_eq!(next_version(&held, "job-c", now), nanos);
-        assert_eq!(next_version(&[], "job-a", now), nanos);
-    }
-
-    #[test]
-    fn newest_of_each_key() {
-        let now = SystemTime::now();
-        let held = [
-            held(Some("job-a"), 2, 0, now),
-            held(Some("job-a"), 1, 0, now),
-            held(None, 3, 0, now),
-            held(Some("job-b"), 1, 0, now),
-        ];
-        let newest = newest(&held);
-        assert_eq!(newest.len(), 2);
-        assert_eq!(newest["job-a"], 0);
-        assert_eq!(newest["job-b"], 3);
+        assert_eq!(held.version, 42);
+        assert_eq!(held.record, Bytes::from_static(b"\x00{}"));
+        assert_eq!(held_of(&message("not base64!")).key, None);
     }
 }

@@ -9,6 +9,7 @@
 //! header. That keeps the meaning of a message identical across brokers.
 
 pub mod batch;
+pub mod jobs;
 pub mod recent;
 pub mod redact;
 pub mod sasl;
@@ -30,6 +31,7 @@ use futures::future::BoxFuture;
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
 pub use batch::Batcher;
+pub use jobs::{JOB_RECORD_MAX, is_job_key};
 pub use recent::{REMEMBERED, Recent};
 pub use redact::{redact, redact_error, secrets_of};
 pub use sasl::Sasl;
@@ -480,6 +482,13 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     ) -> Result<(), SourceError> {
         Err(no_job_records(dead_letter_queue))
     }
+    /// The queue's depth as the sidecar's gauges read it, for an operator
+    /// who has no sidecar at hand (`courier console`): read without joining
+    /// a consumer group or taking anything. `None` where this broker's
+    /// store cannot read it alone; the console then says so.
+    async fn depth_of(&self, _dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        Ok(None)
+    }
     /// Removes `key`'s record; removing one that is not there is no error.
     async fn remove_job_record(
         &self,
@@ -488,18 +497,6 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     ) -> Result<(), SourceError> {
         Err(no_job_records(dead_letter_queue))
     }
-}
-
-/// The largest job record `courier dlq` puts; a store may refuse larger.
-pub const JOB_RECORD_MAX: usize = 16 * 1024;
-
-/// A job record's key: 1 to 64 of `a-z`, `0-9` and `-`, so that every
-/// broker can carry it in a name, a header or a KV key as it is.
-pub fn is_job_key(key: &str) -> bool {
-    (1..=64).contains(&key.len())
-        && key
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 fn no_job_records(dead_letter_queue: &str) -> SourceError {
@@ -588,9 +585,11 @@ impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
         dead_letter_queue: &str,
         key: &str,
     ) -> Result<(), SourceError> {
-        self.store()
-            .remove_job_record(dead_letter_queue, key)
-            .await
+        self.store().remove_job_record(dead_letter_queue, key).await
+    }
+
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        self.store().depth_of(dead_letter_queue).await
     }
 }
 

@@ -15,7 +15,9 @@ jsonschema (both come with kubernetes-validate). Exits 1 on the first failure.
 """
 
 import base64
+import hashlib
 import json
+import posixpath
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,11 @@ RELEASE_NAMESPACE = "courier-system"
 SIDECAR_NAMESPACES = ["shop", "billing"]
 # sidecar.serviceAccounts in the variants that set namespaces.
 SIDECAR_ACCOUNTS = ["default", "orders"]
+# The console's values in the "console" variants (scripts/test-chart passes
+# this file, and overrides some of it in "console-read-only").
+CONSOLE_VALUES = ROOT / "tests/fixtures/helm/console-values.yaml"
+# The image's user (the Dockerfile's USER, the injector's and sidecar's).
+UID = 65532
 # generatedCertificate.existingSecret and .caBundle in "provided-cert".
 PROVIDED_SECRET = "orders-injector-tls"
 PROVIDED_CA = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg=="
@@ -72,12 +79,21 @@ def one(docs, kind):
     return found[0]
 
 
+def of(docs, component):
+    """The objects of one part of the chart (injector, console, monitoring),
+    by their app.kubernetes.io/component label."""
+    return [
+        d for d in docs
+        if d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/component") == component
+    ]
+
+
 def env_of(container):
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
 def injector(docs):
-    deployment = one(docs, "Deployment")
+    deployment = one(of(docs, "injector"), "Deployment")
     return deployment["spec"]["template"]["spec"]["containers"][0]
 
 
@@ -102,7 +118,7 @@ def check_common(docs):
     )
     check(webhook["rules"][0]["operations"] == ["CREATE"], "only CREATE")
     check(webhook["rules"][0]["resources"] == ["pods"], "only pods")
-    service = one(docs, "Service")
+    service = one(of(docs, "injector"), "Service")
     check(
         webhook["clientConfig"]["service"]["name"] == service["metadata"]["name"],
         "the webhook calls the injector's Service",
@@ -114,7 +130,7 @@ def check_common(docs):
     sc = container["securityContext"]
     check(sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"], "locked down")
     check(sc["capabilities"]["drop"] == ["ALL"], "no capabilities")
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = one(of(docs, "injector"), "Deployment")["spec"]["template"]["spec"]
     check(pod["securityContext"]["runAsNonRoot"], "the injector runs as non-root")
     check(pod["automountServiceAccountToken"] is False, "the injector needs no API token")
     account = one(docs, "ServiceAccount")
@@ -122,7 +138,7 @@ def check_common(docs):
     secret_volume = pod["volumes"][0]["secret"]["secretName"]
     check(secret_volume.endswith("-injector-tls"), "the certificate comes from the TLS Secret")
 
-    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    selector = one(of(docs, "injector"), "Deployment")["spec"]["selector"]["matchLabels"]
     spread = pod.get("topologySpreadConstraints", [])
     check(
         spread and spread[0]["labelSelector"]["matchLabels"] == selector,
@@ -184,7 +200,7 @@ def check_generated_certificate(docs):
         "caBundle is the generated CA",
     )
     check(not by_kind(docs, "Certificate"), "no cert-manager Certificate")
-    service = one(docs, "Service")["metadata"]["name"]
+    service = one(of(docs, "injector"), "Service")["metadata"]["name"]
     host = f"{service}.{RELEASE_NAMESPACE}.svc"
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in data.items():
@@ -214,8 +230,8 @@ def check_generated_certificate(docs):
 
 
 def check_anti_affinity(docs, kind):
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
-    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    pod = one(of(docs, "injector"), "Deployment")["spec"]["template"]["spec"]
+    selector = one(of(docs, "injector"), "Deployment")["spec"]["selector"]["matchLabels"]
     anti = pod.get("affinity", {}).get("podAntiAffinity", {})
     if kind == "soft":
         terms = [t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
@@ -230,7 +246,7 @@ def check_anti_affinity(docs, kind):
 
 
 def serving_certificate(docs):
-    name = one(docs, "Service")["metadata"]["name"]
+    name = one(of(docs, "injector"), "Service")["metadata"]["name"]
     found = [c for c in by_kind(docs, "Certificate") if c["metadata"]["name"] == name]
     check(len(found) == 1, f"one serving Certificate named {name}")
     return found[0]
@@ -248,7 +264,7 @@ def check_cert_manager(docs, own_issuer=True):
     check("caBundle" not in webhook["webhooks"][0]["clientConfig"], "cainjector fills caBundle")
     check(
         certificate["spec"]["secretName"]
-        == one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
+        == one(of(docs, "injector"), "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
         "the injector mounts the Certificate's Secret",
     )
     issuers = {i["metadata"]["name"]: i for i in by_kind(docs, "Issuer")}
@@ -279,7 +295,7 @@ def check_provided_certificate(docs):
     check(not by_kind(docs, "Certificate"), "no Certificate with existingSecret")
     webhook = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
     check(webhook["clientConfig"]["caBundle"] == PROVIDED_CA, "caBundle is generatedCertificate.caBundle")
-    volume = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
+    volume = one(of(docs, "injector"), "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
     check(volume == PROVIDED_SECRET, f"the injector mounts existingSecret, not {volume}")
 
 
@@ -312,7 +328,7 @@ def check_monitoring(docs):
     check(rule["spec"] == shipped["spec"], "the PrometheusRule's rules are monitoring/'s")
     check(rule["metadata"]["labels"].get("release") == "prom", "ruleSelector labels are added")
 
-    dashboard = one(docs, "ConfigMap")
+    dashboard = one(of(docs, "monitoring"), "ConfigMap")
     check(dashboard["metadata"]["labels"].get("grafana_dashboard") == "1", "the grafana_dashboard label")
     shipped = (ROOT / "monitoring/grafana/courier-dashboard.json").read_text()
     check(
@@ -345,6 +361,140 @@ def check_monitoring_tuned(docs):
             r["annotations"]["runbook_url"] == f"https://runbooks.example/courier.md#{anchor}",
             f"{name}: runbook_url on the base URL",
         )
+
+
+def check_no_console(docs):
+    found = [f"{d['kind']} {d['metadata']['name']}" for d in of(docs, "console")]
+    check(not found, f"nothing of the console unless console.enabled: {found}")
+
+
+def selects(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_console(docs, overrides=None):
+    """The console of tests/fixtures/helm/console-values.yaml (with
+    `overrides` of its console values): a ConfigMap with queues.yaml, a
+    ClusterIP Service and a locked-down Deployment of the courier image whose
+    flags are the console's, every URL and the token from Secrets."""
+    values = yaml.safe_load(CONSOLE_VALUES.read_text())["console"]
+    values.update(overrides or {})
+    objects = of(docs, "console")
+    kinds = sorted(d["kind"] for d in objects)
+    check(kinds == ["ConfigMap", "Deployment", "Service"], f"the console is a ConfigMap, a Deployment and a Service: {kinds}")
+    config = one(objects, "ConfigMap")
+    service = one(objects, "Service")
+    deployment = one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    check(len(pod["containers"]) == 1 and not pod.get("initContainers"), "one container")
+    container = pod["containers"][0]
+
+    # Only its own pods behind each selector.
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    check(selector.get("app.kubernetes.io/component") == "console", f"the console's selector: {selector}")
+    check(selects(selector, labels), "the Deployment selects its pods")
+    check(service["spec"]["selector"] == selector, "the Service selects the console's pods")
+    injector_deployment = one(of(docs, "injector"), "Deployment")
+    injector_labels = injector_deployment["spec"]["template"]["metadata"]["labels"]
+    check(not selects(selector, injector_labels), "the console's selector leaves the injector's pods alone")
+    for other in by_kind(docs, "Service") + by_kind(docs, "PodDisruptionBudget") + by_kind(docs, "Deployment"):
+        if other is service or other is deployment:
+            continue
+        theirs = other["spec"]["selector"]
+        theirs = theirs.get("matchLabels", theirs)
+        check(not selects(theirs, labels), f"{other['kind']} {other['metadata']['name']} does not select the console")
+    check(service["spec"]["type"] == "ClusterIP", "a ClusterIP Service")
+    check(
+        service["spec"]["ports"] == [{"name": "http", "port": 9470, "targetPort": "http", "protocol": "TCP"}],
+        f"the Service's port: {service['spec']['ports']}",
+    )
+    check(deployment["spec"]["replicas"] == 1, "one replica")
+
+    # The flags, and the files they name are mounted.
+    mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+
+    def mounted(path):
+        mount = mounts.get(posixpath.dirname(path))
+        check(mount is not None and mount.get("readOnly"), f"{path} is in a read-only mount: {sorted(mounts)}")
+        return volumes[mount["name"]], posixpath.basename(path)
+
+    args = container["args"]
+    expected = ["console", "--listen", "0.0.0.0:9470", "--queues-file", "/etc/courier-console/queues.yaml"]
+    token = values.get("tokenSecret") or {}
+    # Wherever the chart puts the token, as long as it is mounted there
+    # (checked below).
+    token_file = args[args.index("--token-file") + 1] if "--token-file" in args[:-1] else None
+    if values.get("allowWrites"):
+        expected += ["--allow-writes"]
+    if token:
+        expected += ["--token-file", token_file]
+    if values.get("prometheusUrl"):
+        expected += ["--prometheus-url", values["prometheusUrl"]]
+    check(args == expected, f"the console's flags: {args}, expected {expected}")
+    volume, name = mounted("/etc/courier-console/queues.yaml")
+    check(volume.get("configMap", {}).get("name") == config["metadata"]["name"], "queues.yaml is the ConfigMap's")
+    check(name in config["data"], f"the ConfigMap has {name}")
+    if token:
+        volume, name = mounted(token_file)
+        check(
+            volume.get("secret") == {"secretName": token["name"], "items": [{"key": token["key"], "path": name}]},
+            f"--token-file is the key {token['key']} of the Secret {token['name']}: {volume}",
+        )
+    else:
+        check(not any("secret" in v for v in volumes.values()), "no Secret mounted without a token")
+
+    # queues.yaml names each queue and the variable that has its URL; the
+    # Deployment fills that variable from the queue's Secret.
+    queues = yaml.safe_load(config["data"]["queues.yaml"])["queues"]
+    check(len(queues) == len(values["queues"]), f"every queue: {queues}")
+    env = {e["name"]: e for e in container["env"]}
+    check(len(env) == len(container["env"]), "no variable twice")
+    for i, (rendered, given) in enumerate(zip(queues, values["queues"])):
+        check(rendered["queue"] == given["queue"], f"queue {i}: {rendered}")
+        for key in ("name", "dlq"):
+            check(rendered.get(key) == given.get(key), f"queue {i}: {key} {rendered.get(key)!r}")
+        check("source" not in rendered, f"queue {i}: no URL in the ConfigMap")
+        check(set(rendered) <= {"name", "queue", "dlq", "sourceEnv"}, f"queue {i}: keys {sorted(rendered)}")
+        variable = env.get(rendered["sourceEnv"])
+        check(variable is not None, f"queue {i}: {rendered['sourceEnv']} is set")
+        check(
+            variable.get("valueFrom") == {"secretKeyRef": {"name": given["sourceSecret"]["name"], "key": given["sourceSecret"]["key"]}},
+            f"queue {i}: {rendered['sourceEnv']} comes from its sourceSecret: {variable}",
+        )
+    check(
+        not any("://" in str(e.get("value", "")) for e in container["env"]) and "://" not in config["data"]["queues.yaml"],
+        "no URL in the clear",
+    )
+    annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+    check(
+        annotations.get("checksum/queues") == hashlib.sha256(config["data"]["queues.yaml"].rstrip("\n").encode()).hexdigest(),
+        "a change of queues.yaml rolls the pods",
+    )
+
+    # Probes on /healthz (no token needed), on the port it listens on.
+    ports = container["ports"]
+    check(ports == [{"name": "http", "containerPort": 9470, "protocol": "TCP"}], f"the console's port: {ports}")
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        check(get["path"] == "/healthz" and get["port"] == "http" and get.get("scheme", "HTTP") == "HTTP", f"{probe}: {get}")
+
+    # The image and the lock-down of the injector.
+    check(container["image"] == injector(docs)["image"], "the injector's image")
+    sc = container["securityContext"]
+    check(
+        sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False,
+        f"the console is locked down: {sc}",
+    )
+    check(sc["capabilities"] == {"drop": ["ALL"]}, "no capabilities")
+    check(
+        pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == UID,
+        f"the console runs as {UID}",
+    )
+    check(pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, "the runtime's seccomp profile")
+    check(pod["automountServiceAccountToken"] is False, "the console needs no API token")
+    check(container["resources"]["limits"]["memory"] == "64Mi", "a memory limit")
 
 
 def check_policy_and_rbac(docs):
@@ -402,13 +552,18 @@ VARIANTS = {
         lambda d: check_scope(d, []),
         lambda d: check_native(d, True),
         check_no_monitoring,
+        check_no_console,
         lambda d: check_anti_affinity(d, "soft"),
+    ],
+    "console": [check_console, check_generated_certificate],
+    "console-read-only": [
+        lambda d: check_console(d, {"allowWrites": False, "tokenSecret": None, "prometheusUrl": ""}),
     ],
     "anti-affinity-hard": [lambda d: check_anti_affinity(d, "hard")],
     "provided-cert": [check_provided_certificate],
     "cert-manager": [check_cert_manager],
     "cert-manager-issuer": [lambda d: check_cert_manager(d, own_issuer=False)],
-    "apis-present": [check_generated_certificate, check_no_monitoring],
+    "apis-present": [check_generated_certificate, check_no_monitoring, check_no_console],
     "native-off": [lambda d: check_native(d, False), check_generated_certificate],
     "monitoring-tuned": [
         check_monitoring_tuned,
@@ -422,6 +577,7 @@ VARIANTS = {
         check_cert_manager,
         check_monitoring,
         check_policy_and_rbac,
+        check_console,
         lambda d: check_native(d, False),
         lambda d: check_scope(d, SIDECAR_NAMESPACES),
     ],

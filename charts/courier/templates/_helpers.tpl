@@ -71,3 +71,57 @@ Call with (dict "ctx" $ "api" "group/version/Kind" "value" "the.value" "install"
 {{- fail (printf "%s=true needs the API %s, which this cluster does not serve: install %s first, or leave %s false (with helm template, pass --api-versions %s)" .value .api .install .value .api) }}
 {{- end }}
 {{- end }}
+
+{{/* The console's Deployment, Service and ConfigMap name. */}}
+{{- define "courier.console" -}}
+{{- printf "%s-console" (include "courier.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select the console's pods. */}}
+{{- define "courier.consoleSelector" -}}
+app.kubernetes.io/name: {{ include "courier.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: console
+{{- end }}
+
+{{/* The environment variable that carries console.queues[i]'s broker URL. */}}
+{{- define "courier.consoleSourceEnv" -}}
+{{- printf "COURIER_CONSOLE_SOURCE_%d" . }}
+{{- end }}
+
+{{/*
+The console's queues.yaml: each queue of console.queues with its broker URL
+named by sourceEnv (the variable the Deployment fills from sourceSecret), so
+that no URL, and no password in one, is ever in the ConfigMap. Fails the
+render on a queue the console could not use.
+*/}}
+{{- define "courier.consoleQueuesFile" -}}
+{{- $queues := list }}
+{{- if not .Values.console.queues }}
+{{- fail "console.enabled=true needs at least one queue in console.queues, each {queue, sourceSecret: {name, key}} (see docs/kubernetes.md#console)" }}
+{{- end }}
+{{- range $i, $q := .Values.console.queues }}
+{{- if not $q.queue }}
+{{- fail (printf "console.queues[%d] has no queue: each queue needs queue (the queue's name, as the sidecar's --queue takes it) and sourceSecret {name, key} (the Secret holding its broker URL)" $i) }}
+{{- end }}
+{{- $secret := $q.sourceSecret | default dict }}
+{{- if not (and $secret.name $secret.key) }}
+{{- fail (printf "console.queues[%d] (queue %s) needs sourceSecret {name, key}: the Secret in namespace %s and its key holding the broker URL, e.g. sourceSecret: {name: orders-broker, key: url}" $i $q.queue $.Release.Namespace) }}
+{{- end }}
+{{- $entry := dict "queue" $q.queue "sourceEnv" (include "courier.consoleSourceEnv" $i) }}
+{{- with $q.name }}{{ $_ := set $entry "name" . }}{{ end }}
+{{- with $q.dlq }}{{ $_ := set $entry "dlq" . }}{{ end }}
+{{- $queues = append $queues $entry }}
+{{- end }}
+{{- toYaml (dict "queues" $queues) }}
+{{- end }}
+
+{{/* Whether the console has a token: console.tokenSecret, checked whole. */}}
+{{- define "courier.consoleToken" -}}
+{{- with .Values.console.tokenSecret }}
+{{- if not (and .name .key) }}
+{{- fail "console.tokenSecret needs both name and key: the Secret in the release namespace and its key holding the bearer token, or {} for no token" }}
+{{- end }}
+{{- "true" }}
+{{- end }}
+{{- end }}

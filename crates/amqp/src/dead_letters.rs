@@ -43,7 +43,7 @@ use super::session::Session;
 use super::{AmqpSource, new_id};
 use courier_core::model::{DeadLetter, Delivery, F_MESSAGE_ID, Failure, PAYLOAD};
 use courier_core::source::shared::{F_RETRY_AT, Seal, not_there, without};
-use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+use courier_core::source::{DeadLetterStore, Depth, SourceError, SourceOptions};
 
 /// A channel reading one dead-letter queue from the head, with the letters
 /// it read and that were not asked for yet, in queue order.
@@ -407,6 +407,21 @@ impl DeadLetterStore for AmqpStore {
     async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
         self.take_dead_letter(dead_letter_queue, &letter.id, |_| Ok(None))
             .await
+    }
+
+    /// The sidecar's reading ([`super::depth::read`]) on this store's
+    /// connection: passive declares only, so it declares nothing and
+    /// consumes nothing.
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        let session = self.session().await?;
+        super::depth::read(
+            &session,
+            &self.queue,
+            dead_letter_queue,
+            &self.link.uri.vhost,
+        )
+        .await
+        .map(Some)
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

@@ -306,7 +306,14 @@ impl Consumer for AmqpSource {
 #[async_trait]
 impl Observed for AmqpSource {
     async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
+        let session = self.session().await?;
+        depth::read(
+            &session,
+            &self.options.queue,
+            &self.dead_letter_queue(),
+            &self.link.uri.vhost,
+        )
+        .await
     }
 
     /// A live policy change: depth reads the new dead-letter queue, and the

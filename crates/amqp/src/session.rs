@@ -20,6 +20,13 @@ use courier_core::source::SourceError;
 /// held before it is requeued.
 const GIVE_BACK_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The work queue `queue` is not in `vhost`: how to make it.
+pub(super) fn missing_queue(queue: &str, vhost: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "queue {queue:?} does not exist in vhost {vhost:?}; declare it (quorum or classic, durable), or start `courier run` with --create to declare a durable quorum queue (--queue-type classic for a classic one)"
+    ))
+}
+
 /// One connection and its channels; replaced as a whole when anything on it
 /// fails, because the broker then requeues what it held anyway.
 pub(super) struct Session {
@@ -220,9 +227,7 @@ impl Session {
         if let Some(kind) = create {
             return self.declare(queue, kind.work_queue_arguments()).await;
         }
-        Err(SourceError::invalid(format!(
-            "queue {queue:?} does not exist in vhost {vhost:?}; declare it (quorum or classic, durable), or start `courier run` with --create to declare a durable quorum queue (--queue-type classic for a classic one)"
-        )))
+        Err(missing_queue(queue, vhost))
     }
 
     /// Publishes through the default exchange and waits for the broker's

@@ -129,6 +129,30 @@ impl EmbeddedStore {
 
 #[async_trait]
 impl DeadLetterStore for EmbeddedStore {
+    /// The sidecar's reading ([`super::depth::read`]): through the writer
+    /// while a consumer of this process runs it, as the sidecar's gauges
+    /// do, else from the file's tables alone in a read transaction. It
+    /// makes nothing: no directory, file, table or writer.
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        let Some(file) = self.file()? else {
+            return Err(SourceError::gone(format!(
+                "there is no embedded queue in {}: nothing was sent to it and no sidecar opened it",
+                self.dir.display()
+            )));
+        };
+        let dlq = dlq_table(dead_letter_queue);
+        let tables = self.tables.clone();
+        if file.has_writer() {
+            return file
+                .call(|reply| Call::Depth { tables, dlq, reply })
+                .await
+                .map(Some);
+        }
+        file.read(move |tx| super::depth::read(tx, None, &tables, &dlq))
+            .await
+            .map(Some)
+    }
+
     async fn dead_letters(
         &self,
         dead_letter_queue: &str,

@@ -1,5 +1,5 @@
 use super::*;
-use courier_core::source::SettleBy;
+use courier_core::source::{ErrorKind, SettleBy};
 
 use crate::dead_letters::RECORDS_PER_QUEUE;
 
@@ -506,4 +506,136 @@ async fn job_records_go_through_the_writer_and_are_bounded() {
     assert!(!records.iter().any(|(key, _)| key == "job-1"));
     let sent = source.receive(1000).await.unwrap();
     assert_eq!(sent.len(), RECORDS_PER_QUEUE / 8);
+}
+
+fn failure_of(message_id: &str) -> Failure {
+    Failure {
+        reason: courier_core::model::DeadLetterReason::PermanentStatus,
+        status: Some(422),
+        error: None,
+        attempts: 1,
+        first_attempt_at: SystemTime::now(),
+        last_attempt_at: SystemTime::now(),
+        queue: "q".into(),
+        message_id: message_id.into(),
+        excerpt: Bytes::new(),
+        policy: "p@1".into(),
+        dead_letter_queue: "q.dlq".into(),
+        app_directive: None,
+        cut: None,
+    }
+}
+
+/// Two readings taken one after the other: equal, but for the ages, which
+/// grow by the time between them.
+fn assert_same_depth(admin: &Depth, sidecar: &Depth) {
+    let close = |a: Option<Duration>, b: Option<Duration>| match (a, b) {
+        (Some(a), Some(b)) => a.abs_diff(b) < Duration::from_secs(2),
+        (a, b) => a == b,
+    };
+    let counts = |d: &Depth| {
+        (
+            d.ready,
+            d.pending,
+            d.retry_backlog,
+            d.dead_letters,
+            d.queue_depth,
+        )
+    };
+    assert_eq!(
+        counts(admin),
+        counts(sidecar),
+        "admin {admin:?}, sidecar {sidecar:?}"
+    );
+    assert!(
+        close(admin.oldest_dead_letter_age, sidecar.oldest_dead_letter_age)
+            && close(admin.oldest_waiting_age, sidecar.oldest_waiting_age),
+        "admin {admin:?}, sidecar {sidecar:?}"
+    );
+}
+
+/// An admin handle reads the figures the sidecar's gauges read: through the
+/// writer while a consumer of its process runs it (messages ready, one
+/// held, one scheduled for a retry, one dead-lettered), and from the file
+/// alone in a process without one, where it reads what the next sidecar on
+/// the file reads. A directory without a queue, and a file without the
+/// queue, are named; reading makes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_handle_reads_the_depth_the_sidecar_reads() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("queue");
+    let store = admin(&dir);
+    let err = store.depth_of("q.dlq").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Gone, "{err}");
+    assert!(err.message().contains(&dir.display().to_string()), "{err}");
+    assert!(!dir.exists(), "a read made the directory");
+
+    let source = open(&dir);
+    for i in 0..6 {
+        store.send(Bytes::from(format!("m{i}")), &[]).await.unwrap();
+    }
+    assert_same_depth(
+        &store.depth_of("q.dlq").await.unwrap().unwrap(),
+        &source.depth().await.unwrap(),
+    );
+    let got = source.receive(4).await.unwrap();
+    assert_eq!(got.len(), 4);
+    let now = SystemTime::now();
+    source
+        .dead_letter(&got[0], &failure_of(&got[0].message.id))
+        .await
+        .unwrap();
+    source
+        .retry(&got[1], 2, now, now + Duration::from_secs(3600))
+        .await
+        .unwrap();
+    source.ack(&got[2]).await.unwrap();
+    let sidecar = source.depth().await.unwrap();
+    let read = store.depth_of("q.dlq").await.unwrap().unwrap();
+    assert_same_depth(&read, &sidecar);
+    let counts = (
+        read.ready,
+        read.pending,
+        read.retry_backlog,
+        read.dead_letters,
+        read.queue_depth,
+    );
+    assert_eq!(counts, (Some(2), 1, 1, 1, Some(3)), "{read:?}");
+    assert!(read.oldest_dead_letter_age.is_some(), "{read:?}");
+
+    // A clean stop writes the held delivery's lease; the file is then all
+    // there is.
+    source.close().await;
+    drop(source);
+    drop(store);
+    let alone = admin(&dir);
+    let read = alone.depth_of("q.dlq").await.unwrap().unwrap();
+    let err = admin_of(&dir, "other")
+        .depth_of("other.dlq")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Gone, "{err}");
+    assert!(err.message().contains("\"other\""), "{err}");
+    drop(alone);
+    assert_eq!(
+        table_names(&dir),
+        ["dlq/q.dlq", "leased/q", "meta", "ready/q"],
+        "a reading made a table"
+    );
+    let source = open(&dir);
+    assert_same_depth(&read, &source.depth().await.unwrap());
+    assert_eq!(
+        (
+            read.ready,
+            read.pending,
+            read.retry_backlog,
+            read.dead_letters
+        ),
+        (Some(2), 1, 1, 1),
+        "{read:?}"
+    );
+}
+
+fn admin_of(dir: &Path, queue: &str) -> EmbeddedStore {
+    EmbeddedStore::open(dir, SourceOptions::new(queue)).unwrap()
 }

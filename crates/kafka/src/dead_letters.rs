@@ -33,12 +33,13 @@ use super::connection::{
     self, Cluster, Inspector, Marks, Producer, REQUEST, blocking, partitions, read_topic, seal_of,
     unavailable,
 };
+use super::depth::KnownPartitions;
 use super::fields::{from_record, parse_record_id, record_id, removed_topic, retry_topic};
 use super::jobs::Jobs;
 use super::settle::produce;
 use courier_core::model::{DeadLetter, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
-use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+use courier_core::source::{DeadLetterStore, Depth, SourceError, SourceOptions};
 
 /// Refuses a dead-letter topic whose letters would come back as work.
 pub(super) fn check_dead_letter_topic(dead_letter_topic: &str, topic: &str) -> Result<(), String> {
@@ -67,6 +68,8 @@ pub(super) struct KafkaStore {
     jobs: Jobs,
     /// Known once the work topic was found to exist.
     work_topic: OnceCell<()>,
+    /// The partitions of the topics depth reads count.
+    known: Arc<KnownPartitions>,
     /// The topic's seal: the consumer's, or read (and recorded if missing)
     /// when an admin handle first replays.
     seal: OnceCell<Arc<Seal>>,
@@ -80,6 +83,7 @@ impl KafkaStore {
         options: &SourceOptions,
         producer: Producer,
         inspector: Arc<Inspector>,
+        known: Arc<KnownPartitions>,
         seal: Arc<Seal>,
     ) -> Self {
         Self {
@@ -88,6 +92,7 @@ impl KafkaStore {
             producer,
             inspector,
             work_topic: OnceCell::new_with(Some(())),
+            known,
             seal: OnceCell::new_with(Some(seal)),
         }
     }
@@ -108,12 +113,14 @@ impl KafkaStore {
             producer,
             inspector,
             work_topic: OnceCell::new(),
+            known: Arc::default(),
             seal: OnceCell::new_with(options.seal.clone()),
         })
     }
 
-    /// The work topic, which a send and a replay write to: it must exist,
-    /// as the producer would otherwise have the cluster create it.
+    /// The work topic, which a send and a replay write to and depth reads:
+    /// it must exist, as the producer would otherwise have the cluster
+    /// create it.
     async fn work_topic(&self) -> Result<&str, SourceError> {
         self.work_topic
             .get_or_try_init(|| async {
@@ -228,6 +235,16 @@ impl DeadLetterStore for KafkaStore {
     async fn purge(&self, dead_letter_queue: &str, letter: &DeadLetter) -> Result<(), SourceError> {
         self.is_there(dead_letter_queue, &letter.id).await?;
         self.remove(dead_letter_queue, &letter.id).await
+    }
+
+    /// The sidecar's reading ([`super::depth::read`]) on this store's
+    /// inspector: the group's commits without joining it. The dead-letter
+    /// topics are not made here: one that is not there holds nothing.
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        let topic = self.work_topic().await?;
+        super::depth::read(&self.inspector, &self.known, topic, dead_letter_queue)
+            .await
+            .map(Some)
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

@@ -4,7 +4,7 @@
 //! out of order. Any process can read it, without joining the group.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use rdkafka::consumer::Consumer;
@@ -14,7 +14,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use super::KafkaSource;
 use super::connection::{Inspector, Marks, REQUEST, blocking, partitions, unavailable, watermarks};
 use super::dead_letters::count_letters;
-use super::fields::removed_topic;
+use super::fields::{removed_topic, retry_topic};
 use super::offsets::summary;
 use courier_core::source::{Depth, SourceError};
 
@@ -172,6 +172,8 @@ impl KafkaSource {
         .await
     }
 
+    /// The sidecar's reading ([`read`]), after making sure the dead-letter
+    /// topics exist: the inspector then never asks about a missing one.
     pub(super) async fn read_depth(&self) -> Result<Depth, SourceError> {
         let dead_letter_topic = self.live().dead_letter_queue.clone();
         super::ensure_dead_letter_topics(
@@ -181,33 +183,204 @@ impl KafkaSource {
             &dead_letter_topic,
         )
         .await?;
-        let (inspector, known) = (self.inspector.clone(), self.known.clone());
-        let (topic, retry) = (self.options.queue.clone(), self.retry_topic.clone());
-        let (work, retries, dead_letters, oldest_waiting_age) = blocking(move || {
-            let removed = removed_topic(&dead_letter_topic);
-            let ([work, retries], marks) = lags(
-                &inspector,
-                &known,
-                [&topic, &retry],
-                &[&dead_letter_topic, &removed],
-            )?;
-            let dead_letters = count_letters(&inspector, &dead_letter_topic, &marks)?;
-            let age = if work.waiting == 0 {
-                Some(Duration::ZERO)
-            } else {
-                oldest_age(&inspector, &topic, &work.first_waiting)
-            };
-            Ok((work, retries, dead_letters, age))
-        })
-        .await?;
-        Ok(Depth {
-            ready: Some(work.waiting),
-            pending: work.handed + retries.handed,
-            retry_backlog: retries.waiting,
-            dead_letters,
-            oldest_dead_letter_age: None,
-            queue_depth: Some(work.waiting + work.handed),
-            oldest_waiting_age,
-        })
+        read(
+            &self.inspector,
+            &self.known,
+            &self.options.queue,
+            &dead_letter_topic,
+        )
+        .await
+    }
+}
+
+/// The depth of the work topic `topic` and its retry topic as the group's
+/// commits tell it, with the letters of `dead_letter_topic`: what the
+/// sidecar's gauges show and what an admin handle's `depth_of` reads. It
+/// asks metadata, watermarks and the group's commits, and reads the first
+/// waiting records for their age, on the inspector: nothing joins the
+/// group, commits or creates a topic. A topic that is not there counts
+/// nothing.
+pub(super) async fn read(
+    inspector: &Arc<Inspector>,
+    known: &Arc<KnownPartitions>,
+    topic: &str,
+    dead_letter_topic: &str,
+) -> Result<Depth, SourceError> {
+    let (inspector, known) = (inspector.clone(), known.clone());
+    let (topic, retry) = (topic.to_string(), retry_topic(topic));
+    let dead_letter_topic = dead_letter_topic.to_string();
+    let (work, retries, dead_letters, oldest_waiting_age) = blocking(move || {
+        let removed = removed_topic(&dead_letter_topic);
+        let ([work, retries], marks) = lags(
+            &inspector,
+            &known,
+            [&topic, &retry],
+            &[&dead_letter_topic, &removed],
+        )?;
+        let dead_letters = count_letters(&inspector, &dead_letter_topic, &marks)?;
+        let age = if work.waiting == 0 {
+            Some(Duration::ZERO)
+        } else {
+            oldest_age(&inspector, &topic, &work.first_waiting)
+        };
+        Ok((work, retries, dead_letters, age))
+    })
+    .await?;
+    Ok(Depth {
+        ready: Some(work.waiting),
+        pending: work.handed + retries.handed,
+        retry_backlog: retries.waiting,
+        dead_letters,
+        oldest_dead_letter_age: None,
+        queue_depth: Some(work.waiting + work.handed),
+        oldest_waiting_age,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use rdkafka::mocking::MockCluster;
+
+    use super::*;
+    use crate::connection::partitions;
+    use crate::dead_letters::KafkaStore;
+    use courier_core::model::{DeadLetterReason, Failure};
+    use courier_core::source::{
+        Consumer as _, DeadLetterStore, ErrorKind, Observed, SettleBy, SourceOptions,
+    };
+
+    fn failure_of(queue: &str, dead_letter_queue: &str, message_id: &str) -> Failure {
+        Failure {
+            reason: DeadLetterReason::PermanentStatus,
+            status: Some(422),
+            error: None,
+            attempts: 1,
+            first_attempt_at: SystemTime::now(),
+            last_attempt_at: SystemTime::now(),
+            queue: queue.into(),
+            message_id: message_id.into(),
+            excerpt: Bytes::new(),
+            policy: "p@1".into(),
+            dead_letter_queue: dead_letter_queue.into(),
+            app_directive: None,
+            cut: None,
+        }
+    }
+
+    /// Two readings taken one after the other: equal, but for the ages,
+    /// which grow by the time between them.
+    fn same(a: &Depth, b: &Depth) -> bool {
+        let close = |a: Option<Duration>, b: Option<Duration>| match (a, b) {
+            (Some(a), Some(b)) => a.abs_diff(b) < Duration::from_secs(2),
+            (a, b) => a == b,
+        };
+        Depth {
+            oldest_waiting_age: None,
+            ..a.clone()
+        } == Depth {
+            oldest_waiting_age: None,
+            ..b.clone()
+        } && close(a.oldest_waiting_age, b.oldest_waiting_age)
+    }
+
+    /// The sidecar's reading, the admin handle's, and the sidecar's again,
+    /// until the two of the sidecar agree (a commit between two readings
+    /// changes them): then the admin handle's, taken between them, must be
+    /// the same.
+    async fn read_both(source: &KafkaSource, admin: &KafkaStore, dlq: &str) -> Depth {
+        for _ in 0..50 {
+            let before = source.depth().await.unwrap();
+            let read = admin.depth_of(dlq).await.unwrap().unwrap();
+            let after = source.depth().await.unwrap();
+            if same(&before, &after) {
+                assert!(same(&read, &before), "admin {read:?}, sidecar {before:?}");
+                return read;
+            }
+        }
+        panic!("the depth did not hold still");
+    }
+
+    /// Against librdkafka's mock cluster: an admin handle reads the figures
+    /// the sidecar's gauges read from the group's commits, with records
+    /// waiting, one handed out, one retried (a copy waiting in the retry
+    /// topic) and one dead-lettered. A missing work topic is named, and the
+    /// handle creates no topic. (It has no client that joins the group; the
+    /// mock cluster answers no ListGroups to show that.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admin_handle_reads_the_depth_the_sidecar_reads() {
+        let cluster = MockCluster::new(1).unwrap();
+        let url = format!("kafka://{}", cluster.bootstrap_servers());
+        let topic = "depth-of";
+        let mut options = SourceOptions::new(topic);
+        let dlq = options.live.dead_letter_queue.clone();
+        let admin = KafkaStore::open(&url, options.clone()).await.unwrap();
+        let inspector = crate::connection::inspector(
+            &crate::connection::Cluster::of(&url, &options).unwrap(),
+            &options,
+        )
+        .unwrap();
+
+        let err = admin.depth_of(&dlq).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+        assert!(err.message().contains(topic), "{err}");
+        for name in [topic.to_string(), retry_topic(topic), dlq.clone()] {
+            assert_eq!(partitions(&inspector, &name).unwrap(), None, "{name} made");
+        }
+
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let before_any = admin.depth_of(&dlq).await.unwrap().unwrap();
+        assert_eq!(
+            (before_any.ready, before_any.dead_letters),
+            (Some(0), 0),
+            "{before_any:?}"
+        );
+        for name in [retry_topic(topic), dlq.clone()] {
+            assert_eq!(partitions(&inspector, &name).unwrap(), None, "{name} made");
+        }
+
+        options.live.visibility_timeout = Duration::from_secs(30);
+        let source = KafkaSource::connect(&url, options).await.unwrap();
+        for i in 0..6 {
+            admin.send(Bytes::from(format!("m{i}")), &[]).await.unwrap();
+        }
+        admin.flush().await;
+        let fresh = read_both(&source, &admin, &dlq).await;
+        assert_eq!((fresh.ready, fresh.pending), (Some(6), 0), "{fresh:?}");
+
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut got = Vec::new();
+        while got.len() < 4 {
+            assert!(Instant::now() < deadline, "no records: {got:?}");
+            got.extend(source.receive(4 - got.len()).await.unwrap());
+        }
+        let now = SystemTime::now();
+        source
+            .dead_letter(&got[0], &failure_of(topic, &dlq, &got[0].message.id))
+            .await
+            .unwrap();
+        source
+            .retry(&got[1], 2, now, now + Duration::from_secs(3600))
+            .await
+            .unwrap();
+        source.ack(&got[2]).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let read = loop {
+            let read = read_both(&source, &admin, &dlq).await;
+            let counts = (
+                read.ready,
+                read.pending,
+                read.retry_backlog,
+                read.dead_letters,
+                read.queue_depth,
+            );
+            if counts == (Some(2), 1, 1, 1, Some(3)) {
+                break read;
+            }
+            assert!(Instant::now() < deadline, "not committed: {read:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(read.oldest_waiting_age.is_some(), "{read:?}");
+        source.close().await;
     }
 }

@@ -424,6 +424,7 @@ impl KafkaSource {
             committed: tokio::sync::Mutex::new(0),
         });
         let changed = Arc::new(tokio::sync::Notify::new());
+        let known: Arc<depth::KnownPartitions> = Arc::default();
         let hand_over = tokio::spawn(settle::hand_over_commits(
             Arc::downgrade(&commits),
             changed.clone(),
@@ -438,6 +439,7 @@ impl KafkaSource {
                 &options,
                 producer.clone(),
                 inspector.clone(),
+                known.clone(),
                 seal.clone(),
             ),
             cluster,
@@ -449,7 +451,7 @@ impl KafkaSource {
             options,
             retry_topic,
             ensured,
-            known: Arc::default(),
+            known,
             interrupted: tokio::sync::Notify::new(),
             closing,
             seal,

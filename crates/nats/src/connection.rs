@@ -166,14 +166,16 @@ pub(super) fn js_code(e: &impl JsCode) -> Option<ErrorCode> {
     e.code()
 }
 
-/// What every source of this process on one consumer shares: deliveries
-/// handed out and not yet settled.
-pub(super) fn held_counter(key: &str) -> Arc<AtomicI64> {
+/// What every source of this process on one consumer (`url`, queue,
+/// group) shares: deliveries handed out and not yet settled. An admin
+/// handle reads the same counter for its depth.
+pub(super) fn held_counter(url: &str, options: &SourceOptions) -> Arc<AtomicI64> {
     static HELD: OnceLock<Mutex<HashMap<String, Arc<AtomicI64>>>> = OnceLock::new();
+    let key = format!("{}/{}/{}", redact(url), options.queue, options.group);
     HELD.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .entry(key.to_string())
+        .entry(key)
         .or_default()
         .clone()
 }
@@ -264,12 +266,17 @@ impl WorkStream {
 /// The work stream could not be read: missing, or JetStream is off.
 fn stream_error(e: GetStreamError, queue: &str, redacted: &str) -> SourceError {
     if js_code(&e) == Some(ErrorCode::STREAM_NOT_FOUND) {
-        return SourceError::invalid(format!(
-            "stream {queue:?} does not exist on {redacted}; create it (nats stream add {queue} --subjects {queue}), or start `courier run` with --create to create a work-queue stream capturing subject {queue:?}"
-        ));
+        return missing_stream(queue, redacted);
     }
     SourceError::unavailable(format!(
         "{redacted}: cannot read stream {queue:?} ({e}); is JetStream enabled (nats-server -js)?"
+    ))
+}
+
+/// The work stream `queue` is not on the server: how to create it.
+pub(super) fn missing_stream(queue: &str, redacted: &str) -> SourceError {
+    SourceError::invalid(format!(
+        "stream {queue:?} does not exist on {redacted}; create it (nats stream add {queue} --subjects {queue}), or start `courier run` with --create to create a work-queue stream capturing subject {queue:?}"
     ))
 }
 
@@ -297,12 +304,7 @@ impl NatsSource {
             Err(e) => return Err(stream_error(e, &options.queue, &redact(url))),
         };
         let work = WorkStream::of(&info.config);
-        let held = held_counter(&format!(
-            "{}/{}/{}",
-            redact(url),
-            options.queue,
-            options.group
-        ));
+        let held = held_counter(url, &options);
         let seal = match &options.seal {
             Some(seal) => seal.clone(),
             None => Arc::new(seal_of(&js, &options.queue, work.replicas).await?),
@@ -310,8 +312,9 @@ impl NatsSource {
         Ok(Self {
             store: NatsStore::new(
                 client.clone(),
-                &options.queue,
+                &options,
                 &redact(url),
+                held.clone(),
                 Some(work.clone()),
                 Some(seal.clone()),
             ),

@@ -8,6 +8,7 @@
 //! put makes.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicI64;
 
 use async_nats::Client;
 use async_nats::jetstream::ErrorCode;
@@ -17,12 +18,14 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::OnceCell;
 
-use super::connection::{WorkStream, check_stream_name, connect_client, js_code, unavailable};
+use super::connection::{
+    WorkStream, check_stream_name, connect_client, held_counter, js_code, unavailable,
+};
 use super::fields::{F_SUBJECT, from_headers, seal_of};
 use super::settle::publish_once;
 use courier_core::model::{DeadLetter, F_QUEUE, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
-use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+use courier_core::source::{DeadLetterStore, Depth, SourceError, SourceOptions};
 
 mod jobs;
 
@@ -82,10 +85,15 @@ fn captures(filter: &str, subject: &[&str]) -> bool {
 
 /// The dead letters of one work stream, and sends to it.
 pub(super) struct NatsStore {
-    client: Client,
-    js: Context,
-    queue: String,
-    redacted: String,
+    pub(super) client: Client,
+    pub(super) js: Context,
+    pub(super) queue: String,
+    /// The sidecar's durable consumer, whose counts depth reads.
+    pub(super) group: String,
+    pub(super) redacted: String,
+    /// What the sources of this process hold of `group`
+    /// ([`super::connection::held_counter`]): depth's `pending`.
+    pub(super) held: Arc<AtomicI64>,
     /// The work stream's subjects, read on first use.
     work: OnceCell<WorkStream>,
     /// The stream's seal: the consumer's, or read (and made if missing)
@@ -96,16 +104,19 @@ pub(super) struct NatsStore {
 impl NatsStore {
     pub(super) fn new(
         client: Client,
-        queue: &str,
+        options: &SourceOptions,
         redacted: &str,
+        held: Arc<AtomicI64>,
         work: Option<WorkStream>,
         seal: Option<Arc<Seal>>,
     ) -> Self {
         Self {
             js: async_nats::jetstream::new(client.clone()),
             client,
-            queue: queue.to_string(),
+            queue: options.queue.clone(),
+            group: options.group.clone(),
             redacted: redacted.to_string(),
+            held,
             work: OnceCell::new_with(work),
             seal: OnceCell::new_with(seal),
         }
@@ -117,8 +128,9 @@ impl NatsStore {
         let client = connect_client(url, &options).await?;
         Ok(Self::new(
             client,
-            &options.queue,
+            &options,
             &courier_core::source::redact(url),
+            held_counter(url, &options),
             None,
             options.seal.clone(),
         ))
@@ -329,6 +341,12 @@ impl DeadLetterStore for NatsStore {
             }
             Err(e) => Err(unavailable(e)),
         }
+    }
+
+    /// The sidecar's reading ([`NatsStore::depth`]): stream and consumer
+    /// info and messages read by sequence, nothing created or consumed.
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        self.depth(dead_letter_queue).await.map(Some)
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

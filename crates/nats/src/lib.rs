@@ -212,7 +212,8 @@ impl Consumer for NatsSource {
 #[async_trait]
 impl Observed for NatsSource {
     async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
+        // Read where the current policy writes dead letters.
+        self.store.depth(&self.live().dead_letter_queue).await
     }
 
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {

@@ -11,6 +11,12 @@
 //! has, the rest ready. The retry backlog is the retry subscription's
 //! count less the copies this process has with the app. No message's age
 //! is told: the oldest unacked one may be with an app, not waiting.
+//!
+//! An admin handle (`courier console`) reads no depth: its `depth_of` is
+//! the trait's `None`. Every count above makes a snapshot, moves a shadow
+//! and pulls from it (and makes a missing shadow again), which a handle
+//! that creates nothing and takes nothing does not do, and nothing else in
+//! the Pub/Sub API counts a subscription's messages.
 
 use std::time::SystemTime;
 

@@ -16,7 +16,7 @@ use super::entries::parse_entries;
 use super::settle::xadd;
 use courier_core::model::{DeadLetter, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
-use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+use courier_core::source::{DeadLetterStore, Depth, SourceError, SourceOptions};
 
 /// Runs right after the `XADD` that writes a replayed letter back to the
 /// work stream, in the same MULTI, and removes the letter. The `XADD` is a
@@ -47,6 +47,8 @@ fn jobs_key(dead_letter_queue: &str) -> String {
 /// The work stream's dead letters, on the command connection.
 pub(super) struct RedisStore {
     pub(super) queue: String,
+    /// The sidecar's consumer group, whose counts `depth_of` reads.
+    pub(super) group: String,
     pub(super) commands: Connection,
     /// The queue's seal: the consumer's, or read (and made if missing)
     /// when an admin handle first replays.
@@ -62,6 +64,7 @@ impl RedisStore {
         Ok(Self {
             seal: OnceCell::new_with(options.seal.clone()),
             queue: options.queue,
+            group: options.group,
             commands,
         })
     }
@@ -230,6 +233,20 @@ impl DeadLetterStore for RedisStore {
             .query_async::<()>(&mut con)
             .await
             .map_err(broker_error)
+    }
+
+    /// The sidecar's reading ([`super::depth::read`]), on this connection:
+    /// it reads the group's counts and joins nothing. On a Redis Cluster
+    /// the three keys must share a slot, as the sidecar requires at start.
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        if matches!(self.commands, Connection::Cluster(_))
+            && let Some(problem) = super::cluster::slot_problem(&self.queue, dead_letter_queue)
+        {
+            return Err(SourceError::invalid(problem));
+        }
+        super::depth::read(&self.commands, &self.queue, &self.group, dead_letter_queue)
+            .await
+            .map(Some)
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

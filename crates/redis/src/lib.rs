@@ -219,12 +219,13 @@ impl RedisSource {
         let source = Self {
             store: RedisStore {
                 queue: options.queue.clone(),
+                group: options.group.clone(),
                 commands: commands.clone(),
                 seal: tokio::sync::OnceCell::new_with(Some(seal.clone())),
             },
             seal,
             dead_lettered_inside: Default::default(),
-            retry_key: format!("{}.retry", options.queue),
+            retry_key: depth::retry_key(&options.queue),
             acks: settle::ack_batcher(&commands, &options.queue, &options.group),
             commands,
             reader: Mutex::new(Reader::new(
@@ -360,7 +361,14 @@ impl Consumer for RedisSource {
 #[async_trait]
 impl Observed for RedisSource {
     async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
+        let dead_letter_queue = self.live().dead_letter_queue;
+        depth::read(
+            &self.commands,
+            &self.options.queue,
+            &self.options.group,
+            &dead_letter_queue,
+        )
+        .await
     }
 
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {

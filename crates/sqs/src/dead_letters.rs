@@ -28,7 +28,7 @@ use super::lock;
 use super::settle::{F_GROUP, send_fields, set_visibility};
 use courier_core::model::{DeadLetter, PAYLOAD};
 use courier_core::source::shared::{Seal, not_there};
-use courier_core::source::{DeadLetterStore, SourceError, SourceOptions};
+use courier_core::source::{DeadLetterStore, Depth, SourceError, SourceOptions};
 
 /// How long a listing first keeps the letters it has seen invisible, and
 /// how long it waits for letters another listing holds.
@@ -174,18 +174,25 @@ impl SqsStore {
     /// An admin handle: a client, no call made yet.
     pub(super) async fn open(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let region = connection::region_of(url).map_err(SourceError::invalid)?;
-        Ok(Self {
-            client: connection::client(&region).await,
-            seal: OnceCell::new_with(options.seal.clone()),
-            queue: options.queue,
-            region,
-            work: OnceCell::new(),
-            dead_letter_urls: Mutex::default(),
-        })
+        let client = connection::client(&region).await;
+        Ok(Self::admin(client, &region, options))
     }
 
-    /// The work queue, which a send and a replay write to: it must exist.
-    async fn work(&self) -> Result<&WorkQueue, SourceError> {
+    /// An admin handle on `client`, which reaches `region`.
+    pub(super) fn admin(client: Client, region: &str, options: SourceOptions) -> Self {
+        Self {
+            client,
+            seal: OnceCell::new_with(options.seal.clone()),
+            queue: options.queue,
+            region: region.to_string(),
+            work: OnceCell::new(),
+            dead_letter_urls: Mutex::default(),
+        }
+    }
+
+    /// The work queue, which a send and a replay write to and depth
+    /// reads: it must exist.
+    pub(super) async fn work(&self) -> Result<&WorkQueue, SourceError> {
         self.work
             .get_or_try_init(|| async {
                 WorkQueue::find(&self.client, &self.queue)
@@ -474,6 +481,13 @@ impl DeadLetterStore for SqsStore {
         key: &str,
     ) -> Result<(), SourceError> {
         self.remove_job_record_of(dead_letter_queue, key).await
+    }
+
+    /// The sidecar's reading ([`SqsStore::depth`]): queue attributes only,
+    /// nothing created or received. This process holds nothing here, so
+    /// every invisible message of the work queue counts as retry backlog.
+    async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
+        self.depth(dead_letter_queue, 0).await.map(Some)
     }
 
     async fn send(&self, body: Bytes, headers: &[(String, String)]) -> Result<String, SourceError> {

@@ -187,6 +187,16 @@ pub struct SqsSource {
 impl SqsSource {
     pub async fn connect(url: &str, options: SourceOptions) -> Result<Self, SourceError> {
         let region = connection::region_of(url).map_err(SourceError::invalid)?;
+        let client = connection::client(&region).await;
+        Self::connect_with(client, &region, options).await
+    }
+
+    /// A consumer on `client`, which reaches `region`.
+    async fn connect_with(
+        client: Client,
+        region: &str,
+        options: SourceOptions,
+    ) -> Result<Self, SourceError> {
         let limits = settle::Limits::from_env()?;
         if limits != settle::Limits::SQS {
             tracing::warn!(
@@ -197,7 +207,6 @@ impl SqsSource {
                 settle::MAX_DELAY_ENV
             );
         }
-        let client = connection::client(&region).await;
         let name = connection::queue_name(&options.queue).to_string();
         let queue_url =
             if options.queue.starts_with("http://") || options.queue.starts_with("https://") {
@@ -205,7 +214,7 @@ impl SqsSource {
             } else {
                 connection::queue_url(&client, &name, options.create)
                     .await?
-                    .ok_or_else(|| connection::missing_queue(&name, &region))?
+                    .ok_or_else(|| connection::missing_queue(&name, region))?
             };
         let attributes = connection::queue_attributes(&client, &queue_url).await?;
         let fifo = attributes
@@ -226,7 +235,7 @@ impl SqsSource {
         let store = SqsStore::new(
             client.clone(),
             &options,
-            &region,
+            region,
             WorkQueue {
                 url: queue_url.clone(),
                 fifo,
@@ -328,7 +337,8 @@ impl Consumer for SqsSource {
 #[async_trait]
 impl Observed for SqsSource {
     async fn depth(&self) -> Result<Depth, SourceError> {
-        self.read_depth().await
+        let held = lock(&self.in_flight).len() as u64;
+        self.store.depth(&self.live().dead_letter_queue, held).await
     }
 
     fn check(&self, settings: &LiveSettings) -> Result<(), String> {

@@ -3,6 +3,7 @@
 //! lives outside this folder; nothing outside it imports from here.
 
 pub mod args;
+pub mod console;
 pub mod crd;
 #[cfg(feature = "embedded")]
 pub mod demo;
@@ -60,6 +61,9 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Inspect, replay, edit and purge dead letters.
     Dlq(dlq::DlqArgs),
+    /// A dead-letter console in the browser: every queue's health, and its
+    /// dead letters to read (and, with --allow-writes, replay, edit, purge).
+    Console(console::ConsoleArgs),
     /// The admission webhook that adds the sidecar to pods that opt in.
     Inject(inject::InjectArgs),
 }
@@ -174,6 +178,7 @@ async fn dispatch(
         #[cfg(feature = "embedded")]
         Command::Demo(args) => demo::run(args).await,
         Command::Dlq(args) => dlq::run(args).await,
+        Command::Console(args) => console::run(args).await,
         Command::Inject(args) => inject::run(args).await,
     }
 }

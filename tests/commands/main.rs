@@ -6,6 +6,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod browser_smoke;
 mod cli;
+mod console;
 mod doc_commands;
 mod fuzz_smoke;

@@ -3,6 +3,8 @@
 //! run the sidecar in-process or as the built binary.
 #![allow(dead_code)]
 
+// A headless Chromium through WebDriver, for the console's tests.
+pub mod browser;
 mod embedded_file;
 mod failover;
 mod inventory;

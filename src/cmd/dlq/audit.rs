@@ -21,7 +21,7 @@ use crate::policy::cluster::{AuditTrail, PolicyRef};
 const API_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Action {
+pub(crate) enum Action {
     Replay,
     Edit,
     Purge,
@@ -60,7 +60,7 @@ impl Action {
 }
 
 /// What one command did.
-pub(super) struct Record<'a> {
+pub(crate) struct Record<'a> {
     pub action: Action,
     pub queue: &'a str,
     pub dead_letter_queue: &'a str,
@@ -82,13 +82,13 @@ pub(super) struct Record<'a> {
 /// What an edit changed, which its audit line records beside the counts:
 /// the patch as given, and the digest of the letter it was applied to (the
 /// `courier-edited-from-digest` of the message it replayed).
-pub(super) struct EditNote<'a> {
+pub(crate) struct EditNote<'a> {
     pub patch: &'a serde_json::Value,
     pub original: &'a str,
 }
 
 /// The letter and patch of `dlq edit`, as an operator would type them again.
-pub(super) fn describe_edit(id: &str, patch: &std::path::Path) -> String {
+pub(crate) fn describe_edit(id: &str, patch: &std::path::Path) -> String {
     format!(
         "{} --patch {}",
         quote(id),
@@ -97,7 +97,7 @@ pub(super) fn describe_edit(id: &str, patch: &std::path::Path) -> String {
 }
 
 /// The selection flags of a command, as an operator would type them again.
-pub(super) fn describe(filter: &Filter, selection: &Selection) -> String {
+pub(crate) fn describe(filter: &Filter, selection: &Selection) -> String {
     let mut parts = Vec::new();
     if let Some(expression) = &filter.expression {
         parts.push(format!("--filter {}", quote(expression.source())));
@@ -142,7 +142,7 @@ fn quote(text: &str) -> String {
 /// Writes an edit's audit line, which also has the patch and the digest,
 /// and, where it can, the Event. Problems reaching the API server are
 /// warnings: the edit is done, and the line says what it did either way.
-pub(super) async fn write_edit(target: &Target, record: &Record<'_>, edit: &EditNote<'_>) {
+pub(crate) async fn write_edit(target: &Target, record: &Record<'_>, edit: &EditNote<'_>) {
     Auditor::connect(target)
         .await
         .write(record, Some(edit))
@@ -151,14 +151,14 @@ pub(super) async fn write_edit(target: &Target, record: &Record<'_>, edit: &Edit
 
 /// Who runs the command and where its Events go, learnt once: a job
 /// records its caller when it starts, and its audit line when it ends.
-pub(super) struct Auditor {
+pub(crate) struct Auditor {
     trail: Option<AuditTrail>,
     /// The caller, as the audit line and a job's record name them.
     pub by: String,
 }
 
 impl Auditor {
-    pub(super) async fn connect(target: &Target) -> Self {
+    pub(crate) async fn connect(target: &Target) -> Self {
         let trail = match &target.policy {
             Some(name) => match PolicyRef::from_env(name) {
                 Ok(policy) => {
@@ -207,7 +207,7 @@ impl Auditor {
         }
     }
 
-    pub(super) async fn write(&self, record: &Record<'_>, edit: Option<&EditNote<'_>>) {
+    pub(crate) async fn write(&self, record: &Record<'_>, edit: Option<&EditNote<'_>>) {
         let by = &self.by;
         eprintln!("{}", line(record, edit, by, SystemTime::now()));
         let Some(trail) = &self.trail else { return };

@@ -26,7 +26,8 @@ use base64::Engine;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
-use super::{Target, audit, open};
+use super::filter::select;
+use super::{Filter, Target, audit, open};
 use crate::cmd::args::UsageError;
 use crate::model::{DeadLetter, F_EDITED_FROM_DIGEST};
 
@@ -46,14 +47,29 @@ pub(super) async fn run(
     why: Option<&str>,
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
-    let (patch, patch_json) = read_patch(patch_path)?;
+    let patch = read_patch(patch_path)?;
+    let selection = audit::describe_edit(id, patch_path);
+    apply_and_replay(target, id, patch, &selection, dry_run, why, out).await
+}
+
+/// [`run`] with the patch read: the console's edit comes from a form.
+pub(crate) async fn apply_and_replay(
+    target: &Target,
+    id: &str,
+    (patch, patch_json): (json_patch::Patch, Value),
+    selection: &str,
+    dry_run: bool,
+    why: Option<&str>,
+    out: &mut impl Write,
+) -> anyhow::Result<ExitCode> {
     let (source, dlq) = open(target).await?;
-    // An edit is of one letter, found by its id as `show` finds it.
-    let found = source
-        .dead_letters(&dlq, usize::MAX)
+    // An edit is of one letter, found by its id as `show` finds it: read
+    // alone where the broker can, whatever the queue's length.
+    let found = select(&source, &dlq, &Filter::default(), &[id.to_string()])
         .await?
+        .0
         .into_iter()
-        .find(|l| l.id == id);
+        .next();
     let Some(letter) = found else {
         source.flush().await;
         eprintln!("error: no dead letter {id} in {dlq}");
@@ -90,7 +106,7 @@ pub(super) async fn run(
         action: audit::Action::Edit,
         queue,
         dead_letter_queue: &dlq,
-        selection: audit::describe_edit(id, patch_path),
+        selection: selection.to_string(),
         selected: 1,
         done: usize::from(replayed.is_ok()),
         failed: usize::from(replayed.is_err()),
@@ -121,13 +137,17 @@ fn read_patch(path: &Path) -> Result<(json_patch::Patch, Value), UsageError> {
         std::fs::read_to_string(path).map(|t| text = t)
     };
     read.map_err(|e| UsageError(format!("--patch {name}: cannot read it: {e}")))?;
-    let json: Value = serde_json::from_str(&text)
-        .map_err(|e| UsageError(format!("--patch {name}: not JSON: {e}")))?;
+    parse_patch(&text).map_err(|e| UsageError(format!("--patch {name}: {e}")))
+}
+
+/// A JSON Patch from its text, and the JSON it was read from.
+pub(crate) fn parse_patch(text: &str) -> Result<(json_patch::Patch, Value), String> {
+    let json: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
     let patch = serde_json::from_value(json.clone()).map_err(|e| {
-        UsageError(format!(
-            "--patch {name}: not a JSON Patch (RFC 6902), an array of operations such as \
+        format!(
+            "not a JSON Patch (RFC 6902), an array of operations such as \
              {{\"op\": \"replace\", \"path\": \"/body/amount\", \"value\": 5}}: {e}"
-        ))
+        )
     })?;
     Ok((patch, json))
 }

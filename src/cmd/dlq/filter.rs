@@ -93,7 +93,7 @@ impl Filter {
 }
 
 /// The one definition of a dead letter's age, the same the depth gauge uses.
-pub(super) fn age(letter: &DeadLetter, now: SystemTime) -> Option<Duration> {
+pub(crate) fn age(letter: &DeadLetter, now: SystemTime) -> Option<Duration> {
     Some(dead_letter_age(letter.dead_lettered_at()?, now))
 }
 
@@ -151,7 +151,7 @@ const PAGE: usize = 256;
 /// the act. Where the broker pages ([`DeadLetterStore::dead_letters_after`])
 /// it holds one page at a time, whatever the queue's length; elsewhere it
 /// lists the queue once and walks that list each time.
-pub(super) struct Walk<'a> {
+pub(crate) struct Walk<'a> {
     source: &'a Arc<dyn DeadLetterStore>,
     dlq: &'a str,
     filter: &'a Filter,
@@ -164,11 +164,13 @@ pub(super) struct Walk<'a> {
     /// cannot page: a resumed job's bound, when the snapshot's last letter
     /// may be gone from a queue listed anew ([`Walk::born_by`]).
     born_by: Option<SystemTime>,
+    /// Where a walk starts: after this letter ([`Walk::after`]).
+    start_after: Option<String>,
 }
 
 /// What a walk selected.
 #[derive(Debug, Default)]
-pub(super) struct Walked {
+pub(crate) struct Walked {
     /// How many letters were selected (and handed to the callback).
     pub selected: usize,
     /// The last selected letter's id: the bound of a snapshot.
@@ -178,7 +180,7 @@ pub(super) struct Walked {
 }
 
 impl<'a> Walk<'a> {
-    pub(super) fn new(
+    pub(crate) fn new(
         source: &'a Arc<dyn DeadLetterStore>,
         dlq: &'a str,
         filter: &'a Filter,
@@ -193,7 +195,28 @@ impl<'a> Walk<'a> {
             now: SystemTime::now(),
             listed: None,
             born_by: None,
+            start_after: None,
         })
+    }
+
+    /// Walks start after the letter `id` (a page's cursor): where the
+    /// broker pages, by id order; elsewhere after its place in the listing,
+    /// and nowhere when it is no longer there (the console then says the
+    /// page's last letter is gone).
+    pub(crate) fn after(mut self, id: Option<String>) -> Self {
+        self.start_after = id;
+        self
+    }
+
+    /// Where the listing resumes for [`Walk::after`].
+    fn listed_start(&self) -> usize {
+        match (&self.listed, &self.start_after) {
+            (Some(all), Some(id)) => all
+                .iter()
+                .position(|l| &l.id == id)
+                .map_or(all.len(), |i| i + 1),
+            _ => 0,
+        }
     }
 
     /// The walk of a snapshot taken earlier: ages are judged at its
@@ -201,14 +224,14 @@ impl<'a> Walk<'a> {
     /// not bound the set), letters dead-lettered after it are left out.
     /// A letter whose time is unknown stays in: it cannot be newer than a
     /// record written by this release.
-    pub(super) fn of_snapshot(mut self, at: SystemTime) -> Self {
+    pub(crate) fn of_snapshot(mut self, at: SystemTime) -> Self {
         self.now = at;
         self.born_by = Some(at);
         self
     }
 
     /// The instant ages are judged at, which a job records.
-    pub(super) fn now(&self) -> SystemTime {
+    pub(crate) fn now(&self) -> SystemTime {
         self.now
     }
 
@@ -224,7 +247,7 @@ impl<'a> Walk<'a> {
     /// including the letter `through` and at most `limit` of them. Letters
     /// `--filter` cannot be evaluated on are left out, and said so on
     /// stderr when `report` is set (once per command: the count's walk).
-    pub(super) async fn each(
+    pub(crate) async fn each(
         &mut self,
         through: Option<&str>,
         limit: usize,
@@ -249,8 +272,8 @@ impl<'a> Walk<'a> {
             }
             return Ok(self.finish(walked, found, unevaluated, report));
         }
-        let mut after: Option<String> = None;
-        let mut listed_at = 0;
+        let mut after: Option<String> = self.start_after.clone();
+        let mut listed_at = self.listed_start();
         'pages: while walked.selected < limit {
             let page = match &self.listed {
                 Some(all) => {
@@ -269,6 +292,7 @@ impl<'a> Walk<'a> {
                         None => {
                             self.listed =
                                 Some(self.source.dead_letters(self.dlq, usize::MAX).await?);
+                            listed_at = self.listed_start();
                             continue;
                         }
                     }
@@ -351,7 +375,7 @@ impl<'a> Walk<'a> {
 
 /// The dead letters a command acts on, gathered: for `show` and the like,
 /// which select a few by id.
-pub(super) async fn select(
+pub(crate) async fn select(
     source: &Arc<dyn DeadLetterStore>,
     dlq: &str,
     filter: &Filter,
@@ -368,7 +392,7 @@ pub(super) async fn select(
     Ok((chosen, walked.missing))
 }
 
-pub(super) fn require_selection(
+pub(crate) fn require_selection(
     verb: &str,
     filter: &Filter,
     selection: &Selection,
@@ -383,7 +407,7 @@ pub(super) fn require_selection(
 
 /// A dead letter as the tests of this folder read it.
 #[cfg(test)]
-pub(super) fn test_letter(reason: &str, status: &str, last: SystemTime) -> DeadLetter {
+pub(crate) fn test_letter(reason: &str, status: &str, last: SystemTime) -> DeadLetter {
     DeadLetter {
         id: "1".into(),
         body: bytes::Bytes::from_static(&[0xff, 0x00]),

@@ -58,7 +58,7 @@ const CANCEL_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(super) enum Kind {
+pub(crate) enum Kind {
     Replay,
     Purge,
 }
@@ -132,7 +132,7 @@ impl Spec {
 
 /// A job's record on the broker, as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct Job {
+pub(crate) struct Job {
     id: String,
     kind: Kind,
     /// `--queue`: whose dead letters they are.
@@ -295,7 +295,7 @@ async fn put(source: &Arc<dyn DeadLetterStore>, job: &Job) -> anyhow::Result<()>
 }
 
 /// A replay or purge about to run: what the command was given.
-pub(super) struct Bulk<'a> {
+pub(crate) struct Bulk<'a> {
     pub kind: Kind,
     pub target: &'a Target,
     pub source: Arc<dyn DeadLetterStore>,
@@ -309,7 +309,7 @@ pub(super) struct Bulk<'a> {
 
 /// Starts a job for `bulk`, or resumes the interrupted one with the same
 /// selection, and runs it to its end.
-pub(super) async fn start(bulk: Bulk<'_>, out: &mut impl Write) -> anyhow::Result<ExitCode> {
+pub(crate) async fn start(bulk: Bulk<'_>, out: &mut impl Write) -> anyhow::Result<ExitCode> {
     let auditor = Auditor::connect(bulk.target).await;
     let selection_text = audit::describe(&bulk.filter, &bulk.selection);
     let now = SystemTime::now();
@@ -610,7 +610,7 @@ async fn prune(source: &Arc<dyn DeadLetterStore>, dlq: &str, board: &Board, now:
 
 /// `courier dlq jobs`: the jobs on the queue's dead-letter queue, oldest
 /// first.
-pub(super) async fn list(
+pub(crate) async fn list(
     target: &Target,
     output: Output,
     out: &mut impl Write,
@@ -660,7 +660,7 @@ async fn find(
 }
 
 /// `courier dlq jobs resume ID`.
-pub(super) async fn resume(
+pub(crate) async fn resume(
     target: &Target,
     id: &str,
     out: &mut impl Write,
@@ -705,44 +705,88 @@ pub(super) async fn resume(
 
 /// `courier dlq jobs cancel ID`: a running job stops at its next letter;
 /// an interrupted one is marked cancelled, so that nothing resumes it.
-pub(super) async fn cancel(
+pub(crate) async fn cancel(
     target: &Target,
     id: &str,
     why: Option<String>,
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
     let (source, dlq) = open(target).await?;
-    let (mut job, _) = find(&source, &dlq, id).await?;
     let auditor = Auditor::connect(target).await;
-    let now = SystemTime::now();
-    fn record<'a>(job: &'a Job, why: Option<&'a str>) -> audit::Record<'a> {
-        audit::Record {
-            action: audit::Action::Cancel,
-            queue: &job.into,
-            dead_letter_queue: &job.dead_letter_queue,
-            selection: job.selection.clone(),
-            selected: job.total,
-            done: job.done,
-            failed: job.failed,
-            why,
-            rate: job.rate,
-            job: Some(&job.id),
+    let asked = ask_cancel(&source, &dlq, id, &auditor, why.as_deref()).await?;
+    if let Asked::Cancelled(job) = asked {
+        writeln!(
+            out,
+            "job {id} was interrupted at {} of {}; it is cancelled, and the rest stay in {dlq}",
+            job.done, job.total
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(CANCEL_CHECK).await;
+        let (job, _) = find(&source, &dlq, id).await?;
+        if job.finished() {
+            writeln!(
+                out,
+                "job {id} {} after {} of {}; the rest stay in {dlq}",
+                if job.state == State::Cancelled {
+                    "cancelled"
+                } else {
+                    "finished"
+                },
+                job.done,
+                job.total
+            )?;
+            auditor
+                .write(&cancel_record(&job, why.as_deref()), None)
+                .await;
+            return Ok(ExitCode::SUCCESS);
         }
     }
+    writeln!(
+        out,
+        "cancel of job {id} asked; it did not stop within {}; it stops at its next letter",
+        duration::format(CANCEL_WAIT)
+    )?;
+    if let Asked::Running(job) = asked {
+        auditor
+            .write(&cancel_record(&job, why.as_deref()), None)
+            .await;
+    }
+    Ok(ExitCode::FAILURE)
+}
+
+/// What [`ask_cancel`] did.
+pub(crate) enum Asked {
+    /// The job runs: its cancel record is written, and it stops at its
+    /// next letter.
+    Running(Job),
+    /// The job was interrupted: it is marked cancelled (and audited).
+    Cancelled(Job),
+}
+
+/// Cancels job `id`: writes the cancel record a running job reads, or marks
+/// an interrupted one cancelled (and writes its audit line). A finished
+/// job, or none, is bad usage.
+pub(crate) async fn ask_cancel(
+    source: &Arc<dyn DeadLetterStore>,
+    dlq: &str,
+    id: &str,
+    auditor: &Auditor,
+    why: Option<&str>,
+) -> anyhow::Result<Asked> {
+    let (mut job, _) = find(source, dlq, id).await?;
+    let now = SystemTime::now();
     match job.shown_state(now) {
         "running" => {}
         "interrupted" => {
             job.state = State::Cancelled;
             job.cancelled_by = Some(auditor.by.clone());
             job.finished_at_ms = Some(millis(now));
-            put(&source, &job).await?;
-            writeln!(
-                out,
-                "job {id} was interrupted at {} of {}; it is cancelled, and the rest stay in {dlq}",
-                job.done, job.total
-            )?;
-            auditor.write(&record(&job, why.as_deref()), None).await;
-            return Ok(ExitCode::SUCCESS);
+            put(source, &job).await?;
+            auditor.write(&cancel_record(&job, why), None).await;
+            return Ok(Asked::Cancelled(job));
         }
         state => {
             return Err(
@@ -754,42 +798,46 @@ pub(super) async fn cancel(
         job: id.to_string(),
         by: auditor.by.clone(),
         at_ms: millis(now),
-        why: why.clone(),
+        why: why.map(str::to_string),
     };
     source
         .put_job_record(
-            &dlq,
+            dlq,
             &cancel_key(id),
             Bytes::from(serde_json::to_vec(&request)?),
         )
         .await?;
-    let deadline = tokio::time::Instant::now() + CANCEL_WAIT;
-    while tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(CANCEL_CHECK).await;
-        let (now_job, _) = find(&source, &dlq, id).await?;
-        if now_job.finished() {
-            writeln!(
-                out,
-                "job {id} {} after {} of {}; the rest stay in {dlq}",
-                if now_job.state == State::Cancelled {
-                    "cancelled"
-                } else {
-                    "finished"
-                },
-                now_job.done,
-                now_job.total
-            )?;
-            auditor.write(&record(&now_job, why.as_deref()), None).await;
-            return Ok(ExitCode::SUCCESS);
-        }
+    Ok(Asked::Running(job))
+}
+
+fn cancel_record<'a>(job: &'a Job, why: Option<&'a str>) -> audit::Record<'a> {
+    audit::Record {
+        action: audit::Action::Cancel,
+        queue: &job.into,
+        dead_letter_queue: &job.dead_letter_queue,
+        selection: job.selection.clone(),
+        selected: job.total,
+        done: job.done,
+        failed: job.failed,
+        why,
+        rate: job.rate,
+        job: Some(&job.id),
     }
-    writeln!(
-        out,
-        "cancel of job {id} asked; it did not stop within {}; it stops at its next letter",
-        duration::format(CANCEL_WAIT)
-    )?;
-    auditor.write(&record(&job, why.as_deref()), None).await;
-    Ok(ExitCode::FAILURE)
+}
+
+/// The jobs on a dead-letter queue as `dlq jobs --output json` prints
+/// them (state as shown, times as RFC 3339), oldest first.
+pub(crate) async fn listed(
+    source: &Arc<dyn DeadLetterStore>,
+    dlq: &str,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let now = SystemTime::now();
+    Ok(board(source, dlq)
+        .await?
+        .jobs
+        .iter()
+        .map(|job| job.to_json(now))
+        .collect())
 }
 
 #[cfg(test)]

@@ -19,11 +19,11 @@ use crate::duration;
 use crate::model::default_dead_letter_queue;
 use crate::source::{self, DeadLetterStore, SourceOptions};
 
-mod audit;
-mod edit;
-mod filter;
-mod jobs;
-mod show;
+pub(crate) mod audit;
+pub(crate) mod edit;
+pub(crate) mod filter;
+pub(crate) mod jobs;
+pub(crate) mod show;
 
 use filter::{Walk, require_selection, select};
 pub use show::to_json;
@@ -265,7 +265,7 @@ async fn dead_letter_queue(target: &Target) -> anyhow::Result<String> {
     }
 }
 
-async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, String)> {
+pub(crate) async fn open(target: &Target) -> anyhow::Result<(Arc<dyn DeadLetterStore>, String)> {
     let (url, tls, sasl) = target.source.parse()?;
     let queue = &target.source.queue;
     let dlq = dead_letter_queue(target).await?;
@@ -470,7 +470,7 @@ pub fn with_jobs_list(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
 }
 
 /// `--rate`: messages a second, from `N`, `N/s`, `N/m` or `N/h`.
-fn parse_rate(text: &str) -> Result<f64, String> {
+pub(crate) fn parse_rate(text: &str) -> Result<f64, String> {
     let (number, per) = match text.trim().split_once('/') {
         Some((n, unit)) => (n, unit.trim()),
         None => (text.trim(), "s"),

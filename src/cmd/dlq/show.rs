@@ -52,7 +52,7 @@ pub fn to_json(letter: &DeadLetter) -> serde_json::Value {
 
 /// The whole dead letter for people (`dlq show`): courier's record, the
 /// lineage of a replayed message, the producer's headers and the body.
-pub(super) fn text(letter: &DeadLetter) -> String {
+pub(crate) fn text(letter: &DeadLetter) -> String {
     let courier = |name: &str| name.to_ascii_lowercase().starts_with("courier-");
     let history = letter.history();
     let mut out = String::new();
@@ -114,7 +114,7 @@ fn lineage(count: u32, history: Option<History>) -> String {
     out
 }
 
-pub(super) fn line(letter: &DeadLetter, now: SystemTime) -> String {
+pub(crate) fn line(letter: &DeadLetter, now: SystemTime) -> String {
     let excerpt: String = letter
         .field("courier-response-excerpt")
         .unwrap_or_default()

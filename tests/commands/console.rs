@@ -436,3 +436,57 @@ async fn console_read_only_refuses_writes() {
 async fn console_refuses_a_cross_site_post() {
     refuses_a_cross_site_post(Fixture::redis()).await;
 }
+
+/// Replay two ticked letters, then replay the rest at one a second and
+/// cancel that job from the jobs page: the two leave the dead-letter
+/// queue, the cancelled job shows `cancelled`, and the letters it did not
+/// reach stay.
+async fn replays_selected_and_cancels(fixture: Fixture) {
+    dead_letters(&fixture).await;
+    let console = Console::start(&fixture, true, false);
+    let browser = Session::start().await;
+    browser.goto(&console.url("/q/0")).await;
+    let boxes = browser.find_all("#letters input[type=checkbox]").await;
+    assert_eq!(boxes.len(), 5);
+    boxes[0].click().await;
+    boxes[1].click().await;
+    browser.find("#replay-selected-button").await.click().await;
+    browser.wait_for_url("/jobs").await;
+    browser
+        .wait_for("the replay of the two to finish", || async {
+            let row = browser.try_find("#jobs tr[data-state=\"done\"]").await?;
+            (row.find(".done").await.text().await == "2/2").then_some(())
+        })
+        .await;
+    assert_eq!(dead_letter_count(&fixture).await, 3);
+
+    browser.goto(&console.url("/q/0")).await;
+    browser
+        .wait_for_element("#replay-rate")
+        .await
+        .send_keys("1/s")
+        .await;
+    browser.find("#replay-filter-button").await.click().await;
+    browser.wait_for_url("/jobs").await;
+    let cancel = browser
+        .wait_for("the running job's cancel button", || async {
+            browser
+                .try_find("#jobs tr[data-state=\"running\"] form.cancel button")
+                .await
+        })
+        .await;
+    cancel.click().await;
+    browser
+        .wait_for("the job to show cancelled", || async {
+            browser.refresh().await;
+            browser.try_find("#jobs tr[data-state=\"cancelled\"]").await
+        })
+        .await;
+    let left = dead_letter_count(&fixture).await;
+    assert!((1..3).contains(&left), "{left} of 3 left after the cancel");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_replays_selected_letters_and_cancels_a_job() {
+    replays_selected_and_cancels(Fixture::redis()).await;
+}

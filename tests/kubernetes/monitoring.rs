@@ -251,3 +251,62 @@ async fn the_dlq_alert_fires_through_prometheus_and_resolves_after_a_replay() {
     .await;
     running.stop().await;
 }
+
+/// `courier console --prometheus-url`: the overview's sparkline is the
+/// sidecars' `courier_dlq_depth` as Prometheus scraped it (its own
+/// sampling set to once an hour could not have drawn it), and the figure
+/// it ends on is the queue's dead letters. A Prometheus that does not
+/// answer leaves the console's own samples.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_draws_the_dead_letter_history_from_prometheus() {
+    let (fixture, _app, running) = sidecar_with_traffic().await;
+    let prom = prometheus(running.metrics_addr).await;
+    let depth = format!("courier_dlq_depth{{queue=\"{}\"}}", fixture.queue);
+    wait_for(
+        "Prometheus to scrape the dead-letter depth",
+        Duration::from_secs(30),
+        async || query(&prom, &depth) == Some(3.0),
+    )
+    .await;
+    let overview = |prometheus_url: String| {
+        let fixture = fixture.clone();
+        async move {
+            let addr = free_addr();
+            let mut console = courier_command()
+                .args([
+                    "console",
+                    "--listen",
+                    &addr.to_string(),
+                    "--sample-every",
+                    "1h",
+                ])
+                .arg("--queue")
+                .arg(format!("{}#{}", fixture.source_arg(), fixture.queue))
+                .args(["--prometheus-url", &prometheus_url])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start courier console");
+            wait_for(
+                "the console to answer",
+                Duration::from_secs(20),
+                async || TcpStream::connect(addr).is_ok(),
+            )
+            .await;
+            let page = http_get(addr, "/");
+            let _ = console.kill();
+            let mut said = String::new();
+            let _ = console.stderr.take().unwrap().read_to_string(&mut said);
+            let _ = console.wait();
+            format!("{page}\nthe console said: {said}")
+        }
+    };
+    let page = overview(format!("http://{}", prom.addr)).await;
+    assert!(
+        page.contains("data-source=\"prometheus\"") && page.contains("now 3\""),
+        "{page}"
+    );
+    let page = overview(format!("http://{}", free_addr())).await;
+    assert!(page.contains("data-source=\"console\""), "{page}");
+    running.stop().await;
+}

@@ -156,23 +156,39 @@ impl Queue {
     /// The samples of the sparkline: from Prometheus when the console was
     /// given one (the sidecars' `courier_dlq_depth` over the last hour),
     /// else the console's own since it started.
-    pub async fn history(&self, prometheus: Option<&str>) -> Vec<(SystemTime, u64)> {
+    pub async fn history(&self, prometheus: Option<&str>) -> History {
         if let Some(url) = prometheus {
             match prometheus::dead_letters_last_hour(url, &self.spec.queue).await {
-                Ok(points) => return points,
+                Ok(points) => {
+                    return History {
+                        points,
+                        from: "prometheus",
+                    };
+                }
                 Err(e) => eprintln!(
                     "warning: console: Prometheus at {url} gave no history of {}: {e}; showing the console's own samples",
                     self.spec.queue
                 ),
             }
         }
-        self.history
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .copied()
-            .collect()
+        History {
+            points: self
+                .history
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .copied()
+                .collect(),
+            from: "console",
+        }
     }
+}
+
+/// A sparkline's samples, and where they came from (`prometheus` or the
+/// `console`'s own), which the page says.
+pub(crate) struct History {
+    pub points: Vec<(SystemTime, u64)>,
+    pub from: &'static str,
 }
 
 /// What every request sees.

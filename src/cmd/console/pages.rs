@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use http::StatusCode;
 
-use super::{Console, Queue};
+use super::{Console, History, Queue};
 use crate::cmd::dlq::filter::age;
 use crate::duration;
 use crate::model::DeadLetter;
@@ -100,14 +100,20 @@ fn figure(value: Option<u64>) -> String {
     value.map_or("—".into(), |v| v.to_string())
 }
 
-/// The dead-letter depth over the samples, as a line of 120 × 24.
-fn sparkline(points: &[(SystemTime, u64)]) -> String {
-    if points.len() < 2 {
-        return "<svg class=\"spark\" width=\"120\" height=\"24\" role=\"img\" aria-label=\"not enough samples yet\"></svg>".into();
+/// The dead-letter depth over the samples, as a line of 120 × 24; its
+/// `data-source` says whose samples they are.
+fn sparkline(history: &History) -> String {
+    let points = &history.points;
+    let from = history.from;
+    if points.is_empty() {
+        return format!(
+            "<svg class=\"spark\" width=\"120\" height=\"24\" role=\"img\" aria-label=\"no samples yet\" data-source=\"{from}\" data-points=\"0\"></svg>"
+        );
     }
     let max = points.iter().map(|(_, v)| *v).max().unwrap_or(0).max(1) as f64;
-    let step = 120.0 / (points.len() - 1) as f64;
-    let line: Vec<String> = points
+    // One sample is a flat line across, not a dot.
+    let step = 120.0 / (points.len().max(2) - 1) as f64;
+    let mut line: Vec<String> = points
         .iter()
         .enumerate()
         .map(|(i, (_, v))| {
@@ -118,16 +124,22 @@ fn sparkline(points: &[(SystemTime, u64)]) -> String {
             )
         })
         .collect();
+    if points.len() == 1 {
+        line.push(format!(
+            "120.0,{:.1}",
+            23.0 - points[0].1 as f64 / max * 22.0
+        ));
+    }
     let last = points.last().map(|(_, v)| *v).unwrap_or_default();
     format!(
-        "<svg class=\"spark\" width=\"120\" height=\"24\" role=\"img\" aria-label=\"dead letters over the last {} samples, now {last}\" data-points=\"{}\"><polyline fill=\"none\" stroke=\"currentColor\" stroke-width=\"1.5\" points=\"{}\"/></svg>",
+        "<svg class=\"spark\" width=\"120\" height=\"24\" role=\"img\" aria-label=\"dead letters over the last {} samples, now {last}\" data-source=\"{from}\" data-points=\"{}\"><polyline fill=\"none\" stroke=\"currentColor\" stroke-width=\"1.5\" points=\"{}\"/></svg>",
         points.len(),
         points.len(),
         line.join(" ")
     )
 }
 
-pub(super) fn overview(console: &Console, histories: &[Vec<(SystemTime, u64)>]) -> String {
+pub(super) fn overview(console: &Console, histories: &[History]) -> String {
     let mut rows = String::new();
     for (i, queue) in console.queues.iter().enumerate() {
         let spec = &queue.spec;
@@ -163,7 +175,7 @@ pub(super) fn overview(console: &Console, histories: &[Vec<(SystemTime, u64)>]) 
                 "oldest",
                 short_age(depth.as_ref().and_then(|d| d.oldest_dead_letter_age))
             ),
-            sparkline(histories.get(i).map_or(&[][..], Vec::as_slice)),
+            histories.get(i).map_or_else(String::new, sparkline),
         );
     }
     layout(
@@ -590,12 +602,21 @@ mod tests {
     #[test]
     fn a_sparkline_spans_its_samples() {
         let t = SystemTime::UNIX_EPOCH;
-        let svg = sparkline(&[(t, 0), (t, 5), (t, 10)]);
+        let history = |points: Vec<(SystemTime, u64)>| History {
+            points,
+            from: "console",
+        };
+        let svg = sparkline(&history(vec![(t, 0), (t, 5), (t, 10)]));
         assert!(
             svg.contains("points=\"0.0,23.0 60.0,12.0 120.0,1.0\""),
             "{svg}"
         );
-        assert!(svg.contains("now 10"), "{svg}");
+        assert!(
+            svg.contains("now 10") && svg.contains("data-source=\"console\""),
+            "{svg}"
+        );
+        let one = sparkline(&history(vec![(t, 4)]));
+        assert!(one.contains("points=\"0.0,1.0 120.0,1.0\""), "{one}");
     }
 
     #[test]

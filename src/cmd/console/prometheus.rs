@@ -20,18 +20,20 @@ pub(super) async fn dead_letters_last_hour(
     base: &str,
     queue: &str,
 ) -> Result<Vec<(SystemTime, u64)>, String> {
+    // To the millisecond: the last step is evaluated at now, and a series
+    // only seconds old has no sample before a whole second cut off.
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
-        .as_secs();
+        .as_secs_f64();
     let escaped = queue.replace('\\', "\\\\").replace('"', "\\\"");
     let query: String = form_urlencoded::Serializer::new(String::new())
         .append_pair(
             "query",
             &format!("max(courier_dlq_depth{{queue=\"{escaped}\"}})"),
         )
-        .append_pair("start", &(now - 3600).to_string())
-        .append_pair("end", &now.to_string())
+        .append_pair("start", &format!("{:.3}", now - 3600.0))
+        .append_pair("end", &format!("{now:.3}"))
         .append_pair("step", "30")
         .finish();
     let uri: http::Uri = format!("{}/api/v1/query_range?{query}", base.trim_end_matches('/'))

@@ -170,11 +170,18 @@ async fn dead_letter_count(fixture: &Fixture) -> usize {
     n
 }
 
-/// Where the screenshots docs/ shows are written.
+/// Where a screenshot is written: into docs/, which shows them, when
+/// COURIER_DOC_SCREENSHOTS=1 asks for new ones; else beside the build, so
+/// that a test run leaves the working tree as it was (each run's picture
+/// differs: the queue's name, the ages).
 fn docs_image(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("docs")
-        .join(name)
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if std::env::var("COURIER_DOC_SCREENSHOTS").as_deref() == Ok("1") {
+        return root.join("docs").join(name);
+    }
+    let dir = root.join("target").join("tmp").join("screenshots");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
 }
 
 async fn works_its_dead_letters(fixture: Fixture, screenshots: bool) {

@@ -17,8 +17,9 @@
 //!   backlog.
 //! - [`report`]: the table, `BENCHMARKS.md` and the targets.
 //! - [`dead_letters`]: `courier-bench dlq`, `courier dlq list` and `replay
-//!   --dry-run` over a million dead letters on Redis (issue 29), with a
-//!   part of `BENCHMARKS.md` of its own.
+//!   --dry-run` over a million dead letters on Redis (issue 29), then
+//!   `courier console`'s pages of them (issue 30), with a part of
+//!   `BENCHMARKS.md` of its own.
 //!
 //! `cargo run --profile dist -p courier-bench -- all` runs everything and
 //! rewrites the generated part of `BENCHMARKS.md` (it refuses a tree with
@@ -84,7 +85,8 @@ enum Cmd {
     TortureApp(torture_app::AppArgs),
     /// `courier dlq list` (the first 50, and a --filter over all) and
     /// `replay --dry-run` over --letters dead letters on Redis, timed with
-    /// their peak RSS against issue 29's targets; writes its own part of
+    /// their peak RSS against issue 29's targets, then `courier console`'s
+    /// first page and RSS against issue 30's; writes its own part of
     /// BENCHMARKS.md.
     Dlq(dead_letters::DlqArgs),
     /// One command of the dlq run, and what it cost (the harness starts it

@@ -2,8 +2,9 @@
 //! build of courier (its `src/main.rs` built as this package's
 //! `courier-bench-courier` binary, as the smoke test does): the table is
 //! written, in place, with the lines each command printed equal to what
-//! the fill made, and the run's stream is gone afterwards. It checks that
-//! the harness works, never how fast anything is.
+//! the fill made and the rows of each page `courier console` served, and
+//! the run's stream is gone afterwards. It checks that the harness works,
+//! never how fast anything is.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -86,10 +87,25 @@ fn dlq_run_writes_its_table_with_the_counts_and_deletes_its_stream() {
     let matching = number(&filter, 6);
     assert!(matching > 0.0, "{filter:?}");
     assert_eq!(number(&dry_run, 6), matching + 1.0, "{dry_run:?}");
+    // The console's requests: a page of 50 letters, the overview's one
+    // queue, a page of the filter's letters; the console's own peak RSS.
+    let page = row("courier console`: `GET /q/0`");
+    let overview = row("courier console`: `GET /`");
+    let filtered = row("courier console`: `GET /q/0?filter=EXPR`");
+    assert_eq!(number(&page, 6), 50.0, "{page:?}");
+    assert_eq!(number(&overview, 6), 1.0, "{overview:?}");
+    assert_eq!(number(&filtered, 6), matching.min(50.0), "{filtered:?}");
+    for cells in [&page, &overview, &filtered] {
+        assert_eq!(cells[6], cells[7], "rows against expected: {cells:?}");
+        assert!(number(cells, 2) > 0.0, "wall time: {cells:?}");
+        assert!(number(cells, 5) > 0.0, "peak RSS: {cells:?}");
+    }
     for target in [
         "list --limit 50` answers",
         "a filter over all 2000",
-        "RSS <",
+        "the command's RSS <",
+        "the console's first page (`GET /q/0`) renders in < 500 ms",
+        "the console's RSS < 64 MB",
     ] {
         assert!(
             text.lines()

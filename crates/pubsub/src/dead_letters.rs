@@ -268,6 +268,10 @@ impl PubSubStore {
 
 #[async_trait]
 impl DeadLetterStore for PubSubStore {
+    fn browse_lease(&self) -> Option<std::time::Duration> {
+        Some(std::time::Duration::from_secs(BROWSE_LEASE))
+    }
+
     async fn dead_letters(
         &self,
         dead_letter_queue: &str,

@@ -42,9 +42,12 @@
 //!   and no subscription, and reads letters only through a browsing
 //!   subscription that exists.
 //! - The records of `courier dlq` jobs are messages of a topic beside the
-//!   dead-letter topic, `<topic>.courier-jobs`, read through a
-//!   subscription of the same name, one per job with the newest version
-//!   winning; both made by the first record written (`jobs`). A replay is
+//!   dead-letter topic, `<topic>.courier-jobs`, read through two
+//!   subscriptions, one of the same name and `<topic>.courier-jobs.mirror`,
+//!   pulled in turn, so that a reader killed between a pull and its give-
+//!   back hides a record in one of them at most; one message per job with
+//!   the newest version winning; all made by the first record written
+//!   (`jobs`). A replay is
 //!   not exact: its publish and its ack cannot be one change in Pub/Sub.
 //! - Depth: Pub/Sub counts no backlog; a snapshot of each subscription,
 //!   sought by a shadow subscription of courier's, is counted.

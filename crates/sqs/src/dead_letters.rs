@@ -399,6 +399,10 @@ impl SqsStore {
 
 #[async_trait]
 impl DeadLetterStore for SqsStore {
+    fn browse_lease(&self) -> Option<Duration> {
+        Some(Duration::from_secs(BROWSE_VISIBILITY as u64))
+    }
+
     async fn dead_letters(
         &self,
         dead_letter_queue: &str,

@@ -410,6 +410,20 @@ async fn resume_job(
     auditor: &Auditor,
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
+    // Where reading a letter hides it (SQS, Pub/Sub), the letter the killed
+    // process held shows again only when its lease ends; walked before, it
+    // would count as done and stay behind.
+    if let Some(lease) = source.browse_lease() {
+        let shown_by = instant(job.heard_at_ms) + HEARTBEAT + lease + Duration::from_secs(1);
+        if let Ok(wait) = shown_by.duration_since(SystemTime::now()) {
+            eprintln!(
+                "job {}: waiting {} for the letters its stopped process held to show again",
+                job.id,
+                duration::format(Duration::from_secs(wait.as_secs() + 1))
+            );
+            tokio::time::sleep(wait).await;
+        }
+    }
     let filter = job.spec.filter()?;
     let ids = job.spec.ids.clone();
     let mut walk = Walk::new(&source, dlq, &filter, &ids)?.of_snapshot(instant(job.snapshot_at_ms));

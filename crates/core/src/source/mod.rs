@@ -489,6 +489,15 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     async fn depth_of(&self, _dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
         Ok(None)
     }
+    /// How long a dead letter a process held to look at stays hidden from
+    /// everyone else once that process is gone: SQS's visibility timeout,
+    /// Pub/Sub's lease, while a listing or a replay holds it. `None` where
+    /// reading takes nothing. A resumed job waits this long after its
+    /// killed process was last heard from, so that it sees every letter
+    /// of its snapshot.
+    fn browse_lease(&self) -> Option<Duration> {
+        None
+    }
     /// Removes `key`'s record; removing one that is not there is no error.
     async fn remove_job_record(
         &self,
@@ -590,6 +599,10 @@ impl<T: WithStore + Send + Sync + 'static> DeadLetterStore for T {
 
     async fn depth_of(&self, dead_letter_queue: &str) -> Result<Option<Depth>, SourceError> {
         self.store().depth_of(dead_letter_queue).await
+    }
+
+    fn browse_lease(&self) -> Option<Duration> {
+        self.store().browse_lease()
     }
 }
 

@@ -429,7 +429,9 @@ impl BrokerFixture for Amqp {
         key_ordering: false,
         shared_rate_limit: false,
         dead_letter_jobs: true,
-        exact_replay: true,
+        // In a transaction a full quorum queue drops a refused copy while
+        // the commit acks the letter: confirm first, ack second.
+        exact_replay: false,
         multi_process: true,
     };
 

@@ -11,10 +11,10 @@
 //! others until it is closed: when it holds nothing, when a listing
 //! starts, when a lookup fails and when the store is flushed.
 //!
-//! The cursor's channel is in transaction mode: a replay publishes the
-//! message to the work queue on it and acks the letter, then commits both
-//! at once. A replay killed before the commit leaves the letter in the
-//! dead-letter queue only, one killed after it in the work queue only.
+//! A replay publishes the message to the work queue with a confirm, then
+//! acks the letter on the cursor's channel (in transaction mode, so the
+//! ack is committed): a refused publish leaves the letter where it was, a
+//! kill between the two leaves it in both queues, never in neither.
 //!
 //! Opened alone (`courier dlq`, `courier send`), the store has a connection
 //! of its own and declares nothing: only passive declares and `basic.get`,
@@ -29,14 +29,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use lapin::message::Delivery as AmqpDelivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::protocol::AMQPSoftError;
 use lapin::{BasicProperties, Channel};
 use tokio::sync::{Mutex, OnceCell};
 
 use super::connection::Link;
 use super::convert::{dead_letter_of, message_for};
-use super::errors::{Timed, broker_error, is_soft, short, timed};
+use super::errors::{broker_error, is_soft, short, timed};
 use super::jobs;
 use super::seal::read_seal;
 use super::session::Session;
@@ -104,88 +104,32 @@ impl Cursor {
         }
     }
 
-    /// Acks `letter` and publishes its `replay`, if any, as one transaction
-    /// on the channel that holds the letter.
+    /// Publishes `letter`'s `replay`, if any, on the session's publisher
+    /// channel and waits for its confirm, then acks the letter. Not one
+    /// transaction: a publish in transaction mode that a full queue refuses
+    /// (`overflow: reject-publish`) is dropped without a word on a quorum
+    /// queue, and the commit still acks the letter, which is then in
+    /// neither queue (conformance `amqp_a_replay_stopped_at_the_publish_
+    /// loses_nothing` found it). Confirmed first, a refused copy leaves the
+    /// letter where it was; a kill between the two leaves it in both.
     async fn settle(
         &self,
         letter: &AmqpDelivery,
         replay: Option<&Replay>,
     ) -> Result<(), SourceError> {
         if let Some(replay) = replay {
-            self.publish(&replay.queue, &replay.body, replay.properties.clone())
+            replay
+                .session
+                .publish(&replay.queue, &replay.body, replay.properties.clone())
                 .await?;
         }
         self.channel
             .basic_ack(letter.delivery_tag, BasicAckOptions { multiple: false })
             .await
             .map_err(broker_error)?;
-        let committed = timed(self.channel.tx_commit()).await;
-        let Some(replay) = replay else {
-            return committed.map_err(SourceError::from);
-        };
-        // RabbitMQ applies a commit's ack whatever becomes of its publish:
-        // a work queue that is gone returns the copy (before it answers the
-        // commit, so lapin has it by now), and one that refuses it (full,
-        // with overflow reject-publish; a quorum queue without a majority)
-        // fails the commit as "partial". Either way the letter has left the
-        // dead-letter queue without arriving, so it is written back there.
-        let failed = match committed {
-            Ok(()) if !self.returned().await => return Ok(()),
-            Ok(()) => format!("queue {:?} does not exist any more", replay.queue),
-            Err(Timed::Broker(e)) if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) => {
-                format!(
-                    "queue {:?} refused the message: it is full (with overflow reject-publish), or a quorum queue without a majority ({})",
-                    replay.queue,
-                    broker_error(e)
-                )
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let id = dead_letter_of(letter).id;
-        let put_back = replay
-            .session
-            .publish(&self.queue, &letter.data, letter.properties.clone())
-            .await;
-        Err(match put_back {
-            Ok(()) => SourceError::broker(format!(
-                "{failed}: dead letter {id} was not replayed, and is back at the end of {:?}",
-                self.queue
-            )),
-            Err(e) => SourceError::broker(format!(
-                "{failed}: dead letter {id} was not replayed, and writing it back to {:?} failed too ({e}); it is lost",
-                self.queue
-            )),
-        })
-    }
-
-    /// Publishes through the default exchange, in the open transaction.
-    async fn publish(
-        &self,
-        queue: &str,
-        body: &[u8],
-        properties: BasicProperties,
-    ) -> Result<(), SourceError> {
-        let options = BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
-        };
-        self.channel
-            .basic_publish("".into(), short(queue)?, options, body, properties)
+        timed(self.channel.tx_commit())
             .await
-            .map_err(broker_error)?
-            .await
-            .map(drop)
-            .map_err(broker_error)
-    }
-
-    /// Whether the last commit returned a publish as unroutable: RabbitMQ
-    /// returns it before it answers the commit, so lapin has it by then.
-    async fn returned(&self) -> bool {
-        // Outside confirm mode this waits for nothing; it only drains.
-        self.channel
-            .wait_for_confirms()
-            .await
-            .is_ok_and(|returned| !returned.is_empty())
+            .map_err(SourceError::from)
     }
 
     /// Puts back everything held, and drops a transaction not committed.

@@ -55,9 +55,11 @@
 //!   closes it, which puts them back where they were; replay and purge read
 //!   through a cursor, so each letter is read once per run
 //!   (`dead_letters.rs`). A dead letter's id is the `message_id` courier
-//!   gave it. The cursor's channel is transactional: a replay's publish to
-//!   the work queue and the ack of its letter are committed together, so a
-//!   replay killed at any point leaves the letter in one queue only.
+//!   gave it. A replay's copy is published with a confirm, then its letter
+//!   acked: a refused copy leaves the letter, a kill between the two leaves
+//!   it in both. Not one transaction: in transaction mode a full quorum
+//!   queue with `reject-publish` drops the copy without a word while the
+//!   commit acks the letter (`dead_letters.rs`).
 //! - The records of `courier dlq` jobs are messages of
 //!   `<dead-letter queue>.courier-jobs`, one per job, read and rewritten
 //!   under a lock, the exclusive consumer of
@@ -275,7 +277,7 @@ impl Consumer for AmqpSource {
             key_ordering: false,
             shared_rate_limit: false,
             dead_letter_jobs: true,
-            exact_replay: true,
+            exact_replay: false,
             multi_process: true,
         }
     }

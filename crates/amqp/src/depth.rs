@@ -177,30 +177,12 @@ mod tests {
     use crate::AmqpSource;
     use crate::connection::Link;
     use crate::dead_letters::AmqpStore;
-    use courier_core::model::{DeadLetterReason, Failure};
+    use courier_core::model::Failure;
     use courier_core::source::{
         Consumer, DeadLetterStore, ErrorKind, Observed, SettleBy, SourceOptions,
     };
 
     const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-    fn failure_of(queue: &str, dead_letter_queue: &str, message_id: &str) -> Failure {
-        Failure {
-            reason: DeadLetterReason::PermanentStatus,
-            status: Some(422),
-            error: None,
-            attempts: 1,
-            first_attempt_at: SystemTime::now(),
-            last_attempt_at: SystemTime::now(),
-            queue: queue.into(),
-            message_id: message_id.into(),
-            excerpt: Bytes::new(),
-            policy: "p@1".into(),
-            dead_letter_queue: dead_letter_queue.into(),
-            app_directive: None,
-            cut: None,
-        }
-    }
 
     /// The sidecar's reading, the admin handle's, and the sidecar's again,
     /// until the two of the sidecar agree (a delivery moving from the work
@@ -258,7 +240,10 @@ mod tests {
         }
         let now = SystemTime::now();
         source
-            .dead_letter(&got[0], &failure_of(&queue, &dlq, &got[0].message.id))
+            .dead_letter(
+                &got[0],
+                &Failure::permanent_422(&queue, &dlq, &got[0].message.id),
+            )
             .await
             .unwrap();
         source

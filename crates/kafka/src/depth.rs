@@ -245,28 +245,10 @@ mod tests {
     use super::*;
     use crate::connection::partitions;
     use crate::dead_letters::KafkaStore;
-    use courier_core::model::{DeadLetterReason, Failure};
+    use courier_core::model::Failure;
     use courier_core::source::{
         Consumer as _, DeadLetterStore, ErrorKind, Observed, SettleBy, SourceOptions,
     };
-
-    fn failure_of(queue: &str, dead_letter_queue: &str, message_id: &str) -> Failure {
-        Failure {
-            reason: DeadLetterReason::PermanentStatus,
-            status: Some(422),
-            error: None,
-            attempts: 1,
-            first_attempt_at: SystemTime::now(),
-            last_attempt_at: SystemTime::now(),
-            queue: queue.into(),
-            message_id: message_id.into(),
-            excerpt: Bytes::new(),
-            policy: "p@1".into(),
-            dead_letter_queue: dead_letter_queue.into(),
-            app_directive: None,
-            cut: None,
-        }
-    }
 
     /// Two readings taken one after the other: equal, but for the ages,
     /// which grow by the time between them.
@@ -356,7 +338,10 @@ mod tests {
         }
         let now = SystemTime::now();
         source
-            .dead_letter(&got[0], &failure_of(topic, &dlq, &got[0].message.id))
+            .dead_letter(
+                &got[0],
+                &Failure::permanent_422(topic, &dlq, &got[0].message.id),
+            )
             .await
             .unwrap();
         source

@@ -122,7 +122,7 @@ mod tests {
     use std::sync::atomic::AtomicI64;
 
     use bytes::Bytes;
-    use courier_core::model::{DeadLetterReason, Failure};
+    use courier_core::model::Failure;
     use courier_core::source::{
         Consumer, DeadLetterStore, ErrorKind, Observed, SettleBy, SourceOptions,
     };
@@ -132,24 +132,6 @@ mod tests {
     use crate::NatsSource;
 
     const NATS: &str = "nats://127.0.0.1:4222";
-
-    fn failure_of(queue: &str, dead_letter_queue: &str, message_id: &str) -> Failure {
-        Failure {
-            reason: DeadLetterReason::PermanentStatus,
-            status: Some(422),
-            error: None,
-            attempts: 1,
-            first_attempt_at: SystemTime::now(),
-            last_attempt_at: SystemTime::now(),
-            queue: queue.into(),
-            message_id: message_id.into(),
-            excerpt: Bytes::new(),
-            policy: "p@1".into(),
-            dead_letter_queue: dead_letter_queue.into(),
-            app_directive: None,
-            cut: None,
-        }
-    }
 
     /// Two readings taken one after the other: equal, but for the ages,
     /// which grow by the time between them.
@@ -223,7 +205,10 @@ mod tests {
         assert_eq!(got.len(), 6);
         let now = SystemTime::now();
         source
-            .dead_letter(&got[0], &failure_of(&queue, &dlq, &got[0].message.id))
+            .dead_letter(
+                &got[0],
+                &Failure::permanent_422(&queue, &dlq, &got[0].message.id),
+            )
             .await
             .unwrap();
         source

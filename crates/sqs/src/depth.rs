@@ -83,7 +83,7 @@ mod tests {
     use super::*;
     use crate::SqsSource;
     use crate::connection::queue_url;
-    use courier_core::model::{DeadLetterReason, Failure};
+    use courier_core::model::Failure;
     use courier_core::source::{
         Consumer, DeadLetterStore, ErrorKind, Observed, SettleBy, SourceOptions,
     };
@@ -146,24 +146,6 @@ mod tests {
         }
     }
 
-    fn failure_of(queue: &str, dead_letter_queue: &str, message_id: &str) -> Failure {
-        Failure {
-            reason: DeadLetterReason::PermanentStatus,
-            status: Some(422),
-            error: None,
-            attempts: 1,
-            first_attempt_at: SystemTime::now(),
-            last_attempt_at: SystemTime::now(),
-            queue: queue.into(),
-            message_id: message_id.into(),
-            excerpt: Bytes::new(),
-            policy: "p@1".into(),
-            dead_letter_queue: dead_letter_queue.into(),
-            app_directive: None,
-            cut: None,
-        }
-    }
-
     /// Against moto: an admin handle reads the figures the sidecar's gauges
     /// read, with messages visible, one with the app, one invisible for a
     /// retry and one dead-lettered. Its process holds nothing, so what the
@@ -210,7 +192,10 @@ mod tests {
         }
         let now = SystemTime::now();
         source
-            .dead_letter(&got[0], &failure_of(&queue, &dlq, &got[0].message.id))
+            .dead_letter(
+                &got[0],
+                &Failure::permanent_422(&queue, &dlq, &got[0].message.id),
+            )
             .await
             .unwrap();
         source

@@ -231,6 +231,28 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// A 422 at attempt 1 of `message_id` on `queue`, bound for
+    /// `dead_letter_queue`: the plain dead letter the brokers' own tests
+    /// settle with.
+    pub fn permanent_422(queue: &str, dead_letter_queue: &str, message_id: &str) -> Self {
+        let now = SystemTime::now();
+        Self {
+            reason: DeadLetterReason::PermanentStatus,
+            status: Some(422),
+            error: None,
+            attempts: 1,
+            first_attempt_at: now,
+            last_attempt_at: now,
+            queue: queue.into(),
+            message_id: message_id.into(),
+            excerpt: Bytes::new(),
+            policy: "p@1".into(),
+            dead_letter_queue: dead_letter_queue.into(),
+            app_directive: None,
+            cut: None,
+        }
+    }
+
     fn names(&self) -> impl Iterator<Item = &'static str> {
         [
             F_REASON,

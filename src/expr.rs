@@ -1,8 +1,9 @@
 //! Dead-letter expressions: the one language (CEL, the Common Expression
 //! Language) in which an operator says which dead letters they mean, for
-//! `courier dlq --filter` today and the console's filter box and
-//! `routes[].match` next. An [`Expr`] is parsed once and evaluated against
-//! one [`DeadLetter`] at a time; it knows nothing of the command line.
+//! `courier dlq --filter` and the console's filter box, and which messages
+//! a route takes (`routes[].match` in the RetryPolicy). An [`Expr`] is
+//! parsed once and evaluated against one [`DeadLetter`] or one [`Message`]
+//! at a time; it knows nothing of the command line.
 //!
 //! The variables are [`VARIABLES`]: the `courier-*` record (`reason`,
 //! `status`, `attempts`, `error`, `queue`, the two attempt times and `age`),
@@ -27,6 +28,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::SystemTime;
 
 use base64::Engine;
+use bytes::Bytes;
 use cel::common::ast::{EntryExpr, Expr as Node, IdedExpr};
 use cel::common::types::{
     CelBool, CelBytes, CelDouble, CelDuration, CelInt, CelList, CelMap, CelMapKey, CelNull,
@@ -37,7 +39,7 @@ use cel::{Context, Env, ExecutionError, Program, Value};
 
 use crate::forward::cloudevents::attribute_of;
 use crate::model::{
-    DeadLetter, F_ATTEMPTS, F_ERROR, F_FIRST_ATTEMPT_AT, F_QUEUE, F_REASON, F_STATUS,
+    DeadLetter, F_ATTEMPTS, F_ERROR, F_FIRST_ATTEMPT_AT, F_QUEUE, F_REASON, F_STATUS, Message,
     dead_letter_age, parse_time,
 };
 
@@ -57,6 +59,13 @@ pub const VARIABLES: [&str; 14] = [
     "source",
     "subject",
     "data",
+];
+
+/// The variables a route's `match` may name: a message being read has no
+/// dead-letter record yet. `attempts` is the attempt this delivery is (1 on
+/// the first), as `Courier-Attempt` says.
+pub const MESSAGE_VARIABLES: [&str; 8] = [
+    "queue", "attempts", "headers", "body", "type", "source", "subject", "data",
 ];
 
 /// A body larger than this is not parsed: `body` is null and a binary
@@ -100,6 +109,9 @@ pub enum ExprError {
         message: String,
         /// The line of the expression the error is on.
         snippet: String,
+        /// The variables the expression could have named, listed after
+        /// the error.
+        variables: &'static [&'static str],
     },
     /// Evaluating it on one letter failed for a reason other than a value
     /// the letter does not have (a type mismatch, a bad regular expression).
@@ -116,6 +128,7 @@ impl fmt::Display for ExprError {
                 column,
                 message,
                 snippet,
+                variables,
             } => {
                 match (line, column) {
                     (0, _) => write!(f, "{message}")?,
@@ -125,7 +138,7 @@ impl fmt::Display for ExprError {
                 if *column > 0 {
                     write!(f, "\n  {snippet}\n  {:>column$}", "^")?;
                 }
-                write!(f, "\nthe variables: {}", VARIABLES.join(", "))
+                write!(f, "\nthe variables: {}", variables.join(", "))
             }
             Self::Evaluation(message) => write!(f, "{message}"),
             Self::NotBool(what) => write!(
@@ -144,6 +157,17 @@ impl Expr {
     /// an error here, where it says where it is, rather than on every
     /// letter.
     pub fn parse(source: &str) -> Result<Expr, ExprError> {
+        Self::parse_over(source, &VARIABLES)
+    }
+
+    /// Parses a route's `match`: as [`Expr::parse`], but only the
+    /// [`MESSAGE_VARIABLES`] may be named, since a message being read has
+    /// no dead-letter record (`reason`, `status`, ...) to look at.
+    pub fn parse_route(source: &str) -> Result<Expr, ExprError> {
+        Self::parse_over(source, &MESSAGE_VARIABLES)
+    }
+
+    fn parse_over(source: &str, variables: &'static [&'static str]) -> Result<Expr, ExprError> {
         let program = ENV.compile(source).map_err(|errors| {
             let first = errors.errors.first();
             let (line, column) = first.map_or((0, 0), |e| {
@@ -156,16 +180,17 @@ impl Expr {
             if errors.errors.len() > 1 {
                 message.push_str(&format!(" (and {} more)", errors.errors.len() - 1));
             }
-            parse_error(source, line, column, message)
+            parse_error(source, line, column, message, variables)
         })?;
         let mut names = Vec::new();
         free_names(program.expression(), &mut Vec::new(), &mut names);
         let mut uses = Uses::default();
         let mut unknown: Option<(&str, u32)> = None;
         for (name, id) in names {
-            if let Some(i) = VARIABLES.iter().position(|v| *v == name) {
+            let known = variables.contains(&name);
+            if let Some(i) = VARIABLES.iter().position(|v| *v == name).filter(|_| known) {
                 uses.0 |= 1 << i;
-            } else if ENV.types().find_type(name).is_none() {
+            } else if VARIABLES.contains(&name) || ENV.types().find_type(name).is_none() {
                 let at = program
                     .source_info()
                     .offset_for(id)
@@ -177,12 +202,12 @@ impl Expr {
         }
         if let Some((name, at)) = unknown {
             let (line, column) = line_and_column(source, at as usize);
-            return Err(parse_error(
-                source,
-                line,
-                column,
-                format!("{name:?} is not a variable"),
-            ));
+            let message = if VARIABLES.contains(&name) {
+                format!("{name:?} describes a dead letter; a route sees only the message")
+            } else {
+                format!("{name:?} is not a variable")
+            };
+            return Err(parse_error(source, line, column, message, variables));
         }
         Ok(Expr {
             source: source.into(),
@@ -201,11 +226,33 @@ impl Expr {
     /// have (the module's doc says why); an error when evaluating it fails
     /// otherwise or it is not a condition.
     pub fn matches(&self, letter: &DeadLetter, now: SystemTime) -> Result<bool, ExprError> {
-        let view = View {
-            letter,
+        self.evaluate(&View {
+            record: Record::Letter(letter),
+            fields: &letter.fields,
+            body: &letter.body,
             now,
             json: OnceCell::new(),
-        };
+        })
+    }
+
+    /// Whether a route takes `message`, read from `queue` for its
+    /// `attempt`-th delivery; as [`Expr::matches`] otherwise.
+    pub fn matches_message(
+        &self,
+        message: &Message,
+        queue: &str,
+        attempt: u32,
+    ) -> Result<bool, ExprError> {
+        self.evaluate(&View {
+            record: Record::Message { queue, attempt },
+            fields: &message.headers,
+            body: &message.body,
+            now: SystemTime::UNIX_EPOCH,
+            json: OnceCell::new(),
+        })
+    }
+
+    fn evaluate(&self, view: &View<'_>) -> Result<bool, ExprError> {
         let mut context = Context::with_env(Arc::clone(&ENV));
         for (i, name) in VARIABLES.iter().enumerate() {
             if self.uses.0 & (1 << i) != 0 {
@@ -225,7 +272,13 @@ impl Expr {
 #[derive(Debug, Clone, Copy, Default)]
 struct Uses(u16);
 
-fn parse_error(source: &str, line: usize, column: usize, message: String) -> ExprError {
+fn parse_error(
+    source: &str,
+    line: usize,
+    column: usize,
+    message: String,
+    variables: &'static [&'static str],
+) -> ExprError {
     let snippet = source
         .lines()
         .nth(line.saturating_sub(1))
@@ -236,6 +289,7 @@ fn parse_error(source: &str, line: usize, column: usize, message: String) -> Exp
         column,
         message,
         snippet,
+        variables,
     }
 }
 
@@ -360,19 +414,47 @@ fn describe(value: &Value) -> String {
     }
 }
 
-/// One letter as the variables see it; the body is parsed at most once,
-/// when a variable needs it.
+/// One letter or message as the variables see it; the body is parsed at
+/// most once, when a variable needs it.
 struct View<'a> {
-    letter: &'a DeadLetter,
+    record: Record<'a>,
+    /// A letter's stored fields (its record and the producer's headers),
+    /// or a message's headers.
+    fields: &'a [(String, String)],
+    body: &'a Bytes,
     now: SystemTime,
     json: OnceCell<Option<serde_json::Value>>,
+}
+
+/// What the record variables (`reason`, `queue`, `attempts`, ...) read.
+enum Record<'a> {
+    Letter(&'a DeadLetter),
+    /// A message being read, which a route looks at: only the queue and
+    /// the attempt are known ([`MESSAGE_VARIABLES`]).
+    Message {
+        queue: &'a str,
+        attempt: u32,
+    },
 }
 
 type Boxed<'a> = Box<dyn Val + 'a>;
 
 impl<'a> View<'a> {
     fn value(&self, name: &str) -> Boxed<'_> {
-        let letter = self.letter;
+        let letter = match self.record {
+            Record::Letter(letter) => letter,
+            Record::Message { queue, attempt } => {
+                return match name {
+                    "queue" => string(queue),
+                    "attempts" => Box::new(CelInt::from(i64::from(attempt))),
+                    "headers" => self.headers(),
+                    "body" => self.json().map_or_else(null, json),
+                    "type" | "source" | "subject" => self.attribute(name),
+                    "data" => self.data(),
+                    _ => null(),
+                };
+            }
+        };
         match name {
             "reason" => string(letter.field(F_REASON).unwrap_or_default()),
             "status" => int(letter.field(F_STATUS)),
@@ -416,7 +498,7 @@ impl<'a> View<'a> {
     }
 
     fn producer_fields(&self) -> impl Iterator<Item = &'a (String, String)> {
-        self.letter.fields.iter().filter(|(name, _)| {
+        self.fields.iter().filter(|(name, _)| {
             !name
                 .get(..8)
                 .is_some_and(|p| p.eq_ignore_ascii_case("courier-"))
@@ -429,8 +511,12 @@ impl<'a> View<'a> {
     fn json(&self) -> Option<&serde_json::Value> {
         self.json
             .get_or_init(|| {
-                let body = &self.letter.body;
-                let typed_json = self.letter.field("content-type").is_none_or(is_json_type);
+                let body = self.body;
+                let typed_json = self
+                    .fields
+                    .iter()
+                    .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+                    .is_none_or(|(_, value)| is_json_type(value));
                 (body.len() <= MAX_PARSED_BODY && typed_json)
                     .then(|| serde_json::from_slice(body).ok())
                     .flatten()
@@ -472,7 +558,7 @@ impl<'a> View<'a> {
     /// or its `data_base64` decoded.
     fn data(&self) -> Boxed<'_> {
         if self.is_binary_event() {
-            let body = &self.letter.body;
+            let body = self.body;
             return match self.json() {
                 Some(value) => json(value),
                 None if body.len() > MAX_PARSED_BODY => null(),

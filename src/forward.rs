@@ -121,6 +121,9 @@ pub struct Envelope<'a> {
     /// the delivery span's, so that the app's span nests under it. `None`
     /// passes the message's own on unchanged.
     pub trace: Option<&'a TraceHeaders>,
+    /// The path and query posted to in place of the app URL's own: a
+    /// route's (`routes[].path`), in origin form.
+    pub path: Option<&'a Uri>,
 }
 
 /// The W3C trace context of a delivery attempt's span.
@@ -305,7 +308,7 @@ impl Forwarder {
         let event = self.event(message)?;
         let mut builder = Request::builder()
             .method(Method::POST)
-            .uri(self.path.clone());
+            .uri(envelope.path.unwrap_or(&self.path).clone());
         let headers = builder
             .headers_mut()
             .ok_or_else(|| "invalid request".to_string())?;
@@ -591,6 +594,7 @@ mod tests {
             attempt: 1,
             replay_count: 0,
             trace: None,
+            path: None,
         }
     }
 
@@ -757,6 +761,7 @@ mod tests {
         };
         let traced = Envelope {
             trace: Some(&span),
+            path: None,
             ..envelope(&message, &queue)
         };
         let request = forwarder.build(&traced).unwrap();
@@ -772,6 +777,7 @@ mod tests {
         };
         let traced = Envelope {
             trace: Some(&span),
+            path: None,
             ..envelope(&message, &queue)
         };
         let request = forwarder.build(&traced).unwrap();

@@ -18,7 +18,7 @@ fn allowed(from: &str) -> Option<&'static [&'static str]> {
         // The leaves: the shared vocabulary, durations, and metrics.
         "model" | "duration" | "telemetry" => &[],
         // The decision is pure: no source, no HTTP, no dispatcher.
-        "policy" => &["model", "duration"],
+        "policy" => &["model", "duration", "expr"],
         // The HTTP client knows messages, not brokers.
         "forward" => &["model"],
         // The dead-letter expressions: a letter in, a verdict out; the

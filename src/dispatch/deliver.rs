@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use http::Uri;
 use tokio::time::Instant;
 
 use super::gate::Evidence;
@@ -12,7 +13,7 @@ use super::limit::Signal;
 use super::{Shared, Traces};
 use crate::forward::{Envelope, TraceHeaders};
 use crate::model::{Class, DeadLetterReason, Delivery, Failure, Outcome};
-use crate::policy::{Decision, Policy, Verdict, decide};
+use crate::policy::{Decision, Policy, Routed, Verdict, decide};
 use crate::source::{ErrorKind, Settlement, SourceError};
 use crate::telemetry::traces;
 
@@ -30,6 +31,9 @@ impl Shared {
             self.dead_letter_expired(&delivery, &policy, age).await;
             return;
         }
+        let Some(path) = self.route(&delivery, &policy).await else {
+            return;
+        };
         let _in_flight = self.in_flight.register(&delivery);
         self.await_turn(&policy).await;
         // A pause that came while this delivery waited for its turn.
@@ -45,7 +49,7 @@ impl Shared {
             .as_ref()
             .map(|traces| self.span(traces, &delivery));
         let trace = span.as_ref().and_then(|(_, headers)| headers.as_ref());
-        let outcome = self.offer(&delivery, &policy, trace).await;
+        let outcome = self.offer(&delivery, &policy, trace, path).await;
         let decision = self
             .judge(&outcome, &policy, delivery.attempt, clock.elapsed())
             .await;
@@ -83,16 +87,19 @@ impl Shared {
             attempt: delivery.attempt,
             replay_count: delivery.replay_count,
             trace: None,
+            path: None,
         })
     }
 
     /// Offers the message to the app, unless it cannot be offered at all;
-    /// `trace` replaces the message's own trace context.
+    /// `trace` replaces the message's own trace context, `path` the app
+    /// URL's path.
     pub(super) async fn offer(
         &self,
         delivery: &Delivery,
         policy: &Policy,
         trace: Option<&TraceHeaders>,
+        path: Option<&Uri>,
     ) -> Outcome {
         if let Some(problem) = &delivery.problem {
             return Outcome::Undeliverable {
@@ -114,6 +121,7 @@ impl Shared {
             attempt: delivery.attempt,
             replay_count: delivery.replay_count,
             trace,
+            path,
         };
         // A guard, so that a delivery that panics does not stay counted.
         let in_flight = scopeguard(&self.m.in_flight);
@@ -330,21 +338,71 @@ impl Shared {
     /// Dead-letters a message older than `maxAge` as `expired`, unoffered.
     async fn dead_letter_expired(&self, delivery: &Delivery, policy: &Policy, age: Duration) {
         let max_age = policy.max_age.unwrap_or_default();
-        let outcome = Outcome::Undeliverable {
-            error: format!(
-                "the message is {} old, older than the policy's maxAge {}; it was not offered to the app",
-                crate::duration::format(Duration::from_secs(age.as_secs())),
-                crate::duration::format(max_age)
-            ),
-        };
+        let error = format!(
+            "the message is {} old, older than the policy's maxAge {}; it was not offered to the app",
+            crate::duration::format(Duration::from_secs(age.as_secs())),
+            crate::duration::format(max_age)
+        );
+        self.dead_letter_unoffered(delivery, policy, DeadLetterReason::Expired, error)
+            .await;
+    }
+
+    /// Dead-letters a message that was not offered to the app, for `reason`.
+    async fn dead_letter_unoffered(
+        &self,
+        delivery: &Delivery,
+        policy: &Policy,
+        reason: DeadLetterReason,
+        error: String,
+    ) {
+        let outcome = Outcome::Undeliverable { error };
         let decision = Decision {
             class: Class::Undeliverable,
-            verdict: Verdict::DeadLetter {
-                reason: DeadLetterReason::Expired,
-            },
+            verdict: Verdict::DeadLetter { reason },
         };
         self.settle(delivery, &outcome, &decision, policy, SystemTime::now())
             .await;
+    }
+
+    /// Where the policy's routes send this delivery: `Some(path)` to offer
+    /// it there (`Some(None)`: the app URL's own path); `None` when no
+    /// route matched and it was settled unoffered, acked or dead-lettered
+    /// as `unrouted`, as the policy's `unrouted` says. A message that
+    /// cannot be offered at all (too large, unreadable) is not looked at:
+    /// `offer` dead-letters it.
+    async fn route<'p>(&self, delivery: &Delivery, policy: &'p Policy) -> Option<Option<&'p Uri>> {
+        if policy.routes.is_empty()
+            || delivery.problem.is_some()
+            || delivery.message.body.len() > self.d.max_body
+        {
+            return Some(None);
+        }
+        let choice = policy.route(&delivery.message, &self.d.queue, delivery.attempt);
+        if choice.errors > 0 {
+            self.m.route_errors.inc_by(u64::from(choice.errors));
+        }
+        if choice.unmatched {
+            self.m.unrouted.inc();
+        }
+        match choice.routed {
+            Routed::Path(path) => Some(Some(path)),
+            Routed::Default => Some(None),
+            Routed::Ack => {
+                if self.ack_unoffered(delivery).await {
+                    self.m.filtered.inc();
+                }
+                None
+            }
+            Routed::DeadLetter => {
+                let error = format!(
+                    "none of the policy's {} routes matched the message, and its unrouted is dead-letter; it was not offered to the app",
+                    policy.routes.len()
+                );
+                self.dead_letter_unoffered(delivery, policy, DeadLetterReason::Unrouted, error)
+                    .await;
+                None
+            }
+        }
     }
 
     /// A redelivery of a message acked within the window: ack it again
@@ -359,18 +417,27 @@ impl Shared {
                 return false;
             }
         }
+        if self.ack_unoffered(delivery).await {
+            self.m.dedup_hits.inc();
+            tracing::debug!(id = %delivery.message.id, %key, "already acked within the dedup window; acked again without delivery");
+        }
+        true
+    }
+
+    /// Acks a delivery that is not offered to the app; whether the broker
+    /// took the ack (else it hands the message out again).
+    async fn ack_unoffered(&self, delivery: &Delivery) -> bool {
         match self.d.source.settle(delivery, Settlement::Ack).await {
             Ok(()) => {
-                self.m.dedup_hits.inc();
                 self.m.acks.inc();
-                tracing::debug!(id = %delivery.message.id, %key, "already acked within the dedup window; acked again without delivery");
+                true
             }
             Err(e) => {
                 self.m.settle_errors.inc();
                 tracing::error!(id = %delivery.message.id, error = %e, "settling failed; the broker will hand the message out again");
+                false
             }
         }
-        true
     }
 }
 

@@ -31,6 +31,10 @@ pub const BACKOFF_MAX_RULE: &str = "duration(has(self.max) ? self.max : '5m') >=
 /// No code in both lists, with the defaults for an omitted list.
 pub const NOT_IN_BOTH_LISTS_RULE: &str = "(has(self.retry) ? self.retry : ['408', '429', '5xx']).all(c, !(c in (has(self.deadLetter) ? self.deadLetter : ['501', '4xx'])))";
 
+/// A route's `path`: an absolute path on the app, with a query if any, and
+/// no spaces or control characters (what `PathAndQuery` accepts).
+pub const ROUTE_PATH_PATTERN: &str = r"^/[!-~]*$";
+
 /// A Go duration, or `""` for "none" (`maxAge`).
 pub const DURATION_OR_EMPTY_PATTERN: &str =
     r"^(|0|(([0-9]+(\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h))+)$";

@@ -147,6 +147,52 @@ pub struct RetryPolicySpec {
     #[schemars(regex(pattern = crd::DURATION_OR_EMPTY_PATTERN), length(max = 64))]
     #[x_kube(validation = Rule::new("self == '' || duration(self) > duration('0s')").message("maxAge must be a duration greater than 0 such as 24h, or empty for no limit"))]
     pub max_age: Option<String>,
+    /// Where each message goes on the app, by what it holds: the first
+    /// route whose `match` is true for a message sends it to that route's
+    /// `path`; when none is, `unrouted` says what happens. At most 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 100))]
+    pub routes: Option<Vec<RouteSpec>>,
+    /// What happens to a message no route matches: default (delivered to
+    /// the app URL's own path), ack (acked without being offered, counted
+    /// in courier_filtered_total) or dead-letter (reason `unrouted`)
+    /// (default default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unrouted: Option<Unrouted>,
+}
+
+/// One route: a condition over the message and the path it sends the
+/// message to.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RouteSpec {
+    /// A CEL condition over the message, e.g. `type == "order.created" &&
+    /// data.total > 100`; the variables are queue, attempts, headers, body
+    /// (a JSON body), and a CloudEvent's type, source, subject and data
+    /// (required).
+    #[serde(rename = "match")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub expression: String,
+    /// The path on the app the message is posted to, e.g. `/orders/big`;
+    /// it replaces the app URL's path and query (required).
+    #[schemars(regex(pattern = crd::ROUTE_PATH_PATTERN), length(max = 1024))]
+    pub path: String,
+}
+
+/// What happens to a message no route matches.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Unrouted {
+    /// Delivered to the app URL's own path.
+    #[default]
+    Default,
+    /// Acked without being offered to the app; counted in
+    /// courier_filtered_total.
+    Ack,
+    /// Dead-lettered with reason `unrouted`, without being offered.
+    DeadLetter,
 }
 
 /// A token bucket on deliveries to the app, apart from the concurrency

@@ -23,7 +23,8 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use crate::duration;
-use crate::model::{Class, Outcome, default_dead_letter_queue, parse_time};
+use crate::expr::Expr;
+use crate::model::{Class, Message, Outcome, default_dead_letter_queue, parse_time};
 
 // === The validated policy ===
 
@@ -121,6 +122,49 @@ pub struct Policy {
     pub pause: Option<Pause>,
     /// Messages older than this are dead-lettered as `expired` (`maxAge`).
     pub max_age: Option<Duration>,
+    /// The first whose condition a message meets picks its path (`routes`).
+    pub routes: Vec<Route>,
+    /// What happens to a message no route matches, when there are routes.
+    pub unrouted: Unrouted,
+}
+
+/// A route: the messages its expression is true for go to `path`.
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub expression: Expr,
+    /// In origin form (`/orders/big?x=1`), as a request line carries it.
+    pub path: http::Uri,
+}
+
+/// Two routes are the same when they are written the same.
+impl PartialEq for Route {
+    fn eq(&self, other: &Self) -> bool {
+        self.expression.source() == other.expression.source() && self.path == other.path
+    }
+}
+
+/// Where the routes send one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routed<'a> {
+    /// To this route's path.
+    Path(&'a http::Uri),
+    /// To the app URL's own path: there are no routes, or none matched and
+    /// `unrouted` is `default`.
+    Default,
+    /// None matched; acked without being offered.
+    Ack,
+    /// None matched; dead-lettered as `unrouted`.
+    DeadLetter,
+}
+
+/// Where the routes send a message, and the routes whose evaluation
+/// failed on it (a type mismatch: counted, and not a match).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteChoice<'a> {
+    pub routed: Routed<'a>,
+    /// No route matched (whatever `unrouted` then did).
+    pub unmatched: bool,
+    pub errors: u32,
 }
 
 /// The defaults of every field, in one place, as the design documents them.
@@ -154,6 +198,8 @@ impl Default for Policy {
             rate_limit: None,
             pause: None,
             max_age: None,
+            routes: Vec::new(),
+            unrouted: Unrouted::Default,
         }
     }
 }
@@ -189,6 +235,36 @@ impl Policy {
     /// pill: `maxAttempts + 2`, room for a crash or two of courier itself.
     pub fn max_deliveries(&self) -> u32 {
         self.max_attempts.saturating_add(2)
+    }
+
+    /// Where the routes send `message`, read from `queue` for its
+    /// `attempt`-th delivery: the first route whose expression is true.
+    pub fn route(&self, message: &Message, queue: &str, attempt: u32) -> RouteChoice<'_> {
+        let mut errors = 0;
+        for route in &self.routes {
+            match route.expression.matches_message(message, queue, attempt) {
+                Ok(true) => {
+                    return RouteChoice {
+                        routed: Routed::Path(&route.path),
+                        unmatched: false,
+                        errors,
+                    };
+                }
+                Ok(false) => {}
+                Err(_) => errors += 1,
+            }
+        }
+        let routed = match self.unrouted {
+            _ if self.routes.is_empty() => Routed::Default,
+            Unrouted::Default => Routed::Default,
+            Unrouted::Ack => Routed::Ack,
+            Unrouted::DeadLetter => Routed::DeadLetter,
+        };
+        RouteChoice {
+            routed,
+            unmatched: !self.routes.is_empty(),
+            errors,
+        }
     }
 
     /// `name@generation`, the value of the `courier-policy` dead-letter field.
@@ -327,6 +403,8 @@ impl Policy {
                     Err(e) => return Err(PolicyError::new("spec.maxAge", e.to_string())),
                 },
             },
+            routes: routes(spec.routes.as_deref().unwrap_or_default())?,
+            unrouted: spec.unrouted.unwrap_or_default(),
         })
     }
 
@@ -526,3 +604,43 @@ impl Policy {
 
 #[cfg(test)]
 mod tests;
+
+/// At most this many routes: each is evaluated on every message until one
+/// matches.
+pub const MOST_ROUTES: usize = 100;
+
+/// `spec.routes`, each expression parsed and each path checked.
+fn routes(specs: &[RouteSpec]) -> Result<Vec<Route>, PolicyError> {
+    if specs.len() > MOST_ROUTES {
+        return Err(PolicyError::new(
+            "spec.routes",
+            format!(
+                "has {} routes; at most {MOST_ROUTES} are allowed (each is tried on every message)",
+                specs.len()
+            ),
+        ));
+    }
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let expression = Expr::parse_route(&spec.expression).map_err(|e| {
+                PolicyError::new(&format!("spec.routes[{i}].match"), e.to_string())
+            })?;
+            let path = Some(spec.path.as_str())
+                .filter(|p| p.starts_with('/'))
+                .and_then(|p| p.parse::<http::uri::PathAndQuery>().ok())
+                .map(http::Uri::from)
+                .ok_or_else(|| {
+                    PolicyError::new(
+                        &format!("spec.routes[{i}].path"),
+                        format!(
+                            "{:?} is not a path on the app; write one that starts with / such as /orders/big",
+                            spec.path
+                        ),
+                    )
+                })?;
+            Ok(Route { expression, path })
+        })
+        .collect()
+}

@@ -555,6 +555,22 @@ fn validation_rejects_nonsense() {
         ("paused: true\npausedUntil: tomorrow", "spec.pausedUntil"),
         ("maxAge: 0s", "spec.maxAge"),
         ("maxAge: 1d", "spec.maxAge"),
+        (
+            "routes: [{match: 'type ==', path: /a}]",
+            "spec.routes[0].match",
+        ),
+        (
+            "routes: [{match: 'true', path: /a}, {match: 'status == 500', path: /b}]",
+            "spec.routes[1].match",
+        ),
+        (
+            "routes: [{match: 'true', path: orders}]",
+            "spec.routes[0].path",
+        ),
+        (
+            "routes: [{match: 'true', path: '/a b'}]",
+            "spec.routes[0].path",
+        ),
     ];
     assert!(
         serde_saphyr::from_str::<RetryPolicySpec>("appDirectives: sometimes").is_err(),
@@ -650,4 +666,82 @@ fn code_match_parsing() {
     for bad in ["6xx", "5XX", "50", "5030", "abc", "", "0xx", "099"] {
         assert_eq!(CodeMatch::parse(bad), None, "{bad}");
     }
+}
+
+#[test]
+fn routes_pick_the_first_match_and_unrouted_says_the_rest() {
+    let spec = |yaml: &str| -> RetryPolicySpec { serde_saphyr::from_str(yaml).unwrap() };
+    let event = |kind: &str, total: i64| Message {
+        id: "1".into(),
+        body: Bytes::from(format!(
+            r#"{{"specversion":"1.0","type":"{kind}","source":"/shop","id":"e1","data":{{"total":{total}}}}}"#
+        )),
+        headers: vec![("content-type".into(), "application/cloudevents+json".into())],
+    };
+    let routes = "routes:\n\
+        - {match: 'type == \"order.created\" && data.total > 100', path: /big}\n\
+        - {match: 'type.startsWith(\"order.\")', path: '/orders?all=1'}\n\
+        - {match: 'data.total > \"ten\"', path: /never}\n";
+    let policy = Policy::from_spec("p", &spec(&format!("{routes}unrouted: dead-letter"))).unwrap();
+    let path = |choice: RouteChoice<'_>| match choice.routed {
+        Routed::Path(uri) => uri.to_string(),
+        other => format!("{other:?}"),
+    };
+    assert_eq!(
+        path(policy.route(&event("order.created", 150), "q", 1)),
+        "/big"
+    );
+    assert_eq!(
+        path(policy.route(&event("order.created", 50), "q", 1)),
+        "/orders?all=1"
+    );
+    let refund = policy.route(&event("refund.created", 50), "q", 1);
+    assert_eq!(refund.routed, Routed::DeadLetter);
+    // The third route compares an int with a string: an error, counted,
+    // and not a match.
+    assert_eq!((refund.unmatched, refund.errors), (true, 1));
+    let acking = Policy::from_spec("p", &spec(&format!("{routes}unrouted: ack"))).unwrap();
+    assert_eq!(
+        acking.route(&event("refund.created", 5), "q", 1).routed,
+        Routed::Ack
+    );
+    let defaulting = Policy::from_spec("p", &spec(routes)).unwrap();
+    assert_eq!(defaulting.unrouted, Unrouted::Default);
+    let choice = defaulting.route(&event("refund.created", 5), "q", 1);
+    assert_eq!((choice.routed, choice.unmatched), (Routed::Default, true));
+    // Without routes, every message goes to the app URL's path, unrouted
+    // or not.
+    let plain = Policy::from_spec("p", &spec("unrouted: dead-letter")).unwrap();
+    let choice = plain.route(&event("refund.created", 5), "q", 1);
+    assert_eq!((choice.routed, choice.unmatched), (Routed::Default, false));
+    // A route sees the queue, the attempt and the headers.
+    let by_record = Policy::from_spec(
+        "p",
+        &spec("routes: [{match: 'queue == \"q\" && attempts > 1 && headers[\"content-type\"].endsWith(\"json\")', path: /again}]"),
+    )
+    .unwrap();
+    assert_eq!(path(by_record.route(&event("x", 1), "q", 2)), "/again");
+    assert_eq!(path(by_record.route(&event("x", 1), "q", 1)), "Default");
+}
+
+#[test]
+fn a_route_names_only_what_a_message_has() {
+    let spec = |yaml: &str| -> RetryPolicySpec { serde_saphyr::from_str(yaml).unwrap() };
+    let err = Policy::from_spec("p", &spec("routes: [{match: 'reason == \"x\"', path: /a}]"))
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("\"reason\" describes a dead letter; a route sees only the message"),
+        "{text}"
+    );
+    assert!(
+        text.contains("the variables: queue, attempts, headers, body, type, source, subject, data"),
+        "{text}"
+    );
+    let many = (0..=MOST_ROUTES)
+        .map(|i| format!("{{match: 'true', path: /r{i}}}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let err = Policy::from_spec("p", &spec(&format!("routes: [{many}]"))).unwrap_err();
+    assert_eq!(err.field, "spec.routes", "{err}");
 }

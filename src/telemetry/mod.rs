@@ -86,6 +86,9 @@ pub struct Metrics {
     pub broker_read_errors: Family<QueueLabels, Counter>,
     pub concurrency_limit: Family<QueueLabels, Gauge>,
     pub dedup_hits: Family<QueueLabels, Counter>,
+    pub unrouted: Family<QueueLabels, Counter>,
+    pub filtered: Family<QueueLabels, Counter>,
+    pub route_errors: Family<QueueLabels, Counter>,
     /// 1 while the queue's RetryPolicy pauses it.
     pub paused: Family<QueueLabels, Gauge>,
     /// `rateLimit.perSecond` in force; 0 without a rate limit.
@@ -126,6 +129,9 @@ impl Metrics {
             broker_read_errors: Family::default(),
             concurrency_limit: Family::default(),
             dedup_hits: Family::default(),
+            unrouted: Family::default(),
+            filtered: Family::default(),
+            route_errors: Family::default(),
             paused: Family::default(),
             rate_limit: Family::default(),
             registry: Registry::default(),
@@ -248,6 +254,21 @@ impl Metrics {
             m.dedup_hits.clone(),
         );
         registry.register(
+            "unrouted",
+            "Messages none of the RetryPolicy's routes matched; spec.unrouted says what was done with them",
+            m.unrouted.clone(),
+        );
+        registry.register(
+            "filtered",
+            "Messages acked without reaching the app because no route matched them (spec.unrouted: ack)",
+            m.filtered.clone(),
+        );
+        registry.register(
+            "route_errors",
+            "Route conditions that failed to evaluate on a message (a type mismatch, say); that route did not take it",
+            m.route_errors.clone(),
+        );
+        registry.register(
             "paused",
             "1 while the queue's RetryPolicy pauses it (spec.paused): nothing is fetched",
             m.paused.clone(),
@@ -318,6 +339,9 @@ impl Metrics {
             retry_after_invalid: self.retry_after_invalid.get_or_create(&q).clone(),
             settle_errors: self.settle_errors.get_or_create(&q).clone(),
             dedup_hits: self.dedup_hits.get_or_create(&q).clone(),
+            unrouted: self.unrouted.get_or_create(&q).clone(),
+            filtered: self.filtered.get_or_create(&q).clone(),
+            route_errors: self.route_errors.get_or_create(&q).clone(),
             concurrency_limit: self.concurrency_limit.get_or_create(&q).clone(),
             app_up: self.app_up.clone(),
             paused: self.paused.get_or_create(&q).clone(),
@@ -385,6 +409,9 @@ pub struct QueueMetrics {
     pub retry_after_invalid: Counter,
     pub settle_errors: Counter,
     pub dedup_hits: Counter,
+    pub unrouted: Counter,
+    pub filtered: Counter,
+    pub route_errors: Counter,
     pub concurrency_limit: Gauge,
     pub app_up: Gauge,
     pub paused: Gauge,

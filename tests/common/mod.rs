@@ -111,6 +111,8 @@ pub struct Received {
     pub wall: SystemTime,
     pub headers: HashMap<String, String>,
     pub body: Bytes,
+    /// The request's path and query (`/orders?x=1`).
+    pub path: String,
 }
 
 impl Received {
@@ -187,6 +189,10 @@ impl TestApp {
             let received = received.clone();
             let (held, released) = (held.clone(), released.clone());
             async move {
+                let path = req
+                    .uri()
+                    .path_and_query()
+                    .map_or_else(|| "/".to_string(), |p| p.as_str().to_string());
                 let headers = req
                     .headers()
                     .iter()
@@ -212,6 +218,7 @@ impl TestApp {
                         wall,
                         headers,
                         body: body.clone(),
+                        path,
                     });
                     seen
                 };

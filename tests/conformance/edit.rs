@@ -41,6 +41,7 @@ impl OrdersApp {
             move |req: http::Request<hyper::body::Incoming>| {
                 let seen = seen.clone();
                 async move {
+                    let path = req.uri().path().to_string();
                     let headers = req
                         .headers()
                         .iter()
@@ -58,6 +59,7 @@ impl OrdersApp {
                         wall: SystemTime::now(),
                         headers,
                         body,
+                        path,
                     });
                     let (status, answer) = match amount {
                         Some(amount) if amount > 0.0 => (200, "taken"),

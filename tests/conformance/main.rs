@@ -57,6 +57,7 @@ mod only;
 mod process;
 mod replay_rate;
 mod replay_to;
+mod routing;
 mod seal;
 mod snapshot;
 
@@ -237,6 +238,7 @@ suite!(
         flow::pause_stops_deliveries_and_survives_a_restart if Nothing,
         flow::max_age_dead_letters_old_messages_as_expired if Nothing,
         flow::queue_scope_holds_the_total_across_replicas if SharedRateLimit,
+        routing::routes_send_messages_by_content_and_follow_live_edits if Nothing,
     ]
 );
 

@@ -142,15 +142,19 @@ pub enum DeadLetterReason {
     AppDeadLetter,
     /// Older than the policy's `maxAge` when read; never offered to the app.
     Expired,
+    /// No route matched and the policy's `unrouted` is `dead-letter`;
+    /// never offered to the app.
+    Unrouted,
 }
 
 impl DeadLetterReason {
-    pub const ALL: [DeadLetterReason; 5] = [
+    pub const ALL: [DeadLetterReason; 6] = [
         Self::PermanentStatus,
         Self::AttemptsExhausted,
         Self::Undeliverable,
         Self::AppDeadLetter,
         Self::Expired,
+        Self::Unrouted,
     ];
 
     /// The `reason` labels of every reason.
@@ -165,6 +169,7 @@ impl DeadLetterReason {
             Self::Undeliverable => "undeliverable",
             Self::AppDeadLetter => "app-dead-letter",
             Self::Expired => "expired",
+            Self::Unrouted => "unrouted",
         }
     }
 }

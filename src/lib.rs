@@ -22,11 +22,15 @@
 //! - [`dispatch`]: the one join: concurrency, the app-health gate, settling
 //!   and the graceful drain.
 //! - [`expr`]: the dead-letter expressions (CEL): which dead letters an
-//!   operator means, for `courier dlq --filter`.
+//!   operator means, for `courier dlq --filter`, and which messages a
+//!   route takes.
 //! - [`telemetry`]: Prometheus metrics, `/metrics`, `/healthz`, `/readyz`,
 //!   logging set-up, OpenTelemetry traces ([`telemetry::traces`]). A leaf:
 //!   it takes labels, not courier's types.
-//! - [`sidecar`]: wires one run of the pipeline together.
+//! - [`sidecar`]: wires one run of the pipeline together, one per
+//!   subscription when there are several.
+//! - [`subscriptions`]: the document that lists several queues for one
+//!   sidecar, read by `courier run` and checked by the injector.
 //! - [`inject`]: the admission webhook that adds the sidecar to pods.
 //! - [`cmd`]: the commands (`run`, `send`, `demo`, `dlq`, `inject`, `crd`),
 //!   their flags and exit codes; `main.rs` only calls [`cmd::main`].
@@ -43,4 +47,5 @@ pub use courier_core::model;
 pub mod policy;
 pub mod sidecar;
 pub mod source;
+pub mod subscriptions;
 pub mod telemetry;

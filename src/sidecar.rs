@@ -73,7 +73,9 @@ pub struct EndpointSettings {
 /// A sidecar ready to start; its metrics and health are readable from
 /// outside (the demo shows progress from them).
 pub struct Sidecar {
-    config: RunConfig,
+    /// One per subscription, at least one; the first's endpoint settings
+    /// serve them all (one port, one `/drain`, one `/readyz`).
+    configs: Vec<RunConfig>,
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
     /// A span per delivery attempt, for the trace export.
@@ -82,24 +84,39 @@ pub struct Sidecar {
 
 impl Sidecar {
     pub fn new(config: RunConfig) -> Self {
-        let metrics = Arc::new(Metrics::new());
-        // The series exist at zero from the start, for dashboards and rate().
-        metrics.for_queue(
-            &config.options.queue,
-            &Class::result_labels(),
-            &DeadLetterReason::labels(),
+        Self::with_subscriptions(vec![config])
+    }
+
+    /// A sidecar running every subscription of `configs` (at least one):
+    /// each with its own source, policy, dispatcher and app path, sharing
+    /// the process's metrics and its endpoint.
+    ///
+    /// # Panics
+    /// When `configs` is empty.
+    pub fn with_subscriptions(configs: Vec<RunConfig>) -> Self {
+        assert!(
+            !configs.is_empty(),
+            "a sidecar runs one subscription at least"
         );
+        let metrics = Arc::new(Metrics::new());
+        for config in &configs {
+            // The series exist at zero from the start, for dashboards and rate().
+            metrics.for_queue(
+                &config.options.queue,
+                &Class::result_labels(),
+                &DeadLetterReason::labels(),
+            );
+        }
         // Without --policy there is nothing to read: ready from the start.
-        metrics
-            .policy_ready
-            .set(i64::from(config.policy.cluster.is_none()));
+        let policy_free = configs.iter().all(|c| c.policy.cluster.is_none());
+        metrics.policy_ready.set(i64::from(policy_free));
         // Presumed up until a delivery or a check says otherwise, as the
         // gate does: a 0 before courier has even tried the app would blame
         // it (CourierAppDown) for a broker that cannot be reached.
         metrics.app_up.set(1);
         Self {
-            health: Arc::new(Health::new(config.endpoint.readiness)),
-            config,
+            health: Arc::new(Health::new(configs[0].endpoint.readiness)),
+            configs,
             metrics,
             traced: false,
         }
@@ -122,11 +139,10 @@ impl Sidecar {
         SocketAddr,
         tokio::task::JoinHandle<anyhow::Result<DrainReport>>,
     )> {
-        let listener = telemetry::bind(self.config.endpoint.listen)
+        let listen = self.configs[0].endpoint.listen;
+        let listener = telemetry::bind(listen)
             .await
-            .with_context(|| {
-                format!("cannot listen on --listen {}", self.config.endpoint.listen)
-            })?;
+            .with_context(|| format!("cannot listen on --listen {listen}"))?;
         let addr = listener.local_addr()?;
         let handle = tokio::spawn(self.run(listener, shutdown));
         Ok((addr, handle))
@@ -138,13 +154,13 @@ impl Sidecar {
         shutdown: CancellationToken,
     ) -> anyhow::Result<DrainReport> {
         let Self {
-            config,
+            configs,
             metrics,
             health,
             traced,
         } = self;
         let server_stop = CancellationToken::new();
-        let drain = Arc::new(Drain::new(config.endpoint.drain_token.clone()));
+        let drain = Arc::new(Drain::new(configs[0].endpoint.drain_token.clone()));
         let server = tokio::spawn(telemetry::serve(
             listener,
             metrics.clone(),
@@ -152,8 +168,12 @@ impl Sidecar {
             drain.clone(),
             server_stop.clone(),
         ));
-        let result =
-            run_sidecar(&config, &metrics, &health, traced, &drain, shutdown.clone()).await;
+        let result = match configs.as_slice() {
+            [config] => {
+                run_sidecar(config, &metrics, &health, traced, &drain, shutdown.clone()).await
+            }
+            many => run_subscriptions(many, &metrics, &health, traced, &drain, shutdown).await,
+        };
         drain.finish(match &result {
             Ok(report) => report.to_string(),
             Err(e) => format!("stopped: {e:#}\n"),
@@ -199,6 +219,106 @@ fn report_reloads(metrics: Arc<Metrics>, initial: Policy) -> impl FnMut(&Reload)
                 .get_or_create(&ResultLabels { result: "rejected" })
                 .inc();
         }
+    }
+}
+
+/// Every subscription at once, each with a `Health` and a `Drain` of its
+/// own: `/readyz` is ready when every one is (the process's [`Health`]
+/// asks its parts), a `/drain` drains every one and answers when all have
+/// finished. A subscription that cannot start at all (a configuration its
+/// broker refuses) stops the others: the pod restarts and says why, as
+/// with one queue. What goes wrong with one queue's messages or broker
+/// stays with that subscription.
+async fn run_subscriptions(
+    configs: &[RunConfig],
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+    traced: bool,
+    drain: &Arc<Drain>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<DrainReport> {
+    let stop = shutdown.child_token();
+    let parts: Vec<(Arc<Health>, Arc<Drain>)> = configs
+        .iter()
+        .map(|c| {
+            let health = Arc::new(Health::new(c.endpoint.readiness));
+            (health, Arc::new(Drain::new(None)))
+        })
+        .collect();
+    health.set_parts(
+        configs
+            .iter()
+            .zip(&parts)
+            .map(|(c, (part, _))| (c.options.queue.clone(), part.clone()))
+            .collect(),
+    );
+    // The process's own part of readiness: the subscriptions say the rest.
+    health.set_ready(true);
+    let fan_in = tokio::spawn(drain_every_subscription(
+        drain.clone(),
+        configs
+            .iter()
+            .zip(&parts)
+            .map(|(c, (_, part))| (c.options.queue.clone(), part.clone()))
+            .collect(),
+        health.clone(),
+        metrics.clone(),
+    ));
+    let runs = configs
+        .iter()
+        .zip(&parts)
+        .map(|(config, (part, part_drain))| {
+            let stop = stop.clone();
+            async move {
+                let result = run_sidecar(config, metrics, part, traced, part_drain, stop.clone())
+                    .await
+                    .with_context(|| format!("subscription {}", config.options.queue));
+                if result.is_err() {
+                    stop.cancel();
+                }
+                result
+            }
+        });
+    let results = futures::future::join_all(runs).await;
+    fan_in.abort();
+    let mut report = DrainReport {
+        finished: 0,
+        abandoned: 0,
+    };
+    for result in results {
+        let one = result?;
+        report.finished += one.finished;
+        report.abandoned += one.abandoned;
+    }
+    Ok(report)
+}
+
+/// A `/drain` of the process drains every subscription: each is asked, the
+/// answer waits for all and names each queue's count, and the round ends
+/// once every subscription has resumed (no SIGTERM followed).
+async fn drain_every_subscription(
+    drain: Arc<Drain>,
+    parts: Vec<(String, Arc<Drain>)>,
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+) {
+    loop {
+        drain.start_pulling().cancelled().await;
+        for (_, part) in &parts {
+            part.ask();
+        }
+        let summaries =
+            futures::future::join_all(parts.iter().map(|(_, part)| part.finished())).await;
+        let summary: String = parts
+            .iter()
+            .zip(summaries)
+            .map(|((queue, _), summary)| format!("{queue}: {summary}"))
+            .collect();
+        drain.finish(summary);
+        futures::future::join_all(parts.iter().map(|(_, part)| part.resumed())).await;
+        health.set_draining(false);
+        metrics.draining.set(0);
+        drain.resume();
     }
 }
 

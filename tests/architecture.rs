@@ -21,6 +21,8 @@ fn allowed(from: &str) -> Option<&'static [&'static str]> {
         "policy" => &["model", "duration", "expr"],
         // The HTTP client knows messages, not brokers.
         "forward" => &["model"],
+        // The subscriptions document: a form, checked by the injector and
+        // by `courier run` alike (the `_` arm gives it no imports).
         // The dead-letter expressions: a letter in, a verdict out; the
         // CloudEvents binding says which headers are an event's.
         "expr" => &["model", "forward"],
@@ -49,7 +51,7 @@ fn allowed(from: &str) -> Option<&'static [&'static str]> {
         ],
         // The webhook: its own settings; which URL schemes exist comes from
         // the broker table, never from a broker module.
-        "inject" => &["duration", "telemetry", "source", "model"],
+        "inject" => &["duration", "telemetry", "source", "model", "subscriptions"],
         "cmd" | "lib" | "main" => return None,
         _ => return Some(&[]),
     })

@@ -23,7 +23,16 @@ pub struct SourceArgs {
     pub source: String,
     /// Queue to consume: the Redis stream key, the RabbitMQ queue, the NATS stream, the Kafka
     /// topic, the SQS queue name or URL, the Pub/Sub subscription, the embedded queue name.
-    #[arg(long, env = "COURIER_QUEUE")]
+    /// Required, except by `courier run` with --subscriptions-file or COURIER_SUBSCRIPTIONS.
+    // Not required by clap: `run` takes its queues from a subscriptions
+    // document instead, which clap cannot see; `check_queue` says it is
+    // missing everywhere else.
+    #[arg(
+        long,
+        env = "COURIER_QUEUE",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub queue: String,
     /// PEM file of the CA that signed the broker's certificate, for rediss://, amqps:// and NATS
     /// tls:// [default: the system's root certificates].
@@ -320,7 +329,7 @@ pub fn parse_header(text: &str) -> Result<(String, String), String> {
 pub fn check_queue(queue: &str) -> Result<(), UsageError> {
     if queue.trim().is_empty() {
         return Err(UsageError(
-            "--queue is empty; name the stream or queue to consume".into(),
+            "--queue is empty or not given; name the stream or queue to consume (or set COURIER_QUEUE)".into(),
         ));
     }
     Ok(())

@@ -172,7 +172,7 @@ async fn dispatch(
     traces: Option<telemetry::traces::Traces>,
 ) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run(args) => run::run(run::config(&args)?, traces).await,
+        Command::Run(args) => run::run(run::configs(&args)?, traces).await,
         Command::Send(args) => send::run(args).await,
         Command::Crd => crd::run(),
         #[cfg(feature = "embedded")]

@@ -17,6 +17,7 @@ use crate::duration;
 use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
 use crate::sidecar::{EndpointSettings, PolicySettings, RunConfig, Sidecar};
+use crate::subscriptions::{Subscription, SubscriptionsDocument};
 
 use crate::source::{
     LiveSettings, MAX_UNSETTLED, Ordering, QueueType, SourceOptions, default_consumer_name,
@@ -131,6 +132,96 @@ pub struct RunArgs {
     /// message as it is).
     #[arg(long, env = "COURIER_CLOUDEVENTS", value_enum, default_value_t = CloudEventsMode::Binary)]
     pub cloudevents: CloudEventsMode,
+    /// A YAML file listing several queues for this one sidecar
+    /// (`subscriptions:`, each entry with `queue` and optionally `source`,
+    /// `group`, `app` or `path`, `policy` or `policyFile`, `concurrency`,
+    /// `create`);
+    /// what an entry leaves out comes from the other flags. Instead of
+    /// --queue. docs/subscriptions.md has the form.
+    #[arg(
+        long,
+        env = "COURIER_SUBSCRIPTIONS_FILE",
+        conflicts_with = "subscriptions"
+    )]
+    pub subscriptions_file: Option<PathBuf>,
+    /// The same document as --subscriptions-file, as text (the injector
+    /// passes the pod's courier.dev/subscriptions annotation here).
+    #[arg(long, env = "COURIER_SUBSCRIPTIONS", hide_env_values = true)]
+    pub subscriptions: Option<String>,
+}
+
+/// Every subscription of `courier run`: the one of `--queue`, or one per
+/// entry of the subscriptions document, each checked as the flags are, with
+/// what an entry leaves out taken from the flags.
+pub fn configs(args: &RunArgs) -> Result<Vec<RunConfig>, UsageError> {
+    let (what, text) = match (&args.subscriptions_file, &args.subscriptions) {
+        (None, None) => return Ok(vec![config(args)?]),
+        (Some(path), _) => (
+            format!("--subscriptions-file {}", path.display()),
+            std::fs::read_to_string(path).map_err(|e| {
+                UsageError(format!(
+                    "--subscriptions-file {}: cannot read it: {e}",
+                    path.display()
+                ))
+            })?,
+        ),
+        (None, Some(text)) => ("COURIER_SUBSCRIPTIONS".to_string(), text.clone()),
+    };
+    if !args.source.queue.is_empty() {
+        return Err(UsageError(format!(
+            "--queue {:?} and {what} both name queues; list every queue in the subscriptions, and leave --queue out",
+            args.source.queue
+        )));
+    }
+    let document = SubscriptionsDocument::parse(&text)
+        .map_err(|problem| UsageError(format!("{what}: {problem}")))?;
+    document
+        .subscriptions
+        .iter()
+        .enumerate()
+        .map(|(i, sub)| {
+            config(&subscription_args(args, sub)?).map_err(|UsageError(problem)| {
+                UsageError(format!(
+                    "{what}: subscriptions[{i}] (queue {}): {problem}",
+                    sub.queue
+                ))
+            })
+        })
+        .collect()
+}
+
+/// The flags as they read for one subscription: its entry's settings over
+/// the command line's.
+fn subscription_args(args: &RunArgs, sub: &Subscription) -> Result<RunArgs, UsageError> {
+    let mut one = args.clone();
+    one.subscriptions_file = None;
+    one.subscriptions = None;
+    one.source.queue = sub.queue.clone();
+    if let Some(source) = &sub.source {
+        one.source.source = source.clone();
+    }
+    if let Some(group) = &sub.group {
+        one.group = group.clone();
+    }
+    if let Some(app) = &sub.app {
+        one.app = app.clone();
+    }
+    if let Some(path) = &sub.path {
+        let app = parse_app(&args.app)?;
+        let authority = app.authority().map(|a| a.as_str()).unwrap_or_default();
+        one.app = format!("http://{authority}{path}");
+    }
+    if sub.policy.is_some() || sub.policy_file.is_some() {
+        one.policy = sub.policy.clone();
+        one.policy_file = sub.policy_file.clone();
+    }
+    if let Some(concurrency) = sub.concurrency {
+        one.concurrency = concurrency;
+    }
+    if let Some(create) = sub.create {
+        one.create = create;
+    }
+    Ok(one)
 }
 
 /// Checks every flag of `courier run` into the config the sidecar runs with.
@@ -237,13 +328,14 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
     })
 }
 
-/// Runs the sidecar until SIGTERM has drained it; with `traces`, the spans
-/// of the last deliveries are exported before the process exits.
-pub async fn run(config: RunConfig, traces: Option<Traces>) -> anyhow::Result<ExitCode> {
+/// Runs the sidecar, with every subscription of `configs`, until SIGTERM
+/// has drained it; with `traces`, the spans of the last deliveries are
+/// exported before the process exits.
+pub async fn run(configs: Vec<RunConfig>, traces: Option<Traces>) -> anyhow::Result<ExitCode> {
     let shutdown = CancellationToken::new();
     // Listening for signals first: a SIGTERM during start-up drains too.
     let signals = tokio::spawn(wait_for_signal(shutdown.clone()));
-    let sidecar = Sidecar::new(config).traced(traces.is_some());
+    let sidecar = Sidecar::with_subscriptions(configs).traced(traces.is_some());
     let result = async {
         let (addr, sidecar) = sidecar.start(shutdown.clone()).await?;
         tracing::info!(%addr, "serving /metrics, /healthz, /readyz and /drain");

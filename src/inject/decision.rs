@@ -426,7 +426,12 @@ fn sidecar_container(settings: &Settings, defaults: &SidecarDefaults) -> Value {
         }
     }
     let mut var = |name: &str, value: String| env.push(json!({"name": name, "value": value}));
-    var("COURIER_QUEUE", settings.queue.clone());
+    if let Some(queue) = &settings.queue {
+        var("COURIER_QUEUE", queue.clone());
+    }
+    if let Some(subscriptions) = &settings.subscriptions {
+        var("COURIER_SUBSCRIPTIONS", subscriptions.clone());
+    }
     if let Some(group) = &settings.group {
         var("COURIER_GROUP", group.clone());
     }

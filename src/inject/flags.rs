@@ -129,6 +129,7 @@ pub const PASSTHROUGH: &[Passthrough] = &[
 pub const ANNOTATED: &[(&str, &str)] = &[
     ("source", "courier.dev/source, courier.dev/source-secret"),
     ("queue", "courier.dev/queue"),
+    ("subscriptions", "courier.dev/subscriptions"),
     ("group", "courier.dev/group"),
     ("app", "courier.dev/app-port, courier.dev/app-url"),
     ("policy", "courier.dev/policy"),
@@ -158,6 +159,10 @@ pub const NOT_ANNOTATIONS: &[(&str, &str)] = &[
     (
         "policy-file",
         "a file in the sidecar's image; in a cluster the policy is a RetryPolicy (courier.dev/policy)",
+    ),
+    (
+        "subscriptions-file",
+        "a file in the sidecar's image; in a pod, courier.dev/subscriptions carries the same document",
     ),
     (
         "depth-interval",

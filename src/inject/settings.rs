@@ -49,8 +49,12 @@ pub mod annotations {
     pub const SOURCE_SECRET: &str = "courier.dev/source-secret";
     /// The key in that Secret; `url` when not given.
     pub const SOURCE_SECRET_KEY: &str = "courier.dev/source-secret-key";
-    /// Queue (stream, subject) to consume. Required.
+    /// Queue (stream, subject) to consume. Required, unless
+    /// [`SUBSCRIPTIONS`] lists the queues.
     pub const QUEUE: &str = "courier.dev/queue";
+    /// Several queues for the one sidecar: the subscriptions document
+    /// (YAML), passed as `COURIER_SUBSCRIPTIONS`.
+    pub const SUBSCRIPTIONS: &str = "courier.dev/subscriptions";
     /// Consumer group; courier's default (`courier`) when not given.
     pub const GROUP: &str = "courier.dev/group";
     /// Port the app listens on, on localhost.
@@ -204,7 +208,9 @@ impl SidecarDefaults {
 #[derive(Debug, Clone)]
 pub(super) struct Settings {
     pub(super) source: SourceSetting,
-    pub(super) queue: String,
+    /// `courier.dev/queue`, or else the subscriptions document.
+    pub(super) queue: Option<String>,
+    pub(super) subscriptions: Option<String>,
     pub(super) group: Option<String>,
     pub(super) app: Option<String>,
     pub(super) policy: Option<String>,
@@ -253,8 +259,21 @@ pub(super) fn read_settings(
 
     let mut missing = Vec::new();
     let queue = get(a::QUEUE);
-    if queue.is_none() {
-        missing.push(a::QUEUE.to_string());
+    let subscriptions = get(a::SUBSCRIPTIONS);
+    match (queue, subscriptions) {
+        (None, None) => missing.push(format!("{} (or {})", a::QUEUE, a::SUBSCRIPTIONS)),
+        (Some(_), Some(_)) => problems.push(format!(
+            "{} and {} are both set; keep one (list every queue in {})",
+            a::QUEUE,
+            a::SUBSCRIPTIONS,
+            a::SUBSCRIPTIONS
+        )),
+        (None, Some(text)) => {
+            if let Err(problem) = crate::subscriptions::SubscriptionsDocument::parse(text) {
+                problems.push(format!("{}: {problem}", a::SUBSCRIPTIONS));
+            }
+        }
+        (Some(_), None) => {}
     }
     let source = match (get(a::SOURCE), get(a::SOURCE_SECRET)) {
         (Some(_), Some(_)) => {
@@ -409,10 +428,11 @@ pub(super) fn read_settings(
         Vec::new()
     });
 
-    match (queue, source) {
-        (Some(queue), Some(source)) if problems.is_empty() => Ok(Settings {
+    match (queue.or(subscriptions), source) {
+        (Some(_), Some(source)) if problems.is_empty() => Ok(Settings {
             source,
-            queue: queue.to_string(),
+            queue: queue.map(str::to_string),
+            subscriptions: subscriptions.map(str::to_string),
             group: get(a::GROUP).map(str::to_string),
             app,
             policy: get(a::POLICY).map(str::to_string),

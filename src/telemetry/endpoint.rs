@@ -137,12 +137,20 @@ impl Drain {
         self.done.send_replace(None);
     }
 
-    async fn finished(&self) -> String {
+    /// What the round's drain answers, once it has finished.
+    pub async fn finished(&self) -> String {
         let mut done = self.done.subscribe();
         match done.wait_for(Option::is_some).await {
             Ok(summary) => summary.clone().unwrap_or_default(),
             Err(_) => "stopped\n".into(),
         }
+    }
+
+    /// Resolves once no drain is under way or finished: the round ended,
+    /// and pulling started again.
+    pub async fn resumed(&self) {
+        let mut done = self.done.subscribe();
+        let _ = done.wait_for(Option::is_none).await;
     }
 
     /// Who may drain: with a token, whoever presents it (`Authorization:

@@ -8,6 +8,7 @@ pub mod traces;
 
 pub use endpoint::{Drain, EndpointLimits, IDLE_DRAIN, bind, serve, serve_http, serve_within};
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -483,6 +484,9 @@ pub struct Health {
     policy_problem: std::sync::Mutex<Option<String>>,
     /// Why the source cannot be opened, while it cannot.
     source_problem: std::sync::Mutex<Option<String>>,
+    /// With several subscriptions, each one's health by its queue: ready
+    /// only when every one is.
+    parts: std::sync::OnceLock<Vec<(String, Arc<Health>)>>,
 }
 
 impl Health {
@@ -491,6 +495,12 @@ impl Health {
             readiness,
             ..Self::default()
         }
+    }
+
+    /// The subscriptions' own health, by queue, which `/readyz` asks too.
+    /// Set once.
+    pub fn set_parts(&self, parts: Vec<(String, Arc<Health>)>) {
+        let _ = self.parts.set(parts);
     }
 
     /// Started (the source is open) or stopped.
@@ -540,8 +550,18 @@ impl Health {
             .unwrap_or_else(|e| e.into_inner()) = problem;
     }
 
-    /// Why `/readyz` fails, or `None` when ready.
+    /// Why `/readyz` fails, or `None` when ready: this health's own
+    /// reason, else the first subscription's that is not ready.
     pub fn not_ready(&self) -> Option<String> {
+        self.own_not_ready().or_else(|| {
+            self.parts.get()?.iter().find_map(|(queue, part)| {
+                part.not_ready()
+                    .map(|reason| format!("subscription {queue}: {reason}"))
+            })
+        })
+    }
+
+    fn own_not_ready(&self) -> Option<String> {
         let is = |flag: &AtomicBool| flag.load(Ordering::SeqCst);
         if is(&self.draining) {
             return Some("draining: not pulling, finishing the deliveries in flight".into());

@@ -230,6 +230,74 @@ fn the_queue_is_required() {
 }
 
 #[test]
+fn a_bad_subscriptions_document_is_refused_with_where() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("subscriptions.yaml");
+    let path = file.display().to_string();
+    for target in Target::all() {
+        let source = target.source();
+        let rows: [(&str, &[&str]); 5] = [
+            (
+                "subscriptions:\n  - queue: a\n  - queue: a\n",
+                &[
+                    "--subscriptions-file",
+                    "subscriptions[1]",
+                    "already subscriptions[0]'s",
+                ],
+            ),
+            (
+                "subscriptions:\n  - queue: a\n    colour: red\n",
+                &[
+                    "--subscriptions-file",
+                    "not a subscriptions document",
+                    "colour",
+                ],
+            ),
+            (
+                "subscriptions:\n  - queue: a\n  - queue: b\n    app: ftp://x/\n",
+                &["subscriptions[1] (queue b)", "--app"],
+            ),
+            (
+                "subscriptions:\n  - queue: a\n    policyFile: /nonexistent/p.yaml\n",
+                &["subscriptions[0] (queue a)", "/nonexistent/p.yaml"],
+            ),
+            ("subscriptions: []\n", &["`subscriptions` is empty"]),
+        ];
+        for (document, words) in rows {
+            std::fs::write(&file, document).unwrap();
+            let stderr = refused_run(&["--source", &source, "--subscriptions-file", &path]);
+            assert_mentions(&stderr, words);
+        }
+        let stderr = refused_run_with_env(
+            &["--source", &source, "--queue", "orders"],
+            &[(
+                "COURIER_SUBSCRIPTIONS",
+                "subscriptions:\n  - queue: refunds\n",
+            )],
+        );
+        assert_mentions(
+            &stderr,
+            &[
+                "--queue \"orders\"",
+                "COURIER_SUBSCRIPTIONS",
+                "both name queues",
+            ],
+        );
+        let stderr = refused_run(&[
+            "--source",
+            &source,
+            "--subscriptions-file",
+            "/nonexistent/s.yaml",
+        ]);
+        assert_mentions(
+            &stderr,
+            &["--subscriptions-file /nonexistent/s.yaml: cannot read it"],
+        );
+        target.assert_untouched();
+    }
+}
+
+#[test]
 fn an_unreadable_policy_file_is_named() {
     let unreadable = tempfile::tempdir().unwrap();
     let directory = unreadable.path().display().to_string();

@@ -614,7 +614,28 @@ pub struct Running {
 
 impl Running {
     pub async fn start(config: RunConfig) -> Self {
-        let sidecar = Sidecar::new(config);
+        Self::start_all(vec![config]).await
+    }
+
+    /// [`Running::start`] with `config`'s queue as the second of two
+    /// subscriptions of one sidecar. The first consumes a queue of its own
+    /// on the same broker (`<queue>-first`, created, in a group of its own,
+    /// with the default policy), so that every scenario that runs this way
+    /// also shows a subscription working beside another (issue 32).
+    pub async fn start_second_of_two(config: RunConfig) -> Self {
+        let mut first = config.clone();
+        first.options.queue = format!("{}-first", config.options.queue);
+        first.options.group = format!("{}-first", config.options.group);
+        first.options.create = true;
+        first.options.live.dead_letter_queue =
+            Policy::default().dead_letter_queue_for(&first.options.queue);
+        first.policy = PolicySettings::fixed(Policy::default());
+        Self::start_all(vec![first, config]).await
+    }
+
+    /// One sidecar running every subscription of `configs`.
+    pub async fn start_all(configs: Vec<RunConfig>) -> Self {
+        let sidecar = Sidecar::with_subscriptions(configs);
         let metrics = sidecar.metrics.clone();
         let stop = CancellationToken::new();
         let (metrics_addr, handle) = sidecar
@@ -823,6 +844,29 @@ pub fn run_args(
     consumer: &str,
 ) -> Vec<String> {
     run_args_for(fixture, &app.url(), policy_file, consumer)
+}
+
+/// [`run_args`] with `fixture`'s queue as the second of two subscriptions
+/// (`--subscriptions`), the first on a queue of its own as in
+/// [`Running::start_second_of_two`].
+pub fn run_args_second_of_two(
+    fixture: &Fixture,
+    app: &TestApp,
+    policy_file: &Path,
+    consumer: &str,
+) -> Vec<String> {
+    let mut args = run_args(fixture, app, policy_file, consumer);
+    let at = args.iter().position(|a| a == "--queue").expect("--queue");
+    args.drain(at..at + 2);
+    let first = format!("{}-first", fixture.queue);
+    args.extend([
+        "--subscriptions".to_string(),
+        format!(
+            "subscriptions:\n  - queue: {first:?}\n    group: courier-first\n    create: true\n  - queue: {:?}\n",
+            fixture.queue
+        ),
+    ]);
+    args
 }
 
 /// [`run_args`] for an app at `app_url` that is not a [`TestApp`] (or not

@@ -39,7 +39,7 @@ pub async fn an_idempotency_key_http_cannot_carry_is_undeliverable(fixture: Fixt
     }
     producer.send("first", &bad).await;
     producer.send("second", &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert!(
@@ -74,7 +74,7 @@ pub async fn more_headers_than_the_cap_is_undeliverable(fixture: Fixture) {
     );
     producer.send(event.clone(), &[]).await;
     producer.send("after the wide one", &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert!(
@@ -100,7 +100,7 @@ pub async fn a_header_named_payload_is_a_header(fixture: Fixture) {
     let producer = fixture.producer().await;
     let header = [("payload".to_string(), "not the body".to_string())];
     producer.send("the body", &header).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     let received = app.received();
@@ -121,7 +121,7 @@ pub async fn an_unreadable_retry_after_is_ignored_and_counted(fixture: Fixture) 
     let producer = fixture.producer().await;
     let body = "script:503rasoon,200";
     producer.send(body, &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     let text = scrape(running.metrics_addr).await;
     running.stop().await;
@@ -162,7 +162,7 @@ pub async fn a_huge_answer_is_cut_to_the_excerpt(fixture: Fixture) {
     let source = fixture.open().await;
     let producer = fixture.producer().await;
     producer.send("an order the app refuses", &[]).await;
-    let running = Running::start(run_config_for(&fixture, &url, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config_for(&fixture, &url, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     let letter = only_dead_letter(&source, &fixture).await;
@@ -197,7 +197,7 @@ pub async fn header_values_with_line_breaks_and_non_ascii_survive(fixture: Fixtu
     let carries_crlf = headers.iter().any(|(name, _)| name == "x-note");
     producer.send("script:503,200\nretried", &headers).await;
     producer.send("script:400\nrefused", &headers).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
 

@@ -18,7 +18,7 @@ async fn duplicates_reaching_the_app(
     let key = [("idempotency-key".to_string(), "charge-7".to_string())];
     let mut config = run_config(&fixture, &app, fast_policy());
     config.delivery.dedup_window = window;
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     producer.send("charge 7", &key).await;
     wait_for("the first delivery", Duration::from_secs(10), async || {
         app.received_body(b"charge 7").len() == 1
@@ -60,7 +60,7 @@ pub async fn the_window_expires(fixture: Fixture) {
     let key = [("idempotency-key".to_string(), "charge-8".to_string())];
     let mut config = run_config(&fixture, &app, fast_policy());
     config.delivery.dedup_window = Some(Duration::from_millis(300));
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     producer.send("charge 8", &key).await;
     wait_settled(&source, Duration::from_secs(10)).await;
     // The broker forgets the key when the window is over.
@@ -93,7 +93,7 @@ pub async fn without_support_the_window_is_off_with_a_warning(fixture: Fixture) 
     producer.release(&fixture).await;
     let dir = tempfile::tempdir().unwrap();
     let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
-    let mut args = run_args(&fixture, &app, &policy, "no-dedup");
+    let mut args = run_args_second_of_two(&fixture, &app, &policy, "no-dedup");
     args.extend(["--dedup-window", "30s"].map(str::to_string));
     let mut courier = CourierProcess::run(&args);
     let warning = courier.wait_log(WARNING, Duration::from_secs(30)).await;

@@ -65,7 +65,7 @@ pub async fn classification_table(fixture: Fixture) {
     for (script, _, _) in rows {
         ids.push(producer.send(format!("script:{script}"), &[]).await);
     }
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     for ((script, deliveries, reason), id) in rows.iter().zip(&ids) {
@@ -107,7 +107,7 @@ pub async fn retry_after_is_honored(fixture: Fixture) {
     let producer = fixture.producer().await;
     producer.send("script:429ra1,200", &[]).await;
     producer.send("script:503ra1,200", &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     for body in ["script:429ra1,200", "script:503ra1,200"] {
@@ -147,7 +147,7 @@ pub async fn headers_and_idempotency(fixture: Fixture) {
         .filter(|(name, value)| producer.carries(name, value))
         .collect();
     producer.send("script:500,200", &headers).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
 
@@ -197,7 +197,7 @@ pub async fn attempts_exhausted(fixture: Fixture) {
     let source = fixture.open().await;
     let producer = fixture.producer().await;
     let id = producer.send("script:503", &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_eq!(app.received_body(b"script:503").len(), 3);
@@ -226,7 +226,7 @@ pub async fn permanent_status(fixture: Fixture) {
     let source = fixture.open().await;
     let producer = fixture.producer().await;
     let id = producer.send("script:400", &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_eq!(app.received_body(b"script:400").len(), 1);
@@ -250,7 +250,7 @@ pub async fn acked_exactly_once(fixture: Fixture) {
     for i in 0..n {
         producer.send(format!("message {i}"), &[]).await;
     }
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     let depth = wait_settled(&source, SETTLE).await;
     // The counter moves just after the broker confirms the ack, which on
     // a loaded machine can come seconds after the depth reads 0 (SQS at
@@ -300,7 +300,7 @@ pub async fn bodies_are_bytes(fixture: Fixture) {
     let big_id = producer.send(big.clone(), &[]).await;
     let mut config = run_config(&fixture, &app, fast_policy());
     config.options.max_body = 1024;
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_eq!(
@@ -332,7 +332,7 @@ pub async fn unreachable_app_uses_no_attempts(fixture: Fixture) {
     let addr = first.addr.to_string();
     let source = fixture.open().await;
     let producer = fixture.producer().await;
-    let running = Running::start(run_config(&fixture, &first, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &first, fast_policy())).await;
     // The answer closes its connection, so courier keeps none open to the
     // app: a request written on a pooled connection while the app goes away
     // is cut off, a lost connection, which rightly uses an attempt.
@@ -396,7 +396,7 @@ pub async fn policy_file_reload(fixture: Fixture) {
     let producer = fixture.producer().await;
     let mut config = run_config(&fixture, &app, courier::policy::file::load(&path).unwrap());
     config.policy.file = Some(path.clone());
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     // Each message ends as a dead letter; waiting for it, not only for a
     // settled depth, because a depth read can fall between two queues: on
     // RabbitMQ a message expiring from a delay tier is in neither the tier
@@ -481,7 +481,7 @@ pub async fn a_live_lower_max_attempts_exhausts_attempts(fixture: Fixture) {
     let producer = fixture.producer().await;
     let mut config = run_config(&fixture, &app, courier::policy::file::load(&path).unwrap());
     config.policy.file = Some(path.clone());
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     let body = b"script:503\nlowered";
     let id = producer.send(&body[..], &[]).await;
     wait_for("five attempts", Duration::from_secs(20), async || {
@@ -529,7 +529,7 @@ pub async fn dead_letters_are_readable_with_the_brokers_own_client(fixture: Fixt
     let id = producer
         .send(body.clone(), &[("x-tenant".into(), "acme".into())])
         .await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     let letters = fixture.read_dead_letters().await;

@@ -27,7 +27,7 @@ pub async fn waiting_messages_show_as_depth_and_age(fixture: Fixture) {
     policy.timeout = Duration::from_secs(20);
     let mut config = run_config(&fixture, &app, policy);
     config.options.concurrency = 1;
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     let queue = fixture.queue.clone();
     // SQS tells no age without receiving the message (CloudWatch has it);
     // Pub/Sub cannot tell a message waiting from one with an app.

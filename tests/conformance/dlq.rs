@@ -51,7 +51,7 @@ impl<'a> Beside<'a> {
         if self.running.is_none() {
             let source = self.fixture.open().await;
             let config = run_config_for(self.fixture, &self.app_url, fast_policy());
-            self.running = Some((Running::start(config).await, source));
+            self.running = Some((Running::start_second_of_two(config).await, source));
         }
         self.running.as_ref().unwrap().1.clone()
     }
@@ -202,7 +202,7 @@ pub(crate) async fn drain(fixture: &Fixture, app: &TestApp) {
     // back (CI at 5f5d3ca: 3 replayed messages left in the work queue). So
     // the sidecar runs again until a stop leaves nothing ready.
     for _ in 0..5 {
-        let running = Running::start(run_config(fixture, app, fast_policy())).await;
+        let running = Running::start_second_of_two(run_config(fixture, app, fast_policy())).await;
         wait_settled(&source, SETTLE).await;
         running.stop().await;
         if source.depth().await.is_ok_and(|d| d.ready == Some(0)) {
@@ -269,7 +269,7 @@ pub async fn list_show_replay_purge(fixture: Fixture) {
         let source = fixture.open().await;
         let mut config = run_config(&fixture, &app, fast_policy());
         config.options.max_body = 2048;
-        let running = Running::start(config).await;
+        let running = Running::start_second_of_two(config).await;
         wait_settled(&source, SETTLE).await;
         running.stop().await;
     }
@@ -1023,7 +1023,7 @@ pub async fn a_key_rotation_keeps_copies_sealed_within_the_window(fixture: Fixtu
     }
     let mut config = run_config(&fixture, &app, fast_policy());
     config.options.seal = Some(seal(&old_file, hour));
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     wait_for("both dead-lettered", SETTLE, async || {
         source
             .dead_letters(&fixture.dlq(), 10)
@@ -1055,7 +1055,7 @@ pub async fn a_key_rotation_keeps_copies_sealed_within_the_window(fixture: Fixtu
     let source = fixture.open_sealed(seal(&rotated, 2 * hour)).await;
     let mut config = run_config(&fixture, &app, fast_policy());
     config.options.seal = Some(seal(&rotated, 2 * hour));
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     wait_for("both replays delivered", SETTLE, async || {
         bodies
             .iter()

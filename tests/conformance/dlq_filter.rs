@@ -110,7 +110,7 @@ pub async fn dlq_filter_selects_by_reason_status_header_and_body(fixture: Fixtur
         let source = fixture.open().await;
         let mut config = run_config_for(&fixture, &app_url, fast_policy());
         config.options.max_body = 2048;
-        let running = Running::start(config).await;
+        let running = Running::start_second_of_two(config).await;
         wait_for("five dead letters", SETTLE, async || {
             source
                 .dead_letters(&fixture.dlq(), 10)

@@ -88,7 +88,7 @@ pub async fn rate_limit_paces_deliveries_and_follows_a_live_edit(fixture: Fixtur
     let app = TestApp::start().await;
     let producer = fixture.producer().await;
     backlog(&producer, "paced-", backlog_size).await;
-    let running = Running::start(following(&fixture, &app, &path, 16)).await;
+    let running = Running::start_second_of_two(following(&fixture, &app, &path, 16)).await;
     let minute = window_from_the_first(&app, Duration::from_secs(60)).await;
     let expected = per_second * 60.0;
     let busiest = busiest_second(&minute);
@@ -152,7 +152,7 @@ pub async fn pause_stops_deliveries_and_survives_a_restart(fixture: Fixture) {
     let app = TestApp::start().await;
     let source = fixture.open().await;
     let producer = fixture.producer().await;
-    let running = Running::start(following(&fixture, &app, &path, 4)).await;
+    let running = Running::start_second_of_two(following(&fixture, &app, &path, 4)).await;
     for i in 0..4 {
         producer
             .send(format!("script:sleep1500\nslow-{i}"), &[])
@@ -206,7 +206,7 @@ pub async fn pause_stops_deliveries_and_survives_a_restart(fixture: Fixture) {
     running.stop().await;
 
     // The pause is in the policy, so a restarted sidecar starts paused.
-    let running = Running::start(following(&fixture, &app, &path, 4)).await;
+    let running = Running::start_second_of_two(following(&fixture, &app, &path, 4)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let metrics = scrape(running.metrics_addr).await;
     assert_eq!(
@@ -261,7 +261,7 @@ pub async fn max_age_dead_letters_old_messages_as_expired(fixture: Fixture) {
     let source = fixture.open().await;
     let old = fixture.send(&source, "old").await;
     tokio::time::sleep(Duration::from_millis(5500)).await;
-    let running = Running::start(following(&fixture, &app, &path, 4)).await;
+    let running = Running::start_second_of_two(following(&fixture, &app, &path, 4)).await;
     let expired = async |n: f64| {
         wait_for("the expired letters", Duration::from_secs(30), async || {
             series(
@@ -327,7 +327,7 @@ pub async fn queue_scope_holds_the_total_across_replicas(fixture: Fixture) {
     backlog(&producer, "shared-", 700).await;
     let mut replicas = Vec::new();
     for _ in 0..3 {
-        replicas.push(Running::start(following(&fixture, &app, &path, 8)).await);
+        replicas.push(Running::start_second_of_two(following(&fixture, &app, &path, 8)).await);
     }
     let window = window_from_the_first(&app, Duration::from_secs(20)).await;
     let mut per_replica = Vec::new();

@@ -60,6 +60,7 @@ mod replay_to;
 mod routing;
 mod seal;
 mod snapshot;
+mod subscriptions;
 
 use std::future::Future;
 
@@ -239,6 +240,7 @@ suite!(
         flow::max_age_dead_letters_old_messages_as_expired if Nothing,
         flow::queue_scope_holds_the_total_across_replicas if SharedRateLimit,
         routing::routes_send_messages_by_content_and_follow_live_edits if Nothing,
+        subscriptions::a_struggling_subscription_does_not_slow_the_others if Nothing,
     ]
 );
 

@@ -26,7 +26,7 @@ async fn redis_entry_without_payload_is_undeliverable() {
         .query_async(&mut con)
         .await
         .unwrap();
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert!(app.received().is_empty());
@@ -124,7 +124,7 @@ async fn kafka_a_record_over_a_megabyte_is_dead_lettered_whole() {
         .unwrap();
     let mut config = run_config(&fixture, &app, fast_policy());
     config.options.max_body = 2 << 20;
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_eq!(app.received_body(&body).len(), 1, "offered once");
@@ -160,7 +160,7 @@ async fn nats_a_dead_letter_over_max_payload_is_cut_to_fit() {
         )
         .await;
     producer.send("script:400\nsmall", &[]).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_eq!(app.received_body(&body).len(), 1, "offered once");
@@ -240,7 +240,7 @@ async fn pubsub_a_message_of_100_attributes_is_retried_and_dead_lettered_whole()
         ids.push(producer.send(body.clone(), headers).await);
     }
     let drain = async || {
-        let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+        let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
         wait_settled(&source, SETTLE).await;
         running.stop().await;
     };
@@ -309,7 +309,7 @@ async fn pubsub_a_dead_letter_over_10_mb_is_cut_to_fit() {
         .await;
     let mut config = run_config(&fixture, &app, fast_policy());
     config.options.max_body = 16 << 20;
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_cut_to_fit(&fixture, &app, &body).await;
@@ -345,7 +345,7 @@ async fn sqs_a_dead_letter_over_the_queues_maximum_is_cut_to_fit() {
             &[("x-wide-0".to_string(), "a header".to_string())],
         )
         .await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
     assert_cut_to_fit(&fixture, &app, &body).await;

@@ -166,7 +166,7 @@ pub async fn crash_mid_flight_with(fixture: Fixture, restart: Restart) {
     let bodies: HashSet<String> = sent.iter().map(|s| s.body.clone()).collect();
     let visibility = restart.visibility_timeout();
     let args = |consumer: &str| {
-        let mut args = run_args(&fixture, &app, &policy, consumer);
+        let mut args = run_args_second_of_two(&fixture, &app, &policy, consumer);
         args.extend(["--concurrency".into(), "8".into()]);
         args.extend([
             "--visibility-timeout".into(),
@@ -296,7 +296,7 @@ pub async fn scheduled_retry_survives_restart(fixture: Fixture) {
     let producer = fixture.producer().await;
     let id = producer.send(body, &[]).await;
     producer.release(&fixture).await;
-    let args = run_args(&fixture, &app, &policy, "replica-a");
+    let args = run_args_second_of_two(&fixture, &app, &policy, "replica-a");
 
     let mut first = CourierProcess::run(&args);
     let addr = first.metrics_addr().await;
@@ -407,7 +407,7 @@ pub async fn sigterm_drains_in_flight(fixture: Fixture) {
         bodies.push(body);
     }
     producer.release(&fixture).await;
-    let mut args = run_args(&fixture, &app, &policy, "replica-a");
+    let mut args = run_args_second_of_two(&fixture, &app, &policy, "replica-a");
     args.extend(["--concurrency", "4", "--drain-timeout", "10s"].map(String::from));
 
     let mut first = CourierProcess::run(&args);
@@ -485,7 +485,7 @@ pub async fn drain_timeout_cuts_off_and_redelivers(fixture: Fixture) {
         bodies.push(body);
     }
     producer.release(&fixture).await;
-    let mut args = run_args(&fixture, &app, &policy, "replica-a");
+    let mut args = run_args_second_of_two(&fixture, &app, &policy, "replica-a");
     args.extend(
         [
             "--concurrency",
@@ -586,7 +586,7 @@ pub async fn a_graceful_stop_uses_no_attempts(fixture: Fixture) {
         dir.path(),
         "maxAttempts: 3\ntimeout: 20s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
     );
-    let mut args = run_args(&fixture, &app, &policy, "stopping");
+    let mut args = run_args_second_of_two(&fixture, &app, &policy, "stopping");
     args.extend(["--concurrency", "4", "--drain-timeout", "20s"].map(String::from));
 
     let mut first = CourierProcess::run(&args);
@@ -645,7 +645,7 @@ pub async fn a_crash_mid_delivery_counts_an_attempt(fixture: Fixture) {
         dir.path(),
         "maxAttempts: 3\ntimeout: 2s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
     );
-    let mut args = run_args(&fixture, &app, &policy, "crashing");
+    let mut args = run_args_second_of_two(&fixture, &app, &policy, "crashing");
     // Longer than a held read (an SQS long poll), which outlives the killed
     // process at the broker: the message, visible again inside it, would be
     // received for nobody and counted, and the redelivery be attempt 3 (CI,
@@ -665,7 +665,7 @@ pub async fn a_crash_mid_delivery_counts_an_attempt(fixture: Fixture) {
     courier.kill9();
 
     let source = fixture.open().await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_for("the redelivery", Duration::from_secs(20), async || {
         app.received_body(body.as_bytes()).len() >= 2
     })

@@ -39,7 +39,7 @@ pub async fn a_replay_keeps_its_rate(fixture: Fixture) {
     }
     producer.release(&fixture).await;
     let source = fixture.open().await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     let dlq = fixture.dlq();
     let count = async || source.dead_letters(&dlq, usize::MAX).await.map(|l| l.len());
     wait_for("every message dead-lettered", SETTLE * 2, async || {

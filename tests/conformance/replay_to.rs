@@ -23,7 +23,7 @@ pub async fn a_replay_goes_to_the_queue_named(fixture: Fixture) {
     }
     producer.release(&fixture).await;
     let source = fixture.open().await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     let dlq = fixture.dlq();
     let letters = async || source.dead_letters(&dlq, 100).await.map(|l| l.len());
     wait_for("both dead-lettered", SETTLE, async || {
@@ -41,7 +41,7 @@ pub async fn a_replay_goes_to_the_queue_named(fixture: Fixture) {
         stdout(&out)
     );
 
-    let running = Running::start(run_config(&into, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&into, &app, fast_policy())).await;
     wait_for("both delivered again", SETTLE, async || {
         bodies
             .iter()

@@ -68,7 +68,7 @@ pub async fn routes_send_messages_by_content_and_follow_live_edits(fixture: Fixt
     let mut config = run_config_for(&fixture, &format!("http://{}/orders", app.addr), policy);
     config.policy.file = Some(path.clone());
     config.options.concurrency = 4;
-    let running = Running::start(config).await;
+    let running = Running::start_second_of_two(config).await;
     let metric = async |name: &str, queue_and_more: &str| {
         series(&scrape(running.metrics_addr).await, name, queue_and_more).unwrap_or(0.0)
     };

@@ -42,7 +42,7 @@ pub async fn forged_courier_fields_are_not_state(fixture: Fixture) {
     let body = "script:503,400\nforged";
     let sent_at = SystemTime::now();
     let id = producer.send(body, &forged).await;
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     wait_settled(&source, SETTLE).await;
     running.stop().await;
 

@@ -20,7 +20,7 @@ pub async fn a_replay_leaves_letters_arriving_after_its_snapshot(fixture: Fixtur
     for body in &old {
         producer.send(body.clone(), &[]).await;
     }
-    let running = Running::start(run_config(&fixture, &app, fast_policy())).await;
+    let running = Running::start_second_of_two(run_config(&fixture, &app, fast_policy())).await;
     let listed = || json_lines(&courier(&fixture, &["dlq", "list", "--output", "json"]));
     wait_for("the four dead letters", SETTLE, async || {
         listed().len() == 4

@@ -278,3 +278,83 @@ async fn a_drain_no_sigterm_follows_ends_and_courier_pulls_again() {
     wait_settled(&source, SETTLE).await;
     running.stop().await;
 }
+
+/// With two subscriptions, one `/drain` drains both: its answer names each
+/// queue's count, nothing is pulled from either meanwhile, and both pull
+/// again when `--drain-resume-after` ends, twice over. `/readyz` is ready
+/// only when both are, and says which is not: a second subscription on a
+/// Redis nobody listens on keeps the pod unready, by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_drain_together_and_are_ready_together() {
+    let fixture = Fixture::redis();
+    let other = fixture.sibling("other");
+    let app = TestApp::start().await;
+    let configs: Vec<_> = [&fixture, &other]
+        .into_iter()
+        .map(|f| {
+            let mut config = run_config(f, &app, fast_policy());
+            config.endpoint.drain_resume_after = Duration::from_secs(3);
+            config
+        })
+        .collect();
+    let running = Running::start_all(configs.clone()).await;
+    let (one, two) = (fixture.open().await, other.open().await);
+    wait_for("ready", SETTLE, async || {
+        get(running.metrics_addr, "/readyz").await.0 == 200
+    })
+    .await;
+    for round in 0..2 {
+        let (status, body) = get(running.metrics_addr, "/drain").await;
+        assert_eq!(status, 200, "round {round}: {body}");
+        for queue in [&fixture.queue, &other.queue] {
+            assert!(
+                body.contains(&format!("{queue}: drained: ")),
+                "round {round}: {body}"
+            );
+        }
+        let held = [
+            (&fixture, &one, format!("one, round {round}")),
+            (&other, &two, format!("two, round {round}")),
+        ];
+        for (f, source, body) in &held {
+            f.send(source, body.clone()).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let (status, ready) = get(running.metrics_addr, "/readyz").await;
+        assert_eq!((status, ready.contains("draining")), (503, true), "{ready}");
+        for (_, _, body) in &held {
+            assert!(
+                app.received_body(body.as_bytes()).is_empty(),
+                "{body} during the drain"
+            );
+        }
+        wait_for("both held messages", SETTLE, async || {
+            held.iter()
+                .all(|(_, _, body)| !app.received_body(body.as_bytes()).is_empty())
+        })
+        .await;
+        wait_for("ready again", SETTLE, async || {
+            get(running.metrics_addr, "/readyz").await.0 == 200
+        })
+        .await;
+    }
+    running.stop().await;
+
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = nobody.local_addr().unwrap().port();
+    drop(nobody);
+    let mut unreachable = configs[1].clone();
+    unreachable.source = courier::source::parse_url(&format!("redis://127.0.0.1:{port}")).unwrap();
+    let running = Running::start_all(vec![configs[0].clone(), unreachable]).await;
+    wait_for("the unreachable one named", SETTLE, async || {
+        let (status, body) = get(running.metrics_addr, "/readyz").await;
+        status == 503 && body.contains(&format!("subscription {}: ", other.queue))
+    })
+    .await;
+    fixture.send(&one, "while the other is down").await;
+    wait_for("the first still delivers", SETTLE, async || {
+        !app.received_body(b"while the other is down").is_empty()
+    })
+    .await;
+    running.stop().await;
+}

@@ -424,6 +424,72 @@ fn an_sqs_source_is_accepted() {
     assert!(r.allowed(), "{}", r.message());
 }
 
+/// `courier.dev/subscriptions` instead of `courier.dev/queue`: checked at
+/// admission with the sidecar's own parser, and passed as
+/// `COURIER_SUBSCRIPTIONS`, which `courier run` reads into its
+/// subscriptions (the conformance suite runs every scenario that way).
+#[test]
+fn subscriptions_come_from_an_annotation_checked_at_admission() {
+    let document = "subscriptions:\n  - queue: orders\n    path: /orders\n  - queue: refunds\n    concurrency: 4\n";
+    let mut request = read_json(&fixtures().join("opted-in.review.json"));
+    let annotations = &mut request["request"]["object"]["metadata"]["annotations"];
+    annotations
+        .as_object_mut()
+        .unwrap()
+        .remove("courier.dev/queue");
+    annotations["courier.dev/subscriptions"] = json!(document);
+    let r = apply(&request, &answer(&request, &defaults()));
+    assert!(r.allowed(), "{}", r.message());
+    let env = env_of(&r.sidecar());
+    assert_eq!(env["COURIER_SUBSCRIPTIONS"], json!(document.trim()));
+    assert!(env.get("COURIER_QUEUE").is_none(), "{env}");
+    let run = <Cli as clap::Parser>::try_parse_from([
+        "courier",
+        "run",
+        "--source",
+        "redis://127.0.0.1:6379",
+        "--subscriptions",
+        env["COURIER_SUBSCRIPTIONS"].as_str().unwrap(),
+    ])
+    .expect("courier run takes the variable's value");
+    let courier::cmd::Command::Run(args) = run.command else {
+        panic!("not run");
+    };
+    let configs = courier::cmd::run::configs(&args).expect("the annotation's subscriptions");
+    let queues: Vec<_> = configs.iter().map(|c| c.options.queue.as_str()).collect();
+    assert_eq!(queues, ["orders", "refunds"]);
+    assert_eq!(configs[0].app.url.path(), "/orders");
+    assert_eq!(configs[1].options.concurrency, 4);
+
+    for (value, expected) in [
+        (
+            "subscriptions:\n  - queue: a\n  - queue: a\n",
+            "courier.dev/subscriptions: subscriptions[1]: queue \"a\" is already subscriptions[0]'s",
+        ),
+        (
+            "queue: a",
+            "courier.dev/subscriptions: not a subscriptions document",
+        ),
+    ] {
+        let mut bad = request.clone();
+        bad["request"]["object"]["metadata"]["annotations"]["courier.dev/subscriptions"] =
+            json!(value);
+        let r = apply(&bad, &answer(&bad, &defaults()));
+        assert!(!r.allowed(), "{value}");
+        assert!(r.message().contains(expected), "{}", r.message());
+    }
+    let mut both = request.clone();
+    both["request"]["object"]["metadata"]["annotations"]["courier.dev/queue"] = json!("orders");
+    let r = apply(&both, &answer(&both, &defaults()));
+    assert!(!r.allowed());
+    assert!(
+        r.message()
+            .contains("courier.dev/queue and courier.dev/subscriptions are both set"),
+        "{}",
+        r.message()
+    );
+}
+
 #[test]
 fn a_pubsub_source_is_accepted() {
     let mut request = read_json(&fixtures().join("opted-in.review.json"));

@@ -4,6 +4,7 @@
 //! is a CloudEvent is offered in the mode of the HTTP binding asked for
 //! ([`cloudevents`]).
 
+pub mod batch;
 pub mod cloudevents;
 mod pool;
 

@@ -56,6 +56,22 @@ pub struct Subscription {
     /// Create the queue when it is missing [default: `--create`].
     #[serde(default)]
     pub create: Option<bool>,
+    /// Several messages in one POST [default: `--batch-max-messages`,
+    /// `--batch-max-wait`].
+    #[serde(default)]
+    pub batch: Option<BatchSpec>,
+}
+
+/// `batch:` of a subscription (docs/batches.md).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchSpec {
+    /// Up to this many messages in one POST; 1 is one message per POST.
+    #[serde(default)]
+    pub max_messages: Option<usize>,
+    /// How long a batch that is not full waits for more, e.g. `50ms`.
+    #[serde(default)]
+    pub max_wait: Option<String>,
 }
 
 impl SubscriptionsDocument {
@@ -126,12 +142,19 @@ mod tests {
     #[test]
     fn a_document_is_read_with_what_each_entry_leaves_out() {
         let document = SubscriptionsDocument::parse(
-            "subscriptions:\n  - queue: orders\n    path: /orders\n    policy: orders\n    concurrency: 4\n  - queue: refunds\n    app: http://127.0.0.1:9000/r\n    policyFile: /etc/courier/refunds.yaml\n",
+            "subscriptions:\n  - queue: orders\n    path: /orders\n    policy: orders\n    concurrency: 4\n    batch: {maxMessages: 100, maxWait: 20ms}\n  - queue: refunds\n    app: http://127.0.0.1:9000/r\n    policyFile: /etc/courier/refunds.yaml\n",
         )
         .unwrap();
         assert_eq!(document.subscriptions.len(), 2);
         assert_eq!(document.subscriptions[0].path.as_deref(), Some("/orders"));
         assert_eq!(document.subscriptions[0].concurrency, Some(4));
+        assert_eq!(
+            document.subscriptions[0].batch,
+            Some(BatchSpec {
+                max_messages: Some(100),
+                max_wait: Some("20ms".into())
+            })
+        );
         assert_eq!(document.subscriptions[1].source, None);
         assert_eq!(
             document.subscriptions[1].policy_file,

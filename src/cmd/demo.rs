@@ -164,6 +164,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         delivery: DeliverySettings {
             drain_timeout: Duration::from_secs(5),
             dedup_window: None,
+            batch: None,
         },
         policy: PolicySettings::fixed(policy),
         endpoint: EndpointSettings {

@@ -12,7 +12,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use tokio_util::sync::CancellationToken;
 
 use super::args::{SealArgs, SourceArgs, UsageError, parse_app, parse_size};
-use crate::dispatch::{AppSettings, DeliverySettings};
+use crate::dispatch::{AppSettings, BatchSettings, DeliverySettings};
 use crate::duration;
 use crate::forward::cloudevents::Mode as CloudEventsMode;
 use crate::policy::{self, Policy};
@@ -94,6 +94,13 @@ pub struct RunArgs {
     /// one without sending it to the app again. Off when not given.
     #[arg(long, env = "COURIER_DEDUP_WINDOW", value_parser = duration::parse_flag)]
     pub dedup_window: Option<Duration>,
+    /// Up to this many messages in one POST, a JSON array with a status per
+    /// entry in the answer (docs/batches.md); 1: one message per POST. At most 1000.
+    #[arg(long, env = "COURIER_BATCH_MAX_MESSAGES", default_value_t = 1)]
+    pub batch_max_messages: usize,
+    /// How long a batch that is not full waits for more messages.
+    #[arg(long, env = "COURIER_BATCH_MAX_WAIT", default_value = "50ms", value_parser = duration::parse_flag)]
+    pub batch_max_wait: Duration,
     /// Create the work queue when it is missing (AMQP: a durable queue of --queue-type; NATS: a
     /// stream capturing the subject of the same name). Without it a missing queue is an error.
     #[arg(long, env = "COURIER_CREATE")]
@@ -135,7 +142,7 @@ pub struct RunArgs {
     /// A YAML file listing several queues for this one sidecar
     /// (`subscriptions:`, each entry with `queue` and optionally `source`,
     /// `group`, `app` or `path`, `policy` or `policyFile`, `concurrency`,
-    /// `create`);
+    /// `create`, `batch: {maxMessages, maxWait}`);
     /// what an entry leaves out comes from the other flags. Instead of
     /// --queue. docs/subscriptions.md has the form.
     #[arg(
@@ -221,6 +228,15 @@ fn subscription_args(args: &RunArgs, sub: &Subscription) -> Result<RunArgs, Usag
     if let Some(create) = sub.create {
         one.create = create;
     }
+    if let Some(batch) = &sub.batch {
+        if let Some(n) = batch.max_messages {
+            one.batch_max_messages = n;
+        }
+        if let Some(wait) = &batch.max_wait {
+            one.batch_max_wait = duration::parse(wait)
+                .map_err(|e| UsageError(format!("batch.maxWait {wait:?}: {e}")))?;
+        }
+    }
     Ok(one)
 }
 
@@ -293,6 +309,7 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         queue_type: args.queue_type,
         ordering: args.ordering,
         concurrency: args.concurrency,
+        messages_per_delivery: args.batch_max_messages.max(1),
         max_body: args.max_body,
         max_unsettled: MAX_UNSETTLED,
         tls,
@@ -311,6 +328,8 @@ pub fn config(args: &RunArgs) -> Result<RunConfig, UsageError> {
         delivery: DeliverySettings {
             drain_timeout: args.drain_timeout,
             dedup_window: args.dedup_window.filter(|w| !w.is_zero()),
+            batch: BatchSettings::from_flags(args.batch_max_messages, args.batch_max_wait)
+                .map_err(UsageError)?,
         },
         policy: PolicySettings {
             initial: policy,

@@ -141,26 +141,7 @@ impl Shared {
         attempt: u32,
         latency: Duration,
     ) -> Decision {
-        let class = policy.classify(outcome);
-        if let Some(evidence) = Evidence::from_outcome(class, outcome) {
-            self.report(evidence).await;
-        }
-        self.limiter
-            .observe(Signal::from_class(class, outcome.status(), latency));
-        self.show_limit();
-        self.hold.observe(policy, outcome);
-        if let Outcome::Answered {
-            retry_after_invalid,
-            ..
-        } = outcome
-        {
-            if *retry_after_invalid {
-                self.m.retry_after_invalid.inc();
-            }
-            if !self.gate.is_closed() {
-                self.m.app_up.set(1);
-            }
-        }
+        self.learn(outcome, policy, latency).await;
         let decision = decide(policy, outcome, attempt, self.gate.state(), rand::random());
         if let Outcome::Answered {
             status, directives, ..
@@ -190,6 +171,31 @@ impl Shared {
         decision
     }
 
+    /// The gate, the limit and the Retry-After hold learn from an answer
+    /// of the app's (to one message or to a batch).
+    pub(super) async fn learn(&self, outcome: &Outcome, policy: &Policy, latency: Duration) {
+        let class = policy.classify(outcome);
+        if let Some(evidence) = Evidence::from_outcome(class, outcome) {
+            self.report(evidence).await;
+        }
+        self.limiter
+            .observe(Signal::from_class(class, outcome.status(), latency));
+        self.show_limit();
+        self.hold.observe(policy, outcome);
+        if let Outcome::Answered {
+            retry_after_invalid,
+            ..
+        } = outcome
+        {
+            if *retry_after_invalid {
+                self.m.retry_after_invalid.inc();
+            }
+            if !self.gate.is_closed() {
+                self.m.app_up.set(1);
+            }
+        }
+    }
+
     /// Settles the delivery as decided. A settlement the broker refuses
     /// leaves the message with the broker, which hands it out again.
     pub(super) async fn settle(
@@ -199,6 +205,21 @@ impl Shared {
         decision: &Decision,
         policy: &Policy,
         started_at: SystemTime,
+    ) {
+        self.settle_noting(delivery, outcome, decision, policy, started_at, None)
+            .await;
+    }
+
+    /// [`Shared::settle`], a dead letter recording `directive` as what the
+    /// app said (a batch entry's `drop`) in place of the answer's headers.
+    pub(super) async fn settle_noting(
+        &self,
+        delivery: &Delivery,
+        outcome: &Outcome,
+        decision: &Decision,
+        policy: &Policy,
+        started_at: SystemTime,
+        directive: Option<&str>,
     ) {
         let first_attempt_at = delivery.first_attempt_at.unwrap_or(started_at);
         let failure = |reason| Failure {
@@ -213,7 +234,9 @@ impl Shared {
             excerpt: outcome.excerpt(),
             policy: policy.label(),
             dead_letter_queue: policy.dead_letter_queue_for(&self.d.queue),
-            app_directive: policy.directive_in_force(outcome),
+            app_directive: directive
+                .map(str::to_string)
+                .or_else(|| policy.directive_in_force(outcome)),
             cut: None,
         };
         let (settled, what) = match decision.verdict {
@@ -325,7 +348,7 @@ impl Shared {
     /// The message's age when it is older than the policy's `maxAge`: from
     /// when it entered the queue (the broker's time, carried across
     /// re-stores), else from its first attempt.
-    fn expired(&self, delivery: &Delivery, policy: &Policy) -> Option<Duration> {
+    pub(super) fn expired(&self, delivery: &Delivery, policy: &Policy) -> Option<Duration> {
         let max_age = policy.max_age?;
         let since = match (delivery.enqueued_at, delivery.first_attempt_at) {
             (Some(a), Some(b)) => a.min(b),
@@ -336,7 +359,12 @@ impl Shared {
     }
 
     /// Dead-letters a message older than `maxAge` as `expired`, unoffered.
-    async fn dead_letter_expired(&self, delivery: &Delivery, policy: &Policy, age: Duration) {
+    pub(super) async fn dead_letter_expired(
+        &self,
+        delivery: &Delivery,
+        policy: &Policy,
+        age: Duration,
+    ) {
         let max_age = policy.max_age.unwrap_or_default();
         let error = format!(
             "the message is {} old, older than the policy's maxAge {}; it was not offered to the app",
@@ -370,7 +398,11 @@ impl Shared {
     /// as `unrouted`, as the policy's `unrouted` says. A message that
     /// cannot be offered at all (too large, unreadable) is not looked at:
     /// `offer` dead-letters it.
-    async fn route<'p>(&self, delivery: &Delivery, policy: &'p Policy) -> Option<Option<&'p Uri>> {
+    pub(super) async fn route<'p>(
+        &self,
+        delivery: &Delivery,
+        policy: &'p Policy,
+    ) -> Option<Option<&'p Uri>> {
         if policy.routes.is_empty()
             || delivery.problem.is_some()
             || delivery.message.body.len() > self.d.max_body
@@ -407,7 +439,7 @@ impl Shared {
 
     /// A redelivery of a message acked within the window: ack it again
     /// without offering it to the app.
-    async fn already_acked(&self, delivery: &Delivery) -> bool {
+    pub(super) async fn already_acked(&self, delivery: &Delivery) -> bool {
         let key = self.idempotency_key(delivery);
         match self.d.source.was_acked(&key).await {
             Ok(true) => {}
@@ -451,7 +483,7 @@ pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Increments `gauge` now and decrements it when dropped, on a panic too.
-fn scopeguard(gauge: &prometheus_client::metrics::gauge::Gauge) -> impl Drop + '_ {
+pub(super) fn scopeguard(gauge: &prometheus_client::metrics::gauge::Gauge) -> impl Drop + '_ {
     struct Counted<'a>(&'a prometheus_client::metrics::gauge::Gauge);
     impl Drop for Counted<'_> {
         fn drop(&mut self) {

@@ -9,6 +9,7 @@
 //! the app is down) and the Retry-After [`hold`]. Beside the loop, deliveries
 //! in flight are kept claimed ([`in_flight`]) and the app is watched.
 
+mod batch;
 mod deliver;
 mod deliveries;
 pub mod gate;
@@ -39,6 +40,7 @@ use crate::policy::LivePolicy;
 use crate::source::{Consumer, ErrorKind, Settlement, SourceOptions};
 use crate::telemetry::{self, Metrics, QueueLabels, QueueMetrics};
 
+pub use batch::BatchSettings;
 use deliveries::Deliveries;
 use gate::{Change, Evidence, Gate};
 use hold::Hold;
@@ -84,6 +86,7 @@ pub struct Dispatcher {
     /// keeps one.
     drain_timeout: Duration,
     dedup_window: Option<Duration>,
+    batch: Option<BatchSettings>,
     /// With the trace export running: a span per delivery attempt, whose
     /// `traceparent` the app receives.
     traces: Option<Traces>,
@@ -123,6 +126,9 @@ pub struct DeliverySettings {
     /// Acked idempotency keys are remembered this long, and a redelivery of
     /// one is acked without reaching the app.
     pub dedup_window: Option<Duration>,
+    /// Several messages in one POST (docs/batches.md); `None`: one
+    /// message per POST.
+    pub batch: Option<BatchSettings>,
 }
 
 impl Dispatcher {
@@ -161,6 +167,7 @@ impl Dispatcher {
             app_failure_run: app.failure_run,
             drain_timeout: delivery.drain_timeout,
             dedup_window,
+            batch: delivery.batch,
             traces: None,
         }
     }
@@ -348,6 +355,9 @@ impl Shared {
     /// Reads and delivers until `stop`, then gives back what was read ahead
     /// and lets what is in flight finish.
     async fn pull_until(self: &Arc<Self>, stop: &CancellationToken) -> DrainReport {
+        if let Some(batch) = self.d.batch {
+            return self.pull_batches_until(stop, batch).await;
+        }
         let mut deliveries = Deliveries::new();
         let mut reader = Reader::default();
         loop {
@@ -613,7 +623,17 @@ impl Shared {
     /// A read from the broker. A run of [`READ_FAILURE_RUN`] failures makes
     /// courier not ready until a read works again; each failure is counted.
     async fn receive(&self, want: usize, reader: &mut Reader) -> Option<Vec<Delivery>> {
-        match self.d.source.receive(want).await {
+        let received = self.d.source.receive(want).await;
+        self.received(received, reader)
+    }
+
+    /// What a read brought, and the failures in a row counted.
+    fn received(
+        &self,
+        received: Result<Vec<Delivery>, crate::source::SourceError>,
+        reader: &mut Reader,
+    ) -> Option<Vec<Delivery>> {
+        match received {
             Ok(deliveries) => {
                 if reader.failures >= READ_FAILURE_RUN {
                     tracing::info!(queue = %self.d.queue, "reading from the broker works again: ready");
@@ -816,7 +836,11 @@ impl Shared {
         let slot = self.limiter.acquire().await;
         if let Some(deliveries) = self.receive(1, reader).await {
             for delivery in deliveries {
-                self.deliver(Arc::new(delivery)).await;
+                match self.d.batch {
+                    // An app that takes batches is probed with a batch.
+                    Some(_) => self.deliver_batch_of_one(delivery).await,
+                    None => self.deliver(Arc::new(delivery)).await,
+                }
             }
         }
         drop(slot);

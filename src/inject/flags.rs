@@ -28,6 +28,8 @@ pub enum Kind {
     HttpUrl,
     /// Free text on one line: no control characters.
     Text,
+    /// A whole number from 1 to this.
+    Count(u64),
 }
 
 /// An annotation passed to the sidecar as the variable of its flag.
@@ -88,6 +90,20 @@ pub const PASSTHROUGH: &[Passthrough] = &[
         flag: "max-body",
         env: "COURIER_MAX_BODY",
         kind: Kind::Size,
+    },
+    Passthrough {
+        annotation: "courier.dev/batch-max-messages",
+        flag: "batch-max-messages",
+        env: "COURIER_BATCH_MAX_MESSAGES",
+        // `dispatch::BatchSettings::MAX_MESSAGES`, which the injector does
+        // not import; the flags test checks that the two agree.
+        kind: Kind::Count(1000),
+    },
+    Passthrough {
+        annotation: "courier.dev/batch-max-wait",
+        flag: "batch-max-wait",
+        env: "COURIER_BATCH_MAX_WAIT",
+        kind: Kind::Duration,
     },
     Passthrough {
         annotation: "courier.dev/readiness",
@@ -218,6 +234,10 @@ pub fn check(kind: Kind, value: &str) -> Result<(), String> {
         Kind::Text => Err(format!(
             "{value:?} holds a control character; write it on one line, without tabs"
         )),
+        Kind::Count(most) => match value.parse::<u64>() {
+            Ok(n) if (1..=most).contains(&n) => Ok(()),
+            _ => Err(format!("{value:?} is not a whole number from 1 to {most}")),
+        },
     }
 }
 

@@ -114,3 +114,61 @@ pub fn decide(
     };
     Decision { class, verdict }
 }
+
+/// What the app said of one entry of a batch it answered 2xx
+/// (docs/batches.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryAnswer {
+    Success,
+    /// `retry`, or the entry was not mentioned.
+    Retry,
+    /// `drop`: dead-letter it now.
+    Drop,
+}
+
+/// The decision for one entry of a batch answered 2xx: success is an ack;
+/// retry uses an attempt, as a transient answer does, and dead-letters as
+/// `attempts-exhausted` when they are used up; drop dead-letters at once
+/// as `app-dead-letter`. The batch's status says nothing of the entry, so
+/// `statusCodes` and the gate take no part; the batch answer's
+/// `Retry-After` sets the least delay of a retry, as on a single answer.
+pub fn decide_entry(
+    policy: &Policy,
+    answer: EntryAnswer,
+    attempt: u32,
+    retry_after: Option<Duration>,
+    jitter_sample: f64,
+) -> Decision {
+    let attempt = attempt.max(1);
+    match answer {
+        EntryAnswer::Success => Decision {
+            class: Class::Success,
+            verdict: Verdict::Ack,
+        },
+        EntryAnswer::Retry => Decision {
+            class: Class::Transient,
+            verdict: if attempt >= policy.max_attempts {
+                Verdict::DeadLetter {
+                    reason: DeadLetterReason::AttemptsExhausted,
+                }
+            } else {
+                let backoff = policy.jittered_backoff(attempt, jitter_sample);
+                Verdict::Retry {
+                    delay: match retry_after {
+                        Some(asked) if policy.retry_after.honor => {
+                            backoff.max(asked.min(policy.retry_after.max))
+                        }
+                        _ => backoff,
+                    },
+                    attempt_used: true,
+                }
+            },
+        },
+        EntryAnswer::Drop => Decision {
+            class: Class::Permanent,
+            verdict: Verdict::DeadLetter {
+                reason: DeadLetterReason::AppDeadLetter,
+            },
+        },
+    }
+}

@@ -15,7 +15,7 @@ pub mod file;
 mod live;
 
 pub use crd::RetryPolicyStatus;
-pub use decide::{Decision, GateState, Verdict, decide};
+pub use decide::{Decision, EntryAnswer, GateState, Verdict, decide, decide_entry};
 pub use document::*;
 pub use live::{LivePolicy, PolicyUpdate, Reload};
 

@@ -745,3 +745,43 @@ fn a_route_names_only_what_a_message_has() {
     let err = Policy::from_spec("p", &spec(&format!("routes: [{many}]"))).unwrap_err();
     assert_eq!(err.field, "spec.routes", "{err}");
 }
+
+#[test]
+fn batch_entry_decisions() {
+    let policy = no_jitter_policy();
+    let success = decide_entry(&policy, EntryAnswer::Success, 1, None, 0.5);
+    assert_eq!(success.verdict, Verdict::Ack);
+    let drop = decide_entry(&policy, EntryAnswer::Drop, 1, None, 0.5);
+    assert_eq!(
+        drop.verdict,
+        Verdict::DeadLetter {
+            reason: DeadLetterReason::AppDeadLetter
+        }
+    );
+    let retry = decide_entry(&policy, EntryAnswer::Retry, 1, None, 0.5);
+    assert!(matches!(
+        retry.verdict,
+        Verdict::Retry {
+            attempt_used: true,
+            ..
+        }
+    ));
+    let asked = decide_entry(
+        &policy,
+        EntryAnswer::Retry,
+        1,
+        Some(Duration::from_secs(3600 * 24)),
+        0.5,
+    );
+    let Verdict::Retry { delay, .. } = asked.verdict else {
+        panic!("{asked:?}");
+    };
+    assert_eq!(delay, policy.retry_after.max);
+    let last = decide_entry(&policy, EntryAnswer::Retry, policy.max_attempts, None, 0.5);
+    assert_eq!(
+        last.verdict,
+        Verdict::DeadLetter {
+            reason: DeadLetterReason::AttemptsExhausted
+        }
+    );
+}

@@ -162,6 +162,7 @@ async fn held_past_its_claim(fixture: Fixture, cut: Box<dyn CutClaim>) {
     let delivery = DeliverySettings {
         drain_timeout: Duration::from_secs(5),
         dedup_window: None,
+        batch: None,
     };
     let dispatcher = Dispatcher::new(
         source,

@@ -589,6 +589,7 @@ pub fn run_config_for(fixture: &Fixture, app_url: &str, policy: Policy) -> RunCo
         delivery: DeliverySettings {
             drain_timeout: Duration::from_secs(5),
             dedup_window: None,
+            batch: None,
         },
         policy: PolicySettings {
             poll: Duration::from_millis(100),

@@ -38,12 +38,15 @@
 //! - `seal`: a producer's `courier-*` fields are not courier's state;
 //! - `flow`: the policy's `rateLimit` (pacing, a live edit, `scope: queue`
 //!   across replicas), `paused` across a restart, and `maxAge`;
+//! - `batch`: several messages in one POST, a status per entry, a
+//!   poison message split out;
 //! - `only`: what holds for one broker alone.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod bad_inputs;
+mod batch;
 mod dedup;
 mod delivery;
 mod depth;
@@ -241,6 +244,10 @@ suite!(
         flow::queue_scope_holds_the_total_across_replicas if SharedRateLimit,
         routing::routes_send_messages_by_content_and_follow_live_edits if Nothing,
         subscriptions::a_struggling_subscription_does_not_slow_the_others if Nothing,
+        batch::one_poison_message_costs_its_neighbours_nothing if Nothing,
+        batch::each_entry_is_settled_as_its_status_says if Nothing,
+        batch::a_partial_batch_goes_after_its_wait if Nothing,
+        batch::events_go_in_cloudevents_batched_mode if Nothing,
     ]
 );
 

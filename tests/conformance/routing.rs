@@ -129,6 +129,16 @@ pub async fn routes_send_messages_by_content_and_follow_live_edits(fixture: Fixt
         metric("courier_route_errors_total", &fixture.queue).await,
         0.0
     );
+    // The suite runs beside a first subscription: its series are there,
+    // and none of this queue's messages went to it.
+    let first = format!("{}-first", fixture.queue);
+    let text = scrape(running.metrics_addr).await;
+    assert!(
+        text.contains(&format!(
+            "courier_messages_received_total{{queue=\"{first}\"}} 0"
+        )),
+        "the first subscription's series: {text}"
+    );
     running.stop().await;
 
     assert!(

@@ -127,6 +127,8 @@ fn passthrough_annotations_become_the_flags_variables() {
         "courier.dev/max-body": "8MiB",
         "courier.dev/readiness": "app",
         "courier.dev/cloudevents": "structured",
+        "courier.dev/batch-max-messages": "100",
+        "courier.dev/batch-max-wait": "20ms",
     });
     let (doc, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
     assert!(matches!(decision, Decision::Inject { .. }), "{decision}");
@@ -139,6 +141,8 @@ fn passthrough_annotations_become_the_flags_variables() {
         ("COURIER_MAX_BODY", "8MiB"),
         ("COURIER_READINESS", "app"),
         ("COURIER_CLOUDEVENTS", "structured"),
+        ("COURIER_BATCH_MAX_MESSAGES", "100"),
+        ("COURIER_BATCH_MAX_WAIT", "20ms"),
     ] {
         assert!(
             env.as_array()
@@ -157,6 +161,7 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/app-health-path": "healthz",
         "courier.dev/readiness": "always",
         "courier.dev/cloudevents": "json",
+        "courier.dev/batch-max-messages": "1001",
     });
     let (_, decision) = inject_document(deployment(given), &SidecarDefaults::chart()).unwrap();
     let Decision::Deny(message) = decision else {
@@ -168,6 +173,7 @@ fn a_bad_passthrough_value_refuses_the_pod_naming_every_problem() {
         "courier.dev/app-health-path \"healthz\" is not a URL path",
         "courier.dev/readiness \"always\" is not one of broker, app, none",
         "courier.dev/cloudevents \"json\" is not one of binary, structured, off",
+        "courier.dev/batch-max-messages \"1001\" is not a whole number from 1 to 1000",
     ] {
         assert!(message.contains(expected), "{expected:?} in {message}");
     }
@@ -646,4 +652,18 @@ fn a_kafka_login_that_does_not_hang_together_refuses_the_pod() {
         );
         assert!(!message.contains("s3cret"), "{message}");
     }
+}
+
+/// The injector's bound on `courier.dev/batch-max-messages` is the
+/// sidecar's own (`BatchSettings::MAX_MESSAGES`), which it cannot import.
+#[test]
+fn the_batch_annotation_takes_what_the_sidecar_takes() {
+    let batch = PASSTHROUGH
+        .iter()
+        .find(|p| p.flag == "batch-max-messages")
+        .expect("a batch-max-messages annotation");
+    assert_eq!(
+        batch.kind,
+        courier::inject::flags::Kind::Count(courier::dispatch::BatchSettings::MAX_MESSAGES as u64)
+    );
 }

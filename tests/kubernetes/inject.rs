@@ -430,7 +430,7 @@ fn an_sqs_source_is_accepted() {
 /// subscriptions (the conformance suite runs every scenario that way).
 #[test]
 fn subscriptions_come_from_an_annotation_checked_at_admission() {
-    let document = "subscriptions:\n  - queue: orders\n    path: /orders\n  - queue: refunds\n    concurrency: 4\n";
+    let document = "subscriptions:\n  - queue: orders\n    path: /orders\n  - queue: refunds\n    concurrency: 4\n    batch: {maxMessages: 50, maxWait: 20ms}\n";
     let mut request = read_json(&fixtures().join("opted-in.review.json"));
     let annotations = &mut request["request"]["object"]["metadata"]["annotations"];
     annotations
@@ -460,6 +460,13 @@ fn subscriptions_come_from_an_annotation_checked_at_admission() {
     assert_eq!(queues, ["orders", "refunds"]);
     assert_eq!(configs[0].app.url.path(), "/orders");
     assert_eq!(configs[1].options.concurrency, 4);
+    let batch = configs[1].delivery.batch.expect("refunds in batches");
+    assert_eq!(
+        (batch.max_messages, batch.max_wait),
+        (50, std::time::Duration::from_millis(20))
+    );
+    assert_eq!(configs[1].options.messages_per_delivery, 50);
+    assert_eq!(configs[0].delivery.batch, None);
 
     for (value, expected) in [
         (

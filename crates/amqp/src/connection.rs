@@ -343,7 +343,9 @@ impl AmqpSource {
 
     /// How many unacked deliveries the broker may hand this consumer.
     fn prefetch(&self) -> u16 {
-        self.options.concurrency.clamp(1, usize::from(u16::MAX)) as u16
+        self.options
+            .in_flight_messages()
+            .clamp(1, usize::from(u16::MAX)) as u16
     }
 
     /// Waits, before the consumer is cancelled, until no delivery can be on

@@ -80,7 +80,7 @@ impl SqsSource {
         }
         // FIFO: a read brings in no more while as many wait in the source
         // as the app may have at once.
-        if self.fifo && lock(&self.groups).waiting_count() >= self.options.concurrency.max(1) {
+        if self.fifo && lock(&self.groups).waiting_count() >= self.options.in_flight_messages() {
             if out.is_empty() {
                 tokio::time::sleep(RECEIVE_WAIT / 4).await;
             }

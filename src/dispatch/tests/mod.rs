@@ -212,6 +212,7 @@ fn dispatcher(source: Arc<MemorySource>, app: SocketAddr, policy: Policy) -> Dis
         &DeliverySettings {
             drain_timeout: Duration::from_secs(5),
             dedup_window: None,
+            batch: None,
         },
         Arc::new(Metrics::new()),
         Arc::new(telemetry::Health::default()),

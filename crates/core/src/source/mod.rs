@@ -253,8 +253,14 @@ pub struct SourceOptions {
     /// time, in the order stored ([`Capabilities::key_ordering`]).
     pub ordering: Ordering,
     /// Deliveries this replica has in flight at most (`--concurrency`);
-    /// brokers that push (AMQP) prefetch this many.
+    /// brokers that push (AMQP) prefetch this many, times
+    /// `messages_per_delivery`.
     pub concurrency: usize,
+    /// Messages one delivery takes at most: 1, or a batch's
+    /// `--batch-max-messages`. A source that bounds what it hands out by
+    /// the concurrency (AMQP's prefetch, SQS FIFO's waiting groups) hands
+    /// out this many per delivery, or batches would never fill.
+    pub messages_per_delivery: usize,
     /// `--max-body`: a source whose reads are bounded in bytes
     /// ([`Capabilities::byte_bounded_reads`]) dead-letters a larger entry as
     /// `undeliverable` without loading it.
@@ -362,6 +368,14 @@ pub struct LiveSettings {
 }
 
 impl SourceOptions {
+    /// How many messages may be handed out and not yet settled for the
+    /// deliveries in flight: the concurrency times the messages of one.
+    pub fn in_flight_messages(&self) -> usize {
+        self.concurrency
+            .max(1)
+            .saturating_mul(self.messages_per_delivery.max(1))
+    }
+
     pub fn new(queue: &str) -> Self {
         Self {
             queue: queue.to_string(),
@@ -376,6 +390,7 @@ impl SourceOptions {
             queue_type: QueueType::default(),
             ordering: Ordering::default(),
             concurrency: 16,
+            messages_per_delivery: 1,
             max_body: 4 << 20,
             max_unsettled: MAX_UNSETTLED,
             tls: Tls::default(),

@@ -170,7 +170,16 @@ impl Sidecar {
         ));
         let result = match configs.as_slice() {
             [config] => {
-                run_sidecar(config, &metrics, &health, traced, &drain, shutdown.clone()).await
+                run_sidecar(
+                    config,
+                    &metrics,
+                    &health,
+                    traced,
+                    &drain,
+                    shutdown.clone(),
+                    true,
+                )
+                .await
             }
             many => run_subscriptions(many, &metrics, &health, traced, &drain, shutdown).await,
         };
@@ -270,9 +279,17 @@ async fn run_subscriptions(
         .map(|(config, (part, part_drain))| {
             let stop = stop.clone();
             async move {
-                let result = run_sidecar(config, metrics, part, traced, part_drain, stop.clone())
-                    .await
-                    .with_context(|| format!("subscription {}", config.options.queue));
+                let result = run_sidecar(
+                    config,
+                    metrics,
+                    part,
+                    traced,
+                    part_drain,
+                    stop.clone(),
+                    false,
+                )
+                .await
+                .with_context(|| format!("subscription {}", config.options.queue));
                 if result.is_err() {
                     stop.cancel();
                 }
@@ -290,6 +307,12 @@ async fn run_subscriptions(
         report.finished += one.finished;
         report.abandoned += one.abandoned;
     }
+    tracing::info!(
+        finished = report.finished,
+        abandoned = report.abandoned,
+        subscriptions = configs.len(),
+        "stopped"
+    );
     Ok(report)
 }
 
@@ -322,6 +345,8 @@ async fn drain_every_subscription(
     }
 }
 
+/// One subscription's pipeline until `shutdown`; `alone` when it is the
+/// process's only one.
 async fn run_sidecar(
     config: &RunConfig,
     metrics: &Arc<Metrics>,
@@ -329,6 +354,7 @@ async fn run_sidecar(
     traced: bool,
     drain: &Arc<Drain>,
     shutdown: CancellationToken,
+    alone: bool,
 ) -> anyhow::Result<DrainReport> {
     let opened: Arc<OnceLock<Arc<dyn Source>>> = Arc::default();
     let (live, update) = LivePolicy::new(config.policy.initial.clone());
@@ -396,11 +422,22 @@ async fn run_sidecar(
         resume_after: config.endpoint.drain_resume_after,
     };
     let report = dispatcher.run_with(shutdown, Some(drains)).await;
-    tracing::info!(
-        finished = report.finished,
-        abandoned = report.abandoned,
-        "stopped"
-    );
+    // One "stopped" line per process, with its totals: several
+    // subscriptions each say theirs first (`run_subscriptions`).
+    if alone {
+        tracing::info!(
+            finished = report.finished,
+            abandoned = report.abandoned,
+            "stopped"
+        );
+    } else {
+        tracing::info!(
+            queue = %config.options.queue,
+            finished = report.finished,
+            abandoned = report.abandoned,
+            "subscription stopped"
+        );
+    }
     if let Some(watcher) = watcher {
         watcher.abort();
     }

@@ -148,7 +148,7 @@ impl Dispatcher {
         let dedup_window = delivery.dedup_window.filter(|_| {
             let supported = source.capabilities().dedup;
             if !supported {
-                tracing::warn!("--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated");
+                tracing::warn!(queue = %options.queue, "--dedup-window: this source keeps no deduplication window; deliveries are not deduplicated");
             }
             supported
         });

@@ -169,19 +169,20 @@ impl Client {
         self.pull_with(subscription, max, None).await
     }
 
-    /// One unary pull the server holds until a message comes or `hold`
-    /// passes. The server is told the deadline (`grpc-timeout`, which the
-    /// channel also keeps) and answers before it, empty if need be (the
-    /// emulator a second before). Only a server later than its deadline
-    /// has the pull cut short, which leaves what it took for it leased to
-    /// nobody until its ack deadline: a delivery Pub/Sub counts.
+    /// One unary pull the server holds until a message comes or its
+    /// `deadline` nears. The server is told the deadline (`grpc-timeout`,
+    /// which the channel also keeps) and answers before it, empty if need
+    /// be (the emulator a second before, whatever the deadline). Only a
+    /// server later than its deadline has the pull cut short, which leaves
+    /// what it took for it leased to nobody until its ack deadline: a
+    /// delivery Pub/Sub counts.
     pub async fn pull_held(
         &self,
         subscription: &str,
         max: usize,
-        hold: Duration,
+        deadline: Duration,
     ) -> Result<Vec<ReceivedMessage>, SourceError> {
-        self.pull_with(subscription, max, Some(hold)).await
+        self.pull_with(subscription, max, Some(deadline)).await
     }
 
     async fn pull_with(

@@ -20,6 +20,10 @@
 //!   --dry-run` over a million dead letters on Redis (issue 29), then
 //!   `courier console`'s pages of them (issue 30), with a part of
 //!   `BENCHMARKS.md` of its own.
+//! - [`batches`]: `courier-bench batch`, courier's batches (1, 10, 100
+//!   messages a POST) and one courier with a failing subscription beside
+//!   two healthy ones (issue 32), with a part of `BENCHMARKS.md` of its
+//!   own.
 //!
 //! `cargo run --profile dist -p courier-bench -- all` runs everything and
 //! rewrites the generated part of `BENCHMARKS.md` (it refuses a tree with
@@ -30,6 +34,7 @@
 
 mod app;
 mod bare;
+mod batches;
 mod celery;
 mod child;
 mod counts;
@@ -93,6 +98,11 @@ enum Cmd {
     /// as a child).
     #[command(hide = true)]
     DlqLaunch(dead_letters::LaunchArgs),
+    /// Drains with --batch-max-messages 1, 10 and 100 against the same
+    /// app, and one courier with three subscriptions, one of which the app
+    /// answers 503, beside the two healthy ones alone (issue 32); writes
+    /// its own part of BENCHMARKS.md.
+    Batch(batches::BatchArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -909,6 +919,15 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("courier-bench dlq: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Cmd::Batch(args) => {
+            return match batches::main(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("courier-bench batch: {e:#}");
                     ExitCode::FAILURE
                 }
             };

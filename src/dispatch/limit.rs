@@ -4,6 +4,11 @@
 //! trimmed when latency climbs well above the best the app has recently
 //! shown. A run of 503s is the app saying it is drowning: the answer to it
 //! is backpressure, not a pause of the whole queue (see [`super::gate`]).
+//! At the floor of one delivery at a time, further overload signals space
+//! the deliveries out (a pause doubling from 10 ms to 1 s, gone at the next
+//! healthy answer): an app that refuses at once would otherwise get one
+//! request after another, thousands a second (a path answering 503 beside
+//! healthy subscriptions took a quarter of their throughput that way).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +27,10 @@ const BASELINE_WINDOW: Duration = Duration::from_secs(30);
 /// Consecutive 503s that count as one overload signal: a few messages the
 /// app always refuses must not hold the limit down.
 pub const UNAVAILABLE_RUN: u32 = 3;
+/// The first pause between deliveries once an overload comes at the floor.
+const FLOOR_PAUSE_FIRST: Duration = Duration::from_millis(10);
+/// The longest: one delivery a second to an app that keeps refusing.
+const FLOOR_PAUSE_MOST: Duration = Duration::from_secs(1);
 
 /// Signals that move the limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +64,10 @@ struct State {
     baseline_since: Instant,
     /// 503s since the last healthy answer.
     unavailable: u32,
+    /// Between deliveries while overloads come at the floor; zero otherwise.
+    pause: Duration,
+    /// The next delivery goes no sooner than this.
+    next_at: Option<Instant>,
 }
 
 pub struct Limiter {
@@ -86,6 +99,8 @@ impl Limiter {
                 baseline: None,
                 baseline_since: Instant::now(),
                 unavailable: 0,
+                pause: Duration::ZERO,
+                next_at: None,
             }),
             released: Notify::new(),
             max,
@@ -113,17 +128,39 @@ impl Limiter {
         })
     }
 
-    /// Waits for a free slot under the current limit.
+    /// Waits for a free slot under the current limit, and, while
+    /// overloads come at the floor, for the delivery's turn.
     pub async fn acquire(self: &Arc<Self>) -> Slot {
-        loop {
+        let slot = loop {
             let released = self.released.notified();
             tokio::pin!(released);
             released.as_mut().enable();
             if let Some(slot) = self.try_acquire() {
-                return slot;
+                break slot;
             }
             released.await;
+        };
+        let turn = {
+            let mut s = self.lock();
+            if s.pause.is_zero() {
+                None
+            } else {
+                let now = Instant::now();
+                let turn = s.next_at.map_or(now, |at| at.max(now));
+                s.next_at = Some(turn + s.pause);
+                Some(turn)
+            }
+        };
+        if let Some(turn) = turn {
+            tokio::time::sleep_until(turn).await;
         }
+        slot
+    }
+
+    /// The pause between deliveries now (zero unless overloads come at the
+    /// floor).
+    pub fn pause(&self) -> Duration {
+        self.lock().pause
     }
 
     pub fn observe(&self, signal: Signal) {
@@ -148,11 +185,16 @@ impl Limiter {
             }
             Signal::Healthy(_) => {
                 s.unavailable = 0;
+                s.pause = Duration::ZERO;
+                s.next_at = None;
                 signal
             }
             other => other,
         };
         match signal {
+            Signal::Overloaded if s.limit <= 1.0 => {
+                s.pause = (s.pause * 2).clamp(FLOOR_PAUSE_FIRST, FLOOR_PAUSE_MOST);
+            }
             Signal::Overloaded => {
                 let rtt = s.baseline.unwrap_or_default();
                 if may_decrease(&s, rtt) {
@@ -276,5 +318,32 @@ mod tests {
         drop(a);
         let _c = waiter.await.unwrap();
         assert!(limiter.try_acquire().is_none());
+    }
+
+    /// At the floor, an app that keeps refusing gets one delivery per
+    /// pause, the pause doubling up to a second; one healthy answer ends it.
+    #[tokio::test(start_paused = true)]
+    async fn at_the_floor_overloads_space_deliveries_out() {
+        let limiter = Limiter::new(2);
+        limiter.observe(Signal::Overloaded);
+        assert_eq!(limiter.limit(), 1);
+        assert_eq!(limiter.pause(), Duration::ZERO, "a halving is no pause");
+        for expected in [10, 20, 40, 80, 160, 320, 640, 1000, 1000] {
+            for _ in 0..UNAVAILABLE_RUN {
+                limiter.observe(Signal::Unavailable);
+            }
+            assert_eq!(limiter.pause(), Duration::from_millis(expected));
+        }
+        let start = Instant::now();
+        for _ in 0..3 {
+            drop(limiter.acquire().await);
+        }
+        assert_eq!(start.elapsed(), Duration::from_secs(2), "one a second");
+        limiter.observe(Signal::Healthy(Duration::from_millis(2)));
+        assert_eq!(limiter.pause(), Duration::ZERO);
+        let start = Instant::now();
+        drop(limiter.acquire().await);
+        drop(limiter.acquire().await);
+        assert_eq!(start.elapsed(), Duration::ZERO, "no pause after a success");
     }
 }

@@ -64,6 +64,9 @@ struct State {
     baseline_since: Instant,
     /// 503s since the last healthy answer.
     unavailable: u32,
+    /// 503s in a row since the last healthy answer, never reset by the
+    /// signal they make.
+    refused: u32,
     /// Between deliveries while overloads come at the floor; zero otherwise.
     pause: Duration,
     /// The next delivery goes no sooner than this.
@@ -99,6 +102,7 @@ impl Limiter {
                 baseline: None,
                 baseline_since: Instant::now(),
                 unavailable: 0,
+                refused: 0,
                 pause: Duration::ZERO,
                 next_at: None,
             }),
@@ -176,7 +180,16 @@ impl Limiter {
         let signal = match signal {
             Signal::Unavailable => {
                 s.unavailable += 1;
-                if s.unavailable >= UNAVAILABLE_RUN {
+                s.refused = s.refused.saturating_add(1);
+                // Two whole rounds at the maximum refused and nothing
+                // healthy: the app refuses everything, and halving once a
+                // round trip would send it thousands more on the way down.
+                if s.refused >= 2 * self.max as u32 && s.limit > 1.0 {
+                    s.limit = 1.0;
+                    s.last_decrease = Some(now);
+                    s.unavailable = 0;
+                    Signal::Neutral
+                } else if s.unavailable >= UNAVAILABLE_RUN {
                     s.unavailable = 0;
                     Signal::Overloaded
                 } else {
@@ -185,6 +198,7 @@ impl Limiter {
             }
             Signal::Healthy(_) => {
                 s.unavailable = 0;
+                s.refused = 0;
                 s.pause = Duration::ZERO;
                 s.next_at = None;
                 signal
@@ -345,5 +359,25 @@ mod tests {
         drop(limiter.acquire().await);
         drop(limiter.acquire().await);
         assert_eq!(start.elapsed(), Duration::ZERO, "no pause after a success");
+    }
+
+    /// An app that refuses two whole rounds at the maximum, with nothing
+    /// healthy between, is at the floor at once; refusals among successes
+    /// never get there.
+    #[tokio::test(start_paused = true)]
+    async fn refusing_everything_goes_to_the_floor_at_once() {
+        let limiter = Limiter::new(16);
+        for _ in 0..20 {
+            limiter.observe(Signal::Unavailable);
+            limiter.observe(Signal::Unavailable);
+            limiter.observe(Signal::Healthy(Duration::from_millis(2)));
+        }
+        assert_eq!(limiter.limit(), 16);
+        for _ in 0..31 {
+            limiter.observe(Signal::Unavailable);
+        }
+        assert_eq!(limiter.limit(), 8, "one halving within the round trip");
+        limiter.observe(Signal::Unavailable);
+        assert_eq!(limiter.limit(), 1, "32 refusals in a row");
     }
 }

@@ -2,7 +2,6 @@
 //! in this process following a policy file the test edits as an operator
 //! edits the RetryPolicy, against a real broker and a real app.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,10 +48,6 @@ async fn applied(metrics: std::net::SocketAddr, n: f64) {
     .await;
 }
 
-fn rewrite(dir: &Path, spec: &str) {
-    write_policy(dir, spec);
-}
-
 /// Big orders go to `/big`, the rest to the app URL's path; a live edit
 /// moves the bar and sends what no route takes to the dead-letter queue as
 /// `unrouted`, a second makes it acked unoffered (counted as filtered).
@@ -88,7 +83,7 @@ pub async fn routes_send_messages_by_content_and_follow_live_edits(fixture: Fixt
 
     // The operator raises the bar, routes the other orders by name, and
     // dead-letters whatever no route takes.
-    rewrite(
+    write_policy(
         dir.path(),
         "timeout: 5s\nroutes: [{match: 'type == \"order.created\" && data.total > 1000', path: /big}, {match: 'type.startsWith(\"order.\")', path: '/orders/other?from=route'}]\nunrouted: dead-letter",
     );
@@ -110,7 +105,7 @@ pub async fn routes_send_messages_by_content_and_follow_live_edits(fixture: Fixt
     assert_eq!(paths_of(&app, "big-2"), ["/orders/other?from=route"]);
     assert_eq!(paths_of(&app, "huge-2"), ["/big"]);
 
-    rewrite(
+    write_policy(
         dir.path(),
         &format!("timeout: 5s\nroutes: [{{match: \"{BIG}\", path: /big}}]\nunrouted: ack"),
     );

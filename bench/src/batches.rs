@@ -790,18 +790,10 @@ impl Results {
     }
 }
 
-/// Writes `generated` between the markers of `path`; a file without them
-/// gets them at its end, under [`HEADING`], and keeps the rest as it is.
+/// Writes `generated` between the markers of `path`, a section of its own
+/// under [`HEADING`] ([`report::splice_section`]).
 fn write(path: &Path, generated: &str) -> std::io::Result<()> {
-    report::splice(path, BEGIN, END, generated, |existing| {
-        let existing = existing.trim_end();
-        let before = if existing.is_empty() {
-            "# Benchmarks".to_string()
-        } else {
-            existing.to_string()
-        };
-        format!("{before}\n\n{HEADING}\n\n{}\n", generated.trim_end())
-    })
+    report::splice_section(path, BEGIN, END, HEADING, generated)
 }
 
 pub fn main(args: BatchArgs) -> anyhow::Result<()> {

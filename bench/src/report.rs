@@ -1099,6 +1099,27 @@ pub fn write_markdown(path: &Path, generated: &str) -> std::io::Result<()> {
     })
 }
 
+/// Writes `generated` between `begin` and `end` in `path`, a run apart's
+/// section: a file without the markers gets them at its end, under
+/// `heading` (a new file under "# Benchmarks"), and keeps the rest as it is.
+pub fn splice_section(
+    path: &Path,
+    begin: &str,
+    end: &str,
+    heading: &str,
+    generated: &str,
+) -> std::io::Result<()> {
+    splice(path, begin, end, generated, |existing| {
+        let existing = existing.trim_end();
+        let before = if existing.is_empty() {
+            "# Benchmarks".to_string()
+        } else {
+            existing.to_string()
+        };
+        format!("{before}\n\n{heading}\n\n{}\n", generated.trim_end())
+    })
+}
+
 /// Replaces the part of `path` from `begin` through `end` with
 /// `generated` (which holds both markers), keeping what is written around
 /// it. Where the file lacks them, `absent` makes the whole text from what

@@ -471,9 +471,20 @@ pub async fn drain_timeout_cuts_off_and_redelivers(fixture: Fixture) {
     const IN_FLIGHT: usize = 4;
     let app = TestApp::start().await;
     let dir = tempfile::tempdir().unwrap();
+    // The policy timeout must not end a held delivery before the fourth
+    // arrives. Kafka's come as the mock's fetches return, seconds apart
+    // under load, and it redelivers from the committed offset rather than
+    // after a lease, so it gets a timeout far past that spread; the others
+    // keep a short lease so that their redelivery comes soon.
+    let (timeout, visibility) = match fixture.broker {
+        BrokerKind::Kafka => ("30s", "35s"),
+        _ => ("3s", "4s"),
+    };
     let policy = write_policy(
         dir.path(),
-        "maxAttempts: 5\ntimeout: 3s\nbackoff: {initial: 50ms, max: 200ms, jitter: none}",
+        &format!(
+            "maxAttempts: 5\ntimeout: {timeout}\nbackoff: {{initial: 50ms, max: 200ms, jitter: none}}"
+        ),
     );
     let producer = fixture.producer().await;
     let mut bodies = Vec::new();
@@ -493,7 +504,7 @@ pub async fn drain_timeout_cuts_off_and_redelivers(fixture: Fixture) {
             "--drain-timeout",
             "300ms",
             "--visibility-timeout",
-            "4s",
+            visibility,
         ]
         .map(String::from),
     );

@@ -68,7 +68,7 @@ mod jobs;
 mod read;
 mod settle;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -132,8 +132,10 @@ pub struct PubSubSource {
     /// deadline at start, in seconds (Pub/Sub's 10 where it gives none).
     work_deadline_secs: u64,
     seal: Arc<Seal>,
-    /// Deliveries with the app (or read ahead), by ack id.
-    in_flight: Mutex<HashMap<String, Sub>>,
+    /// Deliveries with the app (or read ahead), by ack id: looked up at
+    /// every hand-out and settlement, with a hasher faster than SipHash on
+    /// keys as long as ack ids.
+    in_flight: Mutex<foldhash::HashMap<String, Sub>>,
     work_acks: Batcher<String>,
     retry_acks: Batcher<String>,
     /// Dead-letter topics whose browsing subscription this process made

@@ -1,8 +1,10 @@
 //! What an idle courier costs its broker (issue 28): the binary, run as a
 //! user runs it (every flag at its default but the source, queue, app and
 //! listen address), on an empty queue, sends the broker at most one
-//! request a second, counted by the broker itself. Each test has a broker
-//! of its own, so that every request it counts is courier's.
+//! request a second, counted by the broker itself (the embedded queue,
+//! whose broker is a file, not one page of it, by the kernel's count of the
+//! bytes the process reads and writes). Each test has a broker of its own,
+//! so that every request it counts is courier's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,8 +69,10 @@ fn assert_at_most_one_a_second_over(window: Duration, broker: &str, count: u64, 
     );
 }
 
-/// The times process `pid`'s threads were switched in so far: the
-/// context switches the kernel counts in `/proc/PID/task/*/status`. An idle
+/// The times process `pid`'s threads went to sleep so far, each followed
+/// by a wake-up: the voluntary context switches the kernel counts in
+/// `/proc/PID/task/*/status` (the involuntary ones are other processes'
+/// load preempting it, not courier waking). An idle
 /// process wakes for its timers and its sockets; a timer that ticks while
 /// nothing happens shows here whatever the build (an SDK's 100 ms
 /// throughput check cost an idle courier on SQS 30 wake-ups and 0.19 % of
@@ -83,7 +87,7 @@ fn wakeups(pid: u32) -> u64 {
         .flat_map(|status| {
             status
                 .lines()
-                .filter(|l| l.contains("ctxt_switches:"))
+                .filter(|l| l.starts_with("voluntary_ctxt_switches:"))
                 .filter_map(|l| l.rsplit('\t').next()?.trim().parse::<u64>().ok())
                 .collect::<Vec<_>>()
         })
@@ -181,6 +185,62 @@ async fn redis_an_idle_courier_sends_at_most_one_request_a_second() {
         requests.iter().any(|r| r.contains("\"XREADGROUP\"")),
         "no read of new entries in {WINDOW:?}:\n{}",
         requests.join("\n")
+    );
+
+    courier.terminate();
+    let status = courier.exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}; log:\n{}", courier.log());
+}
+
+/// The bytes `pid` read and wrote through system calls so far
+/// (`/proc/PID/io`'s `rchar` and `wchar`): on files, sockets and the
+/// runtime's wake-up descriptors alike, every thread.
+fn bytes_read_and_written(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/io: {e}"));
+    io.lines()
+        .filter(|l| l.starts_with("rchar:") || l.starts_with("wchar:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The embedded queue: its file is the broker, and an idle courier reads
+/// and writes none of it. A receive with nothing to do waits inside the
+/// writer thread for a send or a due time, not on the file, and the depth
+/// gauges read pages redb's cache holds. What is counted is every byte the
+/// process read or wrote through a system call: under one page of the file
+/// (4 KiB) in the window, where the threads' wake-ups (8 bytes each on an
+/// eventfd, two a second) are all there is. One message sent before the
+/// start is delivered first, so the idle figure is of a courier that read
+/// the queue, not of one that never did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_an_idle_courier_reads_and_writes_no_page_of_its_file() {
+    let fixture = Fixture::embedded();
+    let source = fixture.open_as_created().await;
+    fixture.send(&source, "before the rest".to_string()).await;
+    release(&fixture, source).await;
+    let app = TestApp::start().await;
+    let mut courier = idle_courier(&fixture, &app, &[], &[]);
+    courier.wait_running().await;
+    wait_for(
+        "the message sent before the start",
+        Duration::from_secs(30),
+        async || !app.received_body(b"before the rest").is_empty(),
+    )
+    .await;
+    // The ack's write, due within the writer's flush interval, is not idle
+    // work: it is let through before the count starts.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let before = bytes_read_and_written(courier.id());
+    let woke = Wakeups::start(courier.id());
+    tokio::time::sleep(WINDOW).await;
+    woke.assert_at_most(WAKEUPS, "the embedded queue");
+    let bytes = bytes_read_and_written(courier.id()) - before;
+    eprintln!("an idle courier on the embedded queue read and wrote {bytes} bytes in {WINDOW:?}");
+    assert!(
+        bytes < 4096,
+        "an idle courier on the embedded queue read and wrote {bytes} bytes in {WINDOW:?} (/proc/PID/io): a page of its file or more"
     );
 
     courier.terminate();

@@ -1,10 +1,10 @@
 //! What an idle courier costs its broker (issue 28): the binary, run as a
 //! user runs it (every flag at its default but the source, queue, app and
 //! listen address), on an empty queue, sends the broker at most one
-//! request a second, counted by the broker itself (the embedded queue,
-//! whose broker is a file, not one page of it, by the kernel's count of the
-//! bytes the process reads and writes). Each test has a broker of its own,
-//! so that every request it counts is courier's.
+//! request a second, counted by the broker itself. The embedded queue's
+//! broker is its file: there, not one page of it is read or written, by the
+//! kernel's count of the bytes the process reads and writes. Each test has
+//! a broker of its own, so that every request it counts is courier's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -187,9 +187,7 @@ async fn redis_an_idle_courier_sends_at_most_one_request_a_second() {
         requests.join("\n")
     );
 
-    courier.terminate();
-    let status = courier.exit_within(Duration::from_secs(30)).await;
-    assert!(status.success(), "{status}; log:\n{}", courier.log());
+    courier.stop_cleanly(Duration::from_secs(30)).await;
 }
 
 /// The bytes `pid` read and wrote through system calls so far
@@ -243,9 +241,7 @@ async fn embedded_an_idle_courier_reads_and_writes_no_page_of_its_file() {
         "an idle courier on the embedded queue read and wrote {bytes} bytes in {WINDOW:?} (/proc/PID/io): a page of its file or more"
     );
 
-    courier.terminate();
-    let status = courier.exit_within(Duration::from_secs(30)).await;
-    assert!(status.success(), "{status}; log:\n{}", courier.log());
+    courier.stop_cleanly(Duration::from_secs(30)).await;
 }
 
 /// What clients published to `monitor_port`'s NATS so far (pull requests,
@@ -284,9 +280,7 @@ async fn nats_an_idle_courier_sends_at_most_one_request_a_second() {
     assert_at_most_one_a_second("NATS", published, "(published messages, from /varz)");
     assert!(published > 0, "no pull request in {WINDOW:?}");
 
-    courier.terminate();
-    let status = courier.exit_within(Duration::from_secs(30)).await;
-    assert!(status.success(), "{status}; log:\n{}", courier.log());
+    courier.stop_cleanly(Duration::from_secs(30)).await;
 }
 
 /// SQS: a long poll the server holds for a few seconds, and the depth
@@ -331,9 +325,7 @@ async fn sqs_an_idle_courier_sends_at_most_one_request_a_second() {
     assert_at_most_one_a_second("SQS", sent.len() as u64, &sent.join("\n"));
     assert!(!sent.is_empty(), "no receive in {WINDOW:?}");
 
-    courier.terminate();
-    let status = courier.exit_within(Duration::from_secs(30)).await;
-    assert!(status.success(), "{status}; log:\n{}", courier.log());
+    courier.stop_cleanly(Duration::from_secs(30)).await;
 }
 
 /// What RabbitMQ read from the connections of courier on `queue` so far
@@ -375,9 +367,7 @@ async fn amqp_an_idle_courier_sends_at_most_one_request_a_second() {
     let reads = amqp_reads(&fixture.queue) - before;
     assert_at_most_one_a_second("RabbitMQ", reads, "(socket reads, from rabbitmqctl)");
 
-    courier.terminate();
-    let status = courier.exit_within(Duration::from_secs(30)).await;
-    assert!(status.success(), "{status}; log:\n{}", courier.log());
+    courier.stop_cleanly(Duration::from_secs(30)).await;
 }
 
 /// The depth gauges of a queue where nothing changes are read further and
@@ -616,9 +606,7 @@ async fn delivered_after_a_rest(
         !app.received_body(b"after a rest").is_empty()
     })
     .await;
-    courier.terminate();
-    let status = courier.exit_within(Duration::from_secs(30)).await;
-    assert!(status.success(), "{status}; log:\n{}", courier.log());
+    courier.stop_cleanly(Duration::from_secs(30)).await;
 }
 
 /// A stop does not wait out a receive's wait where courier holds it

@@ -1189,6 +1189,14 @@ impl CourierProcess {
         assert!(status.success(), "kill -TERM failed");
     }
 
+    /// SIGTERM, then an exit with success within `limit`; fails with the
+    /// log otherwise.
+    pub async fn stop_cleanly(&mut self, limit: Duration) {
+        self.terminate();
+        let status = self.exit_within(limit).await;
+        assert!(status.success(), "{status}; log:\n{}", self.log());
+    }
+
     /// Waits for the process to exit, and for what it wrote last to be in
     /// [`CourierProcess::log`]; fails, with the log, after `limit`.
     pub async fn exit_within(&mut self, limit: Duration) -> ExitStatus {

@@ -31,12 +31,6 @@ fn args(fixture: &Fixture, app: &str, policy: &Path, extra: &[&str]) -> Vec<Stri
     args
 }
 
-async fn stop(mut courier: CourierProcess) {
-    courier.terminate();
-    let status = courier.exit_within(SETTLE).await;
-    assert!(status.success(), "{status}\n{}", courier.log());
-}
-
 /// courier started on `fixture` with an app address nothing listens on yet
 /// (the caller's app may take it later), once it says it is waiting; the
 /// directory holds its policy file.
@@ -98,7 +92,7 @@ async fn no_delivery_before_the_app_accepts_connections() {
     courier
         .wait_log("the app is ready: delivering", SETTLE)
         .await;
-    stop(courier).await;
+    courier.stop_cleanly(SETTLE).await;
 }
 
 /// An app that listens at once but is not ready: `GET /healthz` answers 503
@@ -196,7 +190,7 @@ async fn no_delivery_before_the_health_path_answers_2xx() {
     wait_settled(&source, SETTLE).await;
     assert_eq!(app.posts(), [true], "one delivery, after the app was ready");
     assert_eq!(source.depth().await.unwrap().dead_letters, 0);
-    stop(courier).await;
+    courier.stop_cleanly(SETTLE).await;
     app.stop.cancel();
 }
 
@@ -214,9 +208,9 @@ async fn the_example_policy_retries_404_and_409_while_the_app_starts() {
         ids.push(fixture.send(&source, body).await);
     }
     let example = root().join("examples/app-starting.yaml");
-    let courier = CourierProcess::run(&args(&fixture, &app.url(), &example, &[]));
+    let mut courier = CourierProcess::run(&args(&fixture, &app.url(), &example, &[]));
     wait_settled(&source, SETTLE).await;
-    stop(courier).await;
+    courier.stop_cleanly(SETTLE).await;
 
     let times = |body: &str| app.received_body(body.as_bytes()).len();
     assert_eq!(times(starting), 3, "404 and 409 retried, then acked");

@@ -22,6 +22,18 @@ struct Shared<T> {
     /// Wakes the writer when a round gets its first settlement, or on close.
     work: Notify,
     max_batch: usize,
+    linger: Option<Linger>,
+    /// Wakes a lingering writer when its round reaches `linger.fill`.
+    filled: Notify,
+}
+
+/// How long a round may wait for more settlements before it is written:
+/// until it holds `fill` or `most` has passed since its first. For a
+/// broker whose every call costs the server more than its ids do.
+#[derive(Debug, Clone, Copy)]
+pub struct Linger {
+    pub fill: usize,
+    pub most: std::time::Duration,
 }
 
 struct Rounds<T> {
@@ -95,6 +107,29 @@ impl<T> Shared<T> {
         self.rounds.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Waits, up to `linger.most`, for the round filling to hold
+    /// `linger.fill`, unless a round is already full or the batcher closed.
+    async fn linger(&self, linger: Linger) {
+        let until = tokio::time::Instant::now() + linger.most;
+        loop {
+            let filled = self.filled.notified();
+            let mut filled = std::pin::pin!(filled);
+            filled.as_mut().enable();
+            {
+                let rounds = self.lock();
+                if rounds.closed
+                    || !rounds.full.is_empty()
+                    || rounds.filling.items.len() >= linger.fill
+                {
+                    return;
+                }
+            }
+            if tokio::time::timeout_at(until, filled).await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// The next round to write, if any.
     fn next_round(&self) -> Option<Round<T>> {
         let mut rounds = self.lock();
@@ -127,6 +162,17 @@ impl<T: Send + 'static> Batcher<T> {
         F: Fn(Vec<T>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), SourceError>> + Send,
     {
+        Self::spawn_lingering(max_batch, None, flush)
+    }
+
+    /// [`Batcher::spawn`], a round waiting as `linger` says before it is
+    /// written.
+    pub fn spawn_lingering<F, Fut>(max_batch: usize, linger: Option<Linger>, flush: F) -> Self
+    where
+        F: Fn(Vec<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), SourceError>> + Send,
+    {
+        let max_batch = max_batch.max(1);
         let shared = Arc::new(Shared {
             rounds: Mutex::new(Rounds {
                 full: VecDeque::new(),
@@ -134,7 +180,12 @@ impl<T: Send + 'static> Batcher<T> {
                 closed: false,
             }),
             work: Notify::new(),
-            max_batch: max_batch.max(1),
+            max_batch,
+            linger: linger.map(|l| Linger {
+                fill: l.fill.clamp(1, max_batch),
+                ..l
+            }),
+            filled: Notify::new(),
         });
         let writer = Writer(shared.clone());
         tokio::spawn(async move {
@@ -146,6 +197,9 @@ impl<T: Send + 'static> Batcher<T> {
                 // woken by another next): let them run first, so the round
                 // trip carries all of them, not one each.
                 tokio::task::yield_now().await;
+                if let Some(linger) = shared.linger {
+                    shared.linger(linger).await;
+                }
                 while let Some(round) = shared.next_round() {
                     let answer = Owed(round.answer);
                     answer.0.give(flush(round.items).await);
@@ -172,6 +226,13 @@ impl<T: Send + 'static> Batcher<T> {
             if rounds.filling.items.len() == 1 {
                 self.shared.work.notify_one();
             }
+            if self
+                .shared
+                .linger
+                .is_some_and(|l| rounds.filling.items.len() == l.fill)
+            {
+                self.shared.filled.notify_one();
+            }
             rounds.filling.answer.clone()
         };
         answer.wait().await
@@ -183,6 +244,7 @@ impl<T> Drop for Batcher<T> {
     fn drop(&mut self) {
         self.shared.lock().closed = true;
         self.shared.work.notify_one();
+        self.shared.filled.notify_one();
     }
 }
 
@@ -230,5 +292,50 @@ mod tests {
         assert!(results.iter().all(Result::is_err), "{results:?}");
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         assert!(batcher.submit(4).await.is_err());
+    }
+
+    /// A lingering round is written once it holds `fill`, without waiting
+    /// out `most`; a round that stays short is written after `most`.
+    #[tokio::test(start_paused = true)]
+    async fn a_lingering_round_waits_for_its_fill_or_its_time() {
+        let writes = Arc::new(Mutex::new(Vec::new()));
+        let seen = writes.clone();
+        let linger = Linger {
+            fill: 3,
+            most: std::time::Duration::from_millis(50),
+        };
+        let batcher = Arc::new(Batcher::spawn_lingering(
+            8,
+            Some(linger),
+            move |ids: Vec<u32>| {
+                seen.lock()
+                    .unwrap()
+                    .push((tokio::time::Instant::now(), ids));
+                async { Ok(()) }
+            },
+        ));
+        let start = tokio::time::Instant::now();
+        let submit = |id| {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(id).await })
+        };
+        let first = [submit(1), submit(2)];
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        let third = submit(3);
+        for done in first.into_iter().chain([third]) {
+            done.await.unwrap().unwrap();
+        }
+        let fourth = submit(4);
+        fourth.await.unwrap().unwrap();
+        let writes = writes.lock().unwrap();
+        let at: Vec<_> = writes.iter().map(|(at, _)| *at - start).collect();
+        let ids: Vec<_> = writes.iter().map(|(_, ids)| ids.clone()).collect();
+        assert_eq!(ids, [vec![1, 2, 3], vec![4]]);
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(
+            at,
+            [ms(10), ms(60)],
+            "the fill at 10 ms; the short one after 50"
+        );
     }
 }

@@ -30,7 +30,7 @@ use futures::future::BoxFuture;
 
 pub use crate::model::{DeadLetter, Delivery, Failure};
 
-pub use batch::Batcher;
+pub use batch::{Batcher, Linger};
 pub use jobs::{JOB_RECORD_MAX, is_job_key};
 pub use recent::{REMEMBERED, Recent};
 pub use redact::{redact, redact_error, secrets_of};
@@ -252,7 +252,8 @@ pub struct SourceOptions {
     /// `--ordering`: whether messages of one key go to the app one at a
     /// time, in the order stored ([`Capabilities::key_ordering`]).
     pub ordering: Ordering,
-    /// Deliveries this replica has in flight at most (`--concurrency`);
+    /// Deliveries this replica has with the app at most (`--concurrency`),
+    /// and as many more being settled;
     /// brokers that push (AMQP) prefetch this many, times
     /// `messages_per_delivery`.
     pub concurrency: usize,

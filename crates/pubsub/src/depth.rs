@@ -12,6 +12,13 @@
 //! count less the copies this process has with the app. No message's age
 //! is told: the oldest unacked one may be with an app, not waiting.
 //!
+//! A count reads at most [`COUNT_MOST`] messages of a subscription: a
+//! count of the whole of a large backlog pulled every message of it every
+//! `--depth-interval` (a million messages of a kilobyte is a gigabyte of
+//! subscribe throughput, which Google bills, every 15 s), and made the
+//! broker do as much work again as the drain itself. Past it, the gauges
+//! are a lower bound, which courier logs once.
+//!
 //! An admin handle (`courier console`) reads no depth: its `depth_of` is
 //! the trait's `None`. Every count above makes a snapshot, moves a shadow
 //! and pulls from it (and makes a missing shadow again), which a handle
@@ -38,6 +45,10 @@ const COUNT_BATCH: usize = 1000;
 const COUNT_BYTES: usize = 1 << 20;
 /// The first pull of a count, before the size of its messages is known.
 const FIRST_COUNT_BATCH: usize = 16;
+/// The most messages one count of a subscription reads: enough for an
+/// alert's threshold and an autoscaler's target (a hundred replicas at a
+/// hundred messages each), ten pulls at most.
+pub(super) const COUNT_MOST: u64 = 10_000;
 
 /// A count's snapshot still there after this long was left by a counter
 /// that died: a count takes a few round trips, tens of milliseconds, and a
@@ -71,10 +82,14 @@ impl Drop for Unlock {
 }
 
 /// What a count found.
+#[derive(Default)]
 struct Count {
     messages: u64,
-    /// The oldest message's `courier-last-attempt-at`, else its publish.
+    /// The oldest message's `courier-last-attempt-at`, else its publish
+    /// (of those read, when the count stopped at [`COUNT_MOST`]).
     oldest: Option<SystemTime>,
+    /// The count stopped at [`COUNT_MOST`]: there may be more.
+    in_part: bool,
 }
 
 impl PubSubSource {
@@ -148,13 +163,15 @@ impl PubSubSource {
     /// subscription (a replica and a restarted one, or the sidecar and
     /// `courier dlq`) then both get a count instead of an error.
     async fn count(&self, subscription: &str) -> Result<Count, SourceError> {
-        match self.count_once(subscription).await {
+        let count = match self.count_once(subscription).await {
             Err(e) if e.kind() == ErrorKind::Invalid => {
                 tracing::debug!(error = %e, subscription, "a depth count was overtaken; counting again");
                 self.count_once(subscription).await
             }
             counted => counted,
-        }
+        }?;
+        self.note_in_part(subscription, &count);
+        Ok(count)
     }
 
     async fn count_once(&self, subscription: &str) -> Result<Count, SourceError> {
@@ -208,21 +225,24 @@ impl PubSubSource {
         self.client.subscriber.clone().seek(request).await.map(drop)
     }
 
-    /// Counts what the shadow holds after its seek a batch at a time,
-    /// each batch acked in the shadow before the next pull: a count holds
-    /// one pull's messages in memory (sized to about [`COUNT_BYTES`] from
-    /// the messages of the pull before), not the backlog (a million retries
-    /// waiting would otherwise be a million bodies in courier's memory at
-    /// every scrape), and what it acked does not come back to be counted
-    /// twice.
+    /// Counts what the shadow holds after its seek a batch at a time, up
+    /// to [`COUNT_MOST`], each batch acked in the shadow before the next
+    /// pull: a count holds one pull's messages in memory (sized to about
+    /// [`COUNT_BYTES`] from the messages of the pull before), not the
+    /// backlog (a million retries waiting would otherwise be a million
+    /// bodies in courier's memory at every scrape), and what it acked does
+    /// not come back to be counted twice. What it leaves unread, the next
+    /// count's seek resets.
     async fn count_shadow(&self, shadow: &str) -> Result<Count, SourceError> {
-        let mut count = Count {
-            messages: 0,
-            oldest: None,
-        };
+        let mut count = Count::default();
         let mut batch = FIRST_COUNT_BATCH;
         loop {
-            let got = self.client.pull(shadow, batch).await?;
+            let left = COUNT_MOST - count.messages;
+            if left == 0 {
+                count.in_part = true;
+                return Ok(count);
+            }
+            let got = self.client.pull(shadow, batch.min(left as usize)).await?;
             if got.is_empty() {
                 return Ok(count);
             }
@@ -264,10 +284,7 @@ impl PubSubSource {
         let retry = self.count(&self.names.retry).await?;
         let dead_letters = match self.browsing_of_live().await? {
             Some(browsing) => self.count(&browsing).await?,
-            None => Count {
-                messages: 0,
-                oldest: None,
-            },
+            None => Count::default(),
         };
         let (with_app, copies_with_app) = {
             let held = lock(&self.in_flight);
@@ -288,6 +305,25 @@ impl PubSubSource {
             queue_depth: Some(work.messages + retry.messages),
             oldest_waiting_age: None,
         })
+    }
+
+    /// Says once when a subscription's count becomes a lower bound (it
+    /// stopped at [`COUNT_MOST`]), and when it is whole again.
+    fn note_in_part(&self, subscription: &str, count: &Count) {
+        let mut in_part = lock(&self.counted_in_part);
+        if count.in_part && in_part.insert(subscription.to_string()) {
+            tracing::warn!(
+                subscription,
+                counted = COUNT_MOST,
+                "more messages wait than a depth count reads: the depth gauges of this subscription show that many, a lower bound, until fewer wait"
+            );
+        } else if !count.in_part && in_part.remove(subscription) {
+            tracing::info!(
+                subscription,
+                messages = count.messages,
+                "a depth count reads the whole subscription again"
+            );
+        }
     }
 
     /// The browsing subscription of the dead-letter queue in force, when

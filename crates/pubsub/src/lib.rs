@@ -143,6 +143,9 @@ pub struct PubSubSource {
     known_dead_letter_topics: Mutex<HashSet<String>>,
     /// One depth count at a time: the shadow subscriptions are shared.
     counting: tokio::sync::Mutex<()>,
+    /// Subscriptions whose last count stopped at `depth::COUNT_MOST`: their
+    /// depth is a lower bound, said once when it becomes one.
+    counted_in_part: Mutex<HashSet<String>>,
     /// Whether the reader rests, and when it looks at retries next.
     pace: Mutex<read::Pace>,
     /// How long a copy is held at most, in seconds: Pub/Sub's 600, or less
@@ -197,8 +200,8 @@ impl PubSubSource {
             connection::prepare(&client, &names, &dead_letters, options.seal.as_ref()).await?;
         let source = Self {
             store: PubSubStore::new(client.clone(), names.clone(), work, seal.clone()),
-            work_acks: settle::ack_batcher(&client, &names.work),
-            retry_acks: settle::ack_batcher(&client, &names.retry),
+            work_acks: settle::ack_batcher(&client, &names.work, options.concurrency),
+            retry_acks: settle::ack_batcher(&client, &names.retry, options.concurrency),
             client,
             names,
             live: Mutex::new(live),
@@ -210,6 +213,7 @@ impl PubSubSource {
             in_flight: Mutex::default(),
             known_dead_letter_topics: Mutex::new(HashSet::from([dead_letters])),
             counting: tokio::sync::Mutex::new(()),
+            counted_in_part: Mutex::default(),
             pace: Mutex::new(read::Pace::new(Duration::from_secs(hold_limit))),
             hold_limit,
             holding: Mutex::default(),

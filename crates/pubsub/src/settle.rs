@@ -4,14 +4,14 @@
 //! what the app has leased.
 
 use async_trait::async_trait;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use super::connection::Client;
 use super::{PubSubSource, Sub, lock};
 use courier_core::model::{Delivery, Failure, rfc3339};
 use courier_core::source::SettleParts;
 use courier_core::source::shared::{F_RETRY_AT, replace, without};
-use courier_core::source::{Batcher, SourceError};
+use courier_core::source::{Batcher, Linger, SourceError};
 
 /// How long a message whose retry copy or dead letter Pub/Sub did not take
 /// stays leased before it is delivered again: not at once, since the
@@ -19,11 +19,28 @@ use courier_core::source::{Batcher, SourceError};
 /// that a passing fault costs little. Pub/Sub's shortest deadline.
 const AFTER_FAILED_SETTLE: u64 = 10;
 
+/// How long an ack waits for the others of its round: a round of
+/// `--concurrency` acks is written at once, a shorter one after this long.
+/// The server's work follows its calls more than their ids: written as soon
+/// as the last one was answered, a drain of 20,000 messages on the emulator
+/// took 2,590 `Acknowledge` calls of 7.7 ids (the bare loop, in lockstep,
+/// 1,250 of 16); with this, 1,360 of 14.6. The app is not held meanwhile:
+/// its slot was freed when it answered.
+const ACK_LINGER: Duration = Duration::from_millis(2);
+
 /// Concurrent acks of one subscription become one `Acknowledge`.
-pub(super) fn ack_batcher(client: &Client, subscription: &str) -> Batcher<String> {
+pub(super) fn ack_batcher(
+    client: &Client,
+    subscription: &str,
+    concurrency: usize,
+) -> Batcher<String> {
     let client = client.clone();
     let subscription = subscription.to_string();
-    Batcher::spawn(512, move |ack_ids: Vec<String>| {
+    let linger = Linger {
+        fill: concurrency,
+        most: ACK_LINGER,
+    };
+    Batcher::spawn_lingering(512, Some(linger), move |ack_ids: Vec<String>| {
         let client = client.clone();
         let subscription = subscription.clone();
         async move { client.acknowledge(&subscription, ack_ids).await }

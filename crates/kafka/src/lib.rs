@@ -408,6 +408,7 @@ impl KafkaSource {
             Some(seal) => seal.clone(),
             None => Arc::new(connection::seal_of(&producer, &inspector, &options.queue).await?),
         };
+        producer.started();
         let reading: Arc<Mutex<Reading>> = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));
         let consumer = group_consumer(

@@ -13,7 +13,10 @@
 //! A sidecar whose app takes everything sends nothing, and an idle producer
 //! still costs librdkafka's threads (a main thread and one per broker, each
 //! awake once a second): about a third of an idle courier's CPU on a
-//! three-broker cluster. So the producer exists only while it is used.
+//! three-broker cluster. So the producer exists only while it is used, and
+//! what a start used it for (creating topics, recording the seal key) is
+//! not kept for [`IDLE`]: that keeps a producer for the next of a run of
+//! retries, and a start's writes are not one.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,6 +72,9 @@ struct Polled {
     users: AtomicUsize,
     /// Milliseconds from `Lazy::epoch` to the last use's end.
     last_used: AtomicU64,
+    /// A record was sent through it since the start: it is kept for
+    /// [`IDLE`] after its last use, not closed at once.
+    sent: std::sync::atomic::AtomicBool,
 }
 
 /// One use of the open producer: it is not closed while this lives.
@@ -151,6 +157,7 @@ impl Producer {
                         ))?,
                     users: AtomicUsize::new(0),
                     last_used: AtomicU64::new(lazy.epoch.elapsed().as_millis() as u64),
+                    sent: std::sync::atomic::AtomicBool::new(false),
                 });
                 let weak = Arc::downgrade(lazy);
                 let polling = polled.clone();
@@ -169,6 +176,14 @@ impl Producer {
         })
     }
 
+    /// The start's topic checks and seal key are done: the producer they
+    /// opened is closed as soon as nothing uses it (within [`POLL`]).
+    pub(super) fn started(&self) {
+        if let Some(polled) = &*self.0.open.lock().unwrap_or_else(|e| e.into_inner()) {
+            polled.sent.store(false, Ordering::Relaxed);
+        }
+    }
+
     /// Produces a record to `topic` and waits for its delivery report. A
     /// full local queue is waited out for up to `queue_timeout`, as rdkafka's
     /// `FutureProducer::send` does. A `payload` of `None` is a null value:
@@ -182,6 +197,7 @@ impl Producer {
         queue_timeout: Duration,
     ) -> Report {
         let using = self.take()?;
+        using.polled.sent.store(true, Ordering::Relaxed);
         let started = Instant::now();
         let (tx, rx) = oneshot::channel();
         let mut record = BaseRecord::with_opaque_to(topic, Box::new(tx));
@@ -237,8 +253,9 @@ impl Producer {
 }
 
 /// The producer's thread: serves delivery reports until the last clone of
-/// the [`Producer`] is dropped, or until it has been idle for [`IDLE`],
-/// when it closes it (and a later send opens a new one). librdkafka's
+/// the [`Producer`] is dropped, or until it has been idle for [`IDLE`]
+/// (at once when it sent no record since the start), when it closes
+/// it (and a later send opens a new one). librdkafka's
 /// producer is destroyed here, off the async threads, when the thread
 /// lets go of it last.
 fn poll(polled: Arc<Polled>, lazy: std::sync::Weak<Lazy>) {
@@ -249,7 +266,12 @@ fn poll(polled: Arc<Polled>, lazy: std::sync::Weak<Lazy>) {
         };
         let now = lazy.epoch.elapsed().as_millis() as u64;
         let idle_since = polled.last_used.load(Ordering::Relaxed);
-        if now.saturating_sub(idle_since) < lazy.idle.as_millis() as u64 {
+        let keep = if polled.sent.load(Ordering::Relaxed) {
+            lazy.idle.as_millis() as u64
+        } else {
+            0
+        };
+        if now.saturating_sub(idle_since) < keep {
             continue;
         }
         let mut open = lazy.open.lock().unwrap_or_else(|e| e.into_inner());
@@ -270,35 +292,76 @@ mod tests {
     use super::*;
     use rdkafka::mocking::MockCluster;
 
+    /// A producer on a mock cluster of one broker with `topic`, closing
+    /// after `idle`.
+    fn on_mock(
+        topic: &str,
+        idle: Duration,
+    ) -> (
+        MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+        Producer,
+    ) {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic(topic, 1, 1).unwrap();
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", cluster.bootstrap_servers());
+        let producer = Producer::closing_after(&config, Quiet::default(), idle).unwrap();
+        (cluster, producer)
+    }
+
+    async fn send(producer: &Producer, topic: &str, body: &[u8]) -> Report {
+        producer
+            .send(topic, None, Some(body), None, Duration::from_secs(5))
+            .await
+    }
+
     /// A producer opens at its first record, closes when idle, and the
     /// next record opens it again.
     #[tokio::test]
     async fn an_idle_producer_is_closed_and_the_next_record_opens_it_again() {
-        let cluster = MockCluster::new(1).unwrap();
-        cluster.create_topic("lazy", 1, 1).unwrap();
-        let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", cluster.bootstrap_servers());
-        let producer =
-            Producer::closing_after(&config, Quiet::default(), Duration::from_millis(300)).unwrap();
+        let (_cluster, producer) = on_mock("lazy", Duration::from_millis(300));
         assert!(!producer.is_open(), "made before its first record");
-        let send = |body: &'static [u8]| {
-            let producer = producer.clone();
-            async move {
-                producer
-                    .send("lazy", None, Some(body), None, Duration::from_secs(5))
-                    .await
-            }
-        };
-        assert_eq!(send(b"first").await.unwrap(), (0, 0));
+        assert_eq!(send(&producer, "lazy", b"first").await.unwrap(), (0, 0));
         assert!(producer.is_open());
         let deadline = Instant::now() + Duration::from_secs(10);
         while producer.is_open() {
             assert!(Instant::now() < deadline, "still open after 10 s idle");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(send(b"second").await.unwrap(), (0, 1));
+        assert_eq!(send(&producer, "lazy", b"second").await.unwrap(), (0, 1));
         assert!(producer.is_open());
         producer.flush(Duration::from_secs(5)).unwrap();
+    }
+
+    /// A producer opened only to ask for metadata (the topic checks at
+    /// start), or whose records were the start's, is closed when that is
+    /// done, not [`IDLE`] later: here within 5 s, though it keeps a
+    /// producer that sent a record after the start for 10 min.
+    #[tokio::test]
+    async fn what_a_start_opened_is_closed_at_once() {
+        let (_cluster, producer) = on_mock("checked", Duration::from_secs(600));
+        let metadata = producer
+            .fetch_metadata("checked", Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(metadata.topics()[0].name(), "checked");
+        let closes = |what: &'static str| {
+            let producer = producer.clone();
+            async move {
+                assert!(producer.is_open(), "{what}: open");
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while producer.is_open() {
+                    assert!(Instant::now() < deadline, "{what}: still open after 5 s");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        closes("metadata").await;
+        send(&producer, "checked", b"the seal key").await.unwrap();
+        producer.started();
+        closes("the start's record").await;
+        send(&producer, "checked", b"a retry").await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(producer.is_open(), "a producer that sent is kept for IDLE");
     }
 
     /// Settings librdkafka refuses fail at creation, not at the first

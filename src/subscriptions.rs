@@ -50,7 +50,7 @@ pub struct Subscription {
     /// A RetryPolicy file to follow [default: `--policy-file`].
     #[serde(default)]
     pub policy_file: Option<PathBuf>,
-    /// Deliveries in flight at most [default: `--concurrency`].
+    /// Deliveries with the app at once, at most [default: `--concurrency`].
     #[serde(default)]
     pub concurrency: Option<usize>,
     /// Create the queue when it is missing [default: `--create`].

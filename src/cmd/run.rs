@@ -46,7 +46,8 @@ pub struct RunArgs {
     /// A RetryPolicy in the pod's namespace, watched and applied live.
     #[arg(long, env = "COURIER_POLICY")]
     pub policy: Option<String>,
-    /// Deliveries in flight at most.
+    /// Deliveries with the app at once, at most; as many more may be
+    /// settling with the broker (an ack, a retry copy, a dead letter).
     #[arg(long, env = "COURIER_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
     /// Address of /metrics, /healthz, /readyz and /drain.

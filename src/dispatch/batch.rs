@@ -363,7 +363,7 @@ impl Shared {
             {
                 // Never offered: a single delivery dead-letters it with
                 // the reason it cannot be.
-                self.deliver(delivery.clone()).await;
+                self.deliver(delivery.clone(), None).await;
                 mark(i);
                 continue;
             }

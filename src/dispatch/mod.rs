@@ -251,6 +251,9 @@ struct Shared {
     d: Dispatcher,
     hold: Hold,
     limiter: Arc<Limiter>,
+    /// Places among the settlements under way, `--concurrency` of them
+    /// ([`Shared::settling`]).
+    settling: Arc<tokio::sync::Semaphore>,
     gate: Gate,
     in_flight: Arc<InFlight>,
     queue: QueueName,
@@ -388,6 +391,7 @@ impl Shared {
             .clone();
         let shared = Self {
             limiter: Limiter::new(d.concurrency),
+            settling: Arc::new(tokio::sync::Semaphore::new(d.concurrency.max(1))),
             gate: Gate::new(d.app_failure_run, d.app_health_path.is_some()),
             hold: Hold::default(),
             in_flight: Arc::default(),
@@ -684,15 +688,15 @@ impl Shared {
             deliveries.launch(Box::pin(async move {
                 if !shared.defer_if_held(&delivery).await {
                     let delivery = Arc::new(delivery);
-                    let delivered = std::panic::AssertUnwindSafe(shared.deliver(delivery.clone()))
-                        .catch_unwind()
-                        .await;
+                    let delivered =
+                        std::panic::AssertUnwindSafe(shared.deliver(delivery.clone(), Some(taken)))
+                            .catch_unwind()
+                            .await;
                     if let Err(panic) = delivered {
                         let what = deliver::panic_message(panic.as_ref());
                         shared.after_panic(&delivery, what).await;
                     }
                 }
-                drop(taken);
             }));
         }
     }
@@ -839,7 +843,7 @@ impl Shared {
                 match self.d.batch {
                     // An app that takes batches is probed with a batch.
                     Some(_) => self.deliver_batch_of_one(delivery).await,
-                    None => self.deliver(Arc::new(delivery)).await,
+                    None => self.deliver(Arc::new(delivery), None).await,
                 }
             }
         }

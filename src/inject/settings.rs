@@ -63,7 +63,7 @@ pub mod annotations {
     pub const APP_URL: &str = "courier.dev/app-url";
     /// Name of the RetryPolicy in the pod's namespace.
     pub const POLICY: &str = "courier.dev/policy";
-    /// Deliveries in flight at most.
+    /// Deliveries with the app at once, at most (`--concurrency`).
     pub const CONCURRENCY: &str = "courier.dev/concurrency";
     /// How long in-flight deliveries may finish on shutdown (`25s`).
     pub const DRAIN_TIMEOUT: &str = "courier.dev/drain-timeout";

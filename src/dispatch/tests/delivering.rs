@@ -145,6 +145,45 @@ async fn a_panic_is_settled() {
     );
 }
 
+/// An app's slot is free once it has answered: while the broker has not
+/// answered the acks, the app gets the next messages, up to
+/// `--concurrency` (4) settlements under way beside its 4, and no more,
+/// so what is read and unsettled stays bounded.
+#[tokio::test]
+async fn the_app_gets_the_next_message_while_an_ack_is_under_way() {
+    let app = crashing_app().await;
+    let bodies: Vec<String> = (0..12).map(|i| format!("ok {i}")).collect();
+    let bodies: Vec<&str> = bodies.iter().map(String::as_str).collect();
+    let mut source = Arc::into_inner(MemorySource::with(&bodies)).unwrap();
+    source.ack_gate = Some(tokio::sync::Semaphore::new(0));
+    let source = Arc::new(source);
+    let shutdown = CancellationToken::new();
+    let d = dispatcher(source.clone(), app, fast_policy(3));
+    let metrics = d.metrics.clone();
+    let run = tokio::spawn(d.run(shutdown.clone()));
+    let answered = || {
+        let text = metrics.encode();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(r#"courier_deliveries_total{queue="orders",result="success"} "#)
+            })
+            .map_or(0, |n| n.parse::<u64>().unwrap())
+    };
+    wait_until("eight answers with no ack answered", || answered() == 8).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        answered(),
+        8,
+        "four with the app and four settling, no more"
+    );
+    assert!(source.state().acked.is_empty());
+    source.ack_gate.as_ref().unwrap().add_permits(12);
+    wait_until("every message acked", || source.state().acked.len() == 12).await;
+    assert_eq!(answered(), 12);
+    shutdown.cancel();
+    run.await.unwrap();
+}
+
 /// An app that does not listen yet (still starting) is sent nothing, not
 /// even a refused delivery: nothing is read from the broker, courier is not
 /// ready, and once the app listens everything arrives at attempt 1. A

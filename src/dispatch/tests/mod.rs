@@ -53,6 +53,9 @@ struct MemorySource {
     /// blocking read does; else 20 ms.
     long_wait: Option<Duration>,
     interrupted: tokio::sync::Notify,
+    /// Each ack takes a permit first, so a test can hold the acks back, as
+    /// a broker slow to answer them would.
+    ack_gate: Option<tokio::sync::Semaphore>,
 }
 
 fn delivery(id: &str, body: &str) -> Delivery {
@@ -131,6 +134,9 @@ impl Consumer for MemorySource {
                 // HeaderMap on 24,600 headers), where the dispatcher can see it.
                 if delivery.message.body.starts_with(b"panic") {
                     panic!("a test panic on {}", delivery.message.id);
+                }
+                if let Some(gate) = &self.ack_gate {
+                    gate.acquire().await.unwrap().forget();
                 }
                 self.state().acked.push(delivery.message.id.clone());
                 Ok(())

@@ -112,7 +112,8 @@ impl ChaosApp {
             in_flight: AtomicUsize::new(0),
             concurrency: AtomicUsize::new(0),
         });
-        Self::serve("127.0.0.1:0".parse().unwrap(), state).await
+        // Restarted on its port (`restart`).
+        Self::serve(returnable_addr(), state).await
     }
 
     /// The same app (mode, history) on the same port, after [`Self::stop`].

@@ -16,7 +16,7 @@ use courier::model::parse_time;
 use courier::source::Source;
 use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
     DeleteTopicRequest, GetSubscriptionRequest, ModifyAckDeadlineRequest, PublishRequest,
-    PubsubMessage, Subscription,
+    PubsubMessage, PullRequest, Subscription,
 };
 
 const SETTLE: Duration = Duration::from_secs(60);
@@ -48,6 +48,47 @@ async fn watch_retry_topic(fixture: &Fixture) -> String {
         .await
         .expect("a subscription on the retry topic");
     name
+}
+
+/// How many deliveries the emulator has made so far, by all its
+/// subscriptions: the n of the ack id (`<subscription>:<n>`) of a message
+/// published to a topic of its own and pulled now.
+async fn pubsub_deliveries_so_far(fixture: &Fixture) -> u32 {
+    let name = format!("{}.counter", fixture.queue);
+    create_pubsub_subscription(&name, None).await;
+    let (mut publisher, mut subscriber) = pubsub_clients().await;
+    publisher
+        .publish(PublishRequest {
+            topic: pubsub_topic(&name),
+            messages: vec![PubsubMessage {
+                data: Bytes::from("count"),
+                ..PubsubMessage::default()
+            }],
+        })
+        .await
+        .expect("Pub/Sub takes the message");
+    loop {
+        #[allow(deprecated)]
+        let pulled = subscriber
+            .pull(PullRequest {
+                subscription: pubsub_subscription(&name),
+                return_immediately: true,
+                max_messages: 1,
+            })
+            .await
+            .expect("pull the message")
+            .into_inner()
+            .received_messages;
+        if let Some(received) = pulled.first() {
+            return received
+                .ack_id
+                .rsplit(':')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("an ack id <subscription>:<n>: {}", received.ack_id));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Waits until the sidecar has pulled the retry subscription since now:
@@ -133,11 +174,14 @@ async fn a_retry_past_600_s_is_held_once_then_published_afresh() {
     // courier's delivery of the copy by the plain client. The emulator's
     // ack ids are `<subscription>:<n>`, n counting every delivery of the
     // emulator, and an id it does not know is ignored: every n so far is
-    // nacked, which touches nothing but this subscription's one copy. (A
-    // seek would not do: the emulator counts `delivery_attempt` from 1
-    // again after one.)
+    // nacked, which touches nothing but this subscription's one copy. Not
+    // one past them: the sidecar holds the fresh copy while the nacks are
+    // still being sent, and a nack of that hold made a third copy (a
+    // fresh-clone CI run). (A seek would not do: the emulator counts
+    // `delivery_attempt` from 1 again after one.)
+    let so_far = pubsub_deliveries_so_far(&fixture).await;
     let (_, mut subscriber) = pubsub_clients().await;
-    for chunk in (1..=100_000u32).collect::<Vec<_>>().chunks(4000) {
+    for chunk in (1..=so_far).collect::<Vec<_>>().chunks(4000) {
         subscriber
             .modify_ack_deadline(ModifyAckDeadlineRequest {
                 subscription: retry.clone(),
@@ -462,6 +506,45 @@ async fn depth_gauges_on_metrics() {
     running.stop().await;
 }
 
+/// A courier binary whose first depth count has seen its dead-letter
+/// queue empty: the browsing subscription exists once a count has seen
+/// it, and must exist before letters are published to be counted.
+struct Counting {
+    fixture: Fixture,
+    courier: CourierProcess,
+    addr: std::net::SocketAddr,
+    queue: String,
+    _app: TestApp,
+    _policy: tempfile::TempDir,
+}
+
+impl Counting {
+    async fn start(consumer: &str) -> Self {
+        let fixture = Fixture::pubsub();
+        let app = TestApp::start().await;
+        let producer = fixture.producer().await;
+        let dir = tempfile::tempdir().unwrap();
+        let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
+        let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, consumer));
+        let addr = courier.metrics_addr().await;
+        producer.send("warm-up", &[]).await;
+        let queue = fixture.queue.clone();
+        wait_for("a first count", SETTLE, async || {
+            !app.received_body(b"warm-up").is_empty()
+                && series(&scrape(addr).await, "courier_dlq_depth", &queue) == Some(0.0)
+        })
+        .await;
+        Self {
+            fixture,
+            courier,
+            addr,
+            queue,
+            _app: app,
+            _policy: dir,
+        }
+    }
+}
+
 /// A depth count reads every message it counts (Pub/Sub counts no
 /// backlog itself), so it must hold one pull at a time, not the backlog:
 /// 200 dead letters of 256 KiB (50 MiB) published with the plain client
@@ -471,22 +554,13 @@ async fn depth_gauges_on_metrics() {
 async fn a_depth_count_holds_one_pull_not_the_backlog() {
     const LETTERS: usize = 200;
     const SIZE: usize = 256 << 10;
-    let fixture = Fixture::pubsub();
-    let app = TestApp::start().await;
-    let producer = fixture.producer().await;
-    let dir = tempfile::tempdir().unwrap();
-    let policy = write_policy(dir.path(), "maxAttempts: 3\ntimeout: 2s");
-    let mut courier = CourierProcess::run(&run_args(&fixture, &app, &policy, "counting"));
-    let addr = courier.metrics_addr().await;
-    producer.send("warm-up", &[]).await;
-    let queue = fixture.queue.clone();
-    // The dead-letter queue's browsing subscription exists once a count
-    // has seen it (it must exist before the letters are published).
-    wait_for("a first count", SETTLE, async || {
-        !app.received_body(b"warm-up").is_empty()
-            && series(&scrape(addr).await, "courier_dlq_depth", &queue) == Some(0.0)
-    })
-    .await;
+    let counting = Counting::start("counting").await;
+    let (fixture, courier, addr, queue) = (
+        &counting.fixture,
+        &counting.courier,
+        counting.addr,
+        &counting.queue,
+    );
     let warm = peak_rss(courier.id());
     let (publisher, _) = pubsub_clients().await;
     for n in 0..LETTERS {
@@ -503,11 +577,66 @@ async fn a_depth_count_holds_one_pull_not_the_backlog() {
             .expect("Pub/Sub takes the letter");
     }
     wait_for("the letters counted", SETTLE, async || {
-        series(&scrape(addr).await, "courier_dlq_depth", &queue) == Some(LETTERS as f64)
+        series(&scrape(addr).await, "courier_dlq_depth", queue) == Some(LETTERS as f64)
     })
     .await;
     let peak = peak_rss(courier.id());
     assert_rss_grew_less(warm, peak, LETTERS * SIZE / 4, "counting 50 MiB of letters");
+}
+
+/// A depth count reads at most 10,000 messages of a subscription: 10,500
+/// dead letters show as 10,000 on `/metrics`, and courier says once that
+/// the gauge is a lower bound. Reading them all would pull the whole
+/// backlog through the shadow every `--depth-interval`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_depth_count_stops_at_ten_thousand_and_says_so() {
+    const COUNTED: usize = 10_000;
+    let mut counting = Counting::start("capped").await;
+    let (fixture, addr, queue) = (&counting.fixture, counting.addr, counting.queue.clone());
+    let courier = &mut counting.courier;
+    let (publisher, _) = pubsub_clients().await;
+    for batch in 0..11 {
+        publisher
+            .clone()
+            .publish(PublishRequest {
+                topic: pubsub_topic(&fixture.dlq()),
+                messages: (0..1000)
+                    .take(COUNTED + 500 - batch * 1000)
+                    .map(|n| PubsubMessage {
+                        data: Bytes::from(format!("letter {batch}-{n}")),
+                        ..PubsubMessage::default()
+                    })
+                    .collect(),
+            })
+            .await
+            .expect("Pub/Sub takes the letters");
+    }
+    let said = courier
+        .wait_log(
+            "more messages wait than a depth count reads: the depth gauges of this subscription show that many, a lower bound, until fewer wait",
+            SETTLE,
+        )
+        .await;
+    assert_eq!(said["counted"], COUNTED, "{said}");
+    assert_eq!(
+        series(&scrape(addr).await, "courier_dlq_depth", &queue),
+        Some(COUNTED as f64),
+        "{}",
+        courier.log()
+    );
+    let warnings = courier
+        .log()
+        .matches("more messages wait than a depth count reads")
+        .count();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        courier
+            .log()
+            .matches("more messages wait than a depth count reads")
+            .count(),
+        warnings,
+        "said once, not at every count"
+    );
 }
 
 /// A message Pub/Sub delivered more than `maxAttempts + 2` times without a

@@ -37,11 +37,7 @@ fn args(fixture: &Fixture, app: &str, policy: &Path, extra: &[&str]) -> Vec<Stri
 async fn courier_before_the_app(
     fixture: &Fixture,
 ) -> (std::net::SocketAddr, tempfile::TempDir, CourierProcess) {
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let addr = returnable_addr();
     let dir = tempfile::tempdir().unwrap();
     let policy = write_policy(dir.path(), "maxAttempts: 2");
     let mut courier = CourierProcess::run(&args(fixture, &format!("http://{addr}/"), &policy, &[]));

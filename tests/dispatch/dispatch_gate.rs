@@ -202,7 +202,7 @@ async fn a_few_always_503_messages_do_not_hold_the_rest(fixture: Fixture) {
 async fn an_outage_by_refused_connections_uses_no_attempts(fixture: Fixture) {
     // The app is up when courier starts (courier waits for that), then
     // goes away, and comes back on the same port after the outage.
-    let first = TestApp::start().await;
+    let first = TestApp::start_returnable().await;
     let addr = first.addr;
     let source = fixture.open().await;
     let mut config = run_config_for(&fixture, &first.url(), fast_policy());

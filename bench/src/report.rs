@@ -1082,7 +1082,10 @@ fn idle_note(kind: Kind) -> Option<&'static str> {
             "- Google Pub/Sub, on the emulator: a unary gRPC call is two data segments (its headers, then its \
              message), so calls a second are about half the requests figure. courier's figure includes its depth \
              count (snapshots and a shadow subscription), about one a minute on an idle queue; the bare loop holds \
-             one `Pull` until the emulator answers it.",
+             one `Pull` until the emulator answers it. The emulator looks for messages for a held pull every 50 ms \
+             (its `FakePubsubServer`, `Thread.sleep(50)` between looks at the backlog), so a pickup is the publish \
+             and 0 to 50 ms for either consumer: a median of a few pickups differs between them by chance by more \
+             than 5 ms, and only many (`--pickups`) tell them apart.",
         ),
         _ => None,
     }

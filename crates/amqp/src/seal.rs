@@ -26,16 +26,36 @@ pub(super) async fn read_seal(session: &Session, work_queue: &str) -> Result<Sea
             session
                 .publish(&queue, secret.as_bytes(), persistent)
                 .await?;
-            peek(session, &queue).await?.ok_or_else(|| {
-                SourceError::broker(format!(
-                    "the seal key published to {queue:?} is not there; is another program consuming that queue? It holds courier's key for proving which copies it stored"
-                ))
-            })?
+            peek_again(session, &queue).await?
         }
     };
     Seal::new(&secret).map_err(|e| {
         SourceError::broker(format!(
             "the first message in {queue:?} is not a seal key courier wrote ({e}); purge that queue and courier makes a new one"
+        ))
+    })
+}
+
+/// How often the key just published is looked for, [`PEEK_PAUSE`] apart.
+const PEEK_TRIES: u32 = 20;
+const PEEK_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The first message of `queue` after this process published one: looked
+/// for a few times, since another replica's peek holds it unacked for a
+/// moment (the queue then looks empty), and a publish on one channel may
+/// reach the queue after a get on another (a fresh-clone CI run failed
+/// conformance `amqp::a_struggling_subscription_does_not_slow_the_others`,
+/// where the sidecar and the test open one queue's source at once, so).
+async fn peek_again(session: &Session, queue: &str) -> Result<Vec<u8>, SourceError> {
+    for _ in 1..PEEK_TRIES {
+        if let Some(secret) = peek(session, queue).await? {
+            return Ok(secret);
+        }
+        tokio::time::sleep(PEEK_PAUSE).await;
+    }
+    peek(session, queue).await?.ok_or_else(|| {
+        SourceError::broker(format!(
+            "the seal key published to {queue:?} is not there; is another program consuming that queue? It holds courier's key for proving which copies it stored"
         ))
     })
 }

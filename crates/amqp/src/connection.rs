@@ -25,7 +25,7 @@ use super::seal::read_seal;
 use super::session::Session;
 use super::{AmqpSource, CONNECT_TIMEOUT, FRAME_MAX, QueueState, new_id, queue_state};
 use courier_core::model::Delivery;
-use courier_core::source::shared::RECEIVE_WAIT;
+use courier_core::source::shared::IN_PROCESS_WAIT;
 use courier_core::source::{SourceError, SourceOptions, Tls};
 
 /// How long a stop waits for deliveries on their way to the consumer
@@ -436,7 +436,7 @@ impl AmqpSource {
             // The wait is on the channel the consumer's deliveries come
             // through, in the process: a stop may end it, taking nothing.
             let got = tokio::select! {
-                got = tokio::time::timeout(RECEIVE_WAIT, rx.recv()) => got,
+                got = tokio::time::timeout(IN_PROCESS_WAIT, rx.recv()) => got,
                 () = self.interrupted.notified() => return Ok(Vec::new()),
             };
             match got {

@@ -56,7 +56,7 @@ use redb::{
 use tokio::sync::oneshot;
 
 use courier_core::model::{DeadLetter, Delivery, F_DELIVERIES, Failure, PAYLOAD};
-use courier_core::source::shared::{self, RECEIVE_WAIT};
+use courier_core::source::shared::{self, IN_PROCESS_WAIT};
 use courier_core::source::{
     Broker, Capabilities, Consumer, DeadLetterStore, Depth, LiveSettings, Observed, SettleParts,
     Settlement, Source, SourceError, SourceOptions, SourceUrl, WithStore, decode_fields,
@@ -304,7 +304,7 @@ impl Consumer for EmbeddedSource {
             let wait = if std::mem::take(&mut *interrupted) {
                 Duration::ZERO
             } else {
-                RECEIVE_WAIT
+                IN_PROCESS_WAIT
             };
             self.file.submit(|reply| {
                 Call::Lease(Lease {

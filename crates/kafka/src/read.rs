@@ -16,12 +16,13 @@ use super::offsets::{Ledger, Read};
 use super::rebalance::of_topic;
 use super::{KafkaSource, Out, Partition};
 use courier_core::model::{Delivery, parse_time};
-use courier_core::source::shared::{RECEIVE_WAIT, field, without};
+use courier_core::source::shared::{IN_PROCESS_WAIT, RECEIVE_WAIT, field, without};
 use courier_core::source::{Ordering, SourceError};
 
 impl KafkaSource {
     /// Up to `max` deliveries: retry copies that came due, then what the
-    /// group's partitions have, waiting up to [`RECEIVE_WAIT`] for a first.
+    /// group's partitions have, waiting up to [`IN_PROCESS_WAIT`] for a first
+    /// ([`RECEIVE_WAIT`] while paused at the read bound).
     pub(super) async fn read_batch(&self, max: usize) -> Result<Vec<Delivery>, SourceError> {
         self.watch_assignment().await;
         self.subscribe()?;
@@ -29,7 +30,14 @@ impl KafkaSource {
         self.bound_reads();
         let mut out = Vec::new();
         self.release_due(&mut out, max);
-        let deadline = Instant::now() + RECEIVE_WAIT;
+        // Paused at the bound, the partitions resume at a read once the
+        // app has settled enough: that read must not be 5 s away.
+        let wait = if self.reading().paused_at_bound {
+            RECEIVE_WAIT
+        } else {
+            IN_PROCESS_WAIT
+        };
+        let deadline = Instant::now() + wait;
         while out.len() < max {
             self.resume_retry();
             let now = Instant::now();

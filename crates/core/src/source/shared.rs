@@ -9,10 +9,19 @@ use bytes::Bytes;
 use super::SourceError;
 pub use super::seal::{Seal, is_courier_field};
 
-/// How long one `receive` waits for a first message when none is ready,
-/// where the wait is courier's own (messages a broker pushed, a client
-/// library's fetch queue): it sends the broker nothing.
+/// How long one `receive` goes on when none is ready, where it asks the
+/// broker again and again (Pub/Sub while deliveries are in flight), and the
+/// unit of the short pauses between such asks.
 pub const RECEIVE_WAIT: Duration = Duration::from_secs(1);
+
+/// How long one `receive` waits for a first message when none is ready,
+/// where the wait is courier's own, in the process (messages a broker
+/// pushed, a client library's fetch queue, the embedded queue's writer),
+/// and `interrupt` ends it: it sends the broker nothing, and an idle
+/// sidecar wakes for it once in this long (issue 28: `CONNECTION_CHECK` in
+/// the sidecar has the figures). A message that comes ends the wait at
+/// once, so a longer one delays nothing.
+pub const IN_PROCESS_WAIT: Duration = Duration::from_secs(5);
 
 /// How long one `receive` asks the broker to hold its request for a first
 /// message when none is ready, where courier cannot withdraw the request

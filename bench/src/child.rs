@@ -63,6 +63,40 @@ pub fn usage(pid: u32) -> Usage {
     }
 }
 
+/// Each thread's CPU time so far in nanoseconds, by thread id, from
+/// `/proc/<pid>/task/*/schedstat`: exact, where [`usage`] counts 10 ms
+/// ticks (over a minute at rest, ±0.03 % of a core).
+pub fn thread_cpu_ns(pid: u32) -> std::collections::HashMap<u32, u64> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Default::default();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| {
+            let tid: u32 = task.file_name().to_str()?.parse().ok()?;
+            let text = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
+            Some((tid, text.split_whitespace().next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The CPU seconds spent between two readings of [`thread_cpu_ns`]; `None`
+/// when a thread of the first is gone from the second, its last part
+/// unknown (a thread started in between counts from zero).
+pub fn cpu_between(
+    before: &std::collections::HashMap<u32, u64>,
+    after: &std::collections::HashMap<u32, u64>,
+) -> Option<f64> {
+    if before.is_empty() || before.keys().any(|tid| !after.contains_key(tid)) {
+        return None;
+    }
+    let ns: u64 = after
+        .iter()
+        .map(|(tid, now)| now.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .sum();
+    Some(ns as f64 / 1e9)
+}
+
 /// The ids of the processes alive now, from the numbered entries of `/proc`.
 fn live_pids() -> impl Iterator<Item = u32> {
     std::fs::read_dir("/proc")

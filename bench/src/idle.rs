@@ -45,6 +45,9 @@ const DELIVERY_LIMIT: Duration = Duration::from_secs(30);
 pub struct Rest {
     pub secs: f64,
     pub cpu_secs: f64,
+    /// `cpu_secs` summed from each thread's exact CPU time; else (a thread
+    /// ended during the rest) counted in 10 ms ticks.
+    pub exact: bool,
     pub rss_kib: u64,
     /// Requests sent to the broker: data segments, or on SQS the lines of
     /// moto's log; `None` for the embedded queue, which has no broker to
@@ -182,10 +185,12 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
     .await;
     let pid = running.process().pid;
     let read = || sent_so_far(target, pid);
+    let threads_before = crate::child::thread_cpu_ns(pid);
     let (usage_before, sockets_before) = (running.usage(), read()?);
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(secs)).await;
     let (usage_after, sockets_after) = (running.usage(), read()?);
+    let threads_after = crate::child::thread_cpu_ns(pid);
     let elapsed = started.elapsed();
     let exited = running.exited();
     stop(running.into_process()).await;
@@ -202,9 +207,11 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
                 .collect()
         })
         .unwrap_or_default();
+    let exact = crate::child::cpu_between(&threads_before, &threads_after);
     Ok(Rest {
         secs: elapsed.as_secs_f64(),
-        cpu_secs: usage_after.cpu_secs - usage_before.cpu_secs,
+        cpu_secs: exact.unwrap_or(usage_after.cpu_secs - usage_before.cpu_secs),
+        exact: exact.is_some(),
         rss_kib: usage_after.rss_kib,
         segments: (!by_broker.is_empty()).then(|| by_broker.iter().sum()),
         by_broker: if by_broker.len() > 1 {

@@ -996,7 +996,9 @@ impl Results {
         let _ = writeln!(
             md,
             "\n### At rest, and waking (issue 28)\n\n\
-             Rest: {} s of an empty queue. CPU as % of one core; requests as the data segments the consumer \
+             Rest: {} s of an empty queue. CPU as % of one core, the sum of each thread's CPU time \
+             (`/proc/<pid>/task/*/schedstat`, in nanoseconds), or in 10 ms ticks where marked (a thread ended \
+             during the rest); requests as the data segments the consumer \
              sent on its sockets to the broker's port, from the kernel's counters (`ss -ti`), a second; RSS at \
              the end. Wake: from starting the process to the delivery of the one message that waited, and the \
              pickup latency, from sending a message to a queue idle for {} s (and a further 0 to 3 s, spread \
@@ -1016,7 +1018,11 @@ impl Results {
                 }
                 let (cpu, requests, rss) = match &side.rest {
                     Some(Ok(r)) => (
-                        format!("{:.3}", r.cpu_percent()),
+                        format!(
+                            "{:.3}{}",
+                            r.cpu_percent(),
+                            if r.exact { "" } else { " (ticks)" }
+                        ),
                         r.requests_per_second().map_or("no broker".into(), |v| {
                             match r.busiest_broker_per_second() {
                                 Some(most) => format!("{v:.2} (busiest broker {most:.2})"),

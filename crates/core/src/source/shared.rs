@@ -18,8 +18,9 @@ pub const RECEIVE_WAIT: Duration = Duration::from_secs(1);
 /// where the wait is courier's own, in the process (messages a broker
 /// pushed, a client library's fetch queue, the embedded queue's writer),
 /// and `interrupt` ends it: it sends the broker nothing, and an idle
-/// sidecar wakes for it once in this long (issue 28: `CONNECTION_CHECK` in
-/// the sidecar has the figures). A message that comes ends the wait at
+/// sidecar wakes for it once in this long (issue 28: at 1 s, with the
+/// sidecar's connection check, courier's own thread woke 400 times a
+/// minute on an idle Kafka queue). A message that comes ends the wait at
 /// once, so a longer one delays nothing.
 pub const IN_PROCESS_WAIT: Duration = Duration::from_secs(5);
 

@@ -348,6 +348,11 @@ async fn respond(
             .unwrap_or_default()
             .contains("application/openmetrics-text")
     });
+    if req.uri().path() == "/metrics"
+        && let Some(up) = health.broker_up()
+    {
+        metrics.broker_up.set(i64::from(up));
+    }
     match req.uri().path() {
         "/metrics" if wants_openmetrics => Response::builder()
             .header(
@@ -442,6 +447,44 @@ mod tests {
         let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         String::from_utf8_lossy(&read_to_close(&mut stream).await).into_owned()
+    }
+
+    /// `/readyz` and `courier_broker_up` ask the source when they are
+    /// asked: a connection that drops or comes back shows in the next probe
+    /// and the next scrape, with nothing polling it in between (issue 28).
+    #[tokio::test]
+    async fn readiness_and_the_broker_gauge_ask_the_source_when_asked() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (health, metrics) = (Arc::new(Health::default()), Arc::new(Metrics::new()));
+        health.set_ready(true);
+        let connected = Arc::new(AtomicBool::new(true));
+        health.ask_connection({
+            let connected = connected.clone();
+            move || connected.load(Ordering::SeqCst)
+        });
+        tokio::spawn(serve_within(
+            listener,
+            metrics.clone(),
+            health,
+            Arc::new(Drain::default()),
+            CancellationToken::new(),
+            EndpointLimits::default(),
+        ));
+        for up in [true, false, true] {
+            connected.store(up, Ordering::SeqCst);
+            let ready = get(addr, "/readyz").await;
+            let scraped = get(addr, "/metrics").await;
+            if up {
+                assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+                assert!(scraped.contains("\ncourier_broker_up 1\n"), "{scraped}");
+            } else {
+                assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+                assert!(ready.contains("the broker connection is lost"), "{ready}");
+                assert!(scraped.contains("\ncourier_broker_up 0\n"), "{scraped}");
+            }
+        }
     }
 
     /// Without a secret only loopback may drain: the port is usually open

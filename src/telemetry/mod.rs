@@ -476,7 +476,6 @@ impl Readiness {
 pub struct Health {
     readiness: Readiness,
     ready: AtomicBool,
-    broker_lost: AtomicBool,
     reads_failing: AtomicBool,
     app_down: AtomicBool,
     draining: AtomicBool,
@@ -487,6 +486,9 @@ pub struct Health {
     /// With several subscriptions, each one's health by its queue: ready
     /// only when every one is.
     parts: std::sync::OnceLock<Vec<(String, Arc<Health>)>>,
+    /// Asks the open source whether it consumes, when `/readyz` or a scrape
+    /// asks: nothing has to look on a timer for them (issue 28).
+    connection: std::sync::RwLock<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
 }
 
 impl Health {
@@ -508,9 +510,36 @@ impl Health {
         self.ready.store(ready, Ordering::SeqCst);
     }
 
-    /// Follows the source's connection.
-    pub fn set_broker_connected(&self, connected: bool) {
-        self.broker_lost.store(!connected, Ordering::SeqCst);
+    /// How to ask the open source whether it consumes, each time readiness
+    /// is asked.
+    pub fn ask_connection(&self, connected: impl Fn() -> bool + Send + Sync + 'static) {
+        *self.connection.write().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(connected));
+    }
+
+    /// Whether the source consumes, asked now; `None` before it is open.
+    fn broker_connected(&self) -> Option<bool> {
+        self.connection
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|connected| connected())
+    }
+
+    /// `courier_broker_up` as of now: whether the source consumes, or with
+    /// several subscriptions whether every open one does; `None` when no
+    /// source is open to ask.
+    pub fn broker_up(&self) -> Option<bool> {
+        let parts = self.parts.get().map(|parts| {
+            parts
+                .iter()
+                .filter_map(|(_, part)| part.broker_connected())
+                .collect::<Vec<_>>()
+        });
+        match (self.broker_connected(), parts) {
+            (Some(own), _) => Some(own),
+            (None, Some(parts)) if !parts.is_empty() => Some(parts.iter().all(|up| *up)),
+            _ => None,
+        }
     }
 
     /// A run of failed reads from the broker, until one works.
@@ -594,7 +623,7 @@ impl Health {
                 None => "starting: the policy or the source is not ready yet".into(),
             });
         }
-        if is(&self.broker_lost) {
+        if self.broker_connected() == Some(false) {
             return Some("the broker connection is lost".into());
         }
         if is(&self.reads_failing) {
@@ -758,6 +787,40 @@ mod tests {
             r#"connect options: password: Some("***"), raw *** abc"#
         );
         assert!(without_secrets(b"nothing secret here").is_none());
+    }
+
+    /// With several subscriptions the gauge is up while every open one
+    /// consumes, and `/readyz` names the one that does not.
+    #[test]
+    fn the_broker_is_up_while_every_subscription_consumes() {
+        use std::sync::atomic::AtomicBool;
+        let top = Health::default();
+        assert_eq!(top.broker_up(), None, "nothing is open to ask");
+        let (orders, refunds) = (Arc::new(Health::default()), Arc::new(Health::default()));
+        top.set_parts(vec![
+            ("orders".into(), orders.clone()),
+            ("refunds".into(), refunds.clone()),
+        ]);
+        for part in [&orders, &refunds] {
+            part.set_ready(true);
+        }
+        top.set_ready(true);
+        assert_eq!(top.broker_up(), None, "neither source is open yet");
+        orders.ask_connection(|| true);
+        assert_eq!(top.broker_up(), Some(true));
+        let refunds_up = Arc::new(AtomicBool::new(false));
+        refunds.ask_connection({
+            let up = refunds_up.clone();
+            move || up.load(Ordering::SeqCst)
+        });
+        assert_eq!(top.broker_up(), Some(false));
+        assert_eq!(
+            top.not_ready().as_deref(),
+            Some("subscription refunds: the broker connection is lost")
+        );
+        refunds_up.store(true, Ordering::SeqCst);
+        assert_eq!(top.broker_up(), Some(true));
+        assert_eq!(top.not_ready(), None);
     }
 
     #[test]

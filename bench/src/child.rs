@@ -80,21 +80,70 @@ pub fn thread_cpu_ns(pid: u32) -> std::collections::HashMap<u32, u64> {
         .collect()
 }
 
-/// The CPU seconds spent between two readings of [`thread_cpu_ns`]; `None`
-/// when a thread of the first is gone from the second, its last part
-/// unknown (a thread started in between counts from zero).
-pub fn cpu_between(
-    before: &std::collections::HashMap<u32, u64>,
-    after: &std::collections::HashMap<u32, u64>,
-) -> Option<f64> {
-    if before.is_empty() || before.keys().any(|tid| !after.contains_key(tid)) {
-        return None;
+/// How often [`ThreadCpu`] reads each thread's CPU time.
+pub const THREAD_READ_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// A process's CPU time over a stretch, from each thread's
+/// [`thread_cpu_ns`] read at its start and every [`THREAD_READ_EVERY`]
+/// after. A thread that ends in between counts up to its last reading:
+/// tokio's blocking pool ends a thread after 10 s without work, so what it
+/// spent after that reading is its exit alone. A thread started in between
+/// counts from zero.
+#[derive(Debug, Default)]
+pub struct ThreadCpu {
+    first: std::collections::HashMap<u32, u64>,
+    last: std::collections::HashMap<u32, u64>,
+    /// Threads that were there at one reading and gone at a later one.
+    ended: std::collections::HashSet<u32>,
+}
+
+impl ThreadCpu {
+    pub fn start(pid: u32) -> Self {
+        let first = thread_cpu_ns(pid);
+        Self {
+            last: first.clone(),
+            first,
+            ended: Default::default(),
+        }
     }
-    let ns: u64 = after
-        .iter()
-        .map(|(tid, now)| now.saturating_sub(before.get(tid).copied().unwrap_or(0)))
-        .sum();
-    Some(ns as f64 / 1e9)
+
+    pub fn read(&mut self, pid: u32) {
+        self.add(thread_cpu_ns(pid));
+    }
+
+    fn add(&mut self, now: std::collections::HashMap<u32, u64>) {
+        if now.is_empty() {
+            // The process is gone: nothing was read.
+            return;
+        }
+        for tid in self.last.keys() {
+            if !now.contains_key(tid) {
+                self.ended.insert(*tid);
+            }
+        }
+        for (tid, ns) in now {
+            self.first.entry(tid).or_insert(0);
+            self.last.insert(tid, ns);
+        }
+    }
+
+    /// How many threads ended since the start.
+    pub fn ended(&self) -> usize {
+        self.ended.len()
+    }
+
+    /// CPU seconds since the start; `None` when nothing could be read.
+    pub fn secs(&self) -> Option<f64> {
+        if self.first.is_empty() {
+            return None;
+        }
+        let ns: u64 = self
+            .last
+            .iter()
+            .map(|(tid, now)| now.saturating_sub(self.first.get(tid).copied().unwrap_or(0)))
+            .sum();
+        Some(ns as f64 / 1e9)
+    }
 }
 
 /// The ids of the processes alive now, from the numbered entries of `/proc`.
@@ -321,4 +370,29 @@ fn metrics_addr(log: &Path) -> Option<SocketAddr> {
         }
         fields.get("addr")?.as_str()?.parse().ok()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A thread that ends counts up to its last reading, once; one that
+    /// starts counts from zero.
+    #[test]
+    fn thread_cpu_keeps_what_an_ended_thread_spent() {
+        let mut cpu = ThreadCpu::default();
+        cpu.first = HashMap::from([(1, 100), (2, 1_000)]);
+        cpu.last = cpu.first.clone();
+        cpu.add(HashMap::from([(1, 150), (2, 1_400)]));
+        // Thread 2 ended; thread 3 started.
+        cpu.add(HashMap::from([(1, 170), (3, 30)]));
+        cpu.add(HashMap::from([(1, 200), (3, 50)]));
+        assert_eq!(cpu.ended(), 1);
+        let ns = (200 - 100) + (1_400 - 1_000) + 50;
+        assert_eq!(cpu.secs(), Some(ns as f64 / 1e9));
+        // A reading of a process that is gone changes nothing.
+        cpu.add(HashMap::new());
+        assert_eq!(cpu.secs(), Some(ns as f64 / 1e9));
+    }
 }

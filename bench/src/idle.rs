@@ -45,9 +45,12 @@ const DELIVERY_LIMIT: Duration = Duration::from_secs(30);
 pub struct Rest {
     pub secs: f64,
     pub cpu_secs: f64,
-    /// `cpu_secs` summed from each thread's exact CPU time; else (a thread
-    /// ended during the rest) counted in 10 ms ticks.
+    /// `cpu_secs` summed from each thread's CPU time
+    /// ([`ThreadCpu`](crate::child::ThreadCpu)); else (nothing could be
+    /// read) counted in 10 ms ticks.
     pub exact: bool,
+    /// Threads of the consumer that ended during the rest.
+    pub threads_ended: usize,
     pub rss_kib: u64,
     /// Requests sent to the broker: data segments, or on SQS the lines of
     /// moto's log; `None` for the embedded queue, which has no broker to
@@ -185,12 +188,16 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
     .await;
     let pid = running.process().pid;
     let read = || sent_so_far(target, pid);
-    let threads_before = crate::child::thread_cpu_ns(pid);
+    let mut threads = crate::child::ThreadCpu::start(pid);
     let (usage_before, sockets_before) = (running.usage(), read()?);
     let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let end = started + Duration::from_secs(secs);
+    while Instant::now() < end {
+        tokio::time::sleep(crate::child::THREAD_READ_EVERY.min(end - Instant::now())).await;
+        threads.read(pid);
+    }
     let (usage_after, sockets_after) = (running.usage(), read()?);
-    let threads_after = crate::child::thread_cpu_ns(pid);
+    threads.read(pid);
     let elapsed = started.elapsed();
     let exited = running.exited();
     stop(running.into_process()).await;
@@ -207,11 +214,12 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
                 .collect()
         })
         .unwrap_or_default();
-    let exact = crate::child::cpu_between(&threads_before, &threads_after);
+    let exact = threads.secs();
     Ok(Rest {
         secs: elapsed.as_secs_f64(),
         cpu_secs: exact.unwrap_or(usage_after.cpu_secs - usage_before.cpu_secs),
         exact: exact.is_some(),
+        threads_ended: threads.ended(),
         rss_kib: usage_after.rss_kib,
         segments: (!by_broker.is_empty()).then(|| by_broker.iter().sum()),
         by_broker: if by_broker.len() > 1 {

@@ -207,6 +207,11 @@ struct Options {
     /// Messages sent to an idle queue in each wake run (the median is kept).
     #[arg(long, default_value_t = 5)]
     pickups: usize,
+    /// The same on Pub/Sub, where a pickup is the publish and 0 to 50 ms
+    /// for either consumer (the emulator looks every 50 ms): a median of 5
+    /// differs between two equal consumers by more than 5 ms by chance.
+    #[arg(long, default_value_t = PUBSUB_PICKUPS)]
+    pubsub_pickups: usize,
     /// Seconds a queue stays empty before each pickup of the wake runs:
     /// longer than the longest wait any consumer asks its broker to hold.
     #[arg(long, default_value_t = 6)]
@@ -269,6 +274,9 @@ const SQS_MESSAGES: u64 = 1_000;
 const SQS_RATE: u64 = 20;
 const PUBSUB_MESSAGES: u64 = 20_000;
 const PUBSUB_RATE: u64 = 500;
+/// 25 pickups of a 6 s gap add about 3 minutes a consumer to `all`; the
+/// median's chance spread is then about a third of a median of 5's.
+const PUBSUB_PICKUPS: usize = 25;
 
 impl Options {
     /// The load runs' sources (after `apply_smoke`, which fills in the
@@ -295,6 +303,14 @@ impl Options {
             Kind::Sqs => self.sqs_rate,
             Kind::PubSub => self.pubsub_rate,
             _ => self.rate,
+        }
+    }
+
+    /// Pickups of each wake run on `kind`.
+    fn pickups_for(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::PubSub => self.pubsub_pickups,
+            _ => self.pickups,
         }
     }
 
@@ -342,6 +358,7 @@ impl Options {
             self.no_celery = true;
             self.rest_secs = self.rest_secs.min(2);
             self.pickups = 1;
+            self.pubsub_pickups = 1;
             self.idle_gap_secs = 1;
             self.idle_sources = vec!["redis".into()];
         }
@@ -736,7 +753,7 @@ async fn measure(
                     ),
                     Err(e) => eprintln!("  not available: {e}"),
                 }
-                let wake = idle::wake(ctx, kind, who, options.pickups, idle_gap)
+                let wake = idle::wake(ctx, kind, who, options.pickups_for(kind), idle_gap)
                     .await
                     .map_err(err);
                 match &wake {
@@ -859,6 +876,7 @@ async fn measure(
             smoke: options.smoke,
             rest_secs: options.rest_secs,
             pickups: options.pickups,
+            pubsub_pickups: options.pubsub_pickups,
             idle_gap_secs: options.idle_gap_secs,
         },
         limit,

@@ -62,6 +62,8 @@ pub struct Settings {
     pub rest_secs: u64,
     /// Pickups of each wake run.
     pub pickups: usize,
+    /// ... and of each on Pub/Sub.
+    pub pubsub_pickups: usize,
     /// Seconds a queue was idle before each pickup.
     pub idle_gap_secs: u64,
 }
@@ -997,16 +999,20 @@ impl Results {
             md,
             "\n### At rest, and waking (issue 28)\n\n\
              Rest: {} s of an empty queue. CPU as % of one core, the sum of each thread's CPU time \
-             (`/proc/<pid>/task/*/schedstat`, in nanoseconds), or in 10 ms ticks where marked (a thread ended \
-             during the rest); requests as the data segments the consumer \
+             (`/proc/<pid>/task/*/schedstat`, in nanoseconds, read every 250 ms: a thread that ended during the \
+             rest, as marked, counts to its last reading), or in 10 ms ticks where marked (none could be read); \
+             requests as the data segments the consumer \
              sent on its sockets to the broker's port, from the kernel's counters (`ss -ti`), a second; RSS at \
              the end. Wake: from starting the process to the delivery of the one message that waited, and the \
              pickup latency, from sending a message to a queue idle for {} s (and a further 0 to 3 s, spread \
              evenly over the pickups, so that no fixed period of a consumer's waits lines up with them) to its \
-             arrival at the app (the median of {}).\n\n\
+             arrival at the app (the median of {}; on Pub/Sub of {}).\n\n\
              | | consumer | CPU % | requests / s | RSS | start to first delivery, ms | pickup, ms |\n\
              |---|---|---:|---:|---:|---:|---:|",
-            self.settings.rest_secs, self.settings.idle_gap_secs, self.settings.pickups
+            self.settings.rest_secs,
+            self.settings.idle_gap_secs,
+            self.settings.pickups,
+            self.settings.pubsub_pickups
         );
         for row in &self.rows {
             for (who, side) in [
@@ -1021,7 +1027,12 @@ impl Results {
                         format!(
                             "{:.3}{}",
                             r.cpu_percent(),
-                            if r.exact { "" } else { " (ticks)" }
+                            match (r.exact, r.threads_ended) {
+                                (false, _) => " (ticks)".to_string(),
+                                (true, 0) => String::new(),
+                                (true, 1) => " (a thread ended)".to_string(),
+                                (true, n) => format!(" ({n} threads ended)"),
+                            }
                         ),
                         r.requests_per_second().map_or("no broker".into(), |v| {
                             match r.busiest_broker_per_second() {
@@ -1091,7 +1102,7 @@ fn idle_note(kind: Kind) -> Option<&'static str> {
              one `Pull` until the emulator answers it. The emulator looks for messages for a held pull every 50 ms \
              (its `FakePubsubServer`, `Thread.sleep(50)` between looks at the backlog), so a pickup is the publish \
              and 0 to 50 ms for either consumer: a median of a few pickups differs between them by chance by more \
-             than 5 ms, and only many (`--pickups`) tell them apart.",
+             than 5 ms, and only many (`--pubsub-pickups`) tell them apart.",
         ),
         _ => None,
     }

@@ -89,7 +89,7 @@ pub const THREAD_READ_EVERY: std::time::Duration = std::time::Duration::from_mil
 /// tokio's blocking pool ends a thread after 10 s without work, so what it
 /// spent after that reading is its exit alone. A thread started in between
 /// counts from zero.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ThreadCpu {
     first: std::collections::HashMap<u32, u64>,
     last: std::collections::HashMap<u32, u64>,
@@ -99,7 +99,10 @@ pub struct ThreadCpu {
 
 impl ThreadCpu {
     pub fn start(pid: u32) -> Self {
-        let first = thread_cpu_ns(pid);
+        Self::from_first(thread_cpu_ns(pid))
+    }
+
+    fn from_first(first: std::collections::HashMap<u32, u64>) -> Self {
         Self {
             last: first.clone(),
             first,
@@ -381,9 +384,7 @@ mod tests {
     /// starts counts from zero.
     #[test]
     fn thread_cpu_keeps_what_an_ended_thread_spent() {
-        let mut cpu = ThreadCpu::default();
-        cpu.first = HashMap::from([(1, 100), (2, 1_000)]);
-        cpu.last = cpu.first.clone();
+        let mut cpu = ThreadCpu::from_first(HashMap::from([(1, 100), (2, 1_000)]));
         cpu.add(HashMap::from([(1, 150), (2, 1_400)]));
         // Thread 2 ended; thread 3 started.
         cpu.add(HashMap::from([(1, 170), (3, 30)]));

@@ -193,7 +193,8 @@ async fn rest_on(ctx: &Ctx, target: &Target, who: Consumer, secs: u64) -> anyhow
     let started = Instant::now();
     let end = started + Duration::from_secs(secs);
     while Instant::now() < end {
-        tokio::time::sleep(crate::child::THREAD_READ_EVERY.min(end - Instant::now())).await;
+        let left = end.saturating_duration_since(Instant::now());
+        tokio::time::sleep(crate::child::THREAD_READ_EVERY.min(left)).await;
         threads.read(pid);
     }
     let (usage_after, sockets_after) = (running.usage(), read()?);

@@ -164,7 +164,7 @@ pub async fn start(
             let mut server = PrivateServer::new(dir.join("pubsub"))?;
             server.port = port;
             let mut pubsub = PrivatePubSub { server };
-            pubsub.start().await?;
+            pubsub.start(private_pubsub::FOR_LOAD).await?;
             anyhow::Ok(pubsub)
         }
         .await;

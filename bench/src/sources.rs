@@ -232,9 +232,10 @@ impl Target {
             Kind::Embedded => self
                 .embedded_dir()
                 .map_or(Ok(()), |d| std::fs::remove_dir_all(d).map_err(Into::into)),
+            Kind::PubSub => cleanup_pubsub(&self.queue).await,
             // The run's own servers, in memory, end with it; every run has
             // a queue of its own. (The mock cluster cannot delete topics.)
-            Kind::Kafka | Kind::Sqs | Kind::PubSub => Ok(()),
+            Kind::Kafka | Kind::Sqs => Ok(()),
         };
         if let Err(e) = result {
             eprintln!(
@@ -318,6 +319,72 @@ async fn prefill_sqs(queue: &str, n: u64, body: &Bytes) -> anyhow::Result<()> {
         .collect()
         .await;
     results.into_iter().collect()
+}
+
+/// Deletes the subscriptions and topics of a queue: its own, and those
+/// courier made beside it (`<queue>.retry`, `<queue>.dlq`, the depth
+/// shadows `….courier-depth`). The emulator keeps every message a
+/// subscription has not acked, and a shadow acks at most what a depth
+/// count read: left behind, each drain's messages stayed in its heap for
+/// the rest of the run.
+async fn cleanup_pubsub(queue: &str) -> anyhow::Result<()> {
+    use googleapis_tonic_google_pubsub_v1::google::pubsub::v1::{
+        DeleteSubscriptionRequest, DeleteTopicRequest, ListSubscriptionsRequest, ListTopicsRequest,
+        publisher_client::PublisherClient, subscriber_client::SubscriberClient,
+    };
+    let channel = servers::pubsub_channel().await?;
+    let mut subscriber = SubscriberClient::new(channel.clone());
+    let mut publisher = PublisherClient::new(channel);
+    let project = format!("projects/{PUBSUB_PROJECT}");
+    let of_queue = |name: &str| {
+        name.rsplit('/')
+            .next()
+            .and_then(|short| short.strip_prefix(queue))
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    };
+    let mut page_token = String::new();
+    loop {
+        let page = subscriber
+            .list_subscriptions(ListSubscriptionsRequest {
+                project: project.clone(),
+                page_size: 1000,
+                page_token,
+            })
+            .await?
+            .into_inner();
+        for subscription in page.subscriptions.into_iter().map(|s| s.name) {
+            if of_queue(&subscription) {
+                subscriber
+                    .delete_subscription(DeleteSubscriptionRequest { subscription })
+                    .await?;
+            }
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    let mut page_token = String::new();
+    loop {
+        let page = publisher
+            .list_topics(ListTopicsRequest {
+                project: project.clone(),
+                page_size: 1000,
+                page_token,
+            })
+            .await?
+            .into_inner();
+        for topic in page.topics.into_iter().map(|t| t.name) {
+            if of_queue(&topic) {
+                publisher.delete_topic(DeleteTopicRequest { topic }).await?;
+            }
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    Ok(())
 }
 
 pub async fn redis() -> anyhow::Result<redis::aio::MultiplexedConnection> {

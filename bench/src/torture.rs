@@ -425,7 +425,7 @@ impl Broker {
                 let mut server = PrivateServer::new(dir.join("pubsub"))?;
                 server.port = port.context("no port for the Pub/Sub emulator")?;
                 let mut p = PrivatePubSub { server };
-                p.start().await?;
+                p.start(private_pubsub::QUICK_START).await?;
                 p.create(queue).await?;
                 Broker::PubSub(p)
             }

@@ -170,14 +170,17 @@ async fn the_stream_leader_killed_mid_drain_loses_nothing() {
     create_r3_stream(&js, &queue).await;
     let cluster_ready = started.elapsed();
 
-    // Every 50th fails for good (400); every 10th fails once (503).
+    // Every 50th fails for good (400); every 10th fails once (503). 100 ms
+    // a message keeps the drain going for seconds after the wait below
+    // sees a quarter: at 20 ms it took under a second, and a loaded CI
+    // machine saw it end before the kill.
     let mut permanent = HashSet::new();
     let mut bodies = HashSet::new();
     for i in 0..MESSAGES {
         let script = match i {
             i if i % 50 == 7 => "400",
-            i if i % 10 == 3 => "503,sleep20",
-            _ => "sleep20",
+            i if i % 10 == 3 => "503,sleep100",
+            _ => "sleep100",
         };
         let body = format!("script:{script}\nmessage {i}");
         js.publish(queue.clone(), body.clone().into())

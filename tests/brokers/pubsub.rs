@@ -5,7 +5,8 @@
 //! without a dead-letter policy (a warning, attempts from courier's
 //! record), `courier send` and `courier dlq`, the depth gauges (and the
 //! memory a count of a large backlog takes), the poison-pill rule on
-//! `delivery_attempt`, and how an envelope a producer forged is read.
+//! `delivery_attempt`, how an envelope a producer forged is read, and the
+//! pull that waits a moment for settlements beside a backlog.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -736,4 +737,52 @@ async fn a_forged_envelope_carries_no_courier_state() {
         ]
     );
     source.ack(&delivery).await.unwrap();
+}
+
+/// On the emulator, a pull beside a backlog waits for what was pulled
+/// before to be settled, and a message held unsettled delays the next pull
+/// by `EMULATOR_SETTLE_WAIT` at most: the read after a full one, with one
+/// of its messages still held, brings the next messages of the backlog, in
+/// order, once that wait has run out. Without the wait the read comes at
+/// once; with no bound on it, never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_beside_a_backlog_waits_for_settlements_a_moment_at_most() {
+    use courier::source::Settlement;
+    use courier::source::pubsub::EMULATOR_SETTLE_WAIT;
+    const BATCH: usize = 4;
+    let fixture = Fixture::pubsub();
+    let source = fixture.open_as_created().await;
+    for n in 0..3 * BATCH {
+        fixture.send(&source, format!("m{n}")).await;
+    }
+    let bodies = |read: &[courier::source::Delivery]| -> Vec<String> {
+        read.iter()
+            .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+            .collect()
+    };
+    let first = source.receive(BATCH).await.expect("receive");
+    assert_eq!(bodies(&first), ["m0", "m1", "m2", "m3"], "a full read");
+    for delivery in &first[..BATCH - 1] {
+        source.settle(delivery, Settlement::Ack).await.expect("ack");
+    }
+    let asked = std::time::Instant::now();
+    let second = tokio::time::timeout(Duration::from_secs(30), source.receive(BATCH))
+        .await
+        .expect("a held message must not hold up the next read for good")
+        .expect("receive");
+    let waited = asked.elapsed();
+    assert_eq!(bodies(&second), ["m4", "m5", "m6", "m7"]);
+    assert!(
+        waited >= EMULATOR_SETTLE_WAIT,
+        "the read beside the held m3 came after {waited:?}, without waiting for it"
+    );
+    for delivery in first[BATCH - 1..].iter().chain(&second) {
+        source.settle(delivery, Settlement::Ack).await.expect("ack");
+    }
+    let third = source.receive(BATCH).await.expect("receive");
+    assert_eq!(bodies(&third), ["m8", "m9", "m10", "m11"]);
+    for delivery in &third {
+        source.settle(delivery, Settlement::Ack).await.expect("ack");
+    }
+    source.close().await;
 }

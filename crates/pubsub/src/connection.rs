@@ -94,6 +94,9 @@ pub(super) struct Client {
     pub subscriber: SubscriberClient<Channel>,
     pub publisher: PublisherClient<Channel>,
     auth: Option<Arc<dyn gcp_auth::TokenProvider>>,
+    /// `PUBSUB_EMULATOR_HOST` named the server: an emulator, whose pull
+    /// costs differ from Pub/Sub's (`read::EMULATOR_SETTLE_WAIT`).
+    pub emulator: bool,
 }
 
 impl Client {
@@ -101,6 +104,7 @@ impl Client {
         let emulator = std::env::var("PUBSUB_EMULATOR_HOST")
             .ok()
             .filter(|h| !h.is_empty());
+        let on_emulator = emulator.is_some();
         let (channel, auth) = match emulator {
             Some(host) => {
                 let channel = Endpoint::from_shared(format!("http://{host}"))
@@ -141,6 +145,7 @@ impl Client {
                 .max_decoding_message_size(MAX_MESSAGE),
             publisher: PublisherClient::new(channel).max_decoding_message_size(MAX_MESSAGE),
             auth,
+            emulator: on_emulator,
         })
     }
 

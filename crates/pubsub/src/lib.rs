@@ -9,7 +9,11 @@
 //!   `<subscription>.retry`, sized to what the dispatcher asks, answered at
 //!   once; every message pulled is leased for the visibility timeout at
 //!   receipt (`ModifyAckDeadline`). No streaming pull: the emulator goes on
-//!   pushing to the stream of a replica killed with `kill -9`.
+//!   pushing to the stream of a replica killed with `kill -9`. On the
+//!   emulator, while a backlog waits (the last pull came back full), a pull
+//!   of the work subscription first waits for what was pulled before to be
+//!   settled, 50 ms at most: the emulator's pull copies the whole backlog
+//!   whenever one of its messages is leased.
 //! - Ack: `Acknowledge`, concurrent acks in one call.
 //! - Every retry, and every give-back (a retry that uses no attempt), is a
 //!   sealed copy published to the topic `<subscription>.retry` with the
@@ -87,6 +91,7 @@ pub use connection::{
 };
 pub use fields::{MAX_KEY_BYTES, MAX_VALUE_BYTES, attribute_ok};
 pub use jobs::jobs_topic;
+pub use read::EMULATOR_SETTLE_WAIT;
 
 use connection::{Client, Names};
 use dead_letters::{PubSubStore, Work};
@@ -136,6 +141,12 @@ pub struct PubSubSource {
     /// every hand-out and settlement, with a hasher faster than SipHash on
     /// keys as long as ack ids.
     in_flight: Mutex<foldhash::HashMap<String, Sub>>,
+    /// Told when the last delivery of the work subscription in flight here
+    /// is settled (`read::EMULATOR_SETTLE_WAIT`).
+    work_settled: tokio::sync::Notify,
+    /// The last pull of the work subscription came back full: a backlog
+    /// waits behind it.
+    work_backlog: std::sync::atomic::AtomicBool,
     work_acks: Batcher<String>,
     retry_acks: Batcher<String>,
     /// Dead-letter topics whose browsing subscription this process made
@@ -211,6 +222,8 @@ impl PubSubSource {
             work_deadline_secs,
             seal,
             in_flight: Mutex::default(),
+            work_settled: tokio::sync::Notify::new(),
+            work_backlog: std::sync::atomic::AtomicBool::new(false),
             known_dead_letter_topics: Mutex::new(HashSet::from([dead_letters])),
             counting: tokio::sync::Mutex::new(()),
             counted_in_part: Mutex::default(),

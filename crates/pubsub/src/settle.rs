@@ -72,15 +72,27 @@ impl PubSubSource {
             Sub::Retry => &self.retry_acks,
         };
         let result = batcher.submit(receipt.to_string()).await;
-        lock(&self.in_flight).remove(receipt);
+        self.out_of_flight(receipt);
         result
+    }
+
+    /// A delivery is no longer in flight here: settled, or left to come
+    /// back. The reader waiting for the work subscription to have nothing
+    /// leased is told when its last one goes.
+    fn out_of_flight(&self, receipt: &str) -> Option<Sub> {
+        let mut in_flight = lock(&self.in_flight);
+        let from = in_flight.remove(receipt);
+        if from == Some(Sub::Work) && !in_flight.values().any(|s| *s == Sub::Work) {
+            self.work_settled.notify_waiters();
+        }
+        from
     }
 
     /// The write that was to settle this delivery failed: the message stays
     /// where it is and is delivered again after [`AFTER_FAILED_SETTLE`] (if
     /// even that change is lost, after its lease).
     async fn unsettled(&self, receipt: &str) {
-        let Some(from) = lock(&self.in_flight).remove(receipt) else {
+        let Some(from) = self.out_of_flight(receipt) else {
             return;
         };
         let subscription = self.subscription(from).to_string();

@@ -269,6 +269,11 @@ impl PubSubSource {
     }
 }
 
+/// Whether any delivery of the work subscription is in flight here.
+fn work_in_flight(in_flight: &foldhash::HashMap<String, Sub>) -> bool {
+    in_flight.values().any(|s| *s == Sub::Work)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

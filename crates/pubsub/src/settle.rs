@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use std::time::{Duration, SystemTime};
 
 use super::connection::Client;
-use super::{PubSubSource, Sub, lock};
+use super::{PubSubSource, Sub, lock, work_in_flight};
 use courier_core::model::{Delivery, Failure, rfc3339};
 use courier_core::source::SettleParts;
 use courier_core::source::shared::{F_RETRY_AT, replace, without};
@@ -77,12 +77,13 @@ impl PubSubSource {
     }
 
     /// A delivery is no longer in flight here: settled, or left to come
-    /// back. The reader waiting for the work subscription to have nothing
-    /// leased is told when its last one goes.
+    /// back. On the emulator, the reader waiting for the work subscription
+    /// to have nothing leased is told when its last one goes (elsewhere no
+    /// reader waits, and no ack pays for the look).
     fn out_of_flight(&self, receipt: &str) -> Option<Sub> {
         let mut in_flight = lock(&self.in_flight);
         let from = in_flight.remove(receipt);
-        if from == Some(Sub::Work) && !in_flight.values().any(|s| *s == Sub::Work) {
+        if self.client.emulator && from == Some(Sub::Work) && !work_in_flight(&in_flight) {
             self.work_settled.notify_waiters();
         }
         from
